@@ -1,0 +1,38 @@
+// Package kvroute routes LLM requests to the model-server replica ("backend") that already holds
+// the most of the request's KV cache, without overloading any replica. A gateway imports it, calls
+// Route for each request, forwards the request to Decision.Backend, and calls Decision.Done when
+// the request ends.
+//
+// kvroute composes four tiers, each in its own package:
+//
+//  1. Prefix-aware sticky routing (this package with prefixkey and chwbl): a prefix key is hashed
+//     from the model and the system prompt (or the first message) of an OpenAI or Anthropic
+//     request, and placed on a consistent-hash ring with bounded loads, so that requests sharing
+//     a prefix meet a warm KV cache while no backend exceeds (1+ε) times the average load.
+//  2. A response cache for deterministic requests, streaming included (respcache).
+//  3. Shared stores behind one CacheStore interface: memory, Redis/Valkey with automatic
+//     fallback, S3 as a second level, tiered (respcache).
+//  4. A precise KV-block index fed by the engines' KV events, tier-aware and scored together
+//     with load and health (kvindex, events, scorer).
+//
+// The default Router (New) implements tier 1 with a fallback selection strategy (round_robin,
+// least_loaded, random or least_latency) for requests that carry no prefix key. Every decision
+// holds an in-flight slot on its backend until Done; the slots are what the CHWBL bound counts.
+//
+// Use:
+//
+//	router, err := kvroute.New(kvroute.Config{
+//		Backends: []kvroute.Backend{{Name: "vllm-1"}, {Name: "vllm-2"}},
+//	})
+//	if err != nil { … }
+//	req, err := prefixkey.ParseOpenAIChat(body) // malformed bodies: errors.Is(err, prefixkey.ErrMalformed)
+//	if err != nil { … }
+//	d, err := router.Route(ctx, req)
+//	if err != nil { … } // ErrNoBackend when every backend is unhealthy
+//	defer d.Done(kvroute.Outcome{Err: forwardErr})
+//	forward(d.Backend, body)
+//
+// The library holds no package-level state, reads no environment variable and starts no
+// goroutine: two Routers in one process are independent. Metrics go to the OpenTelemetry
+// MeterProvider given in Config (none by default).
+package kvroute

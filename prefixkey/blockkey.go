@@ -1,0 +1,289 @@
+package prefixkey
+
+import (
+	"cmp"
+	"encoding/binary"
+	"slices"
+	"unsafe"
+
+	"github.com/zeebo/xxh3"
+)
+
+// DefaultBlockSize is the number of tokens per KV-cache block when the caller passes a blockSize <= 0
+// (vLLM's default).
+const DefaultBlockSize = 16
+
+// BlockRoot returns the parent of a chain's block 0: xxh3-64 over
+//
+//	le64(len(modelOrAdapter)) ‖ modelOrAdapter ‖ le64(len(cacheSalt)) ‖ cacheSalt
+//
+// where le64 is an unsigned 64-bit little-endian integer. modelOrAdapter is the LoRA adapter's name
+// when the request runs on one (vLLM's lora_name), otherwise the model name; cacheSalt is vLLM's
+// cache_salt ("" for none). Both fields are length-prefixed, so no two (name, salt) pairs share an
+// input. It does not allocate and is safe for concurrent use.
+func BlockRoot(modelOrAdapter, cacheSalt string) uint64 {
+	const bufSize = 256
+	n := 16 + len(modelOrAdapter) + len(cacheSalt)
+	if n > bufSize {
+		var h xxh3.Hasher
+		var l [8]byte
+		binary.LittleEndian.PutUint64(l[:], uint64(len(modelOrAdapter)))
+		h.Write(l[:])
+		h.WriteString(modelOrAdapter)
+		binary.LittleEndian.PutUint64(l[:], uint64(len(cacheSalt)))
+		h.Write(l[:])
+		h.WriteString(cacheSalt)
+		return h.Sum64()
+	}
+	var buf [bufSize]byte
+	binary.LittleEndian.PutUint64(buf[0:], uint64(len(modelOrAdapter)))
+	i := 8 + copy(buf[8:], modelOrAdapter)
+	binary.LittleEndian.PutUint64(buf[i:], uint64(len(cacheSalt)))
+	copy(buf[i+8:], cacheSalt)
+	return xxh3.Hash(buf[:n])
+}
+
+// Stack-buffer sizes for NextBlockKey's input le64(parent) ‖ le32 tokens ‖ le64 extras. The small
+// buffer holds a 16-token block with up to 7 extra keys; the large one up to 254 tokens, or a
+// 128-token block with up to 63 extra keys. Larger inputs are streamed through an xxh3.Hasher,
+// which measured slower than the large buffer (BenchmarkNextBlockKeyPaths).
+const (
+	smallBlockBuf = 8 + 4*16 + 8*7 // 128 bytes
+	largeBlockBuf = 1024
+)
+
+// NextBlockKey returns the key of a block whose parent key is parent (BlockRoot for block 0): xxh3-64
+// over
+//
+//	le64(parent) ‖ le32(tokens[0]) ‖ … ‖ le32(tokens[n-1]) ‖ le64(extra[0]) ‖ … ‖ le64(extra[m-1])
+//
+// The key therefore commits to the whole chain before it. tokens are the block's token IDs (a full
+// block, normally); extra are its extra keys (multimodal content hashes of the items whose
+// placeholders overlap the block, in order), nil for none. Since the token count is not hashed, the
+// chain must use one block size throughout.
+//
+// kvindex re-keys an engine's BlockStored event with it: block i of the event has the previous block's
+// key as parent and tokens token_ids[i*block_size:(i+1)*block_size].
+//
+// It does not allocate and is safe for concurrent use.
+func NextBlockKey(parent uint64, tokens []uint32, extra []uint64) uint64 {
+	n := 8 + 4*len(tokens) + 8*len(extra)
+	switch {
+	case n <= smallBlockBuf:
+		var buf [smallBlockBuf]byte
+		return xxh3.Hash(encodeBlock(buf[:n], parent, tokens, extra))
+	case n <= largeBlockBuf:
+		return nextBlockKeyLarge(n, parent, tokens, extra)
+	default:
+		return nextBlockKeyStream(parent, tokens, extra)
+	}
+}
+
+// nextBlockKeyLarge keeps the 1 KiB buffer out of NextBlockKey's frame, which then stays small (and
+// cheap to zero) for typical blocks.
+//
+//go:noinline
+func nextBlockKeyLarge(n int, parent uint64, tokens []uint32, extra []uint64) uint64 {
+	var buf [largeBlockBuf]byte
+	return xxh3.Hash(encodeBlock(buf[:n], parent, tokens, extra))
+}
+
+// encodeBlock writes NextBlockKey's input into b, which must be exactly
+// 8+4*len(tokens)+8*len(extra) bytes long, and returns b.
+func encodeBlock(b []byte, parent uint64, tokens []uint32, extra []uint64) []byte {
+	binary.LittleEndian.PutUint64(b, parent)
+	putTokens(b[8:8+4*len(tokens)], tokens)
+	e := b[8+4*len(tokens):]
+	for i, x := range extra {
+		binary.LittleEndian.PutUint64(e[8*i:], x)
+	}
+	return b
+}
+
+// putTokens writes tokens into b (len(b) == 4*len(tokens)) as le32 values: on little-endian
+// machines by copying the tokens' own memory in one move.
+func putTokens(b []byte, tokens []uint32) {
+	if len(tokens) > 0 && littleEndian() {
+		copy(b, tokenBytes(tokens))
+		return
+	}
+	putTokensPortable(b, tokens)
+}
+
+// putTokensPortable is putTokens for any byte order. It stores two tokens per 64-bit word: xxh3
+// loads 8-byte words, and a load that straddles two 4-byte stores cannot be forwarded from them and
+// stalls (with one store per token, the stalls cost more than the hash).
+func putTokensPortable(b []byte, tokens []uint32) {
+	for len(tokens) >= 2 && len(b) >= 8 {
+		binary.LittleEndian.PutUint64(b, uint64(tokens[0])|uint64(tokens[1])<<32)
+		tokens, b = tokens[2:], b[8:]
+	}
+	if len(tokens) == 1 && len(b) >= 4 {
+		binary.LittleEndian.PutUint32(b, tokens[0])
+	}
+}
+
+// tokenBytes returns the memory of tokens as bytes (their le32 encoding on a little-endian machine).
+func tokenBytes(tokens []uint32) []byte {
+	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(tokens))), 4*len(tokens))
+}
+
+// littleEndian reports whether the machine is little-endian; the compiler folds it to a constant.
+func littleEndian() bool {
+	var b [2]byte
+	binary.NativeEndian.PutUint16(b[:], 1)
+	return b[0] == 1
+}
+
+// nextBlockKeyStream hashes NextBlockKey's input through a streaming xxh3.Hasher, which gives the
+// same value as the one-shot hash of the whole input.
+//
+//go:noinline
+func nextBlockKeyStream(parent uint64, tokens []uint32, extra []uint64) uint64 {
+	var h xxh3.Hasher
+	var b [8]byte
+	binary.LittleEndian.PutUint64(b[:], parent)
+	h.Write(b[:])
+	writeTokens(&h, tokens)
+	for _, x := range extra {
+		binary.LittleEndian.PutUint64(b[:], x)
+		h.Write(b[:])
+	}
+	return h.Sum64()
+}
+
+// writeTokens writes tokens to h as le32 values.
+func writeTokens(h *xxh3.Hasher, tokens []uint32) {
+	if littleEndian() {
+		h.Write(tokenBytes(tokens))
+		return
+	}
+	var chunk [512]byte
+	for len(tokens) > 0 {
+		m := min(len(tokens), len(chunk)/4)
+		putTokensPortable(chunk[:4*m], tokens[:m])
+		h.Write(chunk[:4*m])
+		tokens = tokens[m:]
+	}
+}
+
+// maxStackExtras is how many multimodal hashes AppendBlockKeys gathers for one block on the stack;
+// a block overlapped by more items is hashed by the streaming path.
+const maxStackExtras = 16
+
+// AppendBlockKeys appends to dst the chained keys of the full blocks of tokens and returns the
+// extended slice: key 0 is NextBlockKey(root, tokens[0:blockSize], extra₀), key i is
+// NextBlockKey(key i−1, tokens[i*blockSize:(i+1)*blockSize], extraᵢ). A trailing partial block has no
+// key (engines cache full blocks only). blockSize <= 0 means DefaultBlockSize.
+//
+// extraᵢ lists, in the order of mm, the Hash of every span whose tokens [Offset, Offset+Length)
+// overlap block i's tokens [i*blockSize, (i+1)*blockSize); spans with Length <= 0 overlap nothing.
+// An item spanning several blocks is thus folded into each of them.
+//
+// It allocates only when dst lacks capacity for len(tokens)/blockSize more keys, and is safe for
+// concurrent use (the inputs are only read).
+func AppendBlockKeys(dst []uint64, root uint64, tokens []uint32, blockSize int, mm []MultiModalSpan) []uint64 {
+	if blockSize <= 0 {
+		blockSize = DefaultBlockSize
+	}
+	nblocks := len(tokens) / blockSize
+	if nblocks == 0 {
+		return dst
+	}
+	dst = slices.Grow(dst, nblocks)
+	parent := root
+	if len(mm) == 0 {
+		for i := 0; i < nblocks; i++ {
+			parent = NextBlockKey(parent, tokens[i*blockSize:(i+1)*blockSize], nil)
+			dst = append(dst, parent)
+		}
+		return dst
+	}
+	// When mm is sorted by Offset (the usual case), a block only needs the spans from the first one
+	// that has not ended before it up to the first one that starts after it: the loop is then linear
+	// in blocks + spans instead of their product.
+	sorted := slices.IsSortedFunc(mm, func(a, b MultiModalSpan) int { return cmp.Compare(a.Offset, b.Offset) })
+	first := 0
+	for i := 0; i < nblocks; i++ {
+		lo, hi := i*blockSize, (i+1)*blockSize
+		window := mm
+		if sorted {
+			for first < len(mm) && endsBy(mm[first], lo) {
+				first++
+			}
+			window = mm[first:]
+		}
+		parent = blockKeyMM(parent, tokens[lo:hi], lo, window, sorted)
+		dst = append(dst, parent)
+	}
+	return dst
+}
+
+// blockKeyMM is NextBlockKey with the hashes of the spans of mm that overlap tokens
+// [lo, lo+len(block)) as extra keys. sorted says that mm is sorted by Offset, so that the scan can
+// stop at the first span that starts after the block.
+func blockKeyMM(parent uint64, block []uint32, lo int, mm []MultiModalSpan, sorted bool) uint64 {
+	var stack [maxStackExtras]uint64
+	extra := stack[:0]
+	hi := lo + len(block)
+	for _, s := range mm {
+		if sorted && s.Offset >= hi {
+			break
+		}
+		if !overlaps(s, lo, hi) {
+			continue
+		}
+		if len(extra) == maxStackExtras {
+			return blockKeyMMStream(parent, block, lo, mm)
+		}
+		extra = append(extra, s.Hash)
+	}
+	return NextBlockKey(parent, block, extra)
+}
+
+// blockKeyMMStream is blockKeyMM for a block overlapped by more than maxStackExtras spans.
+//
+//go:noinline
+func blockKeyMMStream(parent uint64, block []uint32, lo int, mm []MultiModalSpan) uint64 {
+	var h xxh3.Hasher
+	var b [8]byte
+	binary.LittleEndian.PutUint64(b[:], parent)
+	h.Write(b[:])
+	writeTokens(&h, block)
+	hi := lo + len(block)
+	for _, s := range mm {
+		if overlaps(s, lo, hi) {
+			binary.LittleEndian.PutUint64(b[:], s.Hash)
+			h.Write(b[:])
+		}
+	}
+	return h.Sum64()
+}
+
+// overlaps reports whether span s shares a token with [lo, hi).
+func overlaps(s MultiModalSpan, lo, hi int) bool {
+	return s.Offset < hi && !endsBy(s, lo)
+}
+
+// endsBy reports whether span s holds no token at or after position lo (an empty span never does).
+func endsBy(s MultiModalSpan, lo int) bool {
+	if s.Length <= 0 {
+		return true
+	}
+	end := s.Offset + s.Length
+	return end <= lo && end > s.Offset // end <= s.Offset: the sum overflowed, the span runs to the end
+}
+
+// BlockKeys is AppendBlockKeys for r: the root is BlockRoot(r.ModelOrAdapter(), r.CacheSalt), the
+// tokens r.TokenIDs and the spans r.MultiModal. It returns dst unchanged when r.TokenIDs has no full
+// block. It allocates only when dst lacks capacity, and is safe for concurrent use with other readers
+// of r.
+func (r *Request) BlockKeys(dst []uint64, blockSize int) []uint64 {
+	if blockSize <= 0 {
+		blockSize = DefaultBlockSize
+	}
+	if len(r.TokenIDs) < blockSize {
+		return dst
+	}
+	return AppendBlockKeys(dst, BlockRoot(r.ModelOrAdapter(), r.CacheSalt), r.TokenIDs, blockSize, r.MultiModal)
+}

@@ -1,0 +1,71 @@
+package prefixkey_test
+
+import (
+	"fmt"
+
+	"github.com/kvroute/kvroute/prefixkey"
+)
+
+func ExamplePrefixKey() {
+	req := &prefixkey.Request{
+		Model:     "meta-llama/Llama-3.1-8B-Instruct",
+		HasSystem: true,
+		System:    "You are a helpful assistant.",
+		Messages:  []prefixkey.Message{{Role: "user", Text: "Hello!"}},
+	}
+	key, ok := prefixkey.PrefixKey(req, prefixkey.DefaultMaxPrefixLength)
+	fmt.Println(ok, key)
+
+	// The same text as the first message instead of the system prompt gets another key.
+	req.HasSystem, req.System = false, ""
+	req.Messages[0].Text = "You are a helpful assistant."
+	other, _ := prefixkey.PrefixKey(req, 0)
+	fmt.Println(other != key)
+
+	// A request with neither system prompt nor message has no key: route it another way.
+	_, ok = prefixkey.PrefixKey(&prefixkey.Request{Model: "m"}, 0)
+	fmt.Println(ok)
+	// Output:
+	// true fa7c2d530f28fdf74eacad6a4adbde4f
+	// true
+	// false
+}
+
+func ExampleAppendBlockKeys() {
+	// 40 prompt tokens in blocks of 16: two full blocks; the last 8 tokens have no key.
+	tokens := make([]uint32, 40)
+	for i := range tokens {
+		tokens[i] = uint32(1000 + i)
+	}
+	root := prefixkey.BlockRoot("meta-llama/Llama-3.1-8B-Instruct", "")
+	keys := prefixkey.AppendBlockKeys(nil, root, tokens, 16, nil)
+	for _, k := range keys {
+		fmt.Printf("%016x\n", k)
+	}
+
+	// An image whose placeholder covers tokens 10..19 is folded into both blocks it overlaps.
+	mm := []prefixkey.MultiModalSpan{{Offset: 10, Length: 10, Hash: 0xfeedface}}
+	withImage := prefixkey.AppendBlockKeys(nil, root, tokens, 16, mm)
+	fmt.Println(withImage[0] != keys[0], withImage[1] != keys[1])
+
+	// An engine's BlockStored event is re-keyed block by block from its tokens.
+	fmt.Println(prefixkey.NextBlockKey(root, tokens[:16], nil) == keys[0])
+	// Output:
+	// af662d7a7d564312
+	// 1c028407a8ae3b04
+	// true true
+	// true
+}
+
+func ExampleRequest_BlockKeys() {
+	req := &prefixkey.Request{
+		Model:     "meta-llama/Llama-3.1-8B-Instruct",
+		Adapter:   "sql-lora", // roots the chain instead of Model
+		CacheSalt: "tenant-42",
+		TokenIDs:  make([]uint32, 100),
+	}
+	keys := req.BlockKeys(make([]uint64, 0, 8), prefixkey.DefaultBlockSize)
+	fmt.Println(len(keys))
+	// Output:
+	// 6
+}

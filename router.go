@@ -1,0 +1,406 @@
+package kvroute
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.opentelemetry.io/otel/metric"
+
+	"github.com/kvroute/kvroute/chwbl"
+	"github.com/kvroute/kvroute/prefixkey"
+)
+
+// Router picks a backend for a request. Implementations are safe for concurrent use.
+//
+// Route returns a non-nil *Decision and a nil error, or a nil *Decision and an error: ErrNoBackend
+// when no healthy backend exists, ErrNilRequest for a nil request, or ctx.Err() when ctx has ended
+// before a backend was chosen. The caller must call Decision.Done exactly when the request ends
+// (calling it more than once is harmless).
+type Router interface {
+	Route(ctx context.Context, req *prefixkey.Request) (*Decision, error)
+}
+
+// RouterFunc adapts a function to the Router interface.
+type RouterFunc func(ctx context.Context, req *prefixkey.Request) (*Decision, error)
+
+// Route calls f(ctx, req).
+func (f RouterFunc) Route(ctx context.Context, req *prefixkey.Request) (*Decision, error) {
+	return f(ctx, req)
+}
+
+var _ Router = (*DefaultRouter)(nil)
+var _ Router = RouterFunc(nil)
+
+// Errors returned by the default Router. Callers branch on them with errors.Is.
+var (
+	ErrNoBackend      = errors.New("kvroute: no healthy backend")
+	ErrNilRequest     = errors.New("kvroute: nil request")
+	ErrUnknownBackend = errors.New("kvroute: unknown backend")
+	ErrDuplicate      = errors.New("kvroute: backend already present")
+	ErrInvalidConfig  = errors.New("kvroute: invalid config")
+)
+
+// Reason says why a Decision chose its backend. The values are the seeds' routing-decision labels.
+type Reason uint8
+
+const (
+	// ReasonPrefixHash: the backend that owns the request's prefix key on the CHWBL ring took it.
+	ReasonPrefixHash Reason = iota + 1
+	// ReasonOverflow: the owner was at its load bound; the next backend clockwise took it.
+	ReasonOverflow
+	// ReasonFallback: the request had no prefix key (or prefix routing is off); the selection
+	// strategy chose.
+	ReasonFallback
+)
+
+// String returns "prefix_hash", "overflow" or "fallback".
+func (r Reason) String() string {
+	switch r {
+	case ReasonPrefixHash:
+		return "prefix_hash"
+	case ReasonOverflow:
+		return "overflow"
+	case ReasonFallback:
+		return "fallback"
+	default:
+		return "none"
+	}
+}
+
+// MarshalText implements encoding.TextMarshaler with String's labels.
+func (r Reason) MarshalText() ([]byte, error) { return []byte(r.String()), nil }
+
+// Backend names a model-server replica and its relative capacity.
+type Backend struct {
+	Name   string
+	Weight float64 // 0 means 1; scales the backend's ring share and its load bound
+}
+
+// DefaultStrategy is the selection strategy for requests without a prefix key.
+const DefaultStrategy = StrategyRoundRobin
+
+// ewmaWeight is the weight of one observation in a backend's latency and success averages.
+const ewmaWeight = 0.1
+
+// Config configures the default Router. Its zero value is valid: prefix routing on with the seeds'
+// defaults (max_prefix_length 1024, ε 0.25, 150 virtual nodes), round_robin for requests without a
+// prefix key, no backends yet, no-op metrics, the wall clock.
+type Config struct {
+	// DisablePrefixRouting turns tier 1 off: every request goes through Strategy (reason fallback).
+	DisablePrefixRouting bool
+	// MaxPrefixLength is the number of anchor bytes hashed into a prefix key; 0 means
+	// prefixkey.DefaultMaxPrefixLength. Valid: 1 to 1 MiB.
+	MaxPrefixLength int
+	// Epsilon is CHWBL's load_factor_epsilon; 0 means chwbl.DefaultEpsilon. Valid: 0.01 to 10.
+	Epsilon float64
+	// VirtualNodes per backend of weight 1; 0 means chwbl.DefaultVirtualNodes.
+	VirtualNodes int
+	// Strategy chooses for requests without a prefix key; "" means DefaultStrategy.
+	Strategy Strategy
+	// AnthropicCacheControlInjection is reported in Stats; the gateway applies
+	// prefixkey.InjectAnthropicCacheControl when it is set.
+	AnthropicCacheControlInjection bool
+	// Backends are the initial backends.
+	Backends []Backend
+	// MeterProvider receives the Router's metrics; nil means no metrics.
+	MeterProvider metric.MeterProvider
+	// Now is the clock; nil means time.Now.
+	Now func() time.Time
+}
+
+func (c Config) withDefaults() Config {
+	if c.MaxPrefixLength == 0 {
+		c.MaxPrefixLength = prefixkey.DefaultMaxPrefixLength
+	}
+	if c.Epsilon == 0 {
+		c.Epsilon = chwbl.DefaultEpsilon
+	}
+	if c.VirtualNodes == 0 {
+		c.VirtualNodes = chwbl.DefaultVirtualNodes
+	}
+	if c.Strategy == "" {
+		c.Strategy = DefaultStrategy
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	return c
+}
+
+func (c Config) validate() error {
+	if c.MaxPrefixLength < 1 || c.MaxPrefixLength > 1<<20 {
+		return fmt.Errorf("%w: max_prefix_length %d not in [1, 1048576]", ErrInvalidConfig, c.MaxPrefixLength)
+	}
+	if math.IsNaN(c.Epsilon) || c.Epsilon < 0.01 || c.Epsilon > 10 {
+		return fmt.Errorf("%w: load_factor_epsilon %v not in [0.01, 10]", ErrInvalidConfig, c.Epsilon)
+	}
+	if !c.Strategy.valid() {
+		return fmt.Errorf("%w: selection_strategy %q is not one of round_robin, least_loaded, random, least_latency", ErrInvalidConfig, c.Strategy)
+	}
+	return nil
+}
+
+// backendState is what the Router keeps per backend beside the ring's in-flight count.
+// Its fields are atomics: decisions update them without locks.
+type backendState struct {
+	name       string
+	weight     float64
+	healthy    atomic.Bool
+	latencyNs  atomicFloat // EWMA of observed request latency, 0 until the first observation
+	success    atomicFloat // EWMA of success (1) and failure (0); starts at 1
+	observed   atomic.Uint64
+	failures   atomic.Uint64
+	successes  atomic.Uint64
+	decisions  atomic.Uint64
+	attrOption metric.MeasurementOption
+}
+
+// backendSet is an immutable snapshot of the members, swapped whole on every change, so that
+// Route reads it with one atomic load.
+type backendSet struct {
+	list   []*backendState // in the order they were added
+	byName map[string]*backendState
+}
+
+// DefaultRouter is the Router built by New: tier 1 (prefix-aware CHWBL routing) with a fallback
+// selection strategy. It is safe for concurrent use; backends can be added, removed and marked
+// unhealthy while requests are routed. Close releases its metric callbacks.
+type DefaultRouter struct {
+	cfg     Config
+	ring    *chwbl.Ring
+	mu      sync.Mutex // serialises membership changes (Add/Remove); Route never takes it
+	set     atomic.Pointer[backendSet]
+	rr      atomic.Uint64
+	prefix  hyperLogLog
+	counts  [ReasonFallback + 1]atomic.Uint64
+	metrics *routerMetrics
+}
+
+// New builds the default Router from cfg, after validating it (errors wrap ErrInvalidConfig).
+func New(cfg Config) (*DefaultRouter, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	ring, err := chwbl.New(chwbl.Config{VirtualNodes: cfg.VirtualNodes, Epsilon: cfg.Epsilon})
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	r := &DefaultRouter{cfg: cfg, ring: ring}
+	r.set.Store(&backendSet{byName: map[string]*backendState{}})
+	if r.metrics, err = newRouterMetrics(cfg.MeterProvider, r); err != nil {
+		return nil, err
+	}
+	for _, b := range cfg.Backends {
+		if err := r.AddBackend(b); err != nil {
+			r.Close()
+			return nil, err
+		}
+	}
+	return r, nil
+}
+
+// Close unregisters the Router's metric callbacks. It is idempotent; routing keeps working after it.
+func (r *DefaultRouter) Close() error { return r.metrics.close() }
+
+// Config returns the configuration in force, defaults filled in. Backends lists the initial ones.
+func (r *DefaultRouter) Config() Config { return r.cfg }
+
+// AddBackend adds a healthy backend. It returns an error wrapping ErrDuplicate when the name is
+// taken, or ErrInvalidConfig for an empty name or a negative or non-finite weight. Safe for
+// concurrent use.
+func (r *DefaultRouter) AddBackend(b Backend) error {
+	if b.Name == "" {
+		return fmt.Errorf("%w: backend name is empty", ErrInvalidConfig)
+	}
+	if b.Weight < 0 || math.IsNaN(b.Weight) || math.IsInf(b.Weight, 0) {
+		return fmt.Errorf("%w: backend %q weight %v", ErrInvalidConfig, b.Name, b.Weight)
+	}
+	if b.Weight == 0 {
+		b.Weight = 1
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	old := r.set.Load()
+	if _, ok := old.byName[b.Name]; ok {
+		return fmt.Errorf("%w: %q", ErrDuplicate, b.Name)
+	}
+	if err := r.ring.Add(b.Name, b.Weight); err != nil {
+		if errors.Is(err, chwbl.ErrDuplicate) {
+			return fmt.Errorf("%w: %q", ErrDuplicate, b.Name)
+		}
+		return err
+	}
+	st := &backendState{name: b.Name, weight: b.Weight}
+	st.healthy.Store(true)
+	st.success.store(1)
+	st.attrOption = r.metrics.backendOption(b.Name)
+	next := &backendSet{list: make([]*backendState, 0, len(old.list)+1), byName: make(map[string]*backendState, len(old.list)+1)}
+	next.list = append(append(next.list, old.list...), st)
+	for k, v := range old.byName {
+		next.byName[k] = v
+	}
+	next.byName[b.Name] = st
+	r.set.Store(next)
+	return nil
+}
+
+// RemoveBackend removes a backend. Requests in flight on it finish normally; their Done calls
+// release nothing twice. It returns an error wrapping ErrUnknownBackend when there is no such
+// backend. Safe for concurrent use.
+func (r *DefaultRouter) RemoveBackend(name string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	old := r.set.Load()
+	if _, ok := old.byName[name]; !ok {
+		return fmt.Errorf("%w: %q", ErrUnknownBackend, name)
+	}
+	if err := r.ring.Remove(name); err != nil {
+		return err
+	}
+	next := &backendSet{list: make([]*backendState, 0, len(old.list)), byName: make(map[string]*backendState, len(old.list))}
+	for _, st := range old.list {
+		if st.name != name {
+			next.list = append(next.list, st)
+			next.byName[st.name] = st
+		}
+	}
+	r.set.Store(next)
+	return nil
+}
+
+// SetHealthy marks a backend healthy or unhealthy; unhealthy backends receive no new requests.
+// It returns an error wrapping ErrUnknownBackend when there is no such backend. Safe for
+// concurrent use.
+func (r *DefaultRouter) SetHealthy(name string, healthy bool) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	st, ok := r.set.Load().byName[name]
+	if !ok {
+		return fmt.Errorf("%w: %q", ErrUnknownBackend, name)
+	}
+	if err := r.ring.SetHealthy(name, healthy); err != nil {
+		return err
+	}
+	st.healthy.Store(healthy)
+	return nil
+}
+
+// Route chooses a backend for req and takes an in-flight slot on it. See Router for the contract.
+// With a prefix key the CHWBL ring chooses (prefix_hash or overflow); without one the configured
+// Strategy does (fallback). Route does no I/O and never blocks on other requests for longer than
+// the ring's bound check.
+func (r *DefaultRouter) Route(ctx context.Context, req *prefixkey.Request) (*Decision, error) {
+	if req == nil {
+		return nil, ErrNilRequest
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	d := &Decision{router: r, start: r.cfg.Now()}
+	if !r.cfg.DisablePrefixRouting {
+		d.PrefixKey, d.HasPrefixKey = prefixkey.PrefixKey(req, r.cfg.MaxPrefixLength)
+	}
+	var err error
+	if d.HasPrefixKey {
+		h := d.PrefixKey.Uint64()
+		r.prefix.add(h)
+		var why chwbl.Reason
+		why, err = r.ring.Acquire(&d.handle, h)
+		if why == chwbl.ReasonOverflow {
+			d.Reason = ReasonOverflow
+		} else {
+			d.Reason = ReasonPrefixHash
+		}
+	} else {
+		d.Reason = ReasonFallback
+		err = r.acquireByStrategy(&d.handle)
+	}
+	if err != nil {
+		if errors.Is(err, chwbl.ErrNoBackend) {
+			return nil, ErrNoBackend
+		}
+		return nil, err
+	}
+	d.Backend = d.handle.Backend()
+	d.state = r.set.Load().byName[d.Backend]
+	if d.state != nil {
+		d.state.decisions.Add(1)
+	}
+	r.counts[d.Reason].Add(1)
+	r.metrics.recordDecision(ctx, d.Reason)
+	return d, nil
+}
+
+// Decision is the outcome of Route: the chosen backend, why, and the request's prefix key. It holds
+// an in-flight slot on the backend until Done. Done is safe for concurrent use and idempotent; the
+// exported fields are read-only for the caller.
+type Decision struct {
+	Backend      string
+	Reason       Reason
+	PrefixKey    prefixkey.Key
+	HasPrefixKey bool
+
+	router *DefaultRouter
+	state  *backendState
+	handle chwbl.Handle
+	start  time.Time
+}
+
+// Outcome reports how a routed request ended. The zero Outcome is a success whose latency is
+// measured from Route's return to Done.
+type Outcome struct {
+	Err     error         // non-nil when the backend failed the request (counts against its health)
+	Latency time.Duration // 0 means measured by the Router's clock
+}
+
+// Done releases the decision's in-flight slot and records the outcome (latency for least_latency,
+// success or failure for the backend's health score). Only the first call has an effect. Safe to
+// call from any goroutine; a nil Decision is a no-op.
+func (d *Decision) Done(o Outcome) {
+	if d == nil || !d.handle.Release() || d.state == nil {
+		return
+	}
+	lat := o.Latency
+	if lat <= 0 {
+		lat = d.router.cfg.Now().Sub(d.start)
+	}
+	d.state.observe(lat, o.Err == nil)
+}
+
+// observe folds one finished request into the backend's averages.
+func (st *backendState) observe(lat time.Duration, ok bool) {
+	n := st.observed.Add(1)
+	if n == 1 {
+		st.latencyNs.store(float64(lat))
+	} else {
+		st.latencyNs.update(func(v float64) float64 { return v + ewmaWeight*(float64(lat)-v) })
+	}
+	x := 0.0
+	if ok {
+		x = 1
+		st.successes.Add(1)
+	} else {
+		st.failures.Add(1)
+	}
+	st.success.update(func(v float64) float64 { return v + ewmaWeight*(x-v) })
+}
+
+// atomicFloat is a float64 updated with compare-and-swap.
+type atomicFloat struct{ bits atomic.Uint64 }
+
+func (f *atomicFloat) load() float64   { return math.Float64frombits(f.bits.Load()) }
+func (f *atomicFloat) store(v float64) { f.bits.Store(math.Float64bits(v)) }
+func (f *atomicFloat) update(fn func(float64) float64) {
+	for {
+		old := f.bits.Load()
+		if f.bits.CompareAndSwap(old, math.Float64bits(fn(math.Float64frombits(old)))) {
+			return
+		}
+	}
+}

@@ -1,0 +1,97 @@
+package kvroute
+
+import (
+	"strconv"
+
+	"github.com/kvroute/kvroute/chwbl"
+)
+
+// PrefixRoutingStats is the content of the seeds' GET /admin/prefix-routing/stats; its JSON encoding
+// is that endpoint's body.
+type PrefixRoutingStats struct {
+	Enabled             bool                  `json:"enabled"`
+	Config              PrefixRoutingConfig   `json:"config"`
+	RoutingDecisions    RoutingDecisionCounts `json:"routing_decisions"`
+	BackendDistribution []BackendLoad         `json:"backend_distribution"`
+	UniquePrefixes      uint64                `json:"unique_prefixes"` // HyperLogLog estimate, ±1.6 %
+}
+
+// PrefixRoutingConfig is the tier-1 configuration as the stats endpoint reports it.
+type PrefixRoutingConfig struct {
+	MaxPrefixLength                int     `json:"max_prefix_length"`
+	LoadFactorEpsilon              float64 `json:"load_factor_epsilon"`
+	VirtualNodes                   int     `json:"virtual_nodes"`
+	AnthropicCacheControlInjection bool    `json:"anthropic_cache_control_injection"`
+	SelectionStrategy              string  `json:"selection_strategy"`
+}
+
+// RoutingDecisionCounts counts decisions by reason since the Router was built. OverflowRate is
+// overflow/total formatted with four decimals, as the seeds show it.
+type RoutingDecisionCounts struct {
+	Total        uint64 `json:"total"`
+	PrefixHash   uint64 `json:"prefix_hash"`
+	Overflow     uint64 `json:"overflow"`
+	Fallback     uint64 `json:"fallback"`
+	OverflowRate string `json:"overflow_rate"`
+}
+
+// BackendLoad is one backend's line in the stats: its in-flight requests, health and observed
+// averages.
+type BackendLoad struct {
+	Backend          string  `json:"backend"`
+	InFlightRequests int     `json:"in_flight_requests"`
+	Healthy          bool    `json:"healthy"`
+	Weight           float64 `json:"weight"`
+	Decisions        uint64  `json:"decisions"`
+	LatencyEWMAMs    float64 `json:"latency_ewma_ms"`
+	SuccessRate      float64 `json:"success_rate"`
+}
+
+// Stats returns a snapshot of the Router's tier-1 statistics. Safe for concurrent use; the counters
+// are read one by one, so a snapshot taken under load may be off by the decisions made while it was
+// taken.
+func (r *DefaultRouter) Stats() PrefixRoutingStats {
+	s := PrefixRoutingStats{
+		Enabled: !r.cfg.DisablePrefixRouting,
+		Config: PrefixRoutingConfig{
+			MaxPrefixLength:                r.cfg.MaxPrefixLength,
+			LoadFactorEpsilon:              r.cfg.Epsilon,
+			VirtualNodes:                   r.cfg.VirtualNodes,
+			AnthropicCacheControlInjection: r.cfg.AnthropicCacheControlInjection,
+			SelectionStrategy:              string(r.cfg.Strategy),
+		},
+		UniquePrefixes: r.prefix.estimate(),
+	}
+	d := &s.RoutingDecisions
+	d.PrefixHash = r.counts[ReasonPrefixHash].Load()
+	d.Overflow = r.counts[ReasonOverflow].Load()
+	d.Fallback = r.counts[ReasonFallback].Load()
+	d.Total = d.PrefixHash + d.Overflow + d.Fallback
+	rate := 0.0
+	if d.Total > 0 {
+		rate = float64(d.Overflow) / float64(d.Total)
+	}
+	d.OverflowRate = strconv.FormatFloat(rate, 'f', 4, 64)
+
+	set := r.set.Load()
+	loads := r.ring.Loads(make([]chwbl.Load, 0, len(set.list)))
+	s.BackendDistribution = make([]BackendLoad, 0, len(loads))
+	for _, l := range loads {
+		bl := BackendLoad{Backend: l.Name, InFlightRequests: l.InFlight, Healthy: l.Healthy, Weight: l.Weight, SuccessRate: 1}
+		if st := set.byName[l.Name]; st != nil {
+			bl.Decisions = st.decisions.Load()
+			bl.LatencyEWMAMs = st.latencyNs.load() / 1e6
+			bl.SuccessRate = st.success.load()
+		}
+		s.BackendDistribution = append(s.BackendDistribution, bl)
+	}
+	return s
+}
+
+// ResetStats zeroes the decision counters and the unique-prefix estimate. Safe for concurrent use.
+func (r *DefaultRouter) ResetStats() {
+	for i := range r.counts {
+		r.counts[i].Store(0)
+	}
+	r.prefix.reset()
+}

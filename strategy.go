@@ -1,0 +1,130 @@
+package kvroute
+
+import (
+	"math/rand/v2"
+
+	"github.com/kvroute/kvroute/chwbl"
+)
+
+// Strategy is the selection strategy for requests without a prefix key (the seeds'
+// selection_strategy).
+type Strategy string
+
+const (
+	// StrategyRoundRobin cycles through the healthy backends.
+	StrategyRoundRobin Strategy = "round_robin"
+	// StrategyLeastLoaded picks the healthy backend with the fewest requests in flight (relative to
+	// its weight); ties go round robin.
+	StrategyLeastLoaded Strategy = "least_loaded"
+	// StrategyRandom picks a healthy backend uniformly at random.
+	StrategyRandom Strategy = "random"
+	// StrategyLeastLatency picks the healthy backend with the lowest moving average of observed
+	// latency (Decision.Done feeds it); backends not yet observed are tried first, ties go to the
+	// least loaded.
+	StrategyLeastLatency Strategy = "least_latency"
+)
+
+func (s Strategy) valid() bool {
+	switch s {
+	case StrategyRoundRobin, StrategyLeastLoaded, StrategyRandom, StrategyLeastLatency:
+		return true
+	}
+	return false
+}
+
+// loadsBuf is the stack buffer size for ring snapshots; fleets beyond it allocate one slice.
+const loadsBuf = 64
+
+// acquireByStrategy takes a slot on the backend the configured strategy chooses. It returns
+// chwbl.ErrNoBackend when no backend is healthy.
+func (r *DefaultRouter) acquireByStrategy(h *chwbl.Handle) error {
+	set := r.set.Load()
+	n := len(set.list)
+	if n == 0 {
+		return chwbl.ErrNoBackend
+	}
+	// Start scanning at a rotating offset so that ties do not always favour the first backend.
+	start := int(r.rr.Add(1) % uint64(n))
+	var pick *backendState
+	switch r.cfg.Strategy {
+	case StrategyRandom:
+		pick = nthHealthy(set.list, rand.IntN(n))
+	case StrategyLeastLoaded:
+		pick = r.leastLoaded(set, start, nil)
+	case StrategyLeastLatency:
+		pick = r.leastLatency(set, start)
+	default: // round robin
+		pick = nthHealthy(set.list, start)
+	}
+	if pick == nil {
+		return chwbl.ErrNoBackend
+	}
+	err := r.ring.AcquireBackend(h, pick.name)
+	if err == chwbl.ErrUnknownBackend { // removed between the snapshot and now
+		return r.acquireByStrategy(h)
+	}
+	return err
+}
+
+// nthHealthy returns the first healthy backend at or after index i (wrapping), or nil.
+func nthHealthy(list []*backendState, i int) *backendState {
+	for k := range list {
+		st := list[(i+k)%len(list)]
+		if st.healthy.Load() {
+			return st
+		}
+	}
+	return nil
+}
+
+// leastLoaded returns the healthy backend with the lowest in-flight/weight ratio, scanning the
+// ring's snapshot from start; when only is non-nil it considers only backends it accepts.
+func (r *DefaultRouter) leastLoaded(set *backendSet, start int, only func(*backendState) bool) *backendState {
+	var buf [loadsBuf]chwbl.Load
+	loads := r.ring.Loads(buf[:0])
+	var best *backendState
+	bestLoad := 0.0
+	for k := range loads {
+		l := &loads[(start+k)%len(loads)]
+		if !l.Healthy {
+			continue
+		}
+		st := set.byName[l.Name]
+		if st == nil || (only != nil && !only(st)) {
+			continue
+		}
+		load := float64(l.InFlight) / l.Weight
+		if best == nil || load < bestLoad {
+			best, bestLoad = st, load
+		}
+	}
+	return best
+}
+
+// leastLatency returns the healthy backend with the lowest latency average; unobserved backends
+// come first, and ties go to the least loaded of the tied.
+func (r *DefaultRouter) leastLatency(set *backendSet, start int) *backendState {
+	best := -1.0
+	for _, st := range set.list {
+		if !st.healthy.Load() {
+			continue
+		}
+		v := 0.0
+		if st.observed.Load() > 0 {
+			v = st.latencyNs.load()
+		}
+		if best < 0 || v < best {
+			best = v
+		}
+	}
+	if best < 0 {
+		return nil
+	}
+	return r.leastLoaded(set, start, func(st *backendState) bool {
+		v := 0.0
+		if st.observed.Load() > 0 {
+			v = st.latencyNs.load()
+		}
+		return v <= best
+	})
+}
