@@ -1,0 +1,110 @@
+package kvindex
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/kvroute/kvroute/events"
+)
+
+// Tier re-exports events.Tier: where a block lives on a backend.
+type Tier = events.Tier
+
+// TierWeights weight a cached block by the tier it is on, indexed by Tier.
+type TierWeights [events.NumTiers]float64
+
+// DefaultTierWeights are the defaults: gpu 1.0, cpu 0.8, storage 0.6.
+var DefaultTierWeights = TierWeights{1.0, 0.8, 0.6}
+
+// Defaults shared by the implementations' Configs.
+const (
+	DefaultBlockSize       = 16
+	DefaultMaxEntries      = 1 << 20 // blocks (in-memory) — the seeds' max_entries counts prefix entries
+	DefaultEntryTTL        = 600 * time.Second
+	DefaultSpeculativeTTL  = 2 * time.Second
+	DefaultApproximateTTL  = 120 * time.Second
+	DefaultSweepInterval   = 30 * time.Second
+	DefaultRedisKeyPrefix  = "kvroute:kvidx:"
+	DefaultPrefixEntryTTL  = DefaultEntryTTL
+	DefaultMaxPrefixScores = 64 // backends reported per prefix entry
+)
+
+// Match is one candidate backend's share of a request's cached prefix.
+type Match struct {
+	Backend string
+	// Blocks is the length, in blocks, of the longest consecutive prefix of the request's block
+	// keys that the backend holds (on any tier); Tokens is Blocks × the index's block size, or the
+	// token count of a prefix-granular entry.
+	Blocks int
+	Tokens int
+	// Score is the tier-weighted length: the sum over the matched blocks of the weight of the best
+	// tier the backend holds each block on (≤ Blocks). For prefix entries: Tokens × tier weight.
+	Score float64
+	// Tier is the slowest tier among the matched blocks (TierGPU when Blocks == 0).
+	Tier Tier
+}
+
+// Lookuper finds how much of a request's prefix each candidate backend holds.
+//
+// Lookup fills out[i] for candidates[i] (len(out) must be ≥ len(candidates); it returns out
+// resliced to len(candidates)) with the longest consecutive cached prefix of keys, the request's
+// block keys in order (prefixkey.AppendBlockKeys with the index's block size). Unknown candidates
+// get a zero Match with their name. The error is non-nil only when the index could not answer (a
+// remote index unreachable or ctx ended); out is then undefined. Safe for concurrent use; the
+// in-memory index never blocks on writers for longer than one shard's update and allocates nothing.
+type Lookuper interface {
+	Lookup(ctx context.Context, keys []uint64, candidates []string, out []Match) ([]Match, error)
+}
+
+// PrefixLookuper answers for prefix-granular entries (the seeds' SSE events): prefix is the
+// lowercase hex of a prefix key. Same contract as Lookuper.
+type PrefixLookuper interface {
+	LookupPrefix(ctx context.Context, prefix string, candidates []string, out []Match) ([]Match, error)
+}
+
+// Speculator records predicted entries: right after a routing decision the chosen backend will
+// soon hold the request's blocks. Speculate marks keys as held by backend (GPU tier) for ttl
+// (0 means the implementation's configured speculative TTL) unless a BlockStored confirms them,
+// which makes them ordinary entries. In approximate mode (no events) this is the only source.
+// Safe for concurrent use; the error is non-nil only for a remote index that failed.
+type Speculator interface {
+	Speculate(ctx context.Context, backend string, keys []uint64, ttl time.Duration) error
+}
+
+// KvCacheIndex is the KV-block index: it applies engines' KV events (events.Sink), answers
+// lookups, takes speculative entries, and reports stats. Implementations: *MemoryIndex (the
+// default) and *RedisIndex (shared by several router replicas). Every method is safe for
+// concurrent use.
+type KvCacheIndex interface {
+	events.Sink
+	Lookuper
+	PrefixLookuper
+	Speculator
+	// Stats returns counters and sizes; ctx bounds a remote index's I/O.
+	Stats(ctx context.Context) (Stats, error)
+	// Clear drops every entry of every backend and returns how many entries it dropped.
+	Clear(ctx context.Context) (int, error)
+}
+
+// Stats describes an index. Entries counts (block, backend) memberships plus prefix entries.
+type Stats struct {
+	Backend          string            `json:"backend"` // "memory" or "redis"
+	Blocks           int               `json:"block_count"`
+	Entries          int               `json:"entry_count"`
+	PrefixCount      int               `json:"prefix_count"`
+	SpeculativeCount int               `json:"speculative_count"`
+	Lookups          uint64            `json:"total_hits"` // lookups answered (the seeds' total_hits)
+	Evictions        uint64            `json:"total_evictions"`
+	Expired          uint64            `json:"expired"`
+	Mutations        map[string]uint64 `json:"mutations"` // by type: stored, removed, cleared, prefix_created, …
+	Dropped          map[string]uint64 `json:"dropped"`   // events not applied, by reason: unknown_parent, bad_tokens, …
+	PerBackend       map[string]int    `json:"per_backend_entries"`
+	MemoryBytes      int64             `json:"memory_bytes,omitempty"` // in-memory index: bytes held by its tables
+}
+
+// Errors callers branch on.
+var (
+	ErrInvalidConfig = errors.New("kvindex: invalid config")
+	ErrClosed        = errors.New("kvindex: index closed")
+)

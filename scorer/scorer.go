@@ -1,0 +1,48 @@
+package scorer
+
+// Candidate is what a scorer knows of one backend for one request: a snapshot, read-only.
+type Candidate struct {
+	Backend string
+	// CachedBlocks and CachedTokens: the longest consecutive prefix of the request the backend
+	// holds; Overlap is the same prefix weighted by tier (kvindex.Match.Score, in blocks).
+	CachedBlocks int
+	CachedTokens int
+	Overlap      float64
+	// InFlight is the number of requests routed to the backend and not yet done; Weight its
+	// relative capacity (1 when unset).
+	InFlight int
+	Weight   float64
+	// Healthy backends may be chosen; Health is their recent success rate in [0, 1].
+	Healthy bool
+	Health  float64
+	// ActivePrefillBlocks and ActiveDecodeBlocks are the backend's active-sequence load in blocks
+	// (see Active): blocks still being prefilled, and blocks held by running sequences.
+	ActivePrefillBlocks int
+	ActiveDecodeBlocks  int
+}
+
+// Request is what a scorer knows of the request itself.
+type Request struct {
+	// Blocks and Tokens: the request's prompt length in full blocks and in tokens (0 when the
+	// prompt was not tokenized).
+	Blocks int
+	Tokens int
+}
+
+// BackendScorer scores candidates for one request. Score writes one score per candidate into
+// out (len(out) ≥ len(cands)) and returns out[:len(cands)]; higher is better, and unhealthy
+// candidates score -Inf (never chosen). Implementations are safe for concurrent use and allocate
+// nothing per call.
+type BackendScorer interface {
+	Score(req Request, cands []Candidate, out []float64) []float64
+}
+
+// ScorerFunc adapts a function to BackendScorer.
+type ScorerFunc func(req Request, cands []Candidate, out []float64) []float64
+
+// Score calls f.
+func (f ScorerFunc) Score(req Request, cands []Candidate, out []float64) []float64 {
+	return f(req, cands, out)
+}
+
+var _ BackendScorer = ScorerFunc(nil)
