@@ -157,6 +157,9 @@ type Event struct {
 
 // Batch is one published message: a sequence number and its events.
 type Batch struct {
+	// Model is the model the publisher serves, from the topic (kv@<pod>@<model>) or the source's
+	// configuration; it roots block keys when an event names no LoRA. "" means the sink's default.
+	Model     string
 	Seq       uint64  // publisher's batch sequence number (ZMQ frame 2); 0 for SSE
 	TS        float64 // publisher's timestamp in seconds
 	DPRank    int     // data-parallel rank, when HasDPRank
