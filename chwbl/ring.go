@@ -477,6 +477,34 @@ func (r *Ring) AcquireBackend(h *Handle, name string) error {
 	return nil
 }
 
+// TryAcquireBackend takes a slot on the named backend only if it is healthy and under its bound
+// (inflight+1 ≤ Bound), checked and taken in one critical section, like Acquire. It returns
+// (true, nil) when it took the slot and filled h, (false, nil) when the backend is unhealthy or at
+// its bound (h is left empty), and (false, ErrUnknownBackend) for a name that is not a member.
+// Policies that choose a backend by other means (KV overlap) use it to keep the CHWBL bound.
+// Safe for concurrent use.
+func (r *Ring) TryAcquireBackend(h *Handle, name string) (bool, error) {
+	h.reset()
+	r.mu.Lock()
+	m, ok := r.byName[name]
+	if !ok {
+		r.mu.Unlock()
+		return false, ErrUnknownBackend
+	}
+	if !m.healthy || m.inflight >= boundOf(r.factor(), m.weight) {
+		r.mu.Unlock()
+		return false, nil
+	}
+	m.inflight++
+	r.total++
+	if r.testAcquired != nil {
+		r.testAcquired(m, ReasonForced)
+	}
+	r.mu.Unlock()
+	h.set(m)
+	return true, nil
+}
+
 // pick walks the ring clockwise from vnode index start and returns the first healthy backend under
 // its bound, with the reason. Requires mu, s == r.snap and r.healthy > 0.
 //
