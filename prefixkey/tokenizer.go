@@ -1,0 +1,495 @@
+package prefixkey
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	lru "github.com/hashicorp/golang-lru/v2"
+	"io"
+	"net/http"
+	"net/url"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/zeebo/xxh3"
+)
+
+// Tokenizer returns a request's prompt tokens as the engine would see them.
+//
+// Tokenize returns the token IDs of r's prompt (chat template applied, for chat requests), or
+// nil and a nil error when r has nothing to tokenize. An error means the tokens are unknown: the
+// caller routes without block keys. Implementations honour ctx's deadline and cancellation, are
+// safe for concurrent use, and may return a slice shared with r or with a cache: callers must
+// treat it as read-only.
+type Tokenizer interface {
+	Tokenize(ctx context.Context, r *Request) ([]uint32, error)
+}
+
+// TokenizerFunc adapts a function to Tokenizer.
+type TokenizerFunc func(ctx context.Context, r *Request) ([]uint32, error)
+
+// Tokenize calls f.
+func (f TokenizerFunc) Tokenize(ctx context.Context, r *Request) ([]uint32, error) { return f(ctx, r) }
+
+// NopTokenizer tokenizes nothing: it returns the tokens a request already carries (TokenIDs, else
+// PromptTokens) and nil otherwise, never an error. It is safe for concurrent use.
+type NopTokenizer struct{}
+
+// Tokenize returns r.TokenIDs when set, else r.PromptTokens (nil when neither is set), and a nil
+// error.
+func (NopTokenizer) Tokenize(_ context.Context, r *Request) ([]uint32, error) {
+	return knownTokens(r), nil
+}
+
+var (
+	_ Tokenizer = TokenizerFunc(nil)
+	_ Tokenizer = NopTokenizer{}
+	_ Tokenizer = (*EngineTokenizer)(nil)
+	_ Tokenizer = EstimateTokenizer{}
+)
+
+// knownTokens returns the tokens r carries: TokenIDs, else the token-array prompt of a completions
+// request (PromptTokens), else nil.
+func knownTokens(r *Request) []uint32 {
+	if r.TokenIDs != nil {
+		return r.TokenIDs
+	}
+	return r.PromptTokens
+}
+
+// tokenizeMode says what a request sends to /tokenize.
+type tokenizeMode uint8
+
+const (
+	modeNone   tokenizeMode = iota // nothing to tokenize
+	modeChat                       // {"messages": [system?, messages...]}
+	modePrompt                     // {"prompt": Prompt[0]}
+)
+
+func modeOf(r *Request) tokenizeMode {
+	chat := r.HasSystem || len(r.Messages) > 0
+	switch {
+	case r.Format == FormatOpenAICompletion || !chat:
+		if len(r.Prompt) > 0 {
+			return modePrompt
+		}
+		return modeNone
+	default:
+		return modeChat
+	}
+}
+
+// ErrTokenize is wrapped by every error of EngineTokenizer.Tokenize: the engine could not be
+// reached, answered with a status other than 200 or with a body that is not a tokenize answer, or
+// did not answer in time. Time-outs also satisfy errors.Is(err, context.DeadlineExceeded), and a
+// cancelled ctx errors.Is(err, context.Canceled).
+var ErrTokenize = errors.New("prefixkey: tokenize failed")
+
+// Defaults of EngineTokenizerConfig.
+const (
+	// DefaultTokenizeTimeout bounds one /tokenize call (on top of the caller's ctx).
+	DefaultTokenizeTimeout = 50 * time.Millisecond
+	// DefaultTokenizeCacheSize is the number of recent results an EngineTokenizer keeps.
+	DefaultTokenizeCacheSize = 4096
+)
+
+// maxTokenizeResponse caps the body read from /tokenize (a 128k-token prompt answers ~1 MiB).
+const maxTokenizeResponse = 16 << 20
+
+// EngineTokenizerConfig configures an EngineTokenizer. Only BaseURL is required.
+type EngineTokenizerConfig struct {
+	// BaseURL is the engine's (or a tokenizer sidecar's) root URL, e.g. "http://vllm-0:8000";
+	// requests go to BaseURL + "/tokenize". Scheme http or https.
+	BaseURL string
+	// Client sends the requests; nil means http.DefaultClient.
+	Client *http.Client
+	// Timeout bounds each call, layered on the caller's ctx (the earlier deadline wins); 0 means
+	// DefaultTokenizeTimeout (50 ms); negative is an error.
+	Timeout time.Duration
+	// CacheSize is the number of recent results kept, keyed by model and content; 0 means
+	// DefaultTokenizeCacheSize (4096); negative disables the cache.
+	CacheSize int
+	// Header is added to every request (e.g. Authorization for an engine started with --api-key);
+	// nil for none. It is not modified.
+	Header http.Header
+}
+
+// TokenizerStats are an EngineTokenizer's counters since it was created.
+type TokenizerStats struct {
+	// Calls counts Tokenize calls that needed the engine's tokens: those with neither tokens
+	// already set nor an empty prompt. Calls − CacheHits requests were sent to the engine.
+	Calls uint64
+	// CacheHits counts calls answered from the cache.
+	CacheHits uint64
+	// Errors counts calls that returned an error, time-outs included.
+	Errors uint64
+	// Timeouts counts calls whose error was a deadline (the call's Timeout or ctx's deadline).
+	Timeouts uint64
+}
+
+// EngineTokenizer is a client of a vLLM-compatible POST /tokenize endpoint. A chat request is sent
+// as {"model", "messages": [{"role", "content"}, ...]} — the system prompt (role "system") first,
+// then each message's role and Text — so that the engine applies its own chat template; a
+// completions request as {"model", "prompt"} with its first prompt. The answer's "tokens" are
+// returned. Non-text parts (images, audio) are not sent: the tokens of multimodal requests are
+// approximate.
+//
+// Recent results are kept in an LRU cache keyed by (model, XXH3-128 of the content sent), so that a
+// repeated request costs a hash and no round trip. Requests that already carry tokens (TokenIDs,
+// or a completions prompt given as token IDs) are answered with them, without cache or network.
+//
+// An EngineTokenizer is safe for concurrent use and starts no goroutine. The zero value is not
+// usable: create one with NewEngineTokenizer.
+type EngineTokenizer struct {
+	endpoint string
+	client   *http.Client
+	timeout  time.Duration
+	header   http.Header
+	cache    *tokenCache // nil: disabled
+
+	calls, hits, errs, timeouts atomic.Uint64
+}
+
+// NewEngineTokenizer validates cfg and returns the tokenizer. It fails when BaseURL is not an
+// absolute http or https URL, or Timeout is negative.
+func NewEngineTokenizer(cfg EngineTokenizerConfig) (*EngineTokenizer, error) {
+	u, err := url.Parse(cfg.BaseURL)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("prefixkey: EngineTokenizerConfig.BaseURL %q: want an absolute http(s) URL", cfg.BaseURL)
+	}
+	if cfg.Timeout < 0 {
+		return nil, fmt.Errorf("prefixkey: EngineTokenizerConfig.Timeout %v: want ≥ 0", cfg.Timeout)
+	}
+	t := &EngineTokenizer{
+		endpoint: strings.TrimRight(cfg.BaseURL, "/") + "/tokenize",
+		client:   cfg.Client,
+		timeout:  cfg.Timeout,
+		header:   cfg.Header,
+	}
+	if t.client == nil {
+		t.client = http.DefaultClient
+	}
+	if t.timeout == 0 {
+		t.timeout = DefaultTokenizeTimeout
+	}
+	switch {
+	case cfg.CacheSize == 0:
+		t.cache = newTokenCache(DefaultTokenizeCacheSize)
+	case cfg.CacheSize > 0:
+		t.cache = newTokenCache(cfg.CacheSize)
+	}
+	return t, nil
+}
+
+// Stats returns the tokenizer's counters. Safe for concurrent use.
+func (t *EngineTokenizer) Stats() TokenizerStats {
+	return TokenizerStats{Calls: t.calls.Load(), CacheHits: t.hits.Load(), Errors: t.errs.Load(), Timeouts: t.timeouts.Load()}
+}
+
+// Tokenize returns r's prompt tokens.
+//
+//  1. r carries tokens (TokenIDs, else PromptTokens): they are returned as is, err nil.
+//  2. r has no prompt (no system prompt, message or completions prompt): nil, nil.
+//  3. The cache holds r's content for its model: the cached tokens, err nil.
+//  4. Otherwise one POST /tokenize under the earlier of ctx's deadline and Timeout; on success
+//     the tokens are cached and returned. Every failure returns nil and an error wrapping
+//     ErrTokenize (and context.DeadlineExceeded for a time-out, or ctx's error when ctx was
+//     cancelled). Errors are not cached.
+//
+// The returned slice is shared with r or the cache: treat it as read-only. Safe for concurrent
+// use.
+func (t *EngineTokenizer) Tokenize(ctx context.Context, r *Request) ([]uint32, error) {
+	if tok := knownTokens(r); tok != nil {
+		return tok, nil
+	}
+	mode := modeOf(r)
+	if mode == modeNone {
+		return nil, nil
+	}
+	t.calls.Add(1)
+	key := tokenCacheKey{model: r.Model, h: contentHash(r, mode)}
+	if t.cache != nil {
+		if tok, ok := t.cache.Get(key); ok {
+			t.hits.Add(1)
+			return tok, nil
+		}
+	}
+	tok, err := t.post(ctx, r, mode)
+	if err != nil {
+		t.errs.Add(1)
+		if errors.Is(err, context.DeadlineExceeded) {
+			t.timeouts.Add(1)
+		}
+		return nil, err
+	}
+	if t.cache != nil {
+		t.cache.Add(key, tok)
+	}
+	return tok, nil
+}
+
+type tokenizeMessage struct {
+	Role    string `json:"role"`
+	Content string `json:"content"`
+}
+
+type tokenizeChatBody struct {
+	Model    string            `json:"model,omitempty"`
+	Messages []tokenizeMessage `json:"messages"`
+}
+
+type tokenizePromptBody struct {
+	Model  string `json:"model,omitempty"`
+	Prompt string `json:"prompt"`
+}
+
+type tokenizeAnswer struct {
+	Tokens []uint32 `json:"tokens"`
+	Count  *int     `json:"count"`
+}
+
+// post sends one /tokenize request.
+func (t *EngineTokenizer) post(ctx context.Context, r *Request, mode tokenizeMode) ([]uint32, error) {
+	var body []byte
+	var err error
+	if mode == modeChat {
+		msgs := make([]tokenizeMessage, 0, len(r.Messages)+1)
+		if r.HasSystem {
+			msgs = append(msgs, tokenizeMessage{Role: "system", Content: r.System})
+		}
+		for i := range r.Messages {
+			msgs = append(msgs, tokenizeMessage{Role: r.Messages[i].Role, Content: r.Messages[i].Text})
+		}
+		body, err = json.Marshal(tokenizeChatBody{Model: r.Model, Messages: msgs})
+	} else {
+		body, err = json.Marshal(tokenizePromptBody{Model: r.Model, Prompt: r.Prompt[0]})
+	}
+	if err != nil { // strings always encode; kept for safety
+		return nil, fmt.Errorf("%w: encoding the request: %w", ErrTokenize, err)
+	}
+
+	cctx, cancel := context.WithTimeout(ctx, t.timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(cctx, http.MethodPost, t.endpoint, bytes.NewReader(body))
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrTokenize, err)
+	}
+	for k, vs := range t.header {
+		for _, v := range vs {
+			req.Header.Add(k, v)
+		}
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "application/json")
+
+	resp, err := t.client.Do(req)
+	if err != nil {
+		return nil, t.failure(ctx, cctx, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		snippet, _ := io.ReadAll(io.LimitReader(resp.Body, 256))
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // let the connection be reused
+		return nil, fmt.Errorf("%w: POST %s: status %d: %s", ErrTokenize, t.endpoint, resp.StatusCode, bytes.TrimSpace(snippet))
+	}
+	data, err := io.ReadAll(io.LimitReader(resp.Body, maxTokenizeResponse+1))
+	if err != nil {
+		return nil, t.failure(ctx, cctx, err)
+	}
+	if len(data) > maxTokenizeResponse {
+		return nil, fmt.Errorf("%w: POST %s: answer larger than %d bytes", ErrTokenize, t.endpoint, maxTokenizeResponse)
+	}
+	var ans tokenizeAnswer
+	if err := json.Unmarshal(data, &ans); err != nil {
+		return nil, fmt.Errorf("%w: POST %s: bad answer: %w", ErrTokenize, t.endpoint, err)
+	}
+	if ans.Tokens == nil {
+		return nil, fmt.Errorf("%w: POST %s: answer has no \"tokens\"", ErrTokenize, t.endpoint)
+	}
+	if ans.Count != nil && *ans.Count != len(ans.Tokens) {
+		return nil, fmt.Errorf("%w: POST %s: answer has %d tokens but count %d", ErrTokenize, t.endpoint, len(ans.Tokens), *ans.Count)
+	}
+	return ans.Tokens, nil
+}
+
+// failure wraps a transport error: a deadline (the call's or ctx's) as context.DeadlineExceeded,
+// a cancelled ctx as its error.
+func (t *EngineTokenizer) failure(ctx, cctx context.Context, err error) error {
+	switch {
+	case errors.Is(cctx.Err(), context.DeadlineExceeded):
+		if ctx.Err() == nil { // our own Timeout fired
+			return fmt.Errorf("%w: POST %s: no answer within %v: %w", ErrTokenize, t.endpoint, t.timeout, context.DeadlineExceeded)
+		}
+		return fmt.Errorf("%w: POST %s: %w", ErrTokenize, t.endpoint, context.DeadlineExceeded)
+	case ctx.Err() != nil:
+		return fmt.Errorf("%w: POST %s: %w", ErrTokenize, t.endpoint, ctx.Err())
+	default:
+		return fmt.Errorf("%w: POST %s: %w", ErrTokenize, t.endpoint, err)
+	}
+}
+
+// contentHash is XXH3-128 over the content /tokenize is sent, each field length-prefixed (le64):
+// for chat, 'C' then role and text of the system prompt (role "system") and of each message; for a
+// completions prompt, 'P' then the prompt.
+func contentHash(r *Request, mode tokenizeMode) xxh3.Uint128 {
+	var h xxh3.Hasher
+	field := func(s string) {
+		var l [8]byte
+		binary.LittleEndian.PutUint64(l[:], uint64(len(s)))
+		_, _ = h.Write(l[:])
+		_, _ = h.WriteString(s)
+	}
+	if mode == modeChat {
+		_, _ = h.Write([]byte{'C'})
+		if r.HasSystem {
+			field("system")
+			field(r.System)
+		}
+		for i := range r.Messages {
+			field(r.Messages[i].Role)
+			field(r.Messages[i].Text)
+		}
+	} else {
+		_, _ = h.Write([]byte{'P'})
+		field(r.Prompt[0])
+	}
+	return h.Sum128()
+}
+
+// tokenCacheKey keys a tokenize result by model and content hash.
+type tokenCacheKey struct {
+	model string
+	h     xxh3.Uint128
+}
+
+// tokenCache is the LRU of tokenize results (golang-lru/v2's Cache: locked, safe for
+// concurrent use).
+type tokenCache = lru.Cache[tokenCacheKey, []uint32]
+
+func newTokenCache(size int) *tokenCache {
+	c, _ := lru.New[tokenCacheKey, []uint32](size) // size > 0 is checked by the caller
+	return c
+}
+
+// DefaultBytesPerToken is EstimateTokenizer.BytesPerToken when left 0: about the bytes per token
+// of English text under common BPE vocabularies.
+const DefaultBytesPerToken = 4
+
+// MaxBytesPerToken is the largest EstimateTokenizer.BytesPerToken; larger values are clamped.
+const MaxBytesPerToken = 64
+
+// EstimateTokenizer makes deterministic pseudo-tokens from a request's text, with no network, for
+// approximate (routing-fed) KV-aware routing when no engine tokenizer is reachable: the index is
+// then fed by the router's own decisions, so the tokens need only be consistent, not the engine's.
+//
+// It packs the UTF-8 bytes of the same content EngineTokenizer would send — for chat, each of the
+// system prompt and the messages as the marker "<|" + role + "|>" followed by its Text; for
+// completions, the first prompt — into one pseudo-token per BytesPerToken bytes: the bytes
+// themselves, little-endian, when BytesPerToken ≤ 4, else the low 32 bits of their XXH3-64 hash.
+// The last chunk may be shorter. Identical content prefixes therefore give identical pseudo-token
+// prefixes, hence identical block keys.
+//
+// BytesPerToken ≤ 0 means DefaultBytesPerToken (4); values above MaxBytesPerToken (64) are
+// clamped. An EstimateTokenizer is a plain value: safe for concurrent use.
+type EstimateTokenizer struct {
+	BytesPerToken int
+}
+
+// Tokenize returns r's tokens when it carries them (TokenIDs, else PromptTokens), else
+// AppendTokens(nil, r) — nil when r has no prompt. The error is always nil; ctx is not used.
+func (e EstimateTokenizer) Tokenize(_ context.Context, r *Request) ([]uint32, error) {
+	if tok := knownTokens(r); tok != nil {
+		return tok, nil
+	}
+	return e.AppendTokens(nil, r), nil
+}
+
+// AppendTokens appends r's pseudo-tokens to dst and returns the extended slice, ignoring any tokens
+// r carries. It allocates only to grow dst (ceil(content bytes / BytesPerToken) tokens). Safe for
+// concurrent use.
+func (e EstimateTokenizer) AppendTokens(dst []uint32, r *Request) []uint32 {
+	b := e.BytesPerToken
+	switch {
+	case b <= 0:
+		b = DefaultBytesPerToken
+	case b > MaxBytesPerToken:
+		b = MaxBytesPerToken
+	}
+	p := pseudoPacker{dst: dst, size: b}
+	switch modeOf(r) {
+	case modeChat:
+		if r.HasSystem {
+			p.message("system", r.System)
+		}
+		for i := range r.Messages {
+			p.message(r.Messages[i].Role, r.Messages[i].Text)
+		}
+	case modePrompt:
+		p.write(r.Prompt[0])
+	}
+	p.flush()
+	return p.dst
+}
+
+// pseudoPacker cuts a byte stream into pseudo-tokens of size bytes.
+type pseudoPacker struct {
+	dst  []uint32
+	size int
+	n    int
+	buf  [MaxBytesPerToken]byte
+}
+
+func (p *pseudoPacker) message(role, text string) {
+	p.write("<|")
+	p.write(role)
+	p.write("|>")
+	p.write(text)
+}
+
+func (p *pseudoPacker) write(s string) {
+	for len(s) > 0 {
+		if p.n == 0 && len(s) >= p.size && p.size >= 4 { // whole chunks straight from s
+			for len(s) >= p.size {
+				var tok uint32
+				if p.size == 4 {
+					tok = uint32(s[0]) | uint32(s[1])<<8 | uint32(s[2])<<16 | uint32(s[3])<<24
+				} else {
+					tok = uint32(xxh3.HashString(s[:p.size]))
+				}
+				p.dst = append(p.dst, tok)
+				s = s[p.size:]
+			}
+			continue
+		}
+		c := copy(p.buf[p.n:p.size], s)
+		p.n += c
+		s = s[c:]
+		if p.n == p.size {
+			p.emit()
+		}
+	}
+}
+
+func (p *pseudoPacker) flush() {
+	if p.n > 0 {
+		p.emit()
+	}
+}
+
+func (p *pseudoPacker) emit() {
+	chunk := p.buf[:p.n]
+	var tok uint32
+	if p.size <= 4 {
+		for i := len(chunk) - 1; i >= 0; i-- {
+			tok = tok<<8 | uint32(chunk[i])
+		}
+	} else {
+		tok = uint32(xxh3.Hash(chunk))
+	}
+	p.dst = append(p.dst, tok)
+	p.n = 0
+}
