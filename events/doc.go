@@ -1,0 +1,72 @@
+// Package events turns the KV-cache events that model servers publish into a small event model
+// and delivers them to a Sink (the KV index implements it). It imports nothing else from kvroute.
+//
+// # Event model
+//
+// A Batch is one published message: the publisher's sequence number, timestamp, data-parallel
+// rank and model, and its Events in order. An Event is one of
+//
+//   - KindBlockStored: full blocks entered a tier. BlockHashes are the engine's hashes (opaque;
+//     kvroute recomputes its own chained keys from TokenIDs), Parent the engine hash of the block
+//     before the first one, TokenIDs BlockSize tokens per block, plus LoRAName, Tier (from the
+//     vLLM "medium"), per-block multimodal ExtraKeys, CacheSalt and the attention GroupIdx.
+//   - KindBlockRemoved: blocks left a tier.
+//   - KindAllBlocksCleared: the engine dropped its whole cache.
+//   - KindPrefix: a prefix-granular event from an SSE stream (cache_created, cache_evicted,
+//     cache_offloaded, cache_reloaded, cache_purged) with a prefix key and a token count.
+//
+// Tiers are ordered fastest first: TierGPU, TierCPU, TierStorage.
+//
+// # Decoders
+//
+// DecodeMsgpackBatch decodes the msgpack payload that vLLM and SGLang publish (the third ZMQ
+// frame; format in vLLM's vllm/distributed/kv_events.py and SGLang's
+// sglang/srt/disaggregation/kv_events.py). It accepts what real engines send: the batch and each
+// event either as an array (msgspec array_like, tag first, trailing default fields omitted; old
+// engines' two-element batch) or as a map (the 2026 form, default fields omitted, unknown keys
+// ignored); block hashes as integers of any msgpack width and sign or as byte-string digests;
+// "medium" in any case. It is a hand-written cursor over the bytes: no reflection, no
+// allocation once the Batch's storage has grown to the traffic, bounds checked on every read.
+// Malformed events are skipped and counted; a payload that is not a batch is an error wrapping
+// ErrMalformed. ExtraKeyHash is the fold of multimodal identifiers it uses, exported so that
+// request-side code computes identical values.
+//
+// DecodeSSEEvent decodes one "event:"/"data:" pair of the SSE form
+//
+//	event: cache_created
+//	data: {"event":"cache_created","prefix_hash":"9f2c…","token_count":2048}
+//
+// into a KindPrefix event.
+//
+// # Transports
+//
+// The transports feed the decoders and deliver every batch to a Sink, one goroutine per source
+// at a time. Their goroutines run between Start and Close; Status reports each source.
+//
+//   - ZMQ: a SUB socket connects to each engine's PUB endpoint (tcp://host:5557, one port per
+//     data-parallel rank), or binds one endpoint that every engine connects to. Messages are
+//     [topic, seq (8-byte big-endian), payload]; the topic kv@<pod>@<model> names the model. A
+//     jump in seq means lost batches: the consumer asks the engine's replay (ROUTER) endpoint for
+//     the missing ones when it has one, and otherwise calls Sink.ClearBackend so that the index
+//     forgets that backend's possibly stale state instead of over-reporting it.
+//   - SSE: an HTTP client reads GET <engine>/v1/kv_events with a 1 MiB line cap and reconnects
+//     with exponential backoff from 1 s to 60 s.
+//
+// # Use
+//
+//	var b events.Batch // reused for every message of this source
+//	for msg := range messages { // e.g. ZMQ [topic, seq, payload]
+//		skipped, err := events.DecodeMsgpackBatch(msg.Payload, &b)
+//		if err != nil {
+//			continue // errors.Is(err, events.ErrMalformed): count it and drop the message
+//		}
+//		_ = skipped // malformed events inside a good batch, already left out
+//		b.Seq, b.Model = msg.Seq, "meta-llama/Llama-3.1-8B-Instruct"
+//		if err := sink.Apply(ctx, "vllm-0", &b); err != nil {
+//			log.Printf("index unavailable: %v", err)
+//		}
+//	}
+//
+// Nothing in this package holds package-level mutable state; the decoders are safe for
+// concurrent use on distinct Batches and Events.
+package events

@@ -1,0 +1,992 @@
+package events
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/go-zeromq/zmq4/security/null"
+	"go.opentelemetry.io/otel/metric"
+)
+
+// Defaults of ZMQConfig.
+const (
+	DefaultZMQQueueSize      = 1024            // batches per backend
+	DefaultZMQReplayTimeout  = 2 * time.Second // one replay: dial, request, every missing batch
+	DefaultZMQInitialBackoff = 100 * time.Millisecond
+	DefaultZMQMaxBackoff     = 30 * time.Second
+	DefaultZMQDialTimeout    = 5 * time.Second // TCP connect plus ZMTP handshake
+	DefaultZMQMaxMessageSize = 64 << 20        // bytes per ZMQ message
+	DefaultZMQMaxTopics      = 1024            // distinct topics accepted in bind mode
+)
+
+// ReplayEndSeq is the sequence number of the message that ends a replay (all ones, -1 as a
+// signed integer), sent with an empty payload.
+const ReplayEndSeq = ^uint64(0)
+
+const (
+	zmtpGreetingLen  = 64  // ZMTP 3 greeting
+	zmtpMaxFrames    = 64  // frames per message (KV events use 3)
+	maxChainsPerPipe = 256 // publisher chains (topic × data-parallel rank) tracked per backend
+)
+
+// ZMQEndpoint is one engine publisher to connect to (pod-discovery mode). A data-parallel engine
+// publishes one stream per rank (TCP port + rank): list each rank as an endpoint with the same
+// Backend.
+type ZMQEndpoint struct {
+	// Backend is the routing backend the events belong to. Required.
+	Backend string
+	// Endpoint is the engine's PUB socket, "tcp://host:port" (or "ipc:///path"). Required.
+	Endpoint string
+	// ReplayEndpoint is the engine's replay ROUTER socket ("tcp://host:port"), used to fill
+	// sequence gaps; "" disables replay (a gap then resets the backend).
+	ReplayEndpoint string
+	// Model roots the block keys of this publisher's events when they name no LoRA; "" uses the
+	// model of a kv@<pod>@<model> topic, or the sink's default.
+	Model string
+}
+
+// ZMQConfig configures a ZMQConsumer. Exactly one of Endpoints (pod-discovery mode: one SUB
+// connection per engine) and Bind (centralized mode: one SUB socket that engines connect to) is
+// set. Zero durations and sizes mean the Default* constants.
+type ZMQConfig struct {
+	// Sink receives the decoded batches. Required.
+	Sink Sink
+
+	// Endpoints lists the engines to connect to (pod-discovery mode).
+	Endpoints []ZMQEndpoint
+
+	// Bind is the address the SUB socket binds in centralized mode, e.g. "tcp://0.0.0.0:5557"
+	// ("tcp://127.0.0.1:0" picks a free port; see Addr). The backend of a message comes from its
+	// topic: TopicBackend[topic], else <pod> of "kv@<pod>@<model>", else DefaultBackend; messages
+	// of any other topic are counted on the Listener status and dropped.
+	Bind string
+	// TopicBackend maps exact topics to backends (bind mode).
+	TopicBackend map[string]string
+	// DefaultBackend receives the messages of topics TopicBackend and the kv@<pod>@<model> form
+	// do not place (bind mode); "" drops them.
+	DefaultBackend string
+	// Model roots block keys in bind mode when the topic names no model.
+	Model string
+	// MaxTopics caps the distinct topics accepted in bind mode, so that a misbehaving peer cannot
+	// grow the consumer's state without bound; messages of further topics are dropped. Open
+	// connections are capped at 4 × MaxTopics.
+	MaxTopics int
+
+	// Topic is the subscription prefix; "" subscribes to every topic.
+	Topic string
+
+	// QueueSize is the capacity, in batches, of each backend's queue between the socket readers
+	// and the goroutine that applies batches to the sink. When it is full the incoming batch is
+	// dropped and counted; the hole it leaves in the sequence is handled like any gap.
+	QueueSize int
+	// ReplayTimeout bounds one replay request.
+	ReplayTimeout time.Duration
+	// InitialBackoff and MaxBackoff bound the jittered exponential backoff between connection
+	// attempts (connect mode).
+	InitialBackoff time.Duration
+	MaxBackoff     time.Duration
+	// DialTimeout bounds a TCP connect plus the ZMTP handshake.
+	DialTimeout time.Duration
+	// MaxMessageSize caps the size of a received message (all frames); a peer that announces a
+	// larger frame, or a message of more than 64 frames, is disconnected before anything is
+	// allocated for it.
+	MaxMessageSize int64
+
+	// MeterProvider supplies the instruments (ScopeName); nil means no metrics.
+	MeterProvider metric.MeterProvider
+	// Logger receives connection-level events at Debug and Warn; nil discards them.
+	Logger *slog.Logger
+	// Now is the clock for the status timestamps; nil means time.Now.
+	Now func() time.Time
+}
+
+// ZMQConsumer consumes vLLM/SGLang KV events published over ZeroMQ (frames [topic, seq as 8-byte
+// big-endian, msgpack batch]) and applies them to a Sink. It speaks ZMTP 3 itself over its own
+// TCP connections (the go-zeromq/zmq4 codec for the handshake and framing), so every connection
+// has deadlines and is closed by Close.
+//
+// Goroutines, all started by Start and stopped by Close: one reader per endpoint (connect mode)
+// or an accept loop plus one reader per engine connection (bind mode), and one worker per
+// backend that applies the backend's batches to the sink in order (so the sink sees one
+// goroutine per backend). Between readers and workers sits a bounded queue per backend.
+//
+// Sequence tracking, per publisher (connection, topic and data-parallel rank): the first
+// message sets the baseline; seq = last+1 is applied; seq > last+1 is a gap: with a
+// ReplayEndpoint the missing batches are requested and applied in order first, otherwise (or if
+// the replay fails) the backend is cleared (Sink.ClearBackend) and the chain re-baselined;
+// seq ≤ last means the publisher restarted (and the engine's cache with it): the backend is
+// cleared and re-baselined. A batch that cannot be decoded, and a batch dropped because the
+// queue is full, leave such a gap. A failed Sink.Apply clears the backend before the next batch.
+//
+// Lost connections: a PUB socket drops what it publishes while a subscriber is away, and an
+// engine that restarts comes back with an empty cache (and a sequence that may by chance
+// continue ours), so when a connection is lost its backend is cleared at once and the
+// connection's sequences start over. A lost or refused connect-mode connection is retried with
+// jittered exponential backoff from InitialBackoff to MaxBackoff, reset after each successful
+// handshake.
+//
+// All methods are safe for concurrent use.
+type ZMQConsumer struct {
+	cfg  ZMQConfig
+	now  func() time.Time
+	log  *slog.Logger
+	life lifecycle
+	reg  registry
+
+	metrics *consumerMetrics
+	items   sync.Pool // *zmqItem
+	topic   []byte    // cfg.Topic
+
+	// connect mode
+	pubs []*zmqPublisher
+
+	// bind mode
+	bindNet, bindAddr string
+	bound             string // the bound endpoint (Bind with the port resolved), set by Start
+	listenSrc         *source
+	listener          atomic.Pointer[net.Listener]
+	conns             atomic.Int64
+	connIDs           atomic.Uint64
+	routesMu          sync.RWMutex
+	routes            map[string]*zmqRoute
+
+	backendsMu sync.Mutex
+	backends   map[string]*zmqBackend
+}
+
+// zmqPublisher is one connect-mode endpoint.
+type zmqPublisher struct {
+	idx                   int
+	cfg                   ZMQEndpoint
+	network, addr         string
+	replayNet, replayAddr string
+	src                   *source
+	be                    *zmqBackend
+}
+
+// zmqRoute is where a bind-mode topic goes.
+type zmqRoute struct {
+	topic string
+	model string
+	be    *zmqBackend
+}
+
+// zmqBackend is one backend's queue and the state of its worker goroutine.
+type zmqBackend struct {
+	queue chan *zmqItem
+	src   *source // bind mode: the backend's source
+
+	// owned by the worker goroutine
+	w         backendWriter
+	chains    map[chainKey]*chain
+	replayBuf Batch
+}
+
+// chainKey identifies one publisher's sequence.
+type chainKey struct {
+	conn  uint64 // the connection: connect mode, the endpoint's index; bind mode, a connection id
+	topic string
+	rank  int // data-parallel rank, -1 when the batch names none
+}
+
+type chain struct {
+	last uint64
+}
+
+// zmqItem is a decoded batch on its way from a reader to a worker, or (reset) the news that a
+// connection was lost.
+type zmqItem struct {
+	src   *source
+	pub   *zmqPublisher // nil in bind mode
+	conn  uint64        // see chainKey
+	topic string
+	reset bool
+	b     Batch
+}
+
+// NewZMQConsumer validates cfg and returns a consumer that does nothing until Start.
+//
+// Errors wrap ErrInvalidConfig: no Sink, both or neither of Endpoints and Bind, an endpoint
+// without Backend or with an address that is not "tcp://host:port" (connect mode cannot use "*")
+// or "ipc://path", bind-mode options in connect mode, or negative durations and sizes. The
+// metric instruments are registered here; an error from the MeterProvider is returned as is.
+func NewZMQConsumer(cfg ZMQConfig) (*ZMQConsumer, error) {
+	if cfg.Sink == nil {
+		return nil, fmt.Errorf("%w: Sink is required", ErrInvalidConfig)
+	}
+	if (len(cfg.Endpoints) == 0) == (cfg.Bind == "") {
+		return nil, fmt.Errorf("%w: set exactly one of Endpoints (connect mode) and Bind (bind mode)", ErrInvalidConfig)
+	}
+	if cfg.QueueSize < 0 || cfg.ReplayTimeout < 0 || cfg.InitialBackoff < 0 || cfg.MaxBackoff < 0 ||
+		cfg.DialTimeout < 0 || cfg.MaxMessageSize < 0 || cfg.MaxTopics < 0 {
+		return nil, fmt.Errorf("%w: negative size or duration", ErrInvalidConfig)
+	}
+	if cfg.Bind == "" && (len(cfg.TopicBackend) > 0 || cfg.DefaultBackend != "" || cfg.Model != "" || cfg.MaxTopics != 0) {
+		return nil, fmt.Errorf("%w: TopicBackend, DefaultBackend, Model and MaxTopics apply to bind mode only", ErrInvalidConfig)
+	}
+	setDefault(&cfg.QueueSize, DefaultZMQQueueSize)
+	setDefault(&cfg.ReplayTimeout, DefaultZMQReplayTimeout)
+	setDefault(&cfg.InitialBackoff, DefaultZMQInitialBackoff)
+	setDefault(&cfg.MaxBackoff, DefaultZMQMaxBackoff)
+	setDefault(&cfg.DialTimeout, DefaultZMQDialTimeout)
+	setDefault(&cfg.MaxMessageSize, DefaultZMQMaxMessageSize)
+	setDefault(&cfg.MaxTopics, DefaultZMQMaxTopics)
+	if cfg.MaxBackoff < cfg.InitialBackoff {
+		return nil, fmt.Errorf("%w: MaxBackoff %v < InitialBackoff %v", ErrInvalidConfig, cfg.MaxBackoff, cfg.InitialBackoff)
+	}
+	c := &ZMQConsumer{cfg: cfg, now: cfg.Now, log: discardLogger(cfg.Logger), backends: make(map[string]*zmqBackend)}
+	if c.now == nil {
+		c.now = time.Now
+	}
+	c.items.New = func() any { return new(zmqItem) }
+	c.topic = []byte(cfg.Topic)
+
+	if cfg.Bind != "" {
+		for topic, backend := range cfg.TopicBackend {
+			if backend == "" {
+				return nil, fmt.Errorf("%w: TopicBackend[%q] is empty", ErrInvalidConfig, topic)
+			}
+		}
+		var err error
+		if c.bindNet, c.bindAddr, err = parseZMQEndpoint(cfg.Bind, true); err != nil {
+			return nil, fmt.Errorf("%w: Bind: %w", ErrInvalidConfig, err)
+		}
+		c.routes = make(map[string]*zmqRoute)
+		// The listener's own status: not reported as metrics (no backend).
+		c.listenSrc = newSource("", "zmq", cfg.Bind, cfg.Topic, c.now, nil)
+	} else {
+		seen := make(map[ZMQEndpoint]bool, len(cfg.Endpoints))
+		for i, ep := range cfg.Endpoints {
+			if ep.Backend == "" {
+				return nil, fmt.Errorf("%w: Endpoints[%d]: Backend is required", ErrInvalidConfig, i)
+			}
+			if seen[ep] {
+				return nil, fmt.Errorf("%w: Endpoints[%d]: duplicate of an earlier endpoint", ErrInvalidConfig, i)
+			}
+			seen[ep] = true
+			p := &zmqPublisher{idx: i, cfg: ep}
+			var err error
+			if p.network, p.addr, err = parseZMQEndpoint(ep.Endpoint, false); err != nil {
+				return nil, fmt.Errorf("%w: Endpoints[%d].Endpoint: %w", ErrInvalidConfig, i, err)
+			}
+			if ep.ReplayEndpoint != "" {
+				if p.replayNet, p.replayAddr, err = parseZMQEndpoint(ep.ReplayEndpoint, false); err != nil {
+					return nil, fmt.Errorf("%w: Endpoints[%d].ReplayEndpoint: %w", ErrInvalidConfig, i, err)
+				}
+			}
+			p.src = c.reg.add(ep.Backend, "zmq", ep.Endpoint, cfg.Topic, c.now)
+			p.be, _ = c.backend(ep.Backend, "", false)
+			c.pubs = append(c.pubs, p)
+		}
+	}
+	m, err := newConsumerMetrics(cfg.MeterProvider, &c.reg)
+	if err != nil {
+		return nil, err
+	}
+	c.metrics = m
+	c.life.init()
+	return c, nil
+}
+
+func setDefault[T int | int64 | time.Duration](v *T, def T) {
+	if *v == 0 {
+		*v = def
+	}
+}
+
+// parseZMQEndpoint maps "tcp://host:port" to ("tcp", "host:port") and "ipc://path" to
+// ("unix", "path"). A bind address may use "*" or an empty host for every interface and port 0
+// for a free port; a connect address needs a host and a port.
+func parseZMQEndpoint(ep string, bind bool) (network, addr string, err error) {
+	scheme, rest, ok := strings.Cut(ep, "://")
+	if !ok {
+		return "", "", fmt.Errorf("%q: want tcp://host:port or ipc://path", ep)
+	}
+	switch scheme {
+	case "ipc":
+		if rest == "" {
+			return "", "", fmt.Errorf("%q: empty ipc path", ep)
+		}
+		return "unix", rest, nil
+	case "tcp":
+		host, port, err := net.SplitHostPort(rest)
+		if err != nil {
+			return "", "", fmt.Errorf("%q: %w", ep, err)
+		}
+		if bind && (port == "*" || port == "") {
+			port = "0"
+		}
+		n, err := strconv.ParseUint(port, 10, 16)
+		if err != nil {
+			return "", "", fmt.Errorf("%q: bad port %q", ep, port)
+		}
+		switch {
+		case host == "*" && bind:
+			host = ""
+		case host == "*" || (host == "" && !bind):
+			return "", "", fmt.Errorf("%q: a connect endpoint needs a host (a * endpoint is bound by the engine: connect to its address)", ep)
+		case n == 0 && !bind:
+			return "", "", fmt.Errorf("%q: a connect endpoint needs a port", ep)
+		}
+		return "tcp", net.JoinHostPort(host, port), nil
+	default:
+		return "", "", fmt.Errorf("%q: unsupported transport %q (want tcp or ipc)", ep, scheme)
+	}
+}
+
+// ParseTopic splits an llm-d topic "kv@<pod>@<model>" into pod and model (model may contain '@'
+// and may be absent: "kv@<pod>"). ok is false for any other topic, including an empty pod.
+func ParseTopic(topic string) (pod, model string, ok bool) {
+	rest, found := strings.CutPrefix(topic, "kv@")
+	if !found {
+		return "", "", false
+	}
+	pod, model, _ = strings.Cut(rest, "@")
+	if pod == "" {
+		return "", "", false
+	}
+	return pod, model, true
+}
+
+// backend returns the backend's queue, creating it on first use (in bind mode with its source)
+// and reporting whether it did; the caller starts the worker of a new backend.
+func (c *ZMQConsumer) backend(name, topic string, bind bool) (be *zmqBackend, created bool) {
+	c.backendsMu.Lock()
+	defer c.backendsMu.Unlock()
+	if be := c.backends[name]; be != nil {
+		return be, false
+	}
+	be = &zmqBackend{
+		queue:  make(chan *zmqItem, c.cfg.QueueSize),
+		w:      backendWriter{sink: c.cfg.Sink, backend: name},
+		chains: make(map[chainKey]*chain),
+	}
+	if bind {
+		be.src = c.reg.add(name, "zmq", c.bound, topic, c.now)
+	}
+	c.backends[name] = be
+	return be, true
+}
+
+// Start starts the consumer's goroutines and returns. In bind mode it binds first and returns
+// the bind error, if any (ctx bounds the bind; Start may then be called again); in connect mode
+// it does not wait for any connection: unreachable engines are retried in the background (see
+// Status). Cancelling ctx after Start returns has no effect: stop the consumer with Close. It
+// returns ErrStarted after a successful Start and ErrClosed after Close.
+func (c *ZMQConsumer) Start(ctx context.Context) error {
+	return c.life.start(func() error {
+		if c.cfg.Bind != "" {
+			var lc net.ListenConfig
+			ln, err := lc.Listen(ctx, c.bindNet, c.bindAddr)
+			if err != nil {
+				c.listenSrc.setError(err)
+				c.listenSrc.setState(StateDisconnected)
+				return fmt.Errorf("events: zmq bind %s: %w", c.cfg.Bind, err)
+			}
+			c.bound = c.cfg.Bind
+			if a, ok := ln.Addr().(*net.TCPAddr); ok {
+				c.bound = "tcp://" + a.String()
+			}
+			c.listener.Store(&ln)
+			c.listenSrc.setState(StateConnected)
+			context.AfterFunc(c.life.ctx, func() { ln.Close() })
+			c.life.goTracked(func() { c.acceptLoop(ln) })
+			return nil
+		}
+		c.backendsMu.Lock()
+		for _, be := range c.backends {
+			c.life.goTracked(func() { c.work(be) })
+		}
+		c.backendsMu.Unlock()
+		for _, p := range c.pubs {
+			c.life.goTracked(func() { c.runPublisher(p) })
+		}
+		return nil
+	})
+}
+
+// Close stops every goroutine and closes every connection, waiting for them; a batch being
+// applied is finished first (the sink sees a cancelled ctx). Queued batches are discarded.
+// Close is idempotent; it returns the error of unregistering the metric callback, if any.
+func (c *ZMQConsumer) Close() error {
+	if !c.life.shutdown() {
+		return nil
+	}
+	c.reg.closeAll()
+	if c.listenSrc != nil {
+		c.listenSrc.setState(StateClosed)
+	}
+	return c.metrics.close()
+}
+
+// Status returns a snapshot of every source: one per endpoint in connect mode (in
+// configuration order), one per backend seen in bind mode (in order of first message). Safe
+// for concurrent use; it never blocks on the network.
+func (c *ZMQConsumer) Status() []SourceStatus { return c.reg.statuses() }
+
+// Listener returns the status of the bound socket in bind mode (ok false in connect mode): its
+// connection state, and the messages that could not be placed on a backend (bad framing before
+// the topic is known, topics that map to no backend, over MaxTopics), counted as Malformed.
+func (c *ZMQConsumer) Listener() (st SourceStatus, ok bool) {
+	if c.listenSrc == nil {
+		return SourceStatus{}, false
+	}
+	return c.listenSrc.status(), true
+}
+
+// Addr returns the bound address in bind mode once Start succeeded, nil otherwise.
+func (c *ZMQConsumer) Addr() net.Addr {
+	if ln := c.listener.Load(); ln != nil {
+		return (*ln).Addr()
+	}
+	return nil
+}
+
+// runPublisher is the connect-mode reader of one endpoint: dial, subscribe, read until the
+// connection fails, back off, repeat until Close.
+func (c *ZMQConsumer) runPublisher(p *zmqPublisher) {
+	ctx := c.life.ctx
+	bo := backoff{initial: c.cfg.InitialBackoff, max: c.cfg.MaxBackoff}
+	for attempt := 0; ; attempt++ {
+		if attempt > 0 {
+			p.src.reconnects.Add(1)
+		}
+		p.src.setState(StateConnecting)
+		connected := false
+		raw, zc, err := c.dialZMTP(ctx, p.network, p.addr, zmq4.Sub)
+		if err == nil {
+			err = subscribe(zc, c.cfg.Topic)
+			if err == nil {
+				connected = true
+				bo.reset()
+				p.src.setState(StateConnected)
+				c.log.Debug("kvroute events: zmq connected", "backend", p.cfg.Backend, "endpoint", p.cfg.Endpoint)
+				err = c.readPublisher(ctx, raw, zc, p)
+			}
+			raw.Close()
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		p.src.setError(err)
+		p.src.setState(StateDisconnected)
+		if connected {
+			c.queueReset(ctx, p.be, p.src, uint64(p.idx))
+			c.log.Warn("kvroute events: zmq connection lost", "backend", p.cfg.Backend, "endpoint", p.cfg.Endpoint, "err", err)
+		} else {
+			c.log.Debug("kvroute events: zmq connect failed", "backend", p.cfg.Backend, "endpoint", p.cfg.Endpoint, "err", err)
+		}
+		if !sleepCtx(ctx, bo.next()) {
+			return
+		}
+	}
+}
+
+// queueReset tells the backend's worker, in order with the batches, that connection conn was
+// lost: what the engine publishes until it is back is lost too (a PUB socket drops messages for
+// absent subscribers), and an engine that restarts comes back with an empty cache, so the
+// backend is cleared now rather than left stale, and the connection's chains are forgotten. It
+// waits for room in the queue (or Close).
+func (c *ZMQConsumer) queueReset(ctx context.Context, be *zmqBackend, src *source, conn uint64) {
+	it := c.items.Get().(*zmqItem)
+	it.src, it.conn, it.reset = src, conn, true
+	select {
+	case be.queue <- it:
+	case <-ctx.Done():
+		c.putItem(it)
+	}
+}
+
+// readPublisher reads one connect-mode connection until it fails or ctx ends.
+func (c *ZMQConsumer) readPublisher(ctx context.Context, raw net.Conn, zc *zmq4.Conn, p *zmqPublisher) error {
+	stop := context.AfterFunc(ctx, func() { raw.Close() })
+	defer stop()
+	var topic, model string
+	haveTopic := false
+	for {
+		msg, err := zc.RecvMsg()
+		if err != nil {
+			return err
+		}
+		if msg.Type == zmq4.CmdMsg {
+			continue
+		}
+		f := msg.Frames
+		if len(f) != 3 || len(f[1]) != 8 {
+			p.src.malformed.Add(1)
+			p.src.setError(fmt.Errorf("%w: zmq message of %d frames (want [topic, 8-byte seq, payload])", ErrMalformed, len(f)))
+			continue
+		}
+		if !bytes.HasPrefix(f[0], c.topic) {
+			continue
+		}
+		if !haveTopic || string(f[0]) != topic {
+			topic, model, haveTopic = string(f[0]), p.cfg.Model, true
+			if _, m, ok := ParseTopic(topic); ok && model == "" {
+				model = m
+			}
+		}
+		c.ingest(p.src, p.be, p, uint64(p.idx), topic, model, f[1], f[2])
+	}
+}
+
+// acceptLoop accepts engine connections in bind mode.
+func (c *ZMQConsumer) acceptLoop(ln net.Listener) {
+	ctx := c.life.ctx
+	maxConns := int64(4 * c.cfg.MaxTopics)
+	for {
+		raw, err := ln.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			c.listenSrc.setError(err)
+			if !sleepCtx(ctx, 50*time.Millisecond) {
+				return
+			}
+			continue
+		}
+		if c.conns.Add(1) > maxConns {
+			c.conns.Add(-1)
+			c.listenSrc.setError(fmt.Errorf("connection from %s refused: %d connections open", raw.RemoteAddr(), maxConns))
+			raw.Close()
+			continue
+		}
+		c.life.goTracked(func() {
+			defer c.conns.Add(-1)
+			c.serveBound(ctx, raw)
+		})
+	}
+}
+
+// serveBound reads one engine connection in bind mode.
+func (c *ZMQConsumer) serveBound(ctx context.Context, raw net.Conn) {
+	stop := context.AfterFunc(ctx, func() { raw.Close() })
+	defer stop()
+	defer raw.Close()
+	zc, err := c.handshake(ctx, raw, zmq4.Sub, true)
+	if err == nil {
+		err = subscribe(zc, c.cfg.Topic)
+	}
+	if err != nil {
+		if ctx.Err() == nil {
+			c.listenSrc.setError(fmt.Errorf("zmq handshake with %s: %w", raw.RemoteAddr(), err))
+		}
+		return
+	}
+	c.log.Debug("kvroute events: zmq publisher connected", "remote", raw.RemoteAddr().String())
+	conn := c.connIDs.Add(1)
+	var seen []*zmqBackend // backends this connection carried: connected while it is open
+	defer func() {
+		if ctx.Err() != nil {
+			return
+		}
+		for _, be := range seen {
+			if be.src.liveConns.Add(-1) == 0 {
+				be.src.setState(StateDisconnected)
+			}
+			c.queueReset(ctx, be, be.src, conn)
+		}
+	}()
+	var last *zmqRoute
+	for {
+		msg, err := zc.RecvMsg()
+		if err != nil {
+			if ctx.Err() == nil && !errors.Is(err, io.EOF) {
+				c.listenSrc.setError(fmt.Errorf("zmq connection from %s: %w", raw.RemoteAddr(), err))
+			}
+			return
+		}
+		if msg.Type == zmq4.CmdMsg {
+			continue
+		}
+		f := msg.Frames
+		if len(f) != 3 || len(f[1]) != 8 {
+			c.listenSrc.malformed.Add(1)
+			c.listenSrc.setError(fmt.Errorf("%w: zmq message of %d frames from %s (want [topic, 8-byte seq, payload])", ErrMalformed, len(f), raw.RemoteAddr()))
+			continue
+		}
+		if !bytes.HasPrefix(f[0], c.topic) {
+			continue
+		}
+		r := last
+		if r == nil || string(f[0]) != r.topic {
+			if r = c.route(f[0]); r == nil {
+				c.listenSrc.malformed.Add(1)
+				c.listenSrc.setError(fmt.Errorf("topic %q maps to no backend", f[0]))
+				continue
+			}
+			last = r
+			if !slices.Contains(seen, r.be) {
+				seen = append(seen, r.be)
+				if r.be.src.liveConns.Add(1) == 1 {
+					if r.be.src.everConnected.Load() {
+						r.be.src.reconnects.Add(1)
+					}
+					r.be.src.setState(StateConnected)
+				}
+			}
+		}
+		c.ingest(r.be.src, r.be, nil, conn, r.topic, r.model, f[1], f[2])
+	}
+}
+
+// route returns where a bind-mode topic goes, creating the backend on first sight; nil when the
+// topic maps to no backend or MaxTopics is reached.
+func (c *ZMQConsumer) route(topic []byte) *zmqRoute {
+	c.routesMu.RLock()
+	r := c.routes[string(topic)]
+	c.routesMu.RUnlock()
+	if r != nil {
+		return r
+	}
+	t := string(topic)
+	backend, model := c.cfg.TopicBackend[t], c.cfg.Model
+	if backend == "" {
+		if pod, m, ok := ParseTopic(t); ok {
+			backend = pod
+			if m != "" {
+				model = m
+			}
+		} else {
+			backend = c.cfg.DefaultBackend
+		}
+	}
+	if backend == "" {
+		return nil
+	}
+	c.routesMu.Lock()
+	defer c.routesMu.Unlock()
+	if r = c.routes[t]; r != nil {
+		return r
+	}
+	if len(c.routes) >= c.cfg.MaxTopics {
+		return nil
+	}
+	be, created := c.backend(backend, t, true)
+	if created {
+		c.life.goTracked(func() { c.work(be) })
+	}
+	r = &zmqRoute{topic: t, model: model, be: be}
+	c.routes[t] = r
+	return r
+}
+
+// ingest decodes one message and queues it for the backend's worker.
+func (c *ZMQConsumer) ingest(src *source, be *zmqBackend, p *zmqPublisher, conn uint64, topic, model string, seqFrame, payload []byte) {
+	seq := binary.BigEndian.Uint64(seqFrame)
+	src.batches.Add(1)
+	src.lastSeq.Store(seq)
+	it := c.items.Get().(*zmqItem)
+	skipped, err := DecodeMsgpackBatch(payload, &it.b)
+	if err != nil {
+		// Not queued: the worker sees the hole in the sequence and replays or resets.
+		src.malformed.Add(1)
+		src.setError(fmt.Errorf("batch %d: %w", seq, err))
+		c.putItem(it)
+		return
+	}
+	n := uint64(len(it.b.Events))
+	if skipped > 0 {
+		src.malformed.Add(uint64(skipped))
+		src.dropped.Add(uint64(skipped))
+	}
+	src.received.Add(n + uint64(skipped))
+	src.touch()
+	it.b.Seq, it.b.Model = seq, model
+	it.src, it.pub, it.conn, it.topic = src, p, conn, topic
+	select {
+	case be.queue <- it:
+	default:
+		src.overflows.Add(1)
+		src.dropped.Add(n)
+		c.putItem(it)
+	}
+}
+
+func (c *ZMQConsumer) putItem(it *zmqItem) {
+	it.src, it.pub, it.topic, it.reset = nil, nil, "", false
+	c.items.Put(it)
+}
+
+// work is a backend's worker: it applies the queued batches in order until Close.
+func (c *ZMQConsumer) work(be *zmqBackend) {
+	ctx := c.life.ctx
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case it := <-be.queue:
+			c.handle(ctx, be, it)
+			c.putItem(it)
+		}
+	}
+}
+
+// handle checks the batch's sequence against its publisher's chain, repairs a gap (replay) or
+// requests a reset, then applies the batch.
+func (c *ZMQConsumer) handle(ctx context.Context, be *zmqBackend, it *zmqItem) {
+	src, seq := it.src, it.b.Seq
+	if it.reset {
+		// The connection's chains start over with its next batch.
+		for k := range be.chains {
+			if k.conn == it.conn {
+				delete(be.chains, k)
+			}
+		}
+		be.w.requestReset()
+		var empty Batch
+		be.w.apply(ctx, src, &empty)
+		return
+	}
+	key := chainKey{conn: it.conn, topic: it.topic, rank: -1}
+	if it.b.HasDPRank {
+		key.rank = it.b.DPRank
+	}
+	ch := be.chains[key]
+	switch {
+	case ch == nil: // first batch of this publisher: the baseline
+		if len(be.chains) >= maxChainsPerPipe {
+			clear(be.chains)
+		}
+		ch = &chain{}
+		be.chains[key] = ch
+	case seq == ch.last+1:
+	case seq > ch.last+1:
+		src.gaps.Add(1)
+		switch {
+		case it.pub == nil || it.pub.replayAddr == "":
+			c.log.Debug("kvroute events: sequence gap, resetting backend", "backend", be.w.backend, "from", ch.last+1, "to", seq)
+			be.w.requestReset()
+		default:
+			if err := c.replay(ctx, be, it, ch.last+1, seq); err != nil {
+				if ctx.Err() != nil {
+					return
+				}
+				src.replayFailures.Add(1)
+				src.setError(fmt.Errorf("replay %d..%d: %w", ch.last+1, seq-1, err))
+				c.log.Warn("kvroute events: replay failed, resetting backend", "backend", be.w.backend, "err", err)
+				be.w.requestReset()
+			} else {
+				src.replays.Add(1)
+			}
+		}
+	default: // seq ≤ last: the publisher restarted, and its engine's cache with it
+		c.log.Debug("kvroute events: sequence went back, resetting backend", "backend", be.w.backend, "last", ch.last, "seq", seq)
+		be.w.requestReset()
+	}
+	ch.last = seq
+	be.w.apply(ctx, src, &it.b)
+}
+
+// replay requests the batches [from, until) from the publisher's replay endpoint and applies
+// them in order. It fails when the publisher no longer holds one of them, on a malformed
+// answer, and after ReplayTimeout.
+func (c *ZMQConsumer) replay(ctx context.Context, be *zmqBackend, it *zmqItem, from, until uint64) error {
+	ctx, cancel := context.WithTimeout(ctx, c.cfg.ReplayTimeout)
+	defer cancel()
+	p, src := it.pub, it.src
+	raw, zc, err := c.dialZMTP(ctx, p.replayNet, p.replayAddr, zmq4.Dealer)
+	if err != nil {
+		return err
+	}
+	defer raw.Close()
+	stop := context.AfterFunc(ctx, func() { raw.Close() })
+	defer stop()
+	var start [8]byte
+	binary.BigEndian.PutUint64(start[:], from)
+	if err := zc.SendMsg(zmq4.NewMsgFrom([]byte{}, start[:])); err != nil {
+		return err
+	}
+	b := &be.replayBuf
+	for next := from; next < until; {
+		msg, err := zc.RecvMsg()
+		if err != nil {
+			if ctx.Err() != nil {
+				return fmt.Errorf("no answer in %v: %w", c.cfg.ReplayTimeout, ctx.Err())
+			}
+			return err
+		}
+		if msg.Type == zmq4.CmdMsg {
+			continue
+		}
+		f := msg.Frames
+		if len(f) == 3 && len(f[0]) == 0 {
+			f = f[1:] // the DEALER sees the ROUTER's empty delimiter
+		}
+		if len(f) != 2 || len(f[0]) != 8 {
+			return fmt.Errorf("%w: replay message of %d frames (want [\"\", seq, payload])", ErrMalformed, len(msg.Frames))
+		}
+		seq := binary.BigEndian.Uint64(f[0])
+		switch {
+		case seq == ReplayEndSeq:
+			return fmt.Errorf("publisher no longer holds batch %d", next)
+		case seq < next:
+			continue
+		case seq > next:
+			return fmt.Errorf("publisher no longer holds batch %d (replay starts at %d)", next, seq)
+		}
+		src.batches.Add(1)
+		skipped, err := DecodeMsgpackBatch(f[1], b)
+		if err != nil {
+			src.malformed.Add(1)
+			return fmt.Errorf("replayed batch %d: %w", seq, err)
+		}
+		if skipped > 0 {
+			src.malformed.Add(uint64(skipped))
+			src.dropped.Add(uint64(skipped))
+		}
+		src.received.Add(uint64(len(b.Events) + skipped))
+		b.Seq, b.Model = seq, it.b.Model
+		be.w.apply(ctx, src, b)
+		next++
+	}
+	return nil
+}
+
+// dialZMTP connects to addr and performs the ZMTP handshake as typ.
+func (c *ZMQConsumer) dialZMTP(ctx context.Context, network, addr string, typ zmq4.SocketType) (net.Conn, *zmq4.Conn, error) {
+	d := net.Dialer{Timeout: c.cfg.DialTimeout}
+	raw, err := d.DialContext(ctx, network, addr)
+	if err != nil {
+		return nil, nil, err
+	}
+	zc, err := c.handshake(ctx, raw, typ, false)
+	if err != nil {
+		raw.Close()
+		return nil, nil, err
+	}
+	return raw, zc, nil
+}
+
+// handshake runs the ZMTP 3 greeting and NULL handshake on raw within DialTimeout (and ctx),
+// reading through a guard that refuses frames above MaxMessageSize.
+func (c *ZMQConsumer) handshake(ctx context.Context, raw net.Conn, typ zmq4.SocketType, server bool) (*zmq4.Conn, error) {
+	if err := raw.SetDeadline(time.Now().Add(c.cfg.DialTimeout)); err != nil {
+		return nil, err
+	}
+	stop := context.AfterFunc(ctx, func() { raw.SetDeadline(time.Unix(1, 0)) })
+	g := &frameGuard{Conn: raw, max: uint64(c.cfg.MaxMessageSize), greeting: zmtpGreetingLen}
+	zc, err := zmq4.Open(g, null.Security(), typ, nil, server, nil)
+	if !stop() {
+		return nil, ctx.Err()
+	}
+	if err != nil {
+		return nil, err
+	}
+	if err := raw.SetDeadline(time.Time{}); err != nil {
+		return nil, err
+	}
+	return zc, nil
+}
+
+// subscribe sends a SUB subscription (ZMTP 3.0: a message whose first byte is 1).
+func subscribe(zc *zmq4.Conn, topic string) error {
+	return zc.SendMsg(zmq4.NewMsg(append([]byte{1}, topic...)))
+}
+
+// errFrameTooLarge is returned by frameGuard for a message above the size cap.
+var errFrameTooLarge = errors.New("zmq message exceeds MaxMessageSize")
+
+// frameGuard follows the ZMTP 3 framing of the bytes read through it and fails the read that
+// announces a frame (or a multi-frame message) larger than max, or a message of more than
+// zmtpMaxFrames frames — before the codec allocates a buffer of the announced size.
+type frameGuard struct {
+	net.Conn
+	max      uint64
+	greeting int // greeting bytes still to pass through
+
+	state  uint8 // 0 flags, 1 size, 2 body
+	long   bool
+	more   bool
+	size   [8]byte
+	sizeN  int
+	remain uint64
+	total  uint64 // bytes of the current message so far
+	frames int    // frames of the current message so far
+	err    error  // sticky: the cap was exceeded
+}
+
+// Read reads from the connection and checks the frame headers it saw. Once a header is over
+// the cap every read fails, returning no bytes (io.ReadFull would drop an error that came with
+// a full buffer).
+func (g *frameGuard) Read(p []byte) (int, error) {
+	if g.err != nil {
+		return 0, g.err
+	}
+	n, err := g.Conn.Read(p)
+	if g.err = g.scan(p[:n]); g.err != nil {
+		return 0, g.err
+	}
+	return n, err
+}
+
+func (g *frameGuard) scan(b []byte) error {
+	for len(b) > 0 {
+		switch {
+		case g.greeting > 0:
+			k := min(g.greeting, len(b))
+			g.greeting -= k
+			b = b[k:]
+		case g.state == 0:
+			flags := b[0]
+			g.long, g.more = flags&0x02 != 0, flags&0x01 != 0 && flags&0x04 == 0
+			g.state, g.sizeN = 1, 0
+			if g.frames++; g.frames > zmtpMaxFrames {
+				return fmt.Errorf("%w: more than %d frames", errFrameTooLarge, zmtpMaxFrames)
+			}
+			b = b[1:]
+		case g.state == 1:
+			need := 1
+			if g.long {
+				need = 8
+			}
+			k := copy(g.size[g.sizeN:need], b)
+			g.sizeN += k
+			b = b[k:]
+			if g.sizeN < need {
+				continue
+			}
+			size := uint64(g.size[0])
+			if g.long {
+				size = binary.BigEndian.Uint64(g.size[:])
+			}
+			if size > g.max || g.total+size > g.max {
+				return fmt.Errorf("%w: frame of %d bytes (cap %d)", errFrameTooLarge, size, g.max)
+			}
+			g.total += size
+			g.remain, g.state = size, 2
+			if size == 0 {
+				g.endFrame()
+			}
+		default:
+			k := min(g.remain, uint64(len(b)))
+			g.remain -= k
+			b = b[k:]
+			if g.remain == 0 {
+				g.endFrame()
+			}
+		}
+	}
+	return nil
+}
+
+func (g *frameGuard) endFrame() {
+	g.state = 0
+	if !g.more {
+		g.total, g.frames = 0, 0
+	}
+}

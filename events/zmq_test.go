@@ -1,0 +1,767 @@
+package events
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/go-zeromq/zmq4/security/null"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+)
+
+const (
+	waitFor = 10 * time.Second
+	tick    = 5 * time.Millisecond
+)
+
+// startZMQ creates and starts a consumer with test-friendly timings; Close runs at cleanup.
+func startZMQ(t *testing.T, cfg ZMQConfig) *ZMQConsumer {
+	t.Helper()
+	if cfg.InitialBackoff == 0 {
+		cfg.InitialBackoff = 10 * time.Millisecond
+	}
+	if cfg.MaxBackoff == 0 {
+		cfg.MaxBackoff = 100 * time.Millisecond
+	}
+	if cfg.DialTimeout == 0 {
+		cfg.DialTimeout = 2 * time.Second
+	}
+	c, err := NewZMQConsumer(cfg)
+	require.NoError(t, err)
+	require.NoError(t, c.Start(context.Background()))
+	t.Cleanup(func() { require.NoError(t, c.Close()) })
+	return c
+}
+
+func stored(hash uint64) []any {
+	return StoredEvent([]uint64{hash}, -1, make([]uint32, 16), 16, "GPU")
+}
+
+func statusOf(t *testing.T, c interface{ Status() []SourceStatus }, backend string) SourceStatus {
+	t.Helper()
+	for _, s := range c.Status() {
+		if s.Backend == backend {
+			return s
+		}
+	}
+	t.Fatalf("no status for backend %q in %+v", backend, c.Status())
+	return SourceStatus{}
+}
+
+// freePort returns a loopback port nothing listens on (it was free a moment ago).
+func freePort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	port := ln.Addr().(*net.TCPAddr).Port
+	require.NoError(t, ln.Close())
+	return port
+}
+
+func TestParseTopic(t *testing.T) {
+	for _, tc := range []struct {
+		topic, pod, model string
+		ok                bool
+	}{
+		{"kv@pod-a@meta-llama/Llama-3.1-8B", "pod-a", "meta-llama/Llama-3.1-8B", true},
+		{"kv@pod-a", "pod-a", "", true},
+		{"kv@pod-a@", "pod-a", "", true},
+		{"kv@pod-a@org/model@rev", "pod-a", "org/model@rev", true},
+		{"kv@@model", "", "", false},
+		{"", "", "", false},
+		{"kv", "", "", false},
+		{"kv-events", "", "", false},
+		{"KV@pod@m", "", "", false},
+	} {
+		t.Run(tc.topic, func(t *testing.T) {
+			pod, model, ok := ParseTopic(tc.topic)
+			assert.Equal(t, tc.ok, ok)
+			assert.Equal(t, tc.pod, pod)
+			assert.Equal(t, tc.model, model)
+		})
+	}
+}
+
+func TestNewZMQConsumerConfig(t *testing.T) {
+	sink := NewRecordingSink()
+	ep := []ZMQEndpoint{{Backend: "a", Endpoint: "tcp://127.0.0.1:5557"}}
+	for _, tc := range []struct {
+		name string
+		cfg  ZMQConfig
+		ok   bool
+	}{
+		{"connect", ZMQConfig{Sink: sink, Endpoints: ep}, true},
+		{"connect ipc", ZMQConfig{Sink: sink, Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: "ipc:///tmp/kv.sock"}}}, true},
+		{"connect with replay", ZMQConfig{Sink: sink, Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: "tcp://h:1", ReplayEndpoint: "tcp://h:2"}}}, true},
+		{"dp ranks share a backend", ZMQConfig{Sink: sink, Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: "tcp://h:5557"}, {Backend: "a", Endpoint: "tcp://h:5558"}}}, true},
+		{"bind", ZMQConfig{Sink: sink, Bind: "tcp://*:5557", TopicBackend: map[string]string{"": "a"}}, true},
+		{"bind free port", ZMQConfig{Sink: sink, Bind: "tcp://127.0.0.1:0"}, true},
+		{"no sink", ZMQConfig{Endpoints: ep}, false},
+		{"neither mode", ZMQConfig{Sink: sink}, false},
+		{"both modes", ZMQConfig{Sink: sink, Endpoints: ep, Bind: "tcp://*:5557"}, false},
+		{"no backend", ZMQConfig{Sink: sink, Endpoints: []ZMQEndpoint{{Endpoint: "tcp://h:1"}}}, false},
+		{"connect to star", ZMQConfig{Sink: sink, Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: "tcp://*:5557"}}}, false},
+		{"no port", ZMQConfig{Sink: sink, Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: "tcp://h"}}}, false},
+		{"port 0", ZMQConfig{Sink: sink, Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: "tcp://h:0"}}}, false},
+		{"bad scheme", ZMQConfig{Sink: sink, Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: "http://h:1"}}}, false},
+		{"bad replay", ZMQConfig{Sink: sink, Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: "tcp://h:1", ReplayEndpoint: "h:2"}}}, false},
+		{"duplicate", ZMQConfig{Sink: sink, Endpoints: append(ep, ep...)}, false},
+		{"bind options in connect mode", ZMQConfig{Sink: sink, Endpoints: ep, DefaultBackend: "a"}, false},
+		{"empty topic backend", ZMQConfig{Sink: sink, Bind: "tcp://*:1", TopicBackend: map[string]string{"t": ""}}, false},
+		{"negative queue", ZMQConfig{Sink: sink, Endpoints: ep, QueueSize: -1}, false},
+		{"backoff inverted", ZMQConfig{Sink: sink, Endpoints: ep, InitialBackoff: time.Second, MaxBackoff: time.Millisecond}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, err := NewZMQConsumer(tc.cfg)
+			if !tc.ok {
+				require.ErrorIs(t, err, ErrInvalidConfig)
+				return
+			}
+			require.NoError(t, err)
+			require.NoError(t, c.Close())
+		})
+	}
+}
+
+func TestZMQConnectMode(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		topic     string
+		subscribe string
+		model     string // ZMQEndpoint.Model
+		firstSeq  uint64
+		wantModel string
+	}{
+		{"default topic from 0", "", "", "", 0, ""},
+		{"llm-d topic names the model", "kv@pod-a@meta-llama/Llama-3.1-8B", "kv@", "", 0, "meta-llama/Llama-3.1-8B"},
+		{"configured model wins", "kv@pod-a@m", "", "configured", 1, "configured"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pub := NewFakePublisher(t, FakePublisherConfig{Topic: tc.topic, FirstSeq: tc.firstSeq})
+			sink := NewRecordingSink()
+			c := startZMQ(t, ZMQConfig{Sink: sink, Topic: tc.subscribe,
+				Endpoints: []ZMQEndpoint{{Backend: "vllm-0", Endpoint: pub.Endpoint, Model: tc.model}}})
+			pub.WaitSubscribed()
+			for i := range 5 {
+				pub.Publish(stored(uint64(100+i)), RemovedEvent([]uint64{uint64(100 + i)}, "cpu"))
+			}
+			require.Eventually(t, func() bool { return len(sink.Applied("vllm-0")) == 5 }, waitFor, tick)
+			for i, b := range sink.Applied("vllm-0") {
+				assert.Equal(t, tc.firstSeq+uint64(i), b.Seq)
+				assert.Equal(t, tc.wantModel, b.Model)
+				assert.Equal(t, []Kind{KindBlockStored, KindBlockRemoved}, b.Kinds)
+				assert.Equal(t, [][]uint64{{uint64(100 + i)}, {uint64(100 + i)}}, b.Hashes)
+			}
+			assert.Zero(t, sink.Clears("vllm-0"))
+			st := statusOf(t, c, "vllm-0")
+			assert.True(t, st.Connection.Connected)
+			assert.Equal(t, StateConnected, st.Connection.State)
+			assert.Equal(t, EventStats{Received: 10, Processed: 10}, st.Events)
+			assert.Equal(t, uint64(5), st.Sequence.Batches)
+			assert.Equal(t, tc.firstSeq+4, st.Sequence.LastSeq)
+			assert.Zero(t, st.Sequence.Gaps)
+			assert.False(t, st.Connection.LastEventAt.IsZero())
+			assert.Equal(t, "zmq", st.Transport)
+			assert.Equal(t, pub.Endpoint, st.Endpoint)
+		})
+	}
+}
+
+func TestZMQTopicFilter(t *testing.T) {
+	pub := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@pod-a@m"})
+	sink := NewRecordingSink()
+	c := startZMQ(t, ZMQConfig{Sink: sink, Topic: "kv@pod-a",
+		Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: pub.Endpoint}}})
+	pub.WaitSubscribed()
+	// A message on another topic never reaches the sink (the PUB filters, and so do we).
+	pub.SendFrames([]byte("other"), seqFrame(7), EncodeFakeBatch(nil, stored(1)))
+	pub.Publish(stored(2))
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 1 }, waitFor, tick)
+	assert.Equal(t, [][]uint64{{2}}, sink.Applied("a")[0].Hashes)
+	assert.Zero(t, statusOf(t, c, "a").Events.Malformed)
+}
+
+func TestZMQBindMode(t *testing.T) {
+	sink := NewRecordingSink()
+	c := startZMQ(t, ZMQConfig{Sink: sink, Bind: "tcp://127.0.0.1:0", Model: "default-model",
+		TopicBackend: map[string]string{"engine-c": "vllm-c"}})
+	addr := "tcp://" + c.Addr().String()
+	pubs := map[string]*FakePublisher{}
+	for _, topic := range []string{"kv@pod-a@llama", "kv@pod-b", "engine-c", "unknown"} {
+		pubs[topic] = NewFakePublisher(t, FakePublisherConfig{Topic: topic, Connect: addr})
+		pubs[topic].WaitSubscribed()
+	}
+	for i := range 3 {
+		for _, p := range pubs {
+			p.Publish(stored(uint64(i)))
+		}
+	}
+	for _, tc := range []struct{ backend, model string }{
+		{"pod-a", "llama"},
+		{"pod-b", "default-model"},
+		{"vllm-c", "default-model"},
+	} {
+		t.Run(tc.backend, func(t *testing.T) {
+			require.Eventually(t, func() bool { return len(sink.Applied(tc.backend)) == 3 }, waitFor, tick)
+			for i, b := range sink.Applied(tc.backend) {
+				assert.Equal(t, uint64(i), b.Seq)
+				assert.Equal(t, tc.model, b.Model)
+			}
+			st := statusOf(t, c, tc.backend)
+			assert.True(t, st.Connection.Connected)
+			assert.Equal(t, uint64(3), st.Events.Processed)
+			assert.Equal(t, addr, st.Endpoint)
+		})
+	}
+	// "unknown" maps to no backend: counted on the listener, never applied.
+	require.Eventually(t, func() bool {
+		ls, ok := c.Listener()
+		return ok && ls.Events.Malformed == 3
+	}, waitFor, tick)
+	ls, _ := c.Listener()
+	assert.True(t, ls.Connection.Connected)
+	assert.Contains(t, ls.LastError, "maps to no backend")
+	assert.Len(t, c.Status(), 3)
+
+	// A publisher that goes away marks its backend disconnected; when it comes back the
+	// reconnection is counted.
+	pubs["kv@pod-b"].Stop()
+	require.Eventually(t, func() bool { return !statusOf(t, c, "pod-b").Connection.Connected }, waitFor, tick)
+	assert.Equal(t, StateDisconnected, statusOf(t, c, "pod-b").Connection.State)
+	pubs["kv@pod-b"].Restart()
+	pubs["kv@pod-b"].WaitSubscribed()
+	pubs["kv@pod-b"].Publish(stored(9))
+	require.Eventually(t, func() bool { return statusOf(t, c, "pod-b").Connection.Connected }, waitFor, tick)
+	assert.Equal(t, uint64(1), statusOf(t, c, "pod-b").Connection.ReconnectCount)
+	// Its sequence went back to 0: the backend was reset.
+	require.Eventually(t, func() bool { return sink.Clears("pod-b") == 1 }, waitFor, tick)
+}
+
+func TestZMQBindModeDPRanks(t *testing.T) {
+	// Two data-parallel ranks of one engine connect with the same topic and independent
+	// sequences; old engines do not name the rank in the batch, and then only the connection
+	// tells them apart.
+	r0, r1 := 0, 1
+	for _, tc := range []struct {
+		name   string
+		r0, r1 *int
+	}{
+		{"ranks named", &r0, &r1},
+		{"ranks not named", nil, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sink := NewRecordingSink()
+			c := startZMQ(t, ZMQConfig{Sink: sink, Bind: "tcp://127.0.0.1:0", DefaultBackend: "solo"})
+			addr := "tcp://" + c.Addr().String()
+			p0 := NewFakePublisher(t, FakePublisherConfig{Connect: addr, Rank: tc.r0})
+			p1 := NewFakePublisher(t, FakePublisherConfig{Connect: addr, Rank: tc.r1, FirstSeq: 100})
+			p0.WaitSubscribed()
+			p1.WaitSubscribed()
+			for i := range 4 {
+				p0.Publish(stored(uint64(i)))
+				p1.Publish(stored(uint64(1000 + i)))
+			}
+			require.Eventually(t, func() bool { return len(sink.Applied("solo")) == 8 }, waitFor, tick)
+			assert.Zero(t, sink.Clears("solo"), "interleaved ranks are neither gaps nor restarts")
+			assert.Zero(t, statusOf(t, c, "solo").Sequence.Gaps)
+
+			// Rank 1 goes away: the backend is cleared; rank 0 keeps its sequence.
+			p1.Stop()
+			require.Eventually(t, func() bool { return sink.Clears("solo") == 1 }, waitFor, tick)
+			assert.True(t, statusOf(t, c, "solo").Connection.Connected, "rank 0 is still connected")
+			p0.Publish(stored(4))
+			require.Eventually(t, func() bool { return len(sink.Applied("solo")) == 9 }, waitFor, tick)
+			assert.Equal(t, 1, sink.Clears("solo"))
+		})
+	}
+}
+
+func TestZMQGapReplay(t *testing.T) {
+	pub := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@p@m", Replay: true})
+	sink := NewRecordingSink()
+	c := startZMQ(t, ZMQConfig{Sink: sink,
+		Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}})
+	pub.WaitSubscribed()
+	pub.Publish(stored(0))
+	pub.Lose(stored(1))
+	pub.Lose(stored(2), stored(22))
+	pub.Publish(stored(3))
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 4 }, waitFor, tick)
+	assert.Equal(t, []int64{0, 1, 2, 3}, sink.Seqs("a"), "the hole is filled in order, without a reset")
+	assert.Equal(t, [][]uint64{{2}, {22}}, sink.Applied("a")[2].Hashes)
+	for _, b := range sink.Applied("a") {
+		assert.Equal(t, "m", b.Model)
+	}
+	st := statusOf(t, c, "a")
+	assert.Equal(t, uint64(1), st.Sequence.Gaps)
+	assert.Equal(t, uint64(1), st.Sequence.Replays)
+	assert.Zero(t, st.Sequence.Resets)
+	assert.Equal(t, uint64(5), st.Events.Processed)
+	assert.Equal(t, 1, pub.Replays())
+}
+
+func TestZMQGapReset(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		replay bool
+		keep   int
+		fail   bool // replay endpoint configured but nothing listens
+	}{
+		{name: "no replay endpoint"},
+		{name: "publisher no longer holds the batches", replay: true, keep: 1},
+		{name: "replay endpoint down", fail: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pub := NewFakePublisher(t, FakePublisherConfig{Replay: tc.replay, ReplayKeep: tc.keep})
+			ep := ZMQEndpoint{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}
+			if tc.fail {
+				ep.ReplayEndpoint = fmt.Sprintf("tcp://127.0.0.1:%d", freePort(t))
+			}
+			sink := NewRecordingSink()
+			c := startZMQ(t, ZMQConfig{Sink: sink, Endpoints: []ZMQEndpoint{ep}, ReplayTimeout: time.Second})
+			pub.WaitSubscribed()
+			pub.Publish(stored(0))
+			pub.Lose(stored(1))
+			pub.Lose(stored(2))
+			pub.Publish(stored(3))
+			require.Eventually(t, func() bool { return len(sink.Applied("a")) >= 2 }, waitFor, tick)
+			// The backend is cleared before batch 3 is applied; nothing of 1 or 2 is applied.
+			assert.Equal(t, []int64{0, -1, 3}, sink.Seqs("a"))
+			st := statusOf(t, c, "a")
+			assert.Equal(t, uint64(1), st.Sequence.Gaps)
+			assert.Equal(t, uint64(1), st.Sequence.Resets)
+			assert.Zero(t, st.Sequence.Replays)
+			if tc.replay || tc.fail {
+				assert.Equal(t, uint64(1), st.Sequence.ReplayFailures)
+				assert.Contains(t, st.LastError, "replay")
+			}
+			// The chain is re-baselined: the next batch is in order.
+			pub.Publish(stored(4))
+			require.Eventually(t, func() bool { return len(sink.Applied("a")) == 3 }, waitFor, tick)
+			assert.Equal(t, 1, sink.Clears("a"))
+		})
+	}
+}
+
+func TestZMQPublisherRestart(t *testing.T) {
+	pub := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@p@m", Replay: true})
+	sink := NewRecordingSink()
+	c := startZMQ(t, ZMQConfig{Sink: sink,
+		Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}})
+	pub.WaitSubscribed()
+	for i := range 3 {
+		pub.Publish(stored(uint64(i)))
+	}
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 3 }, waitFor, tick)
+
+	// The engine restarts on the same ports; its sequence starts over at 0.
+	pub.Restart()
+	require.Eventually(t, func() bool { return statusOf(t, c, "a").Connection.ReconnectCount >= 1 }, waitFor, tick)
+	pub.WaitSubscribed() // the consumer reconnected on its own
+	pub.Publish(stored(100))
+	require.Eventually(t, func() bool { return sink.Clears("a") == 1 }, waitFor, tick)
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 4 }, waitFor, tick)
+	assert.Equal(t, []int64{0, 1, 2, -1, 0}, sink.Seqs("a"))
+	st := statusOf(t, c, "a")
+	assert.True(t, st.Connection.Connected)
+	assert.Equal(t, uint64(1), st.Sequence.Resets)
+	assert.Zero(t, pub.Replays(), "a restart is not replayed")
+}
+
+func TestZMQReconnectResets(t *testing.T) {
+	// An engine that comes back lost what it published while we were away, and a restarted one
+	// lost its cache: the backend is cleared when the connection is lost, whatever the sequence
+	// says next. The first batch on the new connection starts a new chain (no gap, no replay).
+	for _, tc := range []struct {
+		name string
+		lose int // batches published (and lost) before the first one we see
+		seq  uint64
+	}{
+		{"sequence ahead", 2, 2},
+		{"sequence continues ours by chance", 0, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pub := NewFakePublisher(t, FakePublisherConfig{Replay: true})
+			sink := NewRecordingSink()
+			c := startZMQ(t, ZMQConfig{Sink: sink,
+				Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}})
+			pub.WaitSubscribed()
+			pub.Publish(stored(0))
+			require.Eventually(t, func() bool { return len(sink.Applied("a")) == 1 }, waitFor, tick)
+			pub.Restart()
+			require.Eventually(t, func() bool { return sink.Clears("a") == 1 }, waitFor, tick, "cleared when the connection is lost")
+			pub.WaitSubscribed()
+			for range tc.lose {
+				pub.Lose(stored(9))
+			}
+			if tc.seq == 0 {
+				pub.ResetSeq(1) // the new life continues the old sequence: 1 = last+1
+			}
+			pub.Publish(stored(3))
+			require.Eventually(t, func() bool { return len(sink.Applied("a")) == 2 }, waitFor, tick)
+			assert.Equal(t, 1, sink.Clears("a"))
+			assert.Zero(t, pub.Replays())
+			st := statusOf(t, c, "a")
+			assert.Zero(t, st.Sequence.Gaps)
+			assert.Equal(t, uint64(1), st.Sequence.Resets)
+		})
+	}
+}
+
+func TestZMQSequenceWentBack(t *testing.T) {
+	// A publisher whose sequence goes back on the same connection (a relay in between, or an
+	// engine restarted behind a forwarder) restarted: reset and re-baseline.
+	pub := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@p@m", FirstSeq: 1})
+	sink := NewRecordingSink()
+	c := startZMQ(t, ZMQConfig{Sink: sink, Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: pub.Endpoint}}})
+	pub.WaitSubscribed()
+	for i := range 3 {
+		pub.Publish(stored(uint64(i)))
+	}
+	pub.ResetSeq(1)
+	pub.Publish(stored(10))
+	pub.Publish(stored(11))
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 5 }, waitFor, tick)
+	assert.Equal(t, []int64{1, 2, 3, -1, 1, 2}, sink.Seqs("a"))
+	st := statusOf(t, c, "a")
+	assert.Equal(t, uint64(1), st.Sequence.Resets)
+	assert.Zero(t, st.Sequence.Gaps)
+	assert.Zero(t, st.Connection.ReconnectCount)
+}
+
+func TestZMQEngineDownAtStart(t *testing.T) {
+	port := freePort(t)
+	sink := NewRecordingSink()
+	c := startZMQ(t, ZMQConfig{Sink: sink,
+		Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", port)}}})
+	require.Eventually(t, func() bool { return statusOf(t, c, "a").Connection.ReconnectCount >= 2 }, waitFor, tick)
+	st := statusOf(t, c, "a")
+	assert.False(t, st.Connection.Connected)
+	assert.NotEmpty(t, st.LastError)
+
+	pub := NewFakePublisher(t, FakePublisherConfig{Port: port})
+	pub.WaitSubscribed()
+	pub.Publish(stored(1))
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 1 }, waitFor, tick)
+	assert.True(t, statusOf(t, c, "a").Connection.Connected)
+}
+
+func TestZMQMalformed(t *testing.T) {
+	pub := NewFakePublisher(t, FakePublisherConfig{})
+	sink := NewRecordingSink()
+	c := startZMQ(t, ZMQConfig{Sink: sink, Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: pub.Endpoint}}})
+	pub.WaitSubscribed()
+	pub.Publish(stored(0))
+	pub.SendFrames([]byte(""), []byte{1, 2, 3}, EncodeFakeBatch(nil, stored(1))) // short seq frame
+	pub.SendFrames([]byte(""), seqFrame(1))                                      // two frames
+	pub.PublishRaw([]byte{0xc1, 0xff, 0x00})                                     // seq 1: not msgpack
+	pub.Publish(stored(2), []any{"FutureEvent", 1}, stored(3))                   // seq 2: one event skipped
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 2 }, waitFor, tick)
+	// Batch 1 was lost to the decoder: a gap, and without replay a reset.
+	assert.Equal(t, []int64{0, -1, 2}, sink.Seqs("a"))
+	assert.Equal(t, []Kind{KindBlockStored, KindBlockStored}, sink.Applied("a")[1].Kinds)
+	st := statusOf(t, c, "a")
+	assert.Equal(t, uint64(4), st.Events.Malformed, "2 bad framings, 1 bad payload, 1 skipped event")
+	assert.Equal(t, uint64(4), st.Events.Received)
+	assert.Equal(t, uint64(3), st.Events.Processed)
+	assert.Equal(t, uint64(1), st.Events.Dropped)
+	assert.True(t, st.Connection.Connected, "malformed input does not drop the connection")
+	assert.NotEmpty(t, st.LastError)
+}
+
+func TestZMQQueueOverflow(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		replay bool
+	}{
+		{"replayed", true},
+		{"reset", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pub := NewFakePublisher(t, FakePublisherConfig{Replay: tc.replay})
+			sink := NewRecordingSink()
+			ep := ZMQEndpoint{Backend: "a", Endpoint: pub.Endpoint}
+			if tc.replay {
+				ep.ReplayEndpoint = pub.ReplayEndpoint
+			}
+			c := startZMQ(t, ZMQConfig{Sink: sink, QueueSize: 2, Endpoints: []ZMQEndpoint{ep}})
+			pub.WaitSubscribed()
+			entered := sink.Block()
+			pub.Publish(stored(0))
+			<-entered // the worker holds batch 0; the queue takes 2 more; the rest overflow
+			for i := 1; i <= 8; i++ {
+				pub.Publish(stored(uint64(i)))
+			}
+			require.Eventually(t, func() bool { return statusOf(t, c, "a").Sequence.Batches == 9 }, waitFor, tick)
+			st := statusOf(t, c, "a")
+			assert.Equal(t, uint64(6), st.Sequence.QueueOverflows)
+			assert.Equal(t, uint64(6), st.Events.Dropped)
+			sink.Unblock()
+			pub.Publish(stored(9)) // reveals the hole 3..8 to the worker
+			if tc.replay {
+				require.Eventually(t, func() bool { return len(sink.Applied("a")) == 10 }, waitFor, tick)
+				assert.Equal(t, []int64{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, sink.Seqs("a"))
+				assert.Equal(t, uint64(1), statusOf(t, c, "a").Sequence.Replays)
+			} else {
+				require.Eventually(t, func() bool { return len(sink.Applied("a")) == 4 }, waitFor, tick)
+				assert.Equal(t, []int64{0, 1, 2, -1, 9}, sink.Seqs("a"))
+			}
+			assert.Equal(t, uint64(1), statusOf(t, c, "a").Sequence.Gaps)
+		})
+	}
+}
+
+func TestZMQSinkFailureResetsBackend(t *testing.T) {
+	pub := NewFakePublisher(t, FakePublisherConfig{})
+	sink := NewRecordingSink()
+	c := startZMQ(t, ZMQConfig{Sink: sink, Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: pub.Endpoint}}})
+	pub.WaitSubscribed()
+	pub.Publish(stored(0))
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 1 }, waitFor, tick)
+	sink.SetFail(errSinkDown)
+	pub.Publish(stored(1))
+	require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Dropped == 1 }, waitFor, tick)
+	assert.Contains(t, statusOf(t, c, "a").LastError, "sink down")
+	sink.SetFail(nil)
+	pub.Publish(stored(2))
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 2 }, waitFor, tick)
+	assert.Equal(t, []int64{0, -1, 2}, sink.Seqs("a"), "the backend is cleared before the next batch")
+}
+
+func TestZMQCloseStopsEverything(t *testing.T) {
+	for _, mode := range []string{"connect", "bind"} {
+		t.Run(mode, func(t *testing.T) {
+			pub := NewFakePublisher(t, FakePublisherConfig{Replay: true})
+			down := fmt.Sprintf("tcp://127.0.0.1:%d", freePort(t)) // an engine that is down
+			check := CheckGoroutines(t)
+			sink := NewRecordingSink()
+			cfg := ZMQConfig{Sink: sink, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond}
+			if mode == "connect" {
+				cfg.Endpoints = []ZMQEndpoint{
+					{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint},
+					{Backend: "b", Endpoint: down},
+				}
+			} else {
+				cfg.Bind, cfg.DefaultBackend = "tcp://127.0.0.1:0", "a"
+			}
+			c, err := NewZMQConsumer(cfg)
+			require.NoError(t, err)
+			require.NoError(t, c.Start(context.Background()))
+			require.ErrorIs(t, c.Start(context.Background()), ErrStarted)
+			if mode == "bind" {
+				pub2 := NewFakePublisher(t, FakePublisherConfig{Connect: "tcp://" + c.Addr().String()})
+				pub = pub2
+			}
+			pub.WaitSubscribed()
+			entered := sink.Block() // Close must also end a worker stuck in the sink
+			pub.Publish(stored(0))
+			<-entered
+			pub.Publish(stored(1))
+
+			closed := make(chan error, 1)
+			go func() { closed <- c.Close() }()
+			select {
+			case err := <-closed:
+				require.NoError(t, err)
+			case <-time.After(waitFor):
+				t.Fatal("Close did not return")
+			}
+			require.NoError(t, c.Close(), "Close is idempotent")
+			require.ErrorIs(t, c.Start(context.Background()), ErrClosed)
+			for _, st := range c.Status() {
+				assert.Equal(t, StateClosed, st.Connection.State)
+			}
+			pub.Close()
+			check()
+		})
+	}
+}
+
+func TestZMQBindError(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	c, err := NewZMQConsumer(ZMQConfig{Sink: NewRecordingSink(), Bind: "tcp://" + ln.Addr().String()})
+	require.NoError(t, err)
+	defer c.Close()
+	require.Error(t, c.Start(context.Background()))
+	ls, ok := c.Listener()
+	require.True(t, ok)
+	assert.False(t, ls.Connection.Connected)
+	assert.NotEmpty(t, ls.LastError)
+
+	// Once the port is free, Start can be retried.
+	require.NoError(t, ln.Close())
+	require.NoError(t, c.Start(context.Background()))
+	ls, _ = c.Listener()
+	assert.True(t, ls.Connection.Connected)
+	require.ErrorIs(t, c.Start(context.Background()), ErrStarted)
+}
+
+func TestZMQOversizedFrameDisconnects(t *testing.T) {
+	// A peer announcing a frame larger than MaxMessageSize is dropped before the codec
+	// allocates it; the consumer keeps serving others.
+	sink := NewRecordingSink()
+	c := startZMQ(t, ZMQConfig{Sink: sink, Bind: "tcp://127.0.0.1:0", DefaultBackend: "a", MaxMessageSize: 1 << 10})
+	raw, err := net.Dial("tcp", c.Addr().String())
+	require.NoError(t, err)
+	defer raw.Close()
+	zc, err := zmq4.Open(raw, null.Security(), zmq4.Pub, nil, false, nil)
+	require.NoError(t, err)
+	_ = zc
+	hdr := []byte{0x02, 0, 0, 0, 0x7f, 0xff, 0xff, 0xff, 0xff} // long frame, 512 GiB
+	_, err = raw.Write(hdr)
+	require.NoError(t, err)
+	require.NoError(t, raw.SetReadDeadline(time.Now().Add(waitFor)))
+	buf := make([]byte, 64)
+	for {
+		if _, err = raw.Read(buf); err != nil {
+			break
+		}
+	}
+	var ne net.Error
+	require.False(t, errors.As(err, &ne) && ne.Timeout(), "the consumer did not close the connection")
+	require.Eventually(t, func() bool {
+		ls, _ := c.Listener()
+		return strings.Contains(ls.LastError, "MaxMessageSize")
+	}, waitFor, tick)
+
+	pub := NewFakePublisher(t, FakePublisherConfig{Connect: "tcp://" + c.Addr().String()})
+	pub.WaitSubscribed()
+	pub.Publish(stored(1))
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 1 }, waitFor, tick)
+}
+
+func TestFrameGuard(t *testing.T) {
+	greeting := make([]byte, zmtpGreetingLen)
+	frame := func(flags byte, size int) []byte {
+		if flags&0x02 != 0 {
+			b := []byte{flags, 0, 0, 0, 0, 0, 0, 0, 0}
+			binary.BigEndian.PutUint64(b[1:], uint64(size))
+			return append(b, make([]byte, size)...)
+		}
+		return append([]byte{flags, byte(size)}, make([]byte, size)...)
+	}
+	cat := func(parts ...[]byte) []byte {
+		var out []byte
+		for _, p := range parts {
+			out = append(out, p...)
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		name   string
+		stream []byte
+		ok     bool
+	}{
+		{"short frames", cat(greeting, frame(0, 10), frame(0x04, 20)), true},
+		{"long frame at the cap", cat(greeting, frame(0x02, 100)), true},
+		{"greeting bytes are not frames", cat(greeting[:10], greeting[10:], frame(0, 0)), true},
+		{"long frame over the cap", cat(greeting, frame(0x02, 101)), false},
+		{"multipart message over the cap", cat(greeting, frame(0x01, 60), frame(0x00, 60)), false},
+		{"two messages under the cap each", cat(greeting, frame(0x01, 40), frame(0x00, 40), frame(0x00, 90)), true},
+		{"endless empty frames", cat(greeting, bytes.Repeat(frame(0x01, 0), zmtpMaxFrames+1)), false},
+		{"many empty messages", cat(greeting, bytes.Repeat(frame(0x00, 0), 3*zmtpMaxFrames)), true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			for _, chunk := range []int{1, 3, 1 << 20} { // the same stream read in different chunkings
+				g := &frameGuard{max: 100, greeting: zmtpGreetingLen}
+				var err error
+				for s := tc.stream; len(s) > 0 && err == nil; {
+					n := min(chunk, len(s))
+					err = g.scan(s[:n])
+					s = s[n:]
+				}
+				if tc.ok {
+					assert.NoError(t, err, "chunk %d", chunk)
+				} else {
+					assert.ErrorIs(t, err, errFrameTooLarge, "chunk %d", chunk)
+				}
+			}
+		})
+	}
+}
+
+func TestZMQMetrics(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer mp.Shutdown(context.Background())
+	pub := NewFakePublisher(t, FakePublisherConfig{})
+	sink := NewRecordingSink()
+	c := startZMQ(t, ZMQConfig{Sink: sink, MeterProvider: mp, Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: pub.Endpoint}}})
+	pub.WaitSubscribed()
+	pub.Publish(stored(1), stored(2))
+	require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Processed == 2 }, waitFor, tick)
+
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(context.Background(), &rm))
+	got := map[string]int64{}
+	for _, sm := range rm.ScopeMetrics {
+		require.Equal(t, ScopeName, sm.Scope.Name)
+		for _, m := range sm.Metrics {
+			var points []metricdata.DataPoint[int64]
+			switch d := m.Data.(type) {
+			case metricdata.Sum[int64]:
+				assert.True(t, d.IsMonotonic, m.Name)
+				points = d.DataPoints
+			case metricdata.Gauge[int64]:
+				points = d.DataPoints
+			}
+			for _, p := range points {
+				key := m.Name
+				for _, kv := range p.Attributes.ToSlice() {
+					key += fmt.Sprintf(",%s=%s", kv.Key, kv.Value.AsString())
+				}
+				got[key] = p.Value
+			}
+		}
+	}
+	for key, want := range map[string]int64{
+		MetricEventReceived + ",backend=a":                                   2,
+		MetricEventProcessed + ",backend=a":                                  2,
+		MetricEventDropped + ",backend=a":                                    0,
+		MetricConsumerReconnects + ",backend=a":                              0,
+		MetricConsumerGaps + ",backend=a":                                    0,
+		MetricConsumerConnected + ",backend=a":                               1,
+		MetricEventSourceStatus + ",backend=a,status=connected":              1,
+		MetricEventSourceStatus + ",backend=a,status=disconnected":           0,
+		MetricEventSourceStatus + ",backend=a,status=" + string(StateClosed): 0,
+	} {
+		assert.Equal(t, want, got[key], key)
+		assert.Contains(t, got, key)
+	}
+}
+
+func TestSourceStatusJSON(t *testing.T) {
+	s := newSource("vllm-1", "sse", "http://vllm-1:8000/v1/kv_events", "", func() time.Time {
+		return time.Date(2026, 3, 13, 10, 24, 17, 0, time.UTC)
+	}, nil)
+	s.setState(StateConnected)
+	s.received.Add(8412)
+	s.touch()
+	raw, err := json.Marshal(s.status())
+	require.NoError(t, err)
+	var got map[string]any
+	require.NoError(t, json.Unmarshal(raw, &got))
+	assert.Equal(t, "vllm-1", got["backend_name"])
+	conn := got["connection"].(map[string]any)
+	assert.Equal(t, true, conn["connected"])
+	assert.Equal(t, float64(0), conn["reconnect_count"])
+	assert.Equal(t, "2026-03-13T10:24:17Z", conn["last_event_at"])
+	ev := got["events"].(map[string]any)
+	assert.Equal(t, float64(8412), ev["received"])
+	assert.Equal(t, float64(0), ev["dropped"])
+	assert.NotContains(t, got, "sequence", "all-zero sequence stats are left out")
+	assert.NotContains(t, got, "last_error_at")
+}
