@@ -1,0 +1,67 @@
+package respcache
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// CacheStore stores serialized responses under string keys: the seeds' CacheStore (get, set with
+// TTL, delete, clear, stats). Implementations: *MemoryStore, *RedisStore (with automatic in-memory
+// fallback), *S3Store, *TieredStore. Every method is safe for concurrent use and honours ctx for
+// I/O (a memory store ignores it).
+//
+// Get returns, case by case:
+//   - (value, true, nil): a hit; value belongs to the caller (the store keeps no reference to it);
+//   - (nil, false, nil): a miss (absent or expired);
+//   - (nil, false, err): the store could not answer; callers treat it as a miss and count it.
+//
+// Set stores value for ttl (ttl ≤ 0 means the store's default TTL); the store copies value or
+// keeps no reference after returning. An error means the value may not be stored; callers log,
+// count and go on. Delete removes key (absent is not an error). Clear removes every entry the store
+// owns (only under its own key prefix for shared stores) and returns how many it removed (-1 when
+// the store cannot count). Stats never fails; ctx bounds any I/O it does.
+type CacheStore interface {
+	Get(ctx context.Context, key string) ([]byte, bool, error)
+	Set(ctx context.Context, key string, value []byte, ttl time.Duration) error
+	Delete(ctx context.Context, key string) error
+	Clear(ctx context.Context) (int, error)
+	Stats(ctx context.Context) StoreStats
+}
+
+// StoreStats describes a store for the seeds' GET /admin/response-cache/stats. Fields a store does
+// not track are zero; nested sections are nil when they do not apply.
+type StoreStats struct {
+	Backend   string            `json:"backend_type"` // "memory", "redis", "s3", "tiered"
+	Entries   int               `json:"entries"`      // -1 when unknown
+	Capacity  int               `json:"capacity"`
+	SizeBytes int64             `json:"size_bytes"`
+	Evictions uint64            `json:"evictions"`
+	Hits      uint64            `json:"hits"`
+	Misses    uint64            `json:"misses"`
+	Errors    map[string]uint64 `json:"errors,omitempty"` // by type: connection, timeout, other
+	Redis     *RedisStats       `json:"redis,omitempty"`
+	L1        *StoreStats       `json:"l1,omitempty"` // tiered only
+	L2        *StoreStats       `json:"l2,omitempty"` // tiered only
+}
+
+// RedisStats is the Redis section of the stats endpoint.
+type RedisStats struct {
+	Connections    RedisConnections  `json:"connections"`
+	FallbackActive bool              `json:"fallback_active"`
+	Errors         map[string]uint64 `json:"errors"` // connection, timeout, other
+}
+
+// RedisConnections counts the client's connections.
+type RedisConnections struct {
+	Active int `json:"active"`
+	Idle   int `json:"idle"`
+}
+
+// Errors callers branch on.
+var (
+	ErrInvalidConfig = errors.New("respcache: invalid config")
+	ErrClosed        = errors.New("respcache: store closed")
+	// ErrUnavailable wraps failures of a remote store (connection refused, time-out).
+	ErrUnavailable = errors.New("respcache: store unavailable")
+)
