@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
@@ -21,15 +22,24 @@ const (
 	MetricPrefixRoutingRequests     = "kvroute.prefix_routing.requests"
 	MetricPrefixRoutingDistribution = "kvroute.prefix_routing.backend_distribution"
 	MetricPrefixRoutingCardinality  = "kvroute.prefix_routing.prefix_cardinality"
+
+	MetricKVRoutingDecisions = "kvroute.kv_index.routing_decisions"
+	MetricKVQueryLatency     = "kvroute.kv_index.query_latency"
+	MetricKVOverlapScore     = "kvroute.kv_index.overlap_score"
 )
 
 // routerMetrics holds the Router's instruments. Options are built once, so that recording a
 // decision allocates nothing.
 type routerMetrics struct {
-	requests metric.Int64Counter
-	byReason [ReasonFallback + 1][]metric.AddOption
-	reg      metric.Registration
-	once     sync.Once
+	requests     metric.Int64Counter
+	byReason     [numReasons][]metric.AddOption
+	kvDecisions  metric.Int64Counter
+	kvAware      []metric.AddOption
+	kvFallback   []metric.AddOption
+	queryLatency metric.Float64Histogram
+	overlap      metric.Float64Histogram
+	reg          metric.Registration
+	once         sync.Once
 }
 
 func newRouterMetrics(mp metric.MeterProvider, r *DefaultRouter) (*routerMetrics, error) {
@@ -45,8 +55,28 @@ func newRouterMetrics(mp metric.MeterProvider, r *DefaultRouter) (*routerMetrics
 	if err != nil {
 		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricPrefixRoutingRequests, err)
 	}
-	for _, why := range []Reason{ReasonPrefixHash, ReasonOverflow, ReasonFallback} {
+	for _, why := range []Reason{ReasonPrefixHash, ReasonOverflow, ReasonFallback, ReasonKVAware, ReasonImbalance} {
 		m.byReason[why] = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("strategy", why.String())))}
+	}
+	m.kvDecisions, err = meter.Int64Counter(MetricKVRoutingDecisions,
+		metric.WithDescription("KV-aware routing decisions (kv_aware, fallback)."),
+		metric.WithUnit("{request}"))
+	if err != nil {
+		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricKVRoutingDecisions, err)
+	}
+	m.kvAware = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("decision", "kv_aware")))}
+	m.kvFallback = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("decision", "fallback")))}
+	m.queryLatency, err = meter.Float64Histogram(MetricKVQueryLatency,
+		metric.WithDescription("KV index query latency."), metric.WithUnit("s"),
+		metric.WithExplicitBucketBoundaries(1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2))
+	if err != nil {
+		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricKVQueryLatency, err)
+	}
+	m.overlap, err = meter.Float64Histogram(MetricKVOverlapScore,
+		metric.WithDescription("Best overlap (fraction of the request's blocks cached) seen for routed requests."),
+		metric.WithExplicitBucketBoundaries(0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1))
+	if err != nil {
+		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricKVOverlapScore, err)
 	}
 	dist, err := meter.Int64ObservableGauge(MetricPrefixRoutingDistribution,
 		metric.WithDescription("In-flight requests per backend under prefix routing."),
@@ -86,6 +116,22 @@ func (m *routerMetrics) backendOption(name string) metric.MeasurementOption {
 
 func (m *routerMetrics) recordDecision(ctx context.Context, why Reason) {
 	m.requests.Add(ctx, 1, m.byReason[why]...)
+}
+
+func (m *routerMetrics) recordKV(ctx context.Context, kvAware bool) {
+	if kvAware {
+		m.kvDecisions.Add(ctx, 1, m.kvAware...)
+	} else {
+		m.kvDecisions.Add(ctx, 1, m.kvFallback...)
+	}
+}
+
+func (m *routerMetrics) recordLookup(ctx context.Context, d time.Duration) {
+	m.queryLatency.Record(ctx, d.Seconds())
+}
+
+func (m *routerMetrics) recordOverlap(ctx context.Context, ratio float64) {
+	m.overlap.Record(ctx, ratio)
 }
 
 func (m *routerMetrics) close() error {

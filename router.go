@@ -67,6 +67,10 @@ func (r Reason) String() string {
 		return "overflow"
 	case ReasonFallback:
 		return "fallback"
+	case ReasonKVAware:
+		return "kv_aware"
+	case ReasonImbalance:
+		return "imbalance"
 	default:
 		return "none"
 	}
@@ -111,6 +115,8 @@ type Config struct {
 	MeterProvider metric.MeterProvider
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
+	// KV turns on tier 4 (precise KV-aware routing); nil leaves it off.
+	KV *KVConfig
 }
 
 func (c Config) withDefaults() Config {
@@ -177,8 +183,9 @@ type DefaultRouter struct {
 	set     atomic.Pointer[backendSet]
 	rr      atomic.Uint64
 	prefix  hyperLogLog
-	counts  [ReasonFallback + 1]atomic.Uint64
+	counts  [numReasons]atomic.Uint64
 	metrics *routerMetrics
+	kv      *tier4 // nil when tier 4 is off
 }
 
 // New builds the default Router from cfg, after validating it (errors wrap ErrInvalidConfig).
@@ -192,6 +199,11 @@ func New(cfg Config) (*DefaultRouter, error) {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	r := &DefaultRouter{cfg: cfg, ring: ring}
+	if cfg.KV != nil {
+		if r.kv, err = newTier4(*cfg.KV); err != nil {
+			return nil, err
+		}
+	}
 	r.set.Store(&backendSet{byName: map[string]*backendState{}})
 	if r.metrics, err = newRouterMetrics(cfg.MeterProvider, r); err != nil {
 		return nil, err
@@ -306,10 +318,15 @@ func (r *DefaultRouter) Route(ctx context.Context, req *prefixkey.Request) (*Dec
 	if !r.cfg.DisablePrefixRouting {
 		d.PrefixKey, d.HasPrefixKey = prefixkey.PrefixKey(req, r.cfg.MaxPrefixLength)
 	}
+	if d.HasPrefixKey {
+		r.prefix.add(d.PrefixKey.Uint64())
+	}
+	if r.kv != nil && r.routeKV(ctx, req, d) {
+		return r.finish(ctx, d), nil
+	}
 	var err error
 	if d.HasPrefixKey {
 		h := d.PrefixKey.Uint64()
-		r.prefix.add(h)
 		var why chwbl.Reason
 		why, err = r.ring.Acquire(&d.handle, h)
 		if why == chwbl.ReasonOverflow {
@@ -327,6 +344,14 @@ func (r *DefaultRouter) Route(ctx context.Context, req *prefixkey.Request) (*Dec
 		}
 		return nil, err
 	}
+	if r.kv != nil {
+		r.speculateTier1(ctx, req, d)
+	}
+	return r.finish(ctx, d), nil
+}
+
+// finish fills the decision's backend fields and counts it.
+func (r *DefaultRouter) finish(ctx context.Context, d *Decision) *Decision {
 	d.Backend = d.handle.Backend()
 	d.state = r.set.Load().byName[d.Backend]
 	if d.state != nil {
@@ -334,7 +359,7 @@ func (r *DefaultRouter) Route(ctx context.Context, req *prefixkey.Request) (*Dec
 	}
 	r.counts[d.Reason].Add(1)
 	r.metrics.recordDecision(ctx, d.Reason)
-	return d, nil
+	return d
 }
 
 // Decision is the outcome of Route: the chosen backend, why, and the request's prefix key. It holds
@@ -345,11 +370,18 @@ type Decision struct {
 	Reason       Reason
 	PrefixKey    prefixkey.Key
 	HasPrefixKey bool
+	// Overlaps lists, for a KV-aware decision, every healthy backend the index was asked about
+	// with the cached prefix it holds and its score; nil for other decisions.
+	Overlaps []Overlap
+	// ExpectedCachedTokens is how many of the prompt's tokens the chosen backend holds according
+	// to the index (0 unless kv_aware).
+	ExpectedCachedTokens int
 
-	router *DefaultRouter
-	state  *backendState
-	handle chwbl.Handle
-	start  time.Time
+	router   *DefaultRouter
+	activeID uint64 // active-sequence id when tier 4 tracks sequences, else 0
+	state    *backendState
+	handle   chwbl.Handle
+	start    time.Time
 }
 
 // Outcome reports how a routed request ended. The zero Outcome is a success whose latency is
@@ -363,7 +395,13 @@ type Outcome struct {
 // success or failure for the backend's health score). Only the first call has an effect. Safe to
 // call from any goroutine; a nil Decision is a no-op.
 func (d *Decision) Done(o Outcome) {
-	if d == nil || !d.handle.Release() || d.state == nil {
+	if d == nil || !d.handle.Release() {
+		return
+	}
+	if d.activeID != 0 {
+		d.router.kv.cfg.Active.Done(d.activeID)
+	}
+	if d.state == nil {
 		return
 	}
 	lat := o.Latency
@@ -371,6 +409,15 @@ func (d *Decision) Done(o Outcome) {
 		lat = d.router.cfg.Now().Sub(d.start)
 	}
 	d.state.observe(lat, o.Err == nil)
+}
+
+// FirstToken tells the Router the backend produced the request's first token: its prefill load
+// ends (for cost scoring with active-sequence tracking). Safe to call from any goroutine, at most
+// once meaningfully; a no-op when sequences are not tracked.
+func (d *Decision) FirstToken() {
+	if d != nil && d.activeID != 0 {
+		d.router.kv.cfg.Active.FirstToken(d.activeID)
+	}
 }
 
 // observe folds one finished request into the backend's averages.

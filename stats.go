@@ -32,6 +32,8 @@ type RoutingDecisionCounts struct {
 	PrefixHash   uint64 `json:"prefix_hash"`
 	Overflow     uint64 `json:"overflow"`
 	Fallback     uint64 `json:"fallback"`
+	KVAware      uint64 `json:"kv_aware,omitempty"`  // tier 4 chose
+	Imbalance    uint64 `json:"imbalance,omitempty"` // tier 4's imbalance guard chose
 	OverflowRate string `json:"overflow_rate"`
 }
 
@@ -66,7 +68,9 @@ func (r *DefaultRouter) Stats() PrefixRoutingStats {
 	d.PrefixHash = r.counts[ReasonPrefixHash].Load()
 	d.Overflow = r.counts[ReasonOverflow].Load()
 	d.Fallback = r.counts[ReasonFallback].Load()
-	d.Total = d.PrefixHash + d.Overflow + d.Fallback
+	d.KVAware = r.counts[ReasonKVAware].Load()
+	d.Imbalance = r.counts[ReasonImbalance].Load()
+	d.Total = d.PrefixHash + d.Overflow + d.Fallback + d.KVAware + d.Imbalance
 	rate := 0.0
 	if d.Total > 0 {
 		rate = float64(d.Overflow) / float64(d.Total)

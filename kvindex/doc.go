@@ -1,0 +1,60 @@
+// Package kvindex is kvroute's KV-cache index: it learns from model servers' KV events which
+// backend holds which KV-cache blocks, on which tier, and answers, for a request's block keys and
+// a set of candidate backends, how long a consecutive prefix of the request each candidate
+// already holds.
+//
+// KvCacheIndex is the interface; it embeds events.Sink (Apply, ClearBackend), Lookuper,
+// PrefixLookuper and Speculator. MemoryIndex, from NewMemory, is the in-process default; the
+// Redis/Valkey index shares one view between router replicas. Package kvindex/indextest is the
+// conformance suite every implementation passes.
+//
+// # Keys
+//
+// The index is keyed by kvroute's own chained block keys (package prefixkey): key i hashes block
+// i's tokens with key i−1, the first with a root that names the model or LoRA adapter and the
+// cache salt. Engines' block hashes cannot be recomputed outside the engine, so the index
+// re-keys every BlockStored event from its token IDs — block i of an event chained to block i−1,
+// the first to the key its parent's engine hash was given by the same backend's earlier event —
+// and keeps, per backend, a map from engine hash to key for the BlockRemoved and BlockStored
+// events to come. Engine blocks may be any multiple of the index's block size. Because a key
+// commits to the whole chain before it, "block i is held" already implies "the same blocks
+// 0..i−1 were stored"; a backend's match is the longest run of the request's keys it holds
+// (a hole stops it), each block weighted by the best tier it is held on (TierWeights).
+//
+// # MemoryIndex
+//
+// One hash table, split into up to 256 shards by key bits, maps a block key to its holders: one
+// 64-bit set per tier (a bit per backend, so at most 64 backends) and the speculative holders.
+// Shards are ordered linear-probing tables (O. Amble and D. E. Knuth, "Ordered hash tables",
+// The Computer Journal 17(2), 1974) over 8-byte words, with the 56-byte block bodies in a slab
+// beside them. Lookup probes the request's keys in order, one probe answering for every
+// candidate, and stops when no candidate holds the next key; it takes no lock (a seqlock per
+// shard) and allocates nothing. MemoryConfig.LookupStride makes it a jump search, which probes
+// every n-th key and is exact when backends' holdings are prefixes with monotone tiers, as
+// engines' eviction orders leave them. Writers lock one shard per block.
+//
+// Entries expire EntryTTL after their last evidence: the store of the block, or of a
+// descendant — a BlockStored proves the engine holds the parent's whole chain, so storing a
+// block refreshes its ancestors, and a hot prefix that the engine keeps without re-announcing it
+// stays fresh. When the table reaches MaxEntries blocks it evicts its least recently refreshed
+// eighth (per shard); chains thus lose their tails first. Speculative entries (Speculate, right
+// after a routing decision) last SpeculativeTTL unless a BlockStored confirms them; in
+// approximate mode, without events, they are the only entries, and ApproximateCapacityBlocks
+// bounds each backend's share. Prefix-granular entries (the SSE events cache_created, …) are
+// kept apart, per prefix key, with the seeds' tier transitions (MemoryConfig.StorageOffloading).
+//
+// # Use
+//
+//	ix, err := kvindex.NewMemory(kvindex.MemoryConfig{DefaultModel: "llama-3-8b"})
+//	if err != nil {
+//		return err
+//	}
+//	defer ix.Close()
+//	// An events transport delivers each engine's batches: ix.Apply(ctx, "vllm-0", batch).
+//	backends := []string{"vllm-0", "vllm-1"}
+//	matches := make([]kvindex.Match, len(backends))
+//	keys := req.BlockKeys(nil, kvindex.DefaultBlockSize) // req: a *prefixkey.Request with TokenIDs
+//	matches, err = ix.Lookup(ctx, keys, backends, matches)
+//	// … choose a backend from matches[i].Score and Tokens, load and health; then
+//	_ = ix.Speculate(ctx, chosen, keys, 0) // held until its BlockStored events confirm it
+package kvindex

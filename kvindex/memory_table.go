@@ -1,0 +1,819 @@
+package kvindex
+
+import (
+	"math/bits"
+	"runtime"
+	"slices"
+	"sync"
+	"sync/atomic"
+
+	"github.com/kvroute/kvroute/events"
+)
+
+// This file holds the block table of MemoryIndex: shards of ordered linear-probing hash tables
+// keyed by the mixed block key, read under a seqlock and written under a mutex.
+//
+// Layout. A shard has a probe array of 8-byte words and a slab of 56-byte bodies. A word is a
+// 40-bit fingerprint of the block's mixed key (its high bits) and the 24-bit index of the block's
+// body; the body holds the full key (which confirms a fingerprint match), one holder bitset per
+// tier (bit i = backend id i), the speculative holders, the evidence epoch and the speculative
+// expiry, and the parent's key. Probing walks dense words (a probe sequence stays within one or
+// two cache lines) and then reads one body: a block's holders on every tier are two lines away.
+// Bodies do not move: inserting or deleting shifts 8-byte words only, and a resize rebuilds only
+// the probe array.
+//
+// Order. A word's home slot is a multiply-shift ("fastrange") of its high 32 bits, monotone in
+// the word, and every run of occupied slots is kept sorted: the ordered hash table of O. Amble and
+// D. E. Knuth ("Ordered hash tables", The Computer Journal 17(2), 1974), which is Robin Hood
+// hashing with ties broken by key. A probe scans from the home slot while the words are smaller:
+// one comparison per step, and a miss stops at the first larger word or an empty slot. Arrays do
+// not wrap: probe sequences run into a pad past the last home slot, and an array whose pad fills
+// up grows. Deletion shifts the following displaced words back (no tombstones).
+//
+// Sizing. Probe arrays are not powers of two: one grows by about a seventh when it would pass 7/8
+// full, so that it stays between about 76% and 87.5% full once past its first growths. Bodies
+// are allocated in chunks of 256 and reused through a free list.
+//
+// Concurrency. Writers hold shard.mu and bracket every mutation with two increments of shard.seq
+// (odd while writing). Readers take no lock: they read seq, probe, read seq again, and retry when
+// it changed or was odd. Every word is an atomic so that these optimistic reads are not data
+// races (see storeWord). A resize, or a new chunk of bodies, publishes a new table value with one
+// pointer store inside a write bracket.
+
+// A block's data is split in two: the part every lookup reads (hot, 32 bytes, two per cache
+// line) and the part only blocks held on the CPU or storage tier need (cold, 24 bytes), which a
+// flag in the hot part says to read. The flag is bit 0 of the stored key: every comparison of a
+// stored key ignores that bit, so bodies hold 63-bit keys (and a key pair that differs in bit 0
+// alone, one in 2⁶³, shares a body).
+type hot struct {
+	hx    atomic.Uint64 // mixed key with bit 0 = has cold holders; 0 = a free body
+	gpu   atomic.Uint64 // confirmed holders on the GPU tier
+	spec  atomic.Uint64 // speculative holders (GPU tier, until times.hi)
+	times atomic.Uint64 // lo: evidence epoch (see clock); hi: speculative expiry tick
+}
+
+type cold struct {
+	cpu     atomic.Uint64 // confirmed holders on the CPU tier
+	storage atomic.Uint64 // confirmed holders on the storage tier
+	parent  atomic.Uint64 // mixed key of the block's parent; 0 when unknown
+}
+
+// body is a handle on one block's hot and cold parts; hot is nil for none.
+type body struct {
+	hot  *hot
+	cold *cold
+}
+
+// Bodies come in chunks of chunkSize.
+const (
+	chunkShift = 8
+	chunkSize  = 1 << chunkShift
+	// maxBodies is the most bodies a shard can index: word indexes are 24 bits, 1-based. A
+	// shard's limit is at most maxEntriesLimit/256 = 2²³ blocks.
+	maxBodies = 1<<24 - 1
+	idxMask   = 1<<24 - 1
+)
+
+// Compile-time check that a shard's blocks fit its word indexes.
+const _ = uint(maxBodies - maxEntriesLimit/256)
+
+type chunk struct {
+	hot  [chunkSize]hot
+	cold [chunkSize]cold
+}
+
+// table is one shard's published state: the probe array (n home slots + the pad) and the body
+// chunks. Both are shared by successive table values; a new value is published when either is
+// replaced or a chunk is added.
+type table struct {
+	keys   []atomic.Uint64 // fingerprint<<24 | (body index + 1), sorted within runs; 0 = empty
+	n      uint64
+	chunks []*chunk
+}
+
+// tablePad is the number of slots past the last home slot; a probe array whose last run would
+// need more grows instead.
+func tablePad(n uint64) uint64 { return min(128, 8+n/8) }
+
+// newKeys returns a probe array of n home slots (n ≥ 1).
+func newKeys(n uint64) []atomic.Uint64 { return make([]atomic.Uint64, n+tablePad(n)) }
+
+// home is the slot where the probe sequence of h (a mixed key, or a word) starts; monotone.
+func (t *table) home(h uint64) uint64 {
+	return ((h >> 32) * t.n) >> 32
+}
+
+// body returns the body of word w; its hot part is nil when w names none (possible only in a torn
+// read).
+func (t *table) body(w uint64) body {
+	i := w&idxMask - 1
+	if c := i >> chunkShift; c < uint64(len(t.chunks)) {
+		ch := t.chunks[c]
+		return body{&ch.hot[i&(chunkSize-1)], &ch.cold[i&(chunkSize-1)]}
+	}
+	return body{}
+}
+
+// sameKey reports whether a stored key (hx) is h, ignoring bit 0.
+func sameKey(hx, h uint64) bool { return (hx^h)&^1 == 0 }
+
+// find returns the probe position and the body of h (≠ 0) in t, or -1 and no body. Safe under the
+// seqlock (a torn read may give a wrong answer, which the reader discards) and under mu.
+func (t *table) find(h uint64) (int, body) {
+	keys := t.keys
+	lo := h &^ idxMask // the smallest word with h's fingerprint
+	for pos := t.home(h); pos < uint64(len(keys)); pos++ {
+		w := keys[pos].Load()
+		if w-1 < lo-1 { // occupied by a smaller fingerprint: keep going
+			continue
+		}
+		// Empty, or the first word with a fingerprint ≥ h's: check the words with h's.
+		for w>>24 == h>>24 {
+			if b := t.body(w); b.hot != nil && sameKey(b.hot.hx.Load(), h) {
+				return int(pos), b
+			}
+			if pos++; pos >= uint64(len(keys)) {
+				break
+			}
+			w = keys[pos].Load()
+		}
+		return -1, body{}
+	}
+	return -1, body{}
+}
+
+// slotVal is a plain copy of a block's body, for writers. Its h has bit 0 cleared.
+type slotVal struct {
+	h      uint64
+	tiers  [events.NumTiers]uint64
+	spec   uint64
+	times  uint64
+	parent uint64
+}
+
+func (b body) load() slotVal {
+	hx := b.hot.hx.Load()
+	v := slotVal{
+		h:     hx &^ 1,
+		spec:  b.hot.spec.Load(),
+		times: b.hot.times.Load(),
+	}
+	v.tiers[events.TierGPU] = b.hot.gpu.Load()
+	v.tiers[events.TierCPU] = b.cold.cpu.Load()
+	v.tiers[events.TierStorage] = b.cold.storage.Load()
+	v.parent = b.cold.parent.Load()
+	return v
+}
+
+// store writes v to b. Writers call it under mu, inside a write bracket when b is published.
+func (b body) store(v slotVal) {
+	hx := v.h &^ 1
+	if v.tiers[events.TierCPU]|v.tiers[events.TierStorage] != 0 {
+		hx |= 1
+	}
+	storeWord(&b.hot.hx, hx)
+	storeWord(&b.hot.gpu, v.tiers[events.TierGPU])
+	storeWord(&b.hot.spec, v.spec)
+	storeWord(&b.hot.times, v.times)
+	storeWord(&b.cold.cpu, v.tiers[events.TierCPU])
+	storeWord(&b.cold.storage, v.tiers[events.TierStorage])
+	storeWord(&b.cold.parent, v.parent)
+}
+
+// key returns the body's key (bit 0 cleared; 0 for a free body).
+func (b body) key() uint64 { return b.hot.hx.Load() &^ 1 }
+
+// confirmed returns the holders of v on any tier.
+func (v *slotVal) confirmed() uint64 { return v.tiers[0] | v.tiers[1] | v.tiers[2] }
+
+func (v *slotVal) stamp() uint32   { return uint32(v.times) }
+func (v *slotVal) specExp() uint32 { return uint32(v.times >> 32) }
+func (v *slotVal) setStamp(t uint32) {
+	v.times = v.times&^0xffffffff | uint64(t)
+}
+func (v *slotVal) setSpecExp(t uint32) {
+	v.times = v.times&0xffffffff | uint64(t)<<32
+}
+
+// insertWord places word w (absent) at its place in its run, shifting the larger words of the run
+// right by one. It returns false, changing nothing, when the run would overflow the pad. Writers
+// call it inside a write bracket when the array is published.
+func (t *table) insertWord(w uint64) bool {
+	keys := t.keys
+	size := uint64(len(keys))
+	pos := t.home(w)
+	for pos < size {
+		if k := keys[pos].Load(); k == 0 || k > w {
+			break
+		}
+		pos++
+	}
+	e := pos
+	for e < size && keys[e].Load() != 0 {
+		e++
+	}
+	if e >= size {
+		return false
+	}
+	for j := e; j > pos; j-- {
+		storeWord(&keys[j], keys[j-1].Load())
+	}
+	storeWord(&keys[pos], w)
+	return true
+}
+
+// removeWord deletes the word at pos and shifts the following displaced words back by one; it
+// returns the deleted word.
+func (t *table) removeWord(pos uint64) uint64 {
+	keys := t.keys
+	w := keys[pos].Load()
+	size := uint64(len(keys))
+	for {
+		next := pos + 1
+		if next == size {
+			break
+		}
+		k := keys[next].Load()
+		if k == 0 || t.home(k) == next {
+			break
+		}
+		storeWord(&keys[pos], k)
+		pos = next
+	}
+	storeWord(&keys[pos], 0)
+	return w
+}
+
+// fillKeys places the words of old, in order, into t's empty probe array; it returns false when
+// the last run overflows the pad.
+func (t *table) fillKeys(old []atomic.Uint64) bool {
+	next := uint64(0) // first free position
+	size := uint64(len(t.keys))
+	for i := range old {
+		w := old[i].Load()
+		if w == 0 {
+			continue
+		}
+		pos := max(t.home(w), next)
+		if pos >= size {
+			return false
+		}
+		storeWord(&t.keys[pos], w)
+		next = pos + 1
+	}
+	return true
+}
+
+// idCounters are the per-backend-id counts that table operations maintain.
+type idCounters struct {
+	members atomic.Int64 // (block, backend) memberships: confirmed on some tier, or speculative
+	specs   atomic.Int64 // speculative memberships
+	prefix  atomic.Int64 // prefix-granular entries
+	_       [40]byte
+}
+
+// shard is one lock domain of the block table.
+type shard struct {
+	mu  sync.Mutex
+	seq atomic.Uint64
+	tab atomic.Pointer[table]
+
+	// Under mu.
+	count   int      // live blocks
+	limit   int      // max live blocks (this shard's share of MaxEntries)
+	used    uint32   // bodies handed out from the chunks (live or free)
+	free    []uint32 // freed body indexes
+	victims []uint64
+	ages    []uint32
+
+	blocks atomic.Int64 // = count, readable without mu
+	_      [64]byte
+}
+
+func (sh *shard) begin() { sh.seq.Add(1) }
+func (sh *shard) end()   { sh.seq.Add(1) }
+
+// read returns a consistent copy of h's body (ok false when absent) without locking.
+func (sh *shard) read(h uint64) (v slotVal, ok bool) {
+	for spins := 0; ; spins++ {
+		s1 := sh.seq.Load()
+		if s1&1 == 0 {
+			_, b := sh.tab.Load().find(h)
+			if b.hot != nil {
+				v = b.load()
+			}
+			if sh.seq.Load() == s1 {
+				return v, b.hot != nil && sameKey(v.h, h)
+			}
+		}
+		if spins&63 == 63 {
+			runtime.Gosched()
+		}
+	}
+}
+
+// clock is what table operations need to judge expiry.
+//
+// Speculative expiries are in ticks (2²² ns). Confirmed entries carry an evidence epoch instead:
+// epochs are EntryTTL/64 long, and an entry has expired once more than ttl (≈64) epochs have
+// passed since its evidence, so it expires between EntryTTL and EntryTTL × 65/64 after it. The
+// evidence of a block is its last store or the last store of a descendant on the same chain:
+// storing a block refreshes its ancestors (see refreshAncestors), whose epoch therefore never
+// trails a descendant's. Hot prefixes, which engines keep without re-announcing them, stay
+// fresh while their continuations keep being stored; and expiry or eviction by age never cuts
+// a chain in the middle.
+type clock struct {
+	now     uint32 // current tick
+	epoch   uint32 // current epoch
+	ttl     uint32 // EntryTTL in epochs
+	ttlTick uint32 // EntryTTL in ticks (prefix entries, which keep exact stamps)
+	retired uint64 // ids retired and not yet reclaimed: their bits are garbage
+}
+
+// fresh reports whether v's confirmed holders have not expired.
+func (c clock) fresh(v *slotVal) bool { return int32(c.epoch-v.stamp()) <= int32(c.ttl) }
+
+// specLive reports whether v's speculative holders have not expired.
+func (c clock) specLive(v *slotVal) bool { return int32(v.specExp()-c.now) > 0 }
+
+// normalize drops from v the holders that have expired or belong to retired ids, fixing the
+// counters, and reports how many memberships expired.
+func (m *MemoryIndex) normalize(v *slotVal, c clock) (expired int) {
+	conf := v.confirmed()
+	if conf != 0 && !c.fresh(v) {
+		expired += bits.OnesCount64(conf &^ c.retired)
+		m.decMembers(conf&^c.retired, 0)
+		v.tiers = [events.NumTiers]uint64{}
+		conf = 0
+	}
+	if v.spec != 0 && !c.specLive(v) {
+		expired += bits.OnesCount64(v.spec &^ c.retired)
+		m.decMembers(v.spec&^c.retired, v.spec&^c.retired)
+		v.spec = 0
+	}
+	if r := (conf | v.spec) & c.retired; r != 0 {
+		for i := range v.tiers {
+			v.tiers[i] &^= r
+		}
+		v.spec &^= r
+	}
+	return expired
+}
+
+// decMembers decrements the membership count of every id in members and the speculative count of
+// every id in specs.
+func (m *MemoryIndex) decMembers(members, specs uint64) {
+	for members != 0 {
+		m.ids[bits.TrailingZeros64(members)].members.Add(-1)
+		members &= members - 1
+	}
+	for specs != 0 {
+		m.ids[bits.TrailingZeros64(specs)].specs.Add(-1)
+		specs &= specs - 1
+	}
+}
+
+// Table growth: a table grows by about a seventh when it would pass 7/8 full, so that it stays
+// between about 76% and 87.5% full once past its first growths.
+const (
+	maxLoadNum = 7
+	maxLoadDen = 8
+)
+
+func grownSize(n uint64) uint64 { return max(n+n/7, n+16) }
+
+// ensureRoom makes room for one more block in sh: it evicts when the shard is at its limit and
+// grows the probe array when it is too full. Under mu.
+func (m *MemoryIndex) ensureRoom(sh *shard, c clock) {
+	if sh.count >= sh.limit {
+		m.evict(sh, c)
+	}
+	t := sh.tab.Load()
+	if uint64(sh.count+1)*maxLoadDen > t.n*maxLoadNum {
+		m.resize(sh, max(grownSize(t.n), uint64(sh.count+1)*maxLoadDen/maxLoadNum+1))
+	}
+}
+
+// resize rebuilds sh's probe array with at least n home slots (more if its pad overflows). The
+// bodies stay where they are. Under mu.
+func (m *MemoryIndex) resize(sh *shard, n uint64) {
+	old := sh.tab.Load()
+	nt := &table{keys: newKeys(n), n: n, chunks: old.chunks}
+	for !nt.fillKeys(old.keys) {
+		n = grownSize(n)
+		nt.keys, nt.n = newKeys(n), n
+	}
+	sh.begin()
+	sh.tab.Store(nt)
+	sh.end()
+}
+
+// maybeShrink rebuilds a sparse shard smaller: its probe array, and its bodies when most are
+// free (copying the live ones into new chunks, in probe order). Under mu.
+func (m *MemoryIndex) maybeShrink(sh *shard) {
+	t := sh.tab.Load()
+	if t.n > 64 && uint64(sh.count)*4 < t.n {
+		m.resize(sh, max(grownSize(uint64(sh.count)*maxLoadDen/maxLoadNum), 16))
+		t = sh.tab.Load()
+	}
+	if int(sh.used) <= 4*sh.count+chunkSize {
+		return
+	}
+	nt := &table{keys: newKeys(t.n), n: t.n, chunks: make([]*chunk, 0, (sh.count+chunkSize-1)/chunkSize)}
+	next := uint32(0)
+	for i := range t.keys {
+		w := t.keys[i].Load()
+		if w == 0 {
+			continue
+		}
+		if next%chunkSize == 0 {
+			nt.chunks = append(nt.chunks, new(chunk))
+		}
+		ch := nt.chunks[next>>chunkShift]
+		body{&ch.hot[next%chunkSize], &ch.cold[next%chunkSize]}.store(t.body(w).load())
+		next++
+		storeWord(&nt.keys[i], w&^idxMask|uint64(next)) // same position: same order and home
+	}
+	sh.begin()
+	sh.tab.Store(nt)
+	sh.end()
+	sh.used, sh.free = next, nil
+}
+
+// deleteAt removes the block at probe position pos inside a write bracket, and frees its body
+// (whose key it zeroes: slab scans skip it). Under mu.
+func (sh *shard) deleteAt(t *table, pos int) {
+	sh.begin()
+	w := t.removeWord(uint64(pos))
+	storeWord(&t.body(w).hot.hx, 0)
+	sh.end()
+	sh.free = append(sh.free, uint32(w&idxMask-1))
+	sh.count--
+	sh.blocks.Add(-1)
+}
+
+// put writes v to body b inside a write bracket. Under mu.
+func (sh *shard) put(b body, v slotVal) {
+	sh.begin()
+	b.store(v)
+	sh.end()
+}
+
+// add inserts block v (absent from sh), making room first. Under mu.
+func (m *MemoryIndex) add(sh *shard, v slotVal, c clock) {
+	m.ensureRoom(sh, c)
+	t := sh.tab.Load()
+	var idx uint32
+	if n := len(sh.free); n > 0 {
+		idx, sh.free = sh.free[n-1], sh.free[:n-1]
+	} else {
+		idx = sh.used
+		sh.used++
+		if int(idx>>chunkShift) == len(t.chunks) {
+			// A new chunk: publish a table value that has it. Readers of the old value never see
+			// a word naming it (words are written in brackets, which send them back here).
+			nt := &table{keys: t.keys, n: t.n, chunks: append(t.chunks, new(chunk))}
+			sh.begin()
+			sh.tab.Store(nt)
+			sh.end()
+			t = nt
+		}
+	}
+	w := v.h&^idxMask | uint64(idx+1)
+	ch := t.chunks[idx>>chunkShift]
+	b := body{&ch.hot[idx%chunkSize], &ch.cold[idx%chunkSize]}
+	for {
+		sh.begin()
+		b.store(v)
+		ok := t.insertWord(w)
+		sh.end()
+		if ok {
+			break
+		}
+		m.resize(sh, grownSize(t.n))
+		t = sh.tab.Load()
+	}
+	sh.count++
+	sh.blocks.Add(1)
+}
+
+// addConfirmed records that backend id holds block h, child of block parent (mixed; 0 when
+// unknown), on tier. It returns whether the membership is new. Under mu.
+func (m *MemoryIndex) addConfirmed(sh *shard, h, parent uint64, id uint8, tier events.Tier, c clock) (isNew bool) {
+	bit := uint64(1) << id
+	t := sh.tab.Load()
+	pos, b := t.find(h)
+	if pos < 0 {
+		v := slotVal{h: h, parent: parent}
+		v.tiers[tier] = bit
+		v.setStamp(c.epoch)
+		m.add(sh, v, c)
+		m.ids[id].members.Add(1)
+		return true
+	}
+	v := b.load()
+	if exp := m.normalize(&v, c); exp != 0 {
+		m.expired.Add(uint64(exp))
+	}
+	isNew = (v.confirmed()|v.spec)&bit == 0
+	if v.spec&bit != 0 {
+		v.spec &^= bit // confirmed: an ordinary entry now
+		m.ids[id].specs.Add(-1)
+	}
+	v.tiers[tier] |= bit
+	v.setStamp(c.epoch)
+	if parent != 0 {
+		v.parent = parent
+	}
+	sh.put(b, v)
+	if isNew {
+		m.ids[id].members.Add(1)
+	}
+	return isNew
+}
+
+// refresh brings the evidence epoch of block h to c.epoch, as a descendant of it was just stored
+// by the backends of bit: they hold it. If h had expired, only their memberships are revived. It
+// returns h's parent, or 0 when the walk up the chain should stop: h absent, not held by bit, or
+// already current. Under mu.
+func (m *MemoryIndex) refresh(sh *shard, h, bit uint64, c clock) (parent uint64) {
+	t := sh.tab.Load()
+	pos, b := t.find(h)
+	if pos < 0 {
+		return 0
+	}
+	v := b.load()
+	conf := v.confirmed()
+	if conf&bit == 0 || int32(c.epoch-v.stamp()) <= 0 {
+		return 0
+	}
+	if !c.fresh(&v) {
+		// Expired, but the new evidence is about bit only: drop the others.
+		others := conf &^ bit &^ c.retired
+		m.decMembers(others, 0)
+		m.expired.Add(uint64(bits.OnesCount64(others)))
+		for i := range v.tiers {
+			v.tiers[i] &= bit
+		}
+	}
+	v.setStamp(c.epoch)
+	sh.put(b, v)
+	return v.parent
+}
+
+// removeTier drops backend id's membership of block h on tier. It returns whether id still holds
+// the block on another tier. Under mu.
+func (m *MemoryIndex) removeTier(sh *shard, h uint64, id uint8, tier events.Tier, c clock) (stillHeld bool) {
+	bit := uint64(1) << id
+	t := sh.tab.Load()
+	pos, b := t.find(h)
+	if pos < 0 {
+		return false
+	}
+	v := b.load()
+	if exp := m.normalize(&v, c); exp != 0 {
+		m.expired.Add(uint64(exp))
+	}
+	had := v.confirmed()&bit != 0
+	v.tiers[tier] &^= bit
+	stillHeld = v.confirmed()&bit != 0
+	if had && !stillHeld {
+		m.ids[id].members.Add(-1)
+	}
+	if v.confirmed()|v.spec == 0 {
+		sh.deleteAt(t, pos)
+		return false
+	}
+	sh.put(b, v)
+	return stillHeld
+}
+
+// speculate records that backend id will soon hold block h (child of parent, mixed), until tick
+// exp. It returns whether the speculative membership is new. Under mu.
+func (m *MemoryIndex) speculate(sh *shard, h, parent uint64, id uint8, exp uint32, c clock) (isNew bool) {
+	bit := uint64(1) << id
+	t := sh.tab.Load()
+	pos, b := t.find(h)
+	if pos < 0 {
+		v := slotVal{h: h, parent: parent, spec: bit}
+		v.setStamp(c.epoch)
+		v.setSpecExp(exp)
+		m.add(sh, v, c)
+		m.ids[id].members.Add(1)
+		m.ids[id].specs.Add(1)
+		return true
+	}
+	v := b.load()
+	if e := m.normalize(&v, c); e != 0 {
+		m.expired.Add(uint64(e))
+	}
+	conf := v.confirmed()
+	if conf&bit != 0 {
+		return false // already an ordinary entry
+	}
+	if conf == 0 && v.spec == 0 {
+		v.setStamp(c.epoch)
+	}
+	if v.parent == 0 {
+		v.parent = parent
+	}
+	isNew = v.spec&bit == 0
+	v.spec |= bit
+	if v.spec == bit || int32(exp-v.specExp()) > 0 {
+		v.setSpecExp(exp)
+	}
+	sh.put(b, v)
+	if isNew {
+		m.ids[id].members.Add(1)
+		m.ids[id].specs.Add(1)
+	}
+	return isNew
+}
+
+// unspeculate drops backend id's speculative membership of h, if any. Under mu.
+func (m *MemoryIndex) unspeculate(sh *shard, h uint64, id uint8) bool {
+	bit := uint64(1) << id
+	t := sh.tab.Load()
+	pos, b := t.find(h)
+	if pos < 0 {
+		return false
+	}
+	v := b.load()
+	if v.spec&bit == 0 {
+		return false
+	}
+	v.spec &^= bit
+	m.ids[id].members.Add(-1)
+	m.ids[id].specs.Add(-1)
+	if v.confirmed()|v.spec == 0 {
+		sh.deleteAt(t, pos)
+		return true
+	}
+	sh.put(b, v)
+	return true
+}
+
+// evict removes the least recently stored eighth of sh (at least one block). Under mu.
+//
+// Recency is the slot's evidence epoch: the last store of the block or of a descendant, or the
+// speculation that created a block no backend had confirmed. Since ancestors are at least as
+// recent as their descendants, this evicts chains from their tails. One scan finds the age
+// threshold of the oldest eighth by selection, a second collects them; the cost, O(limit) per
+// limit/8 insertions, is O(1) amortised.
+func (m *MemoryIndex) evict(sh *shard, c clock) {
+	t := sh.tab.Load()
+	ages := sh.ages[:0]
+	for b := range t.bodies(sh.used) {
+		if b.key() != 0 {
+			ages = append(ages, tickAge(c.epoch, uint32(b.hot.times.Load())))
+		}
+	}
+	sh.ages = ages[:0]
+	if len(ages) == 0 {
+		return
+	}
+	k := min(max(1, sh.limit/8), len(ages))
+	thr := kthLargest(ages, k) // the k-th largest age
+	victims := sh.victims[:0]
+	ties := 0
+	for b := range t.bodies(sh.used) {
+		h := b.key()
+		if h == 0 {
+			continue
+		}
+		switch a := tickAge(c.epoch, uint32(b.hot.times.Load())); {
+		case a > thr:
+			victims = append(victims, h)
+		case a == thr && ties < k:
+			victims = append(victims, h)
+			ties++
+		}
+	}
+	if len(victims) > k {
+		victims = victims[:k]
+	}
+	for _, h := range victims {
+		pos, b := t.find(h)
+		if pos < 0 {
+			continue
+		}
+		v := b.load()
+		m.dropSlotCounts(&v, c)
+		sh.deleteAt(t, pos)
+		m.evictions.Add(1)
+	}
+	sh.victims = victims[:0]
+}
+
+// bodies iterates over the first used bodies of t's slab in memory order (freed ones have key 0).
+func (t *table) bodies(used uint32) func(yield func(body) bool) {
+	return func(yield func(body) bool) {
+		for i := range used {
+			ch := t.chunks[i>>chunkShift]
+			if !yield(body{&ch.hot[i%chunkSize], &ch.cold[i%chunkSize]}) {
+				return
+			}
+		}
+	}
+}
+
+// dropSlotCounts adjusts the counters for the removal of every membership of v.
+func (m *MemoryIndex) dropSlotCounts(v *slotVal, c clock) {
+	live := (v.confirmed() | v.spec) &^ c.retired
+	m.decMembers(live, v.spec&^c.retired)
+}
+
+// kthLargest returns the k-th largest value of a (1 ≤ k ≤ len(a)), reordering a.
+func kthLargest(a []uint32, k int) uint32 {
+	// Quickselect (Hoare partition, median-of-three pivot) for descending order.
+	lo, hi := 0, len(a)-1
+	want := k - 1
+	for lo < hi {
+		mid := lo + (hi-lo)/2
+		p := median3(a[lo], a[mid], a[hi])
+		i, j := lo, hi
+		for i <= j {
+			for a[i] > p {
+				i++
+			}
+			for a[j] < p {
+				j--
+			}
+			if i <= j {
+				a[i], a[j] = a[j], a[i]
+				i++
+				j--
+			}
+		}
+		switch {
+		case want <= j:
+			hi = j
+		case want >= i:
+			lo = i
+		default:
+			return a[want]
+		}
+	}
+	return a[want]
+}
+
+func median3(a, b, c uint32) uint32 {
+	s := [3]uint32{a, b, c}
+	slices.Sort(s[:])
+	return s[1]
+}
+
+// sweepShard drops the expired and retired holders of every block of sh and deletes the blocks
+// left empty. It returns the number of expired memberships. Under mu.
+func (m *MemoryIndex) sweepShard(sh *shard, c clock) (expired int) {
+	t := sh.tab.Load()
+	victims := sh.victims[:0]
+	for b := range t.bodies(sh.used) {
+		if b.key() == 0 {
+			continue
+		}
+		v := b.load()
+		before := v
+		expired += m.normalize(&v, c)
+		if v == before {
+			continue
+		}
+		if v.confirmed()|v.spec == 0 {
+			victims = append(victims, v.h)
+			continue
+		}
+		sh.put(b, v)
+	}
+	for _, h := range victims {
+		if pos, _ := t.find(h); pos >= 0 {
+			sh.deleteAt(t, pos)
+		}
+	}
+	sh.victims = victims[:0]
+	m.maybeShrink(sh)
+	return expired
+}
+
+// clearShard empties sh, fixing the counters, and returns the memberships it held (retired ids
+// excluded). Under mu.
+func (m *MemoryIndex) clearShard(sh *shard, c clock) int {
+	t := sh.tab.Load()
+	n := 0
+	for b := range t.bodies(sh.used) {
+		if b.key() == 0 {
+			continue
+		}
+		v := b.load()
+		n += bits.OnesCount64((v.confirmed() | v.spec) &^ c.retired)
+		m.dropSlotCounts(&v, c)
+	}
+	sh.begin()
+	sh.tab.Store(emptyTable())
+	sh.end()
+	sh.count, sh.used, sh.free = 0, 0, nil
+	sh.blocks.Store(0)
+	return n
+}
+
+// emptyTable returns the table of an empty shard.
+func emptyTable() *table { return &table{keys: newKeys(8), n: 8} }

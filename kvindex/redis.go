@@ -1,0 +1,844 @@
+package kvindex
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/rueidis"
+	"github.com/zeebo/xxh3"
+
+	"github.com/kvroute/kvroute/events"
+)
+
+// ErrUnavailable is wrapped by every error of a RedisIndex that could not reach Redis or got a
+// failure from it (connection refused or lost, deadline exceeded, error reply). The Router treats
+// it as "no KV information" and routes by consistent hashing alone.
+var ErrUnavailable = errors.New("kvindex: redis unavailable")
+
+// Defaults of RedisConfig.
+const (
+	DefaultRedisConnectTimeout = 3 * time.Second
+	// DefaultRedisCommandTimeout bounds each Lookup, LookupPrefix and Speculate: Route waits on
+	// them, so a slow or unreachable Redis costs a request at most this long before the Router
+	// falls back to consistent hashing.
+	DefaultRedisCommandTimeout = 50 * time.Millisecond
+	// DefaultRedisWriteTimeout bounds each round trip of Apply, ClearBackend, Stats and Clear,
+	// which run off the request path and may carry large pipelines.
+	DefaultRedisWriteTimeout = 2 * time.Second
+	// DefaultRedisUnavailableBackoff is how long calls fail fast with ErrUnavailable after a
+	// connection failure before one call probes Redis again.
+	DefaultRedisUnavailableBackoff = 500 * time.Millisecond
+	// DefaultRedisEngineCacheSize is the number of engine-hash → our-key mappings each backend
+	// keeps in process memory (about 80 bytes each).
+	DefaultRedisEngineCacheSize = 1 << 15
+	// DefaultRedisMaxBackends is the number of backend ids (slots per block) a key prefix hands
+	// out; ids of backends idle for longer than EntryTTL (plus a minute) are reused.
+	DefaultRedisMaxBackends = 1024
+	// DefaultRedisLookupChunk is the number of blocks one Lookup round trip reads; a request with
+	// more blocks costs one more round trip per chunk, only while some candidate still matches.
+	DefaultRedisLookupChunk = 1024
+	// DefaultRedisStatsExactLimit is the number of live memberships up to which Stats counts
+	// distinct blocks and speculative entries exactly.
+	DefaultRedisStatsExactLimit = 50_000
+
+	// redisMaxTTL bounds EntryTTL.
+	redisMaxTTL = 365 * 24 * time.Hour
+	// redisIDReuseMargin is added to EntryTTL before an idle backend's id is reused: the
+	// tolerated clock skew between replicas.
+	redisIDReuseMargin = time.Minute
+)
+
+// RedisConfig configures a RedisIndex. The zero value of every field means its documented default;
+// one of Client, Addr or URL is required.
+//
+// The seeds' YAML (kv_cache_index with backend: redis) maps onto it as for MemoryConfig:
+// entry_ttl_seconds → EntryTTL, storage_offloading.enabled → StorageOffloading,
+// storage_offloading.treat_eviction_as_offload → TreatEvictionAsOffload (the YAML's default is
+// true; the proxy sets it), gpu/storage_tier_weight → TierWeights; the Redis URL and key prefix
+// (the seeds' cr:kvidx:) → URL and KeyPrefix.
+type RedisConfig struct {
+	// Client is an existing client to share (for example the response cache's). The index never
+	// closes it. When nil, the index creates its own client from Addr or URL and closes it on Close.
+	Client rueidis.Client
+	// Addr is the host:port of a Redis or Valkey server (or of one node of a cluster). URL is a
+	// redis:// or rediss:// URL (rueidis.ParseURL); set at most one of them. Username, Password and
+	// TLS, when set, override what the URL says.
+	Addr     string
+	URL      string
+	Username string
+	Password string
+	TLS      *tls.Config
+	// ConnectTimeout bounds dialling (default DefaultRedisConnectTimeout). When Redis cannot be
+	// reached at construction, NewRedis still succeeds for a single address (Addr or URL): the
+	// index then talks to it as a standalone server and dials again on later calls. A Redis
+	// Cluster deployment that must start while Redis is down should pass its own Client.
+	ConnectTimeout time.Duration
+	// CommandTimeout is the deadline of one Lookup, LookupPrefix or Speculate, all of which run on
+	// the routing path (default DefaultRedisCommandTimeout, 50 ms). The caller's ctx deadline wins
+	// when it is earlier. A call that misses it returns an error wrapping ErrUnavailable.
+	CommandTimeout time.Duration
+	// WriteTimeout is the deadline of each round trip of Apply, ClearBackend, Stats and Clear
+	// (default DefaultRedisWriteTimeout).
+	WriteTimeout time.Duration
+	// UnavailableBackoff is how long every call fails fast with ErrUnavailable after a connection
+	// failure or timeout, before one call probes Redis again (default
+	// DefaultRedisUnavailableBackoff). It keeps a dead Redis from costing every request
+	// CommandTimeout.
+	UnavailableBackoff time.Duration
+
+	// KeyPrefix starts every key the index writes (default DefaultRedisKeyPrefix). It must not
+	// contain the glob characters * ? [ ] or a backslash, since Clear deletes the keys matching
+	// KeyPrefix*. In Redis Cluster the keys of one lookup must live in one hash slot: put a hash
+	// tag in the prefix, e.g. "kvroute:{kvidx}:" (NewRedis rejects a cluster client without one);
+	// the whole index then lives on one shard. Give each index sharing a server its own prefix.
+	KeyPrefix string
+	// BlockSize is the number of tokens per kvroute block (default DefaultBlockSize). Every
+	// replica sharing a KeyPrefix must use the same.
+	BlockSize int
+	// DefaultModel roots the block keys of events from batches that name no model and no LoRA.
+	DefaultModel string
+	// EntryTTL is how long an entry lives after the last event that stored or refreshed it
+	// (default DefaultEntryTTL).
+	EntryTTL time.Duration
+	// SpeculativeTTL is the lifetime of Speculate's entries when it is passed 0 (default
+	// DefaultSpeculativeTTL). Speculative entries live at most EntryTTL.
+	SpeculativeTTL time.Duration
+	// TierWeights weight matched blocks (and prefix entries) by tier; all zero means
+	// DefaultTierWeights. Each must be in [0, 1].
+	TierWeights TierWeights
+	// StorageOffloading tracks the storage tier of prefix entries (the seeds'
+	// storage_offloading.enabled): cache_offloaded moves an entry to TierStorage. When false,
+	// cache_offloaded removes the entry. Block events carry their own tier and are unaffected.
+	StorageOffloading bool
+	// TreatEvictionAsOffload makes cache_evicted move a prefix entry to TierStorage instead of
+	// removing it. It applies only with StorageOffloading.
+	TreatEvictionAsOffload bool
+	// EngineCacheSize is the number of engine-hash → our-key mappings kept in process memory per
+	// backend (default DefaultRedisEngineCacheSize); a miss costs one extra read round trip.
+	EngineCacheSize int
+	// MaxBackends is the number of backend ids the key prefix hands out (default
+	// DefaultRedisMaxBackends, at most 65536). Every block string is 14 bytes × (highest id + 1).
+	// Events and speculation of a backend beyond the limit are dropped (Dropped
+	// ["too_many_backends"]). Every replica sharing a KeyPrefix should use the same.
+	MaxBackends int
+	// Now is the clock of entry expiry and of stats (default time.Now). Expiry times are written
+	// into Redis as unix milliseconds of this clock and compared with the reader's clock, so every
+	// replica sharing a KeyPrefix needs a synchronised clock (NTP); Redis key TTLs (in real time)
+	// only reclaim memory.
+	Now func() time.Time
+}
+
+// RedisIndex is a KvCacheIndex kept in Redis or Valkey, shared by every router replica that uses
+// the same server and KeyPrefix. All its methods are safe for concurrent use. Apply and
+// ClearBackend of one backend are serialised by a per-backend mutex held across their round trips;
+// Lookups take no lock besides a read lock on the backend table and never wait on writers in
+// process.
+//
+// # Layout
+//
+// Backends are interned to small integer ids shared by every replica. With P the key prefix, b a
+// backend name, k a kvroute block key and h an engine block hash (both 16 lowercase hex digits)
+// and x a prefix key's hex:
+//
+//	P ids        HASH    b → id (assigned by a script: the id of the backend idle the longest when
+//	                     idle for over EntryTTL + 1 min, else the next one; -1 for a backend with
+//	                     prefix entries only)
+//	P seen       ZSET    b, score = its last write (ms): the idle test of id reuse
+//	P idseq      STRING  the next new id
+//	P b:<k>      STRING  one 14-byte slot per backend id, at offset 14·id:
+//	                     bytes 0–5   big-endian expiry ms of the speculative (GPU) entry
+//	                     bytes 6–7   the owner's tag: 16 bits of xxh3(backend name)
+//	                     bytes 8–13  big-endian tiers<<44 | expiry ms of the confirmed entry
+//	P e:<b>      HASH    h → tier mask digit ‖ our keys' hex (several when engine blocks are larger)
+//	P mb:<b>     ZSET    k, score = confirmed expiry: b's confirmed blocks
+//	P ms:<b>     ZSET    k, score = speculative expiry: b's speculative blocks
+//	P p:<x>      ZSET    b, score = token count (the seeds' prefix entry: ZADD + EXPIRE pipelined,
+//	                     read with ZREVRANGEBYSCORE +inf -inf WITHSCORES)
+//	P pt:<x>     HASH    b → "<tier>:<expiry ms>"
+//	P mp:<b>     ZSET    x, score = expiry: b's prefix entries
+//
+// A slot is written with SETRANGE — whole, or its tag with one half — from the tiers the writer
+// knows the block is on (its in-process engine-hash cache, or the engine-hash map): writes are
+// blind and idempotent, so replicas that all apply the same engine's events converge, and no
+// write needs a script. A block on GPU and CPU removed from GPU stays on CPU (the slot's tier mask
+// loses one bit; the remaining tiers' expiry is refreshed). Entries expire on the expiry in their
+// slot, checked by readers with their own clock; every key also has a Redis TTL of EntryTTL from
+// its last write, which reclaims the memory. The membership sets count entries for Stats, let
+// ClearBackend find a backend's blocks without a keyspace scan, and are pruned of expired members
+// by every Apply (ZREMRANGEBYSCORE).
+//
+// Readers ignore a slot whose tag is not the candidate's, so a slot written under a stale id
+// (Redis restarted without persistence while replicas kept their cached ids, say) is never
+// credited to another backend; every write pipeline also re-reads the writer's id and drops its
+// cached id when Redis disagrees, and a cached id is re-read when unused for EntryTTL/2.
+//
+// # Costs
+//
+// Lookup is one round trip for up to DefaultRedisLookupChunk blocks: HMGET of the candidates' ids
+// pipelined with MGET of the block strings; the walk (longest consecutive prefix per candidate,
+// best tier per block) runs in Go. Redis does O(blocks) work whatever the number of candidates.
+// Apply is one pipelined round trip of two commands per block (SETRANGE, PEXPIRE) and a few per
+// event, plus one read round trip (HMGET of the engine-hash map, and the backend's id when this
+// process has not used it lately) only when an event's parent or a removed block is neither in
+// the batch nor in the in-process cache. Speculate is one round trip of two commands per block.
+// ClearBackend costs one round trip per 512 of the backend's entries (ZPOPMIN of its membership
+// sets, pipelined with the zeroing of the previous page's slots). Clear scans the keyspace
+// (SCAN MATCH P*, UNLINK). Memory: 14 bytes × (highest backend id + 1) per block string plus
+// Redis's per-key overhead, and one membership member per (block, backend).
+//
+// Stats counters (lookups, mutations, dropped events, expired memberships) are per process;
+// sizes are read from the membership sets.
+type RedisIndex struct {
+	client    rueidis.Client
+	ownClient bool
+	closeOnce sync.Once
+	closed    atomic.Bool
+
+	prefix         string
+	idsKey         string // P ids
+	seenKey        string // P seen
+	idSeqKey       string // P idseq
+	blockSize      int
+	defaultModel   string
+	entryTTL       time.Duration
+	specTTL        time.Duration
+	cmdTimeout     time.Duration
+	writeTimeout   time.Duration
+	backoff        time.Duration
+	weights        TierWeights
+	evictOffload   bool
+	offloading     bool
+	engineCacheCap int
+	maxBackends    int
+	now            func() time.Time
+
+	assignScript, statsScript redisScript
+
+	mu       sync.RWMutex // guards backends
+	backends map[string]*redisBackend
+
+	// downUntil is the unix-nano time until which calls fail fast (0: Redis believed up).
+	downUntil atomic.Int64
+
+	counters redisCounters
+}
+
+// Compile-time check that RedisIndex implements KvCacheIndex.
+var _ KvCacheIndex = (*RedisIndex)(nil)
+
+// redisBackend is the per-process state of one backend.
+type redisBackend struct {
+	mu    sync.Mutex // serialises Apply and ClearBackend of the backend; guards cache and w
+	cache *redisEngineCache
+	w     redisWriter  // Apply's buffers, reused
+	id    atomic.Int64 // slot index; -1 until known (or when every id is taken)
+	tag   uint16       // redisTag(name)
+	idAt  atomic.Int64 // when id was last confirmed by a write, unix ms of the index clock
+
+	name        string
+	engineKey   string // P e:<b>
+	blocksKey   string // P mb:<b>
+	specKey     string // P ms:<b>
+	prefixesKey string // P mp:<b>
+}
+
+// NewRedis returns an index on the Redis or Valkey server that cfg names. It validates cfg
+// (errors wrap ErrInvalidConfig) and connects (ConnectTimeout); an unreachable single server is
+// not an error (see RedisConfig.ConnectTimeout), other client errors wrap ErrUnavailable. The
+// index starts no goroutine besides the client's own; Close releases a client it created.
+func NewRedis(cfg RedisConfig) (*RedisIndex, error) {
+	x := &RedisIndex{
+		prefix:         cfg.KeyPrefix,
+		blockSize:      cfg.BlockSize,
+		defaultModel:   cfg.DefaultModel,
+		entryTTL:       cfg.EntryTTL,
+		specTTL:        cfg.SpeculativeTTL,
+		cmdTimeout:     cfg.CommandTimeout,
+		writeTimeout:   cfg.WriteTimeout,
+		backoff:        cfg.UnavailableBackoff,
+		weights:        cfg.TierWeights,
+		evictOffload:   cfg.TreatEvictionAsOffload,
+		offloading:     cfg.StorageOffloading,
+		engineCacheCap: cfg.EngineCacheSize,
+		maxBackends:    cfg.MaxBackends,
+		now:            cfg.Now,
+		backends:       make(map[string]*redisBackend),
+		assignScript:   newRedisScript(luaAssignID, false),
+		statsScript:    newRedisScript(luaStats, true),
+	}
+	if err := x.applyDefaults(cfg); err != nil {
+		return nil, err
+	}
+	x.idsKey, x.seenKey, x.idSeqKey = x.prefix+"ids", x.prefix+"seen", x.prefix+"idseq"
+	if cfg.Client != nil {
+		x.client = cfg.Client
+	} else {
+		connect := cfg.ConnectTimeout
+		if connect == 0 {
+			connect = DefaultRedisConnectTimeout
+		}
+		c, err := newRedisClient(cfg, connect)
+		if err != nil {
+			return nil, err
+		}
+		x.client, x.ownClient = c, true
+	}
+	if x.client.Mode() == rueidis.ClientModeCluster && !redisHasHashTag(x.prefix) {
+		if x.ownClient {
+			x.client.Close()
+		}
+		return nil, fmt.Errorf("%w: KeyPrefix %q needs a hash tag such as {kvidx} for Redis Cluster", ErrInvalidConfig, x.prefix)
+	}
+	return x, nil
+}
+
+// applyDefaults fills in defaults and validates cfg.
+func (x *RedisIndex) applyDefaults(cfg RedisConfig) error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: %s", ErrInvalidConfig, fmt.Sprintf(format, args...))
+	}
+	if cfg.Client == nil && cfg.Addr == "" && cfg.URL == "" {
+		return bad("one of Client, Addr or URL is required")
+	}
+	if cfg.Addr != "" && cfg.URL != "" {
+		return bad("set Addr or URL, not both")
+	}
+	if x.prefix == "" {
+		x.prefix = DefaultRedisKeyPrefix
+	}
+	if strings.ContainsAny(x.prefix, "*?[]\\") {
+		return bad("KeyPrefix %q contains a glob character (* ? [ ] \\)", x.prefix)
+	}
+	if x.blockSize == 0 {
+		x.blockSize = DefaultBlockSize
+	}
+	if x.blockSize < 1 || x.blockSize > 1<<16 {
+		return bad("BlockSize %d not in [1, 65536]", x.blockSize)
+	}
+	for _, d := range []struct {
+		name string
+		v    *time.Duration
+		def  time.Duration
+	}{
+		{"EntryTTL", &x.entryTTL, DefaultEntryTTL},
+		{"SpeculativeTTL", &x.specTTL, DefaultSpeculativeTTL},
+		{"CommandTimeout", &x.cmdTimeout, DefaultRedisCommandTimeout},
+		{"WriteTimeout", &x.writeTimeout, DefaultRedisWriteTimeout},
+		{"UnavailableBackoff", &x.backoff, DefaultRedisUnavailableBackoff},
+	} {
+		if *d.v == 0 {
+			*d.v = d.def
+		}
+		if *d.v < 0 {
+			return bad("%s %v < 0", d.name, *d.v)
+		}
+	}
+	if cfg.ConnectTimeout < 0 {
+		return bad("ConnectTimeout %v < 0", cfg.ConnectTimeout)
+	}
+	if x.entryTTL < time.Millisecond || x.specTTL < time.Millisecond {
+		return bad("EntryTTL and SpeculativeTTL must be at least 1ms")
+	}
+	if x.entryTTL > redisMaxTTL {
+		return bad("EntryTTL %v > %v", x.entryTTL, redisMaxTTL)
+	}
+	x.specTTL = min(x.specTTL, x.entryTTL)
+	if x.weights == (TierWeights{}) {
+		x.weights = DefaultTierWeights
+	}
+	for t, w := range x.weights {
+		if !(w >= 0 && w <= 1) {
+			return bad("TierWeights[%s] = %v is outside [0, 1]", Tier(t), w)
+		}
+	}
+	if x.engineCacheCap == 0 {
+		x.engineCacheCap = DefaultRedisEngineCacheSize
+	}
+	if x.engineCacheCap < 0 {
+		return bad("EngineCacheSize %d < 0", x.engineCacheCap)
+	}
+	if x.maxBackends == 0 {
+		x.maxBackends = DefaultRedisMaxBackends
+	}
+	if x.maxBackends < 1 || x.maxBackends > 1<<16 {
+		return bad("MaxBackends %d not in [1, 65536]", x.maxBackends)
+	}
+	if x.now == nil {
+		x.now = time.Now
+	}
+	return nil
+}
+
+// redisHasHashTag reports whether s holds a Redis Cluster hash tag: a '{' followed later by '}' with
+// at least one byte between them.
+func redisHasHashTag(s string) bool {
+	i := strings.IndexByte(s, '{')
+	if i < 0 {
+		return false
+	}
+	j := strings.IndexByte(s[i+1:], '}')
+	return j > 0
+}
+
+// newRedisClient creates the index's own client. When the first connection fails for a network
+// reason and cfg names a single server, it returns a single-server client that dials again on each
+// later call instead of failing: a router must start while Redis is down.
+func newRedisClient(cfg RedisConfig, connectTimeout time.Duration) (rueidis.Client, error) {
+	var opt rueidis.ClientOption
+	if cfg.URL != "" {
+		o, err := rueidis.ParseURL(cfg.URL)
+		if err != nil {
+			return nil, fmt.Errorf("%w: URL: %v", ErrInvalidConfig, err)
+		}
+		opt = o
+	} else {
+		opt.InitAddress = []string{cfg.Addr}
+	}
+	if cfg.Username != "" {
+		opt.Username = cfg.Username
+	}
+	if cfg.Password != "" {
+		opt.Password = cfg.Password
+	}
+	if cfg.TLS != nil {
+		opt.TLSConfig = cfg.TLS
+	}
+	opt.Dialer.Timeout = connectTimeout
+	opt.DisableCache = true // no client-side caching: entries change with every engine event
+	c, err := rueidis.NewClient(opt)
+	if err == nil {
+		return c, nil
+	}
+	if _, isRedis := rueidis.IsRedisErr(err); isRedis || len(opt.InitAddress) != 1 || opt.Sentinel.MasterSet != "" {
+		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
+	}
+	// Unreachable: build a lazily connecting single-server client. Its constructor dials once more;
+	// make that attempt fail at once so that construction costs one ConnectTimeout, not two.
+	var constructed atomic.Bool
+	opt.ForceSingleClient = true
+	opt.DialCtxFn = func(ctx context.Context, addr string, d *net.Dialer, tc *tls.Config) (net.Conn, error) {
+		if !constructed.Load() {
+			return nil, err
+		}
+		if tc != nil {
+			td := tls.Dialer{NetDialer: d, Config: tc}
+			return td.DialContext(ctx, "tcp", addr)
+		}
+		return d.DialContext(ctx, "tcp", addr)
+	}
+	c, err2 := rueidis.NewClient(opt)
+	constructed.Store(true)
+	if c == nil {
+		return nil, fmt.Errorf("%w: %w", ErrUnavailable, errors.Join(err, err2))
+	}
+	return c, nil
+}
+
+// Close releases the client when the index created it (a shared Config.Client is left open).
+// Later calls of any method return ErrClosed. It is idempotent, safe for concurrent use, and
+// returns nil.
+func (x *RedisIndex) Close() error {
+	x.closeOnce.Do(func() {
+		x.closed.Store(true)
+		if x.ownClient {
+			x.client.Close()
+		}
+	})
+	return nil
+}
+
+// BlockSize returns the number of tokens per block the index keys by.
+func (x *RedisIndex) BlockSize() int { return x.blockSize }
+
+// ---- round trips, deadlines and the fail-fast breaker ----
+
+// redisNoCancel is the CancelFunc of a context that needed no deadline of its own.
+func redisNoCancel() {}
+
+// redisWithTimeout returns ctx bounded by d, unless ctx already ends sooner.
+func redisWithTimeout(ctx context.Context, d time.Duration) (context.Context, context.CancelFunc) {
+	if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= d {
+		return ctx, redisNoCancel
+	}
+	return context.WithTimeout(ctx, d)
+}
+
+// errRedisBackingOff is the cause of fail-fast errors while the breaker is open.
+var errRedisBackingOff = errors.New("backing off after a connection failure")
+
+// admit returns nil when a call may go to Redis: the breaker is closed, or it is open, its backoff
+// has passed and this caller won the right to probe (every other caller keeps failing fast until
+// the probe answers or another backoff passes).
+func (x *RedisIndex) admit() error {
+	if x.closed.Load() {
+		return ErrClosed
+	}
+	until := x.downUntil.Load()
+	if until == 0 {
+		return nil
+	}
+	now := time.Now().UnixNano()
+	if now >= until && x.downUntil.CompareAndSwap(until, now+int64(x.backoff)) {
+		return nil
+	}
+	return fmt.Errorf("%w: %w", ErrUnavailable, errRedisBackingOff)
+}
+
+// observe updates the breaker with the outcome of a round trip made under parent: a success closes
+// it; a connection failure or a deadline of our own opens it for the backoff. Errors caused by
+// parent ending are the caller's, not Redis's, and leave it alone.
+func (x *RedisIndex) observe(parent context.Context, err error) {
+	if err == nil {
+		if x.downUntil.Load() != 0 {
+			x.downUntil.Store(0)
+		}
+		return
+	}
+	if _, isRedis := rueidis.IsRedisErr(err); isRedis || parent.Err() != nil {
+		return
+	}
+	x.downUntil.Store(time.Now().UnixNano() + int64(x.backoff))
+}
+
+// unavailable wraps err (not nil) as the error of a failed call.
+func redisUnavailable(op string, err error) error {
+	if errors.Is(err, ErrUnavailable) || errors.Is(err, ErrClosed) {
+		return err
+	}
+	return fmt.Errorf("%w: %s: %w", ErrUnavailable, op, err)
+}
+
+// doMulti sends cmds in one round trip under a deadline of timeout and returns their results. err
+// is the first connection-level error (every result is then unusable); Redis error replies stay in
+// their results. The breaker is updated.
+func (x *RedisIndex) doMulti(ctx context.Context, timeout time.Duration, cmds []rueidis.Completed) ([]rueidis.RedisResult, error) {
+	cctx, cancel := redisWithTimeout(ctx, timeout)
+	defer cancel()
+	return x.doMultiIn(ctx, cctx, cmds)
+}
+
+// doMultiIn is doMulti under cctx, a context derived from the caller's ctx with the deadline of a
+// whole multi-round-trip call.
+func (x *RedisIndex) doMultiIn(ctx, cctx context.Context, cmds []rueidis.Completed) ([]rueidis.RedisResult, error) {
+	if err := x.admit(); err != nil {
+		return nil, err
+	}
+	res := x.client.DoMulti(cctx, cmds...)
+	var err error
+	for i := range res {
+		if e := res[i].NonRedisError(); e != nil {
+			err = e
+			break
+		}
+	}
+	x.observe(ctx, err)
+	return res, err
+}
+
+// do is doMulti for one command; err also holds a Redis error reply.
+func (x *RedisIndex) do(ctx context.Context, timeout time.Duration, cmd rueidis.Completed) (rueidis.RedisResult, error) {
+	if err := x.admit(); err != nil {
+		return rueidis.RedisResult{}, err
+	}
+	cctx, cancel := redisWithTimeout(ctx, timeout)
+	res := x.client.Do(cctx, cmd)
+	cancel()
+	err := res.Error()
+	x.observe(ctx, res.NonRedisError())
+	return res, err
+}
+
+// evalsha builds an EVALSHA (EVALSHA_RO for a read-only script) of s.
+func (x *RedisIndex) evalsha(s *redisScript, keys, args []string) rueidis.Completed {
+	if s.readOnly {
+		return x.client.B().EvalshaRo().Sha1(s.sha).Numkeys(int64(len(keys))).Key(keys...).Arg(args...).Build()
+	}
+	return x.client.B().Evalsha().Sha1(s.sha).Numkeys(int64(len(keys))).Key(keys...).Arg(args...).Build()
+}
+
+// eval builds an EVAL (EVAL_RO) of s, for the NOSCRIPT fallback.
+func (x *RedisIndex) eval(s *redisScript, keys, args []string) rueidis.Completed {
+	if s.readOnly {
+		return x.client.B().EvalRo().Script(s.src).Numkeys(int64(len(keys))).Key(keys...).Arg(args...).Build()
+	}
+	return x.client.B().Eval().Script(s.src).Numkeys(int64(len(keys))).Key(keys...).Arg(args...).Build()
+}
+
+// redisIsNoScript reports whether err is Redis's NOSCRIPT reply.
+func redisIsNoScript(err error) bool {
+	re, ok := rueidis.IsRedisErr(err)
+	return ok && re.IsNoScript()
+}
+
+// redisScriptCall is one call of a script.
+type redisScriptCall struct {
+	keys, args []string
+}
+
+// runScript runs calls of s in one round trip (EVALSHA), and the ones that got NOSCRIPT again with
+// EVAL in a second. It returns one result per call, or the connection-level error.
+func (x *RedisIndex) runScript(ctx context.Context, timeout time.Duration, s *redisScript, calls []redisScriptCall) ([]rueidis.RedisResult, error) {
+	cmds := make([]rueidis.Completed, len(calls))
+	for i, c := range calls {
+		cmds[i] = x.evalsha(s, c.keys, c.args)
+	}
+	res, err := x.doMulti(ctx, timeout, cmds)
+	if err != nil {
+		return nil, err
+	}
+	var retry []int
+	for i := range res {
+		if redisIsNoScript(res[i].Error()) {
+			retry = append(retry, i)
+		}
+	}
+	if len(retry) == 0 {
+		return res, nil
+	}
+	cmds = cmds[:0]
+	for _, i := range retry {
+		cmds = append(cmds, x.eval(s, calls[i].keys, calls[i].args))
+	}
+	res2, err := x.doMulti(ctx, timeout, cmds)
+	if err != nil {
+		return nil, err
+	}
+	for j, i := range retry {
+		res[i] = res2[j]
+	}
+	return res, nil
+}
+
+// ---- key names and backends ----
+
+const redisHexDigits = "0123456789abcdef"
+
+// redisAppendHex16 appends v as 16 lowercase hex digits.
+func redisAppendHex16(b []byte, v uint64) []byte {
+	for s := 60; s >= 0; s -= 4 {
+		b = append(b, redisHexDigits[(v>>uint(s))&15])
+	}
+	return b
+}
+
+// redisParseHex16 parses 16 hex digits.
+func redisParseHex16(s string) (uint64, bool) {
+	if len(s) != 16 {
+		return 0, false
+	}
+	v, err := strconv.ParseUint(s, 16, 64)
+	return v, err == nil
+}
+
+// redisBlockKeyLen is the length of the name "P b:<16 hex>".
+func (x *RedisIndex) redisBlockKeyLen() int { return len(x.prefix) + 2 + 16 }
+
+// appendRedisBlockKey appends the name of block k's string.
+func (x *RedisIndex) appendRedisBlockKey(b []byte, k uint64) []byte {
+	b = append(b, x.prefix...)
+	b = append(b, "b:"...)
+	return redisAppendHex16(b, k)
+}
+
+// blockKeyNames returns the names of keys' block strings, substrings of one allocation.
+func (x *RedisIndex) blockKeyNames(keys []uint64) []string {
+	kl := x.redisBlockKeyLen()
+	buf := make([]byte, 0, kl*len(keys))
+	for _, k := range keys {
+		buf = x.appendRedisBlockKey(buf, k)
+	}
+	all := string(buf)
+	names := make([]string, len(keys))
+	for i := range names {
+		names[i] = all[i*kl : (i+1)*kl]
+	}
+	return names
+}
+
+// backend returns the per-process state of backend, creating it on first use.
+func (x *RedisIndex) backend(name string) *redisBackend {
+	x.mu.RLock()
+	st := x.backends[name]
+	x.mu.RUnlock()
+	if st != nil {
+		return st
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if st = x.backends[name]; st == nil {
+		st = &redisBackend{
+			name:        name,
+			cache:       newRedisEngineCache(x.engineCacheCap),
+			engineKey:   x.prefix + "e:" + name,
+			blocksKey:   x.prefix + "mb:" + name,
+			specKey:     x.prefix + "ms:" + name,
+			prefixesKey: x.prefix + "mp:" + name,
+		}
+		st.id.Store(-1)
+		st.tag = redisTag(name)
+		x.backends[name] = st
+	}
+	return st
+}
+
+// ---- slots ----
+
+// Slot layout: [spec 6 | tag 2 | confirmed 6]. Writes cover spec+tag, tag+confirmed or the whole
+// slot, so that every write also stamps the owner's tag.
+const (
+	redisSlotSize  = 14
+	redisTagOff    = 6
+	redisConfOff   = 8
+	redisExpBits   = 44 // expiry ms < 2^44 (year 2527)
+	redisExpMask   = 1<<redisExpBits - 1
+	redisTierShift = redisExpBits
+)
+
+// redisTag is the 16-bit owner tag of backend name's slots.
+func redisTag(name string) uint16 { return uint16(xxh3.HashString(name)) }
+
+// redisPut48 writes v's low 48 bits big-endian into b[:6].
+func redisPut48(b []byte, v uint64) {
+	_ = b[5]
+	b[0], b[1], b[2], b[3], b[4], b[5] = byte(v>>40), byte(v>>32), byte(v>>24), byte(v>>16), byte(v>>8), byte(v)
+}
+
+// redisGet48 reads 48 bits big-endian from s[off:off+6].
+func redisGet48(s string, off int) uint64 {
+	_ = s[off+5]
+	return uint64(s[off])<<40 | uint64(s[off+1])<<32 | uint64(s[off+2])<<24 |
+		uint64(s[off+3])<<16 | uint64(s[off+4])<<8 | uint64(s[off+5])
+}
+
+// redisSlot returns a whole slot: speculative expiry, tag, and the confirmed word of tiers and
+// expiry (tiers 0: no confirmed entry).
+func redisSlot(spec int64, tag uint16, tiers uint8, exp int64) [redisSlotSize]byte {
+	var b [redisSlotSize]byte
+	redisPut48(b[:], uint64(spec))
+	b[redisTagOff], b[redisTagOff+1] = byte(tag>>8), byte(tag)
+	if tiers&7 != 0 {
+		redisPut48(b[redisConfOff:], uint64(tiers&7)<<redisTierShift|uint64(exp)&redisExpMask)
+	}
+	return b
+}
+
+// redisSlotTier decodes the slot of backend id (tag tag) in block string v at time now (ms):
+// whether the backend holds the block, and its best tier (a live confirmed entry wins over a
+// speculative one, which counts as GPU). A slot stamped with another tag is not the backend's.
+func redisSlotTier(v string, id int, tag uint16, now int64) (Tier, bool) {
+	off := id * redisSlotSize
+	if id < 0 || len(v) < off+redisConfOff { // a speculative write may end the string at the tag
+		return 0, false
+	}
+	if uint16(v[off+redisTagOff])<<8|uint16(v[off+redisTagOff+1]) != tag {
+		return 0, false
+	}
+	var w uint64
+	if len(v) >= off+redisSlotSize {
+		w = redisGet48(v, off+redisConfOff)
+	}
+	if tiers := uint8(w >> redisTierShift); tiers&7 != 0 && int64(w&redisExpMask) > now {
+		switch {
+		case tiers&1 != 0:
+			return events.TierGPU, true
+		case tiers&2 != 0:
+			return events.TierCPU, true
+		default:
+			return events.TierStorage, true
+		}
+	}
+	if int64(redisGet48(v, off)) > now {
+		return events.TierGPU, true
+	}
+	return 0, false
+}
+
+// ---- counters ----
+
+// Mutation and drop reasons, indexes into redisCounters; named as MemoryIndex names them.
+const (
+	redisMutStored = iota
+	redisMutRemoved
+	redisMutCleared
+	redisMutSpeculated
+	redisMutPrefixCreated
+	redisMutPrefixEvicted
+	redisMutPrefixOffloaded
+	redisMutPrefixReloaded
+	redisMutPrefixPurged
+	redisNumMutations
+)
+
+func redisMutationName(i int) string {
+	switch i {
+	case redisMutStored:
+		return "stored"
+	case redisMutRemoved:
+		return "removed"
+	case redisMutCleared:
+		return "cleared"
+	case redisMutSpeculated:
+		return "speculated"
+	case redisMutPrefixCreated:
+		return "prefix_created"
+	case redisMutPrefixEvicted:
+		return "prefix_evicted"
+	case redisMutPrefixOffloaded:
+		return "prefix_offloaded"
+	case redisMutPrefixReloaded:
+		return "prefix_reloaded"
+	case redisMutPrefixPurged:
+		return "prefix_purged"
+	}
+	return "unknown"
+}
+
+const (
+	redisDropUnknownParent = iota
+	redisDropUnknownBlock
+	redisDropBadTokens
+	redisDropBadBlockSize
+	redisDropGroup
+	redisDropTooManyBackends
+	redisDropUnknownKind
+	redisDropBadPrefix
+	redisNumDrops
+)
+
+func redisDropName(i int) string {
+	switch i {
+	case redisDropUnknownParent:
+		return "unknown_parent"
+	case redisDropUnknownBlock:
+		return "unknown_block"
+	case redisDropBadTokens:
+		return "bad_tokens"
+	case redisDropBadBlockSize:
+		return "bad_block_size"
+	case redisDropGroup:
+		return "non_full_attention_group"
+	case redisDropTooManyBackends:
+		return "too_many_backends"
+	case redisDropUnknownKind:
+		return "unknown_kind"
+	case redisDropBadPrefix:
+		return "bad_prefix"
+	}
+	return "unknown"
+}
+
+// redisCounters are the per-process counters of Stats.
+type redisCounters struct {
+	lookups   atomic.Uint64
+	expired   atomic.Uint64
+	mutations [redisNumMutations]atomic.Uint64
+	dropped   [redisNumDrops]atomic.Uint64
+}

@@ -1,0 +1,457 @@
+package kvroute
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvroute/kvroute/chwbl"
+	"github.com/kvroute/kvroute/kvindex"
+	"github.com/kvroute/kvroute/prefixkey"
+	"github.com/kvroute/kvroute/scorer"
+)
+
+// DefaultMinOverlapThreshold is the seeds' min_overlap_threshold: the best backend must hold at
+// least this fraction of the request's blocks (tier-weighted) for KV-aware routing to take over
+// from the CHWBL choice.
+const DefaultMinOverlapThreshold = 0.3
+
+// Speculation says whether the Router records predicted index entries for its own decisions.
+type Speculation uint8
+
+const (
+	// SpeculateShort (the default) inserts predicted entries for the chosen backend with the
+	// index's short speculative TTL (2 s): requests arriving before the engine's KV events see
+	// where the prefix is going. A confirming BlockStored makes them real.
+	SpeculateShort Speculation = iota
+	// SpeculateOff records nothing.
+	SpeculateOff
+	// Approximate is for fleets without KV events: routing decisions are the index's only source,
+	// with kvindex.DefaultApproximateTTL (120 s) unless SpeculativeTTL says otherwise.
+	Approximate
+)
+
+// KVConfig turns on tier 4, precise KV-aware routing. Index is required; everything else has a
+// default.
+type KVConfig struct {
+	// Index is the KV-block index fed by the engines' KV events (or by speculation alone in
+	// Approximate mode).
+	Index kvindex.KvCacheIndex
+	// BlockSize is the index's block size in tokens; 0 means kvindex.DefaultBlockSize. It must be
+	// the block size the index was built with.
+	BlockSize int
+	// Tokenizer supplies token IDs for requests that carry none; nil means only requests with
+	// TokenIDs get block keys. Its errors and time-outs route the request without block keys.
+	Tokenizer prefixkey.Tokenizer
+	// Scorer ranks candidates; nil means scorer.NewComposite(Weights).
+	Scorer scorer.BackendScorer
+	// Weights configure the default composite scorer (overlap 0.6, load 0.3, health 0.1).
+	Weights scorer.CompositeConfig
+	// MinOverlapThreshold: 0 means DefaultMinOverlapThreshold. Valid: (0, 1].
+	MinOverlapThreshold float64
+	// UsePrefixEntries looks up prefix-granular entries (the seeds' SSE events) when a request has
+	// no block keys.
+	UsePrefixEntries bool
+	// Speculation mode and its TTL (0 means the mode's default).
+	Speculation    Speculation
+	SpeculativeTTL time.Duration
+	// Guard hands the decision to the least-loaded backend when the fleet is skewed; the zero
+	// Guard never fires.
+	Guard scorer.Guard
+	// Active, when set, tracks active sequences per backend for cost scoring: Route adds each
+	// KV-routed request, Decision.FirstToken ends its prefill load and Done frees it.
+	Active *scorer.Active
+}
+
+// Reasons added by tier 4.
+const (
+	// ReasonKVAware: the KV index and the scorer chose (the best overlap reached the threshold).
+	ReasonKVAware Reason = ReasonFallback + 1 + iota
+	// ReasonImbalance: the KV index had a match, but the fleet was skewed and the imbalance guard
+	// chose the least-loaded backend.
+	ReasonImbalance
+	numReasons
+)
+
+// Overlap is what the Router saw of one backend for a KV-aware decision.
+type Overlap struct {
+	Backend      string  `json:"backend"`
+	CachedBlocks int     `json:"cached_blocks"`
+	CachedTokens int     `json:"cached_tokens"`
+	Overlap      float64 `json:"overlap"` // tier-weighted blocks
+	Score        float64 `json:"score"`
+}
+
+type tier4 struct {
+	cfg       KVConfig
+	scorer    scorer.BackendScorer
+	threshold float64
+	specTTL   time.Duration
+	scratch   sync.Pool // *scratch4
+	nextID    atomic.Uint64
+
+	kvAware, kvFallback    atomic.Uint64
+	lookups, lookupErrs    atomic.Uint64
+	tokenizeErrs, noTokens atomic.Uint64
+}
+
+// scratch4 is the per-call working memory of the tier-4 path, pooled so that Route allocates
+// nothing for it.
+type scratch4 struct {
+	keys    []uint64
+	names   []string
+	matches []kvindex.Match
+	cands   []scorer.Candidate
+	scores  []float64
+	order   []int
+	loads   []chwbl.Load
+}
+
+func newTier4(cfg KVConfig) (*tier4, error) {
+	if cfg.Index == nil {
+		return nil, fmt.Errorf("%w: KV.Index is nil", ErrInvalidConfig)
+	}
+	if cfg.BlockSize == 0 {
+		cfg.BlockSize = kvindex.DefaultBlockSize
+	}
+	if cfg.BlockSize < 1 {
+		return nil, fmt.Errorf("%w: KV.BlockSize %d", ErrInvalidConfig, cfg.BlockSize)
+	}
+	t := &tier4{cfg: cfg, scorer: cfg.Scorer, threshold: cfg.MinOverlapThreshold}
+	if t.threshold == 0 {
+		t.threshold = DefaultMinOverlapThreshold
+	}
+	if math.IsNaN(t.threshold) || t.threshold < 0 || t.threshold > 1 {
+		return nil, fmt.Errorf("%w: min_overlap_threshold %v not in (0, 1]", ErrInvalidConfig, cfg.MinOverlapThreshold)
+	}
+	if t.scorer == nil {
+		c, err := scorer.NewComposite(cfg.Weights)
+		if err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+		}
+		t.scorer = c
+	}
+	switch cfg.Speculation {
+	case SpeculateShort:
+		t.specTTL = kvindex.DefaultSpeculativeTTL
+	case Approximate:
+		t.specTTL = kvindex.DefaultApproximateTTL
+	case SpeculateOff:
+	default:
+		return nil, fmt.Errorf("%w: speculation mode %d", ErrInvalidConfig, cfg.Speculation)
+	}
+	if cfg.SpeculativeTTL > 0 {
+		t.specTTL = cfg.SpeculativeTTL
+	}
+	t.scratch.New = func() any { return &scratch4{} }
+	return t, nil
+}
+
+// routeKV runs tier 4 for a request. It returns true when it took a slot into d (reason kv_aware or
+// imbalance); false when the request must go the tier-1 way (no block keys, no overlap above the
+// threshold, or the index failed), in which case d is untouched but for Overlaps.
+func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *Decision) bool {
+	t := r.kv
+	s := t.scratch.Get().(*scratch4)
+	defer t.scratch.Put(s)
+
+	tokens := req.TokenIDs
+	if tokens == nil && req.PromptTokens != nil {
+		tokens = req.PromptTokens
+	}
+	if tokens == nil && t.cfg.Tokenizer != nil {
+		var err error
+		if tokens, err = t.cfg.Tokenizer.Tokenize(ctx, req); err != nil {
+			t.tokenizeErrs.Add(1)
+			tokens = nil
+		}
+	}
+	s.keys = s.keys[:0]
+	if tokens != nil {
+		root := prefixkey.BlockRoot(req.ModelOrAdapter(), req.CacheSalt)
+		s.keys = prefixkey.AppendBlockKeys(s.keys, root, tokens, t.cfg.BlockSize, req.MultiModal)
+	}
+	usePrefix := len(s.keys) == 0 && t.cfg.UsePrefixEntries && d.HasPrefixKey
+	if len(s.keys) == 0 && !usePrefix {
+		t.noTokens.Add(1)
+		t.kvFallback.Add(1)
+		r.metrics.recordKV(ctx, false)
+		return false
+	}
+
+	set := r.set.Load()
+	s.loads = r.ring.Loads(s.loads[:0])
+	s.names = s.names[:0]
+	for i := range s.loads {
+		if s.loads[i].Healthy {
+			s.names = append(s.names, s.loads[i].Name)
+		}
+	}
+	if len(s.names) == 0 {
+		return false
+	}
+	if cap(s.matches) < len(s.names) {
+		s.matches = make([]kvindex.Match, len(s.names))
+	}
+	start := r.cfg.Now()
+	var err error
+	if usePrefix {
+		s.matches, err = t.cfg.Index.LookupPrefix(ctx, d.PrefixKey.String(), s.names, s.matches[:len(s.names)])
+	} else {
+		s.matches, err = t.cfg.Index.Lookup(ctx, s.keys, s.names, s.matches[:len(s.names)])
+	}
+	r.metrics.recordLookup(ctx, r.cfg.Now().Sub(start))
+	t.lookups.Add(1)
+	if err != nil {
+		t.lookupErrs.Add(1)
+		t.kvFallback.Add(1)
+		r.metrics.recordKV(ctx, false)
+		return false
+	}
+
+	// Candidates, in the order of s.names.
+	s.cands = s.cands[:0]
+	li := 0
+	for i := range s.matches {
+		for li < len(s.loads) && s.loads[li].Name != s.names[i] {
+			li++
+		}
+		l := s.loads[li]
+		c := scorer.Candidate{
+			Backend:      l.Name,
+			CachedBlocks: s.matches[i].Blocks,
+			CachedTokens: s.matches[i].Tokens,
+			Overlap:      s.matches[i].Score,
+			InFlight:     l.InFlight,
+			Weight:       l.Weight,
+			Healthy:      true,
+			Health:       1,
+		}
+		if st := set.byName[l.Name]; st != nil {
+			c.Health = st.success.load()
+		}
+		s.cands = append(s.cands, c)
+	}
+	if t.cfg.Active != nil {
+		t.cfg.Active.Fill(s.cands)
+	}
+	sreq := scorer.Request{Blocks: len(s.keys), Tokens: len(tokens)}
+
+	// Best overlap as a fraction of the request (for prefix entries: of the best backend's).
+	best, bestTokens := 0.0, 0
+	for i := range s.cands {
+		best = math.Max(best, s.cands[i].Overlap)
+		bestTokens = max(bestTokens, s.cands[i].CachedTokens)
+	}
+	ratio := 0.0
+	switch {
+	case sreq.Blocks > 0:
+		ratio = best / float64(sreq.Blocks)
+	case best > 0:
+		ratio = 1
+	}
+	r.metrics.recordOverlap(ctx, ratio)
+	if best <= 0 || ratio < t.threshold {
+		t.kvFallback.Add(1)
+		r.metrics.recordKV(ctx, false)
+		return false
+	}
+
+	if cap(s.scores) < len(s.cands) {
+		s.scores = make([]float64, len(s.cands))
+	}
+	s.scores = t.scorer.Score(sreq, s.cands, s.scores[:len(s.cands)])
+	reason := ReasonKVAware
+	taken := -1
+	if t.cfg.Guard.Skewed(s.cands) {
+		if i := t.cfg.Guard.LeastLoaded(s.cands); i >= 0 {
+			if r.ring.AcquireBackend(&d.handle, s.cands[i].Backend) == nil {
+				taken, reason = i, ReasonImbalance
+			}
+		}
+	}
+	if taken < 0 {
+		taken = r.acquireBest(s, d)
+	}
+	if taken < 0 { // every scored backend at its bound: the CHWBL walk decides
+		t.kvFallback.Add(1)
+		r.metrics.recordKV(ctx, false)
+		return false
+	}
+	d.Reason = reason
+	d.ExpectedCachedTokens = s.cands[taken].CachedTokens
+	d.Overlaps = make([]Overlap, len(s.cands))
+	for i := range s.cands {
+		d.Overlaps[i] = Overlap{Backend: s.cands[i].Backend, CachedBlocks: s.cands[i].CachedBlocks,
+			CachedTokens: s.cands[i].CachedTokens, Overlap: s.cands[i].Overlap, Score: s.scores[i]}
+	}
+	t.kvAware.Add(1)
+	r.metrics.recordKV(ctx, true)
+	r.afterKVChoice(ctx, s, d, s.cands[taken])
+	return true
+}
+
+// acquireBest tries the scored candidates best first and takes a slot on the first one under its
+// CHWBL bound. It returns the candidate's index, or -1 when all are at their bound.
+func (r *DefaultRouter) acquireBest(s *scratch4, d *Decision) int {
+	s.order = s.order[:0]
+	for i := range s.cands {
+		if !math.IsInf(s.scores[i], -1) && !math.IsNaN(s.scores[i]) {
+			s.order = append(s.order, i)
+		}
+	}
+	// Selection by repeated best pick: the first try nearly always succeeds, so a full sort would
+	// be wasted work.
+	for len(s.order) > 0 {
+		bi := 0
+		for k := 1; k < len(s.order); k++ {
+			a, b := s.order[k], s.order[bi]
+			if s.scores[a] > s.scores[b] || (s.scores[a] == s.scores[b] && lessLoaded(&s.cands[a], &s.cands[b])) {
+				bi = k
+			}
+		}
+		i := s.order[bi]
+		if ok, _ := r.ring.TryAcquireBackend(&d.handle, s.cands[i].Backend); ok {
+			return i
+		}
+		s.order[bi] = s.order[len(s.order)-1]
+		s.order = s.order[:len(s.order)-1]
+	}
+	return -1
+}
+
+func lessLoaded(a, b *scorer.Candidate) bool {
+	wa, wb := a.Weight, b.Weight
+	if wa <= 0 {
+		wa = 1
+	}
+	if wb <= 0 {
+		wb = 1
+	}
+	return float64(a.InFlight)/wa < float64(b.InFlight)/wb
+}
+
+// afterKVChoice records speculation and active-sequence accounting for a KV-aware decision.
+func (r *DefaultRouter) afterKVChoice(ctx context.Context, s *scratch4, d *Decision, c scorer.Candidate) {
+	t := r.kv
+	if t.specTTL > 0 && len(s.keys) > 0 {
+		_ = t.cfg.Index.Speculate(ctx, d.handle.Backend(), s.keys, t.specTTL)
+	}
+	if t.cfg.Active != nil && len(s.keys) > 0 {
+		d.activeID = t.nextID.Add(1)
+		t.cfg.Active.Add(d.activeID, d.handle.Backend(), s.keys, c.CachedBlocks)
+	}
+}
+
+// speculateTier1 records predicted entries for a decision tier 1 made while tier 4 is on, so that
+// the index learns where a prefix went even before the engine's events (and, in Approximate mode,
+// at all).
+func (r *DefaultRouter) speculateTier1(ctx context.Context, req *prefixkey.Request, d *Decision) {
+	t := r.kv
+	if t.specTTL <= 0 {
+		return
+	}
+	tokens := req.TokenIDs
+	if tokens == nil {
+		tokens = req.PromptTokens
+	}
+	if tokens == nil {
+		return
+	}
+	s := t.scratch.Get().(*scratch4)
+	root := prefixkey.BlockRoot(req.ModelOrAdapter(), req.CacheSalt)
+	s.keys = prefixkey.AppendBlockKeys(s.keys[:0], root, tokens, t.cfg.BlockSize, req.MultiModal)
+	if len(s.keys) > 0 {
+		_ = t.cfg.Index.Speculate(ctx, d.handle.Backend(), s.keys, t.specTTL)
+	}
+	t.scratch.Put(s)
+}
+
+// KVIndexStats is the content of the seeds' GET /admin/kv-index/stats as far as the Router knows
+// it; a gateway adds its event sources.
+type KVIndexStats struct {
+	Enabled          bool               `json:"enabled"`
+	Config           KVIndexStatsConfig `json:"config"`
+	Index            kvindex.Stats      `json:"index"`
+	RoutingDecisions KVRoutingDecisions `json:"routing_decisions"`
+	Lookups          uint64             `json:"query_latency_count"`
+	LookupErrors     uint64             `json:"lookup_errors"`
+	TokenizeErrors   uint64             `json:"tokenize_errors"`
+	NoTokens         uint64             `json:"requests_without_block_keys"`
+	OverlapScores    uint64             `json:"overlap_score_count"`
+}
+
+// KVIndexStatsConfig is tier 4's configuration as the stats report it.
+type KVIndexStatsConfig struct {
+	Backend             string  `json:"backend"`
+	BlockSize           int     `json:"block_size"`
+	MinOverlapThreshold float64 `json:"min_overlap_threshold"`
+	Speculation         string  `json:"speculation"`
+	SpeculativeTTLSecs  float64 `json:"speculative_ttl_seconds"`
+}
+
+// KVRoutingDecisions counts tier-4 outcomes: kv_aware (the index chose, including by the imbalance
+// guard) and fallback (tier 4 ran but the CHWBL ring or the strategy chose).
+type KVRoutingDecisions struct {
+	KVAware  uint64 `json:"kv_aware"`
+	Fallback uint64 `json:"fallback"`
+	Total    uint64 `json:"total"`
+}
+
+// KVStats returns tier 4's statistics; Enabled is false (and the rest zero) when tier 4 is off.
+// ctx bounds a remote index's Stats call; an index error is returned with the Router's own
+// counters filled in. Safe for concurrent use.
+func (r *DefaultRouter) KVStats(ctx context.Context) (KVIndexStats, error) {
+	t := r.kv
+	if t == nil {
+		return KVIndexStats{}, nil
+	}
+	st := KVIndexStats{
+		Enabled: true,
+		Config: KVIndexStatsConfig{
+			BlockSize:           t.cfg.BlockSize,
+			MinOverlapThreshold: t.threshold,
+			Speculation:         t.cfg.Speculation.String(),
+			SpeculativeTTLSecs:  t.specTTL.Seconds(),
+		},
+		Lookups:        t.lookups.Load(),
+		LookupErrors:   t.lookupErrs.Load(),
+		TokenizeErrors: t.tokenizeErrs.Load(),
+		NoTokens:       t.noTokens.Load(),
+	}
+	st.RoutingDecisions.KVAware = t.kvAware.Load()
+	st.RoutingDecisions.Fallback = t.kvFallback.Load()
+	st.RoutingDecisions.Total = st.RoutingDecisions.KVAware + st.RoutingDecisions.Fallback
+	st.OverlapScores = st.Lookups - st.LookupErrors
+	var err error
+	st.Index, err = t.cfg.Index.Stats(ctx)
+	st.Config.Backend = st.Index.Backend
+	return st, err
+}
+
+// ClearKVIndex drops every entry of the KV index (the seeds' POST /admin/kv-index/clear) and
+// returns how many it dropped. The index rebuilds from the engines' events. It returns 0, nil when
+// tier 4 is off.
+func (r *DefaultRouter) ClearKVIndex(ctx context.Context) (int, error) {
+	if r.kv == nil {
+		return 0, nil
+	}
+	return r.kv.cfg.Index.Clear(ctx)
+}
+
+// String returns "speculate", "off" or "approximate".
+func (s Speculation) String() string {
+	switch s {
+	case SpeculateShort:
+		return "speculate"
+	case SpeculateOff:
+		return "off"
+	case Approximate:
+		return "approximate"
+	default:
+		return fmt.Sprintf("speculation(%d)", uint8(s))
+	}
+}

@@ -1,0 +1,100 @@
+package kvroute
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/kvindex"
+	"github.com/kvroute/kvroute/prefixkey"
+)
+
+// loadChains fills ix with chains of blocksPerChain blocks until it holds about memberships
+// (block, backend) memberships; each chain is held by holders consecutive backends, as a
+// prefix-affine fleet places them. It returns the chains' tokens.
+func loadChains(b *testing.B, ix kvindex.KvCacheIndex, names []string, memberships, blocksPerChain, holders int) [][]uint32 {
+	ctx := context.Background()
+	nChains := max(1, memberships/(blocksPerChain*holders))
+	chains := make([][]uint32, 0, nChains)
+	hashes := make([]uint64, 16)
+	batch := &events.Batch{Model: testModel, Events: make([]events.Event, 1)}
+	for c := range nChains {
+		toks := promptTokens(c+1000, blocksPerChain*16)
+		chains = append(chains, toks)
+		for h := range holders {
+			backend := names[(c+h)%len(names)]
+			for blk := 0; blk < blocksPerChain; blk += 16 {
+				n := min(16, blocksPerChain-blk)
+				for i := range n {
+					hashes[i] = uint64(c)<<24 | uint64(blk+i+1)
+				}
+				ev := events.Event{Kind: events.KindBlockStored, BlockHashes: hashes[:n],
+					TokenIDs: toks[blk*16 : (blk+n)*16], BlockSize: 16}
+				if blk > 0 {
+					ev.Parent, ev.HasParent = uint64(c)<<24|uint64(blk), true
+				}
+				batch.Events[0] = ev
+				if err := ix.Apply(ctx, backend, batch); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+	}
+	return chains
+}
+
+// BenchmarkRouteKV measures Route()+Done() with tier 4 for a 512-block (8,192-token) request with
+// tokens given, 16 backends, against an in-memory index holding the given number of (block,
+// backend) memberships. p50-ns is the median of per-call timings.
+func BenchmarkRouteKV(b *testing.B) {
+	for _, memberships := range []int{100_000, 10_000_000} {
+		b.Run(fmt.Sprintf("backends=16/blocks=512/memberships=%d", memberships), func(b *testing.B) {
+			ix, err := kvindex.NewMemory(kvindex.MemoryConfig{DefaultModel: testModel, MaxEntries: memberships})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer ix.Close()
+			r, err := New(Config{Backends: backends(16), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer r.Close()
+			names := make([]string, 16)
+			for i := range names {
+				names[i] = fmt.Sprintf("vllm-%d", i+1)
+			}
+			chains := loadChains(b, ix, names, memberships, 512, 2)
+			reqs := make([]*prefixkey.Request, 0, 64)
+			for i := range 64 {
+				reqs = append(reqs, tokReq(fmt.Sprintf("s%d", i), chains[(i*7919)%len(chains)]))
+			}
+			ctx := context.Background()
+			samples := make([]time.Duration, 0, 1<<16)
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; b.Loop(); i++ {
+				t0 := time.Now()
+				d, err := r.Route(ctx, reqs[i%len(reqs)])
+				if err != nil {
+					b.Fatal(err)
+				}
+				d.Done(Outcome{})
+				if len(samples) < cap(samples) {
+					samples = append(samples, time.Since(t0))
+				}
+				if d.Reason != ReasonKVAware {
+					b.Fatalf("reason %v, want kv_aware", d.Reason)
+				}
+			}
+			b.StopTimer()
+			slices.Sort(samples)
+			if len(samples) > 0 {
+				b.ReportMetric(float64(samples[len(samples)/2].Nanoseconds()), "p50-ns")
+				b.ReportMetric(float64(samples[len(samples)*99/100].Nanoseconds()), "p99-ns")
+			}
+		})
+	}
+}

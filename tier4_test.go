@@ -1,0 +1,321 @@
+package kvroute
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/kvindex"
+	"github.com/kvroute/kvroute/prefixkey"
+	"github.com/kvroute/kvroute/scorer"
+)
+
+const testModel = "llama-3-8b"
+
+// promptTokens returns n deterministic tokens; seed varies the sequence.
+func promptTokens(seed, n int) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = uint32((seed*7919 + i*2654435761) % 128256)
+	}
+	return out
+}
+
+// storeBlocks makes backend hold the first nBlocks full blocks of tokens, as a vLLM BlockStored
+// event would say it (engine hashes are arbitrary; the index re-keys from the tokens).
+func storeBlocks(t testing.TB, ix kvindex.KvCacheIndex, backend string, tokens []uint32, nBlocks int, tier events.Tier) {
+	t.Helper()
+	hashes := make([]uint64, nBlocks)
+	for i := range hashes {
+		hashes[i] = uint64(1000 + i)
+	}
+	b := &events.Batch{Model: testModel, Events: []events.Event{{
+		Kind: events.KindBlockStored, BlockHashes: hashes, TokenIDs: tokens[:nBlocks*16], BlockSize: 16, Tier: tier,
+	}}}
+	require.NoError(t, ix.Apply(context.Background(), backend, b))
+}
+
+func newMemIndex(t testing.TB) *kvindex.MemoryIndex {
+	t.Helper()
+	ix, err := kvindex.NewMemory(kvindex.MemoryConfig{DefaultModel: testModel})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ix.Close() })
+	return ix
+}
+
+func tokReq(system string, tokens []uint32) *prefixkey.Request {
+	r := chatReq(system, "question")
+	r.Model = testModel
+	r.TokenIDs = tokens
+	return r
+}
+
+func TestKVAwareRoutesToHolder(t *testing.T) {
+	ix := newMemIndex(t)
+	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	toks := promptTokens(1, 32*16+5)
+	storeBlocks(t, ix, "vllm-3", toks, 32, events.TierGPU)
+	storeBlocks(t, ix, "vllm-1", toks, 8, events.TierGPU)
+
+	d, err := r.Route(context.Background(), tokReq("system A", toks))
+	require.NoError(t, err)
+	defer d.Done(Outcome{})
+	assert.Equal(t, "vllm-3", d.Backend)
+	assert.Equal(t, ReasonKVAware, d.Reason)
+	assert.Equal(t, 32*16, d.ExpectedCachedTokens)
+	require.Len(t, d.Overlaps, 4)
+	got := map[string]int{}
+	for _, o := range d.Overlaps {
+		got[o.Backend] = o.CachedBlocks
+	}
+	assert.Equal(t, map[string]int{"vllm-1": 8, "vllm-2": 0, "vllm-3": 32, "vllm-4": 0}, got)
+
+	st, err := r.KVStats(context.Background())
+	require.NoError(t, err)
+	assert.True(t, st.Enabled)
+	assert.Equal(t, uint64(1), st.RoutingDecisions.KVAware)
+	assert.Equal(t, uint64(1), r.Stats().RoutingDecisions.KVAware)
+}
+
+func TestKVBelowThresholdUsesCHWBL(t *testing.T) {
+	ix := newMemIndex(t)
+	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	toks := promptTokens(2, 40*16)
+	storeBlocks(t, ix, "vllm-2", toks, 4, events.TierGPU) // 10 % < 30 %
+	d, err := r.Route(context.Background(), tokReq("system B", toks))
+	require.NoError(t, err)
+	defer d.Done(Outcome{})
+	assert.Equal(t, ReasonPrefixHash, d.Reason)
+	assert.Nil(t, d.Overlaps)
+	st, _ := r.KVStats(context.Background())
+	assert.Equal(t, uint64(1), st.RoutingDecisions.Fallback)
+}
+
+func TestKVTierWeightsPreferGPU(t *testing.T) {
+	ix := newMemIndex(t)
+	r := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	toks := promptTokens(3, 20*16)
+	storeBlocks(t, ix, "vllm-1", toks, 20, events.TierStorage)
+	storeBlocks(t, ix, "vllm-2", toks, 20, events.TierGPU)
+	d, err := r.Route(context.Background(), tokReq("system C", toks))
+	require.NoError(t, err)
+	defer d.Done(Outcome{})
+	assert.Equal(t, "vllm-2", d.Backend)
+}
+
+func TestKVRespectsLoadBound(t *testing.T) {
+	ix := newMemIndex(t)
+	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	toks := promptTokens(4, 16*16)
+	storeBlocks(t, ix, "vllm-1", toks, 16, events.TierGPU)
+	ctx := context.Background()
+	var held []*Decision
+	for range 40 {
+		d, err := r.Route(ctx, tokReq("hot", toks))
+		require.NoError(t, err)
+		held = append(held, d)
+		bound := r.ring.Bound(1) // the bound now, with this request counted, is what it was checked against or more
+		for _, l := range r.Stats().BackendDistribution {
+			assert.LessOrEqual(t, l.InFlightRequests, bound, "%s at %d in flight, bound %d", l.Backend, l.InFlightRequests, bound)
+		}
+	}
+	byBackend := map[string]int{}
+	for _, d := range held {
+		byBackend[d.Backend]++
+		d.Done(Outcome{})
+	}
+	assert.Less(t, byBackend["vllm-1"], 40, "a hot prefix must not pile onto one backend")
+	assert.GreaterOrEqual(t, byBackend["vllm-1"], 10, "the holder still takes its bounded share")
+}
+
+func TestKVSpeculationThenApproximate(t *testing.T) {
+	for _, mode := range []Speculation{SpeculateShort, Approximate} {
+		t.Run(mode.String(), func(t *testing.T) {
+			ix := newMemIndex(t)
+			r := newRouter(t, Config{Backends: backends(8), KV: &KVConfig{Index: ix, Speculation: mode}})
+			ctx := context.Background()
+			toks := promptTokens(5, 24*16)
+			first, err := r.Route(ctx, tokReq("", toks)) // no system prompt: anchored on the message
+			require.NoError(t, err)
+			first.Done(Outcome{})
+			assert.Equal(t, ReasonPrefixHash, first.Reason, "empty index: CHWBL decides")
+			// A request with the same tokens but another anchor text would hash elsewhere on the
+			// ring; the speculative entries send it to the same backend.
+			other := tokReq("a different system prompt", toks)
+			d, err := r.Route(ctx, other)
+			require.NoError(t, err)
+			defer d.Done(Outcome{})
+			assert.Equal(t, ReasonKVAware, d.Reason)
+			assert.Equal(t, first.Backend, d.Backend)
+		})
+	}
+	t.Run("off", func(t *testing.T) {
+		ix := newMemIndex(t)
+		r := newRouter(t, Config{Backends: backends(8), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+		toks := promptTokens(6, 24*16)
+		first, err := r.Route(context.Background(), tokReq("", toks))
+		require.NoError(t, err)
+		first.Done(Outcome{})
+		d, err := r.Route(context.Background(), tokReq("a different system prompt", toks))
+		require.NoError(t, err)
+		d.Done(Outcome{})
+		assert.NotEqual(t, ReasonKVAware, d.Reason)
+	})
+}
+
+// failingIndex is an index whose every call fails, as a remote index does when its server is down.
+type failingIndex struct{ kvindex.KvCacheIndex }
+
+var errDown = errors.New("index down")
+
+func (failingIndex) Lookup(context.Context, []uint64, []string, []kvindex.Match) ([]kvindex.Match, error) {
+	return nil, errDown
+}
+func (failingIndex) Speculate(context.Context, string, []uint64, time.Duration) error { return errDown }
+
+func TestKVIndexFailureFallsBack(t *testing.T) {
+	r := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: failingIndex{}}})
+	for i := range 20 {
+		d, err := r.Route(context.Background(), tokReq(fmt.Sprintf("s%d", i), promptTokens(i, 64)))
+		require.NoError(t, err)
+		assert.Contains(t, []Reason{ReasonPrefixHash, ReasonOverflow}, d.Reason)
+		d.Done(Outcome{})
+	}
+	r.kv.lookups.Load()
+	assert.Equal(t, uint64(20), r.kv.lookupErrs.Load())
+}
+
+func TestKVTokenizer(t *testing.T) {
+	ix := newMemIndex(t)
+	toks := promptTokens(7, 10*16)
+	var calls int
+	tok := prefixkey.TokenizerFunc(func(_ context.Context, req *prefixkey.Request) ([]uint32, error) {
+		calls++
+		if req.System == "broken" {
+			return nil, errors.New("tokenizer timeout")
+		}
+		return toks, nil
+	})
+	r := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: ix, Tokenizer: tok, Speculation: SpeculateOff}})
+	storeBlocks(t, ix, "vllm-2", toks, 10, events.TierGPU)
+	req := chatReq("tokenize me", "u")
+	req.Model = testModel
+	d, err := r.Route(context.Background(), req)
+	require.NoError(t, err)
+	d.Done(Outcome{})
+	assert.Equal(t, "vllm-2", d.Backend)
+	assert.Equal(t, ReasonKVAware, d.Reason)
+
+	d, err = r.Route(context.Background(), chatReq("broken", "u"))
+	require.NoError(t, err)
+	d.Done(Outcome{})
+	assert.Equal(t, ReasonPrefixHash, d.Reason)
+	assert.Equal(t, 2, calls)
+	st, _ := r.KVStats(context.Background())
+	assert.Equal(t, uint64(1), st.TokenizeErrors)
+
+	// Callers that have tokens skip the tokenizer.
+	d, err = r.Route(context.Background(), tokReq("x", toks))
+	require.NoError(t, err)
+	d.Done(Outcome{})
+	assert.Equal(t, 2, calls)
+}
+
+func TestKVUnhealthyHolderSkipped(t *testing.T) {
+	ix := newMemIndex(t)
+	r := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	toks := promptTokens(8, 16*16)
+	storeBlocks(t, ix, "vllm-1", toks, 16, events.TierGPU)
+	storeBlocks(t, ix, "vllm-3", toks, 12, events.TierGPU)
+	require.NoError(t, r.SetHealthy("vllm-1", false))
+	d, err := r.Route(context.Background(), tokReq("s", toks))
+	require.NoError(t, err)
+	defer d.Done(Outcome{})
+	assert.Equal(t, "vllm-3", d.Backend)
+	assert.Len(t, d.Overlaps, 2)
+}
+
+func TestKVImbalanceGuard(t *testing.T) {
+	ix := newMemIndex(t)
+	r := newRouter(t, Config{Backends: backends(3), Epsilon: 10, KV: &KVConfig{
+		Index: ix, Speculation: SpeculateOff, Guard: scorer.Guard{MaxSpread: 3},
+	}})
+	toks := promptTokens(9, 16*16)
+	storeBlocks(t, ix, "vllm-1", toks, 16, events.TierGPU)
+	ctx := context.Background()
+	var held []*Decision
+	var sawGuard bool
+	for range 12 {
+		d, err := r.Route(ctx, tokReq("s", toks))
+		require.NoError(t, err)
+		held = append(held, d)
+		if d.Reason == ReasonImbalance {
+			sawGuard = true
+			assert.NotEqual(t, "vllm-1", d.Backend)
+		}
+	}
+	assert.True(t, sawGuard, "the guard must take over once vllm-1 runs 3 ahead")
+	for _, d := range held {
+		d.Done(Outcome{})
+	}
+}
+
+func TestKVActiveSequences(t *testing.T) {
+	ix := newMemIndex(t)
+	active, err := scorer.NewActive(scorer.ActiveConfig{})
+	require.NoError(t, err)
+	r := newRouter(t, Config{Backends: backends(2), KV: &KVConfig{Index: ix, Speculation: SpeculateOff, Active: active}})
+	toks := promptTokens(10, 16*16)
+	storeBlocks(t, ix, "vllm-2", toks, 8, events.TierGPU)
+	d, err := r.Route(context.Background(), tokReq("s", toks))
+	require.NoError(t, err)
+	require.Equal(t, ReasonKVAware, d.Reason)
+	pre, dec := active.Load("vllm-2")
+	assert.Equal(t, 8, pre, "uncached blocks are prefill load until the first token")
+	assert.Equal(t, 16, dec)
+	d.FirstToken()
+	pre, _ = active.Load("vllm-2")
+	assert.Zero(t, pre)
+	d.Done(Outcome{})
+	d.Done(Outcome{})
+	pre, dec = active.Load("vllm-2")
+	assert.Zero(t, pre+dec)
+}
+
+func TestKVClearAndConfig(t *testing.T) {
+	ix := newMemIndex(t)
+	r := newRouter(t, Config{Backends: backends(2), KV: &KVConfig{Index: ix}})
+	toks := promptTokens(11, 4*16)
+	storeBlocks(t, ix, "vllm-1", toks, 4, events.TierGPU)
+	n, err := r.ClearKVIndex(context.Background())
+	require.NoError(t, err)
+	assert.Positive(t, n)
+	st, err := r.KVStats(context.Background())
+	require.NoError(t, err)
+	assert.Zero(t, st.Index.Blocks)
+	assert.Equal(t, "speculate", st.Config.Speculation)
+	assert.Equal(t, 16, st.Config.BlockSize)
+
+	for name, kv := range map[string]*KVConfig{
+		"no index":    {},
+		"threshold":   {Index: ix, MinOverlapThreshold: 1.5},
+		"block size":  {Index: ix, BlockSize: -1},
+		"weights":     {Index: ix, Weights: scorer.CompositeConfig{OverlapWeight: 0.9, LoadWeight: 0.9}},
+		"speculation": {Index: ix, Speculation: 9},
+	} {
+		t.Run(name, func(t *testing.T) {
+			_, err := New(Config{KV: kv})
+			assert.ErrorIs(t, err, ErrInvalidConfig)
+		})
+	}
+	off := newRouter(t, Config{})
+	st, err = off.KVStats(context.Background())
+	require.NoError(t, err)
+	assert.False(t, st.Enabled)
+}
