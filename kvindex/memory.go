@@ -38,14 +38,20 @@ type MemoryConfig struct {
 	// DefaultModel roots the block keys of a BlockStored event whose event names no LoRA and
 	// whose Batch names no Model.
 	DefaultModel string
-	// MaxEntries is the most blocks the table holds (DefaultMaxEntries when 0). The table is split
-	// into up to 256 shards, each holding its share of MaxEntries; a full shard evicts its least
-	// recently stored eighth (exact order by the time of the last store, in one scan), so that the
-	// table stays at or below MaxEntries blocks.
+	// MaxEntries is the most blocks the table holds (DefaultMaxEntries when 0; at most 2³¹). The
+	// table is split into up to 256 shards (about one per 4,096 blocks), each holding its share of
+	// MaxEntries; a full shard evicts its least recently refreshed eighth (see EntryTTL; ordered at
+	// EntryTTL/64 granularity, found by two sequential scans of the shard, O(1) amortised per
+	// insertion), so that the table never holds more than MaxEntries blocks. Blocks are evicted
+	// with all their holders; chains lose their tails first.
 	MaxEntries int
-	// EntryTTL is how long a block stays held after the last event that stored it, and a prefix
-	// entry after its last event (DefaultEntryTTL when 0; at most MaxTTL). Expired entries count
-	// as absent at once and are removed by the sweep.
+	// EntryTTL is how long a block stays held after its last evidence (DefaultEntryTTL when 0; at
+	// most MaxTTL): a BlockStored of the block, or of any of its descendants (an engine that
+	// stores a child holds the parent's whole chain, so storing a block refreshes its ancestors:
+	// a hot prefix the engine keeps without re-announcing it stays fresh). Blocks expire between
+	// EntryTTL and EntryTTL × 65/64 after their evidence; the evidence is per block, so a
+	// backend's membership lasts as long as any holder's. A prefix entry expires exactly EntryTTL
+	// after its last event. Expired entries count as absent at once and are removed by the sweep.
 	EntryTTL time.Duration
 	// SweepInterval is the period of the goroutine that removes expired entries and reclaims
 	// cleared backends (DefaultSweepInterval when 0). A negative value starts no goroutine:
