@@ -51,50 +51,55 @@ func loadChains(b *testing.B, ix kvindex.KvCacheIndex, names []string, membershi
 // backend) memberships. p50-ns is the median of per-call timings.
 func BenchmarkRouteKV(b *testing.B) {
 	for _, memberships := range []int{100_000, 10_000_000} {
-		b.Run(fmt.Sprintf("backends=16/blocks=512/memberships=%d", memberships), func(b *testing.B) {
-			ix, err := kvindex.NewMemory(kvindex.MemoryConfig{DefaultModel: testModel, MaxEntries: memberships})
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer ix.Close()
-			r, err := New(Config{Backends: backends(16), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer r.Close()
-			names := make([]string, 16)
-			for i := range names {
-				names[i] = fmt.Sprintf("vllm-%d", i+1)
-			}
-			chains := loadChains(b, ix, names, memberships, 512, 2)
-			reqs := make([]*prefixkey.Request, 0, 64)
-			for i := range 64 {
-				reqs = append(reqs, tokReq(fmt.Sprintf("s%d", i), chains[(i*7919)%len(chains)]))
-			}
-			ctx := context.Background()
-			samples := make([]time.Duration, 0, 1<<16)
-			b.ReportAllocs()
-			b.ResetTimer()
-			for i := 0; b.Loop(); i++ {
-				t0 := time.Now()
-				d, err := r.Route(ctx, reqs[i%len(reqs)])
+		for _, stride := range []int{0, 16} {
+			b.Run(fmt.Sprintf("backends=16/blocks=512/memberships=%d/stride=%d", memberships, stride), func(b *testing.B) {
+				if memberships > 1_000_000 && testing.Short() {
+					b.Skip("-short: the 10M-membership index takes seconds to build")
+				}
+				ix, err := kvindex.NewMemory(kvindex.MemoryConfig{DefaultModel: testModel, MaxEntries: memberships, LookupStride: stride})
 				if err != nil {
 					b.Fatal(err)
 				}
-				d.Done(Outcome{})
-				if len(samples) < cap(samples) {
-					samples = append(samples, time.Since(t0))
+				defer ix.Close()
+				r, err := New(Config{Backends: backends(16), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+				if err != nil {
+					b.Fatal(err)
 				}
-				if d.Reason != ReasonKVAware {
-					b.Fatalf("reason %v, want kv_aware", d.Reason)
+				defer r.Close()
+				names := make([]string, 16)
+				for i := range names {
+					names[i] = fmt.Sprintf("vllm-%d", i+1)
 				}
-			}
-			b.StopTimer()
-			slices.Sort(samples)
-			if len(samples) > 0 {
-				b.ReportMetric(float64(samples[len(samples)/2].Nanoseconds()), "p50-ns")
-				b.ReportMetric(float64(samples[len(samples)*99/100].Nanoseconds()), "p99-ns")
-			}
-		})
+				chains := loadChains(b, ix, names, memberships, 512, 2)
+				reqs := make([]*prefixkey.Request, 0, 64)
+				for i := range 64 {
+					reqs = append(reqs, tokReq(fmt.Sprintf("s%d", i), chains[(i*7919)%len(chains)]))
+				}
+				ctx := context.Background()
+				samples := make([]time.Duration, 0, 1<<16)
+				b.ReportAllocs()
+				b.ResetTimer()
+				for i := 0; b.Loop(); i++ {
+					t0 := time.Now()
+					d, err := r.Route(ctx, reqs[i%len(reqs)])
+					if err != nil {
+						b.Fatal(err)
+					}
+					d.Done(Outcome{})
+					if len(samples) < cap(samples) {
+						samples = append(samples, time.Since(t0))
+					}
+					if d.Reason != ReasonKVAware {
+						b.Fatalf("reason %v, want kv_aware", d.Reason)
+					}
+				}
+				b.StopTimer()
+				slices.Sort(samples)
+				if len(samples) > 0 {
+					b.ReportMetric(float64(samples[len(samples)/2].Nanoseconds()), "p50-ns")
+					b.ReportMetric(float64(samples[len(samples)*99/100].Nanoseconds()), "p99-ns")
+				}
+			})
+		}
 	}
 }

@@ -134,6 +134,8 @@ type decoder struct {
 
 	countCC bool // count non-null "cache_control" members while skipping
 	ccCount int
+
+	other []otherField // unmodelled top-level members, for Params.Other
 }
 
 // ---- errors ----
@@ -1159,12 +1161,57 @@ func (d *decoder) readModel() (string, error) {
 	}
 }
 
-// skipUnknown skips the value of a top-level member the parser does not use.
+// outputNeutral lists top-level fields that never change what the model answers (caller
+// identification, billing); they are left out of Params.Other.
+var outputNeutral = [...]string{"user", "metadata", "service_tier", "store", "safety_identifier", "prompt_cache_key"}
+
+// otherField is one top-level member the parser does not model, kept for Params.Other.
+type otherField struct {
+	key string
+	val []byte // canonical JSON
+}
+
+// skipUnknown reads the value of a top-level member the parser does not model: it is kept, as
+// canonical JSON, for Params.Other (so that the response-cache key covers fields such as logprobs
+// or top_k), unless it is null or listed in outputNeutral.
 func (d *decoder) skipUnknown(k jstr) error {
-	if err := d.skipValue(1); err != nil {
-		return atField(err, d.keyString(k))
+	key := d.keyString(k)
+	if slices.Contains(outputNeutral[:], key) || d.peek() == 'n' {
+		if err := d.skipValue(1); err != nil {
+			return atField(err, key)
+		}
+		return nil
 	}
+	val, err := d.appendCanonical(nil, 1)
+	if err != nil {
+		return atField(err, key)
+	}
+	for i := range d.other { // duplicate key: the last one wins
+		if d.other[i].key == key {
+			d.other[i].val = val
+			return nil
+		}
+	}
+	d.other = append(d.other, otherField{key: key, val: val})
 	return nil
+}
+
+// otherJSON returns the kept unknown members as one canonical JSON object, or nil.
+func (d *decoder) otherJSON() []byte {
+	if len(d.other) == 0 {
+		return nil
+	}
+	slices.SortFunc(d.other, func(a, b otherField) int { return strings.Compare(a.key, b.key) })
+	out := []byte{'{'}
+	for i, f := range d.other {
+		if i > 0 {
+			out = append(out, ',')
+		}
+		out = appendQuoted(out, []byte(f.key))
+		out = append(out, ':')
+		out = append(out, f.val...)
+	}
+	return append(out, '}')
 }
 
 // keyString returns the decoded key k as a new string (for error paths).
@@ -1210,6 +1257,7 @@ func (d *decoder) init(body []byte) {
 // finish converts the arenas into the Request's strings and slices. The system prompt, message
 // and part text and part data share one string allocation.
 func (d *decoder) finish(r *Request) {
+	r.Params.Other = d.otherJSON()
 	textLen := len(d.text)
 	d.text = append(d.text, d.sys...)
 	d.text = append(d.text, d.data...)

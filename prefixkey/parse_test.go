@@ -271,6 +271,7 @@ var anthropicCases = []parseCase{
 		want: &Request{Format: FormatAnthropicMessages, Model: "c", Messages: []Message{textMsg("user", "x")}, Params: Params{
 			MaxTokens: Some[int64](10), Temperature: Some(0.7), TopP: Some(0.95), Stop: []string{"\n\nHuman:"}, Stream: true,
 			Tools: raw(`[{"input_schema":{"type":"object"},"name":"t"}]`), ToolChoice: raw(`{"type":"auto"}`),
+			Other: raw(`{"stop":"ignored","thinking":{"budget_tokens":1024,"type":"enabled"},"top_k":40}`),
 		}},
 	},
 }

@@ -99,6 +99,11 @@ type Params struct {
 	LogitBias           json.RawMessage
 	Tools               json.RawMessage
 	ToolChoice          json.RawMessage
+	// Other holds the body's other top-level fields (logprobs, top_k, reasoning_effort, thinking,
+	// stream_options, …) as one canonical JSON object with sorted keys, nil when there are none.
+	// They may change the output, so the response-cache key covers them. Fields that never do
+	// (user, metadata, service_tier, store) and null values are left out.
+	Other json.RawMessage
 }
 
 // Request is a parsed LLM request, whatever its wire format. The parsers fill what the body holds;
