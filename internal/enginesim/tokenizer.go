@@ -2,6 +2,7 @@ package enginesim
 
 import (
 	"github.com/zeebo/xxh3"
+	"strings"
 
 	"github.com/kvroute/kvroute/prefixkey"
 )
@@ -81,6 +82,9 @@ func isWordByte(c byte) bool {
 // specialLen returns the length of the special token s starts with, 0 when none.
 func specialLen(s string) int {
 	const maxName = 64
+	if !strings.HasPrefix(s, "<|") {
+		return 0
+	}
 	for j := 2; j < len(s) && j < 2+maxName+2; j++ {
 		c := s[j]
 		switch {
