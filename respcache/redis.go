@@ -44,7 +44,7 @@ const (
 	DefaultClientCacheBytes = 32 << 20
 )
 
-// Metric names of the Redis store, after the seeds' continuum_cache_* list (OTel style; a
+// Metric names of the Redis store, after the seeds' cache metric list (OTel style; a
 // Prometheus exporter adds _seconds/_total suffixes).
 const (
 	MetricRedisLatency     = "kvroute.cache.redis.latency"     // histogram, s, {operation=get|set|delete}

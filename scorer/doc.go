@@ -31,7 +31,7 @@
 //
 // # References
 //
-//   - Continuum Router, KV cache index: overlap scoring and backend selection pipeline (the seeds).
+//   - The seeds (the user's design documents): overlap scoring and the backend selection pipeline.
 //   - NVIDIA Dynamo, "KV Cache Routing": cost = overlap_score_weight·prefill_blocks + decode_blocks,
 //     active-block tracking (AddRequest, MarkPrefillCompleted, Free), softmax temperature.
 //   - SGLang model gateway, cache-aware policy: balance_abs_threshold and balance_rel_threshold.
