@@ -1,0 +1,343 @@
+package main
+
+import (
+	"context"
+	"crypto/subtle"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/kvindex"
+	"github.com/kvroute/kvroute/prefixkey"
+	"github.com/kvroute/kvroute/respcache"
+)
+
+// adminTimeout bounds the store and index calls of one admin request.
+const adminTimeout = 5 * time.Second
+
+// routes returns the proxy's HTTP routes.
+func (s *server) routes() http.Handler {
+	s.rp = s.newReverseProxy()
+	mux := http.NewServeMux()
+	mux.Handle("POST /v1/chat/completions", s.llmHandler(prefixkey.FormatOpenAIChat, "/v1/chat/completions"))
+	mux.Handle("POST /v1/completions", s.llmHandler(prefixkey.FormatOpenAICompletion, "/v1/completions"))
+	mux.Handle("POST /v1/messages", s.llmHandler(prefixkey.FormatAnthropicMessages, "/v1/messages"))
+	mux.HandleFunc("GET /healthz", s.healthz)
+	mux.Handle("GET /metrics", s.tel.handler)
+
+	mux.Handle("GET /admin/prefix-routing/stats", s.admin(s.prefixRoutingStats))
+	mux.Handle("GET /admin/response-cache/stats", s.admin(s.responseCacheStats))
+	mux.Handle("POST /admin/response-cache/invalidate", s.admin(s.responseCacheInvalidate))
+	mux.Handle("GET /admin/kv-index/stats", s.admin(s.kvIndexStats))
+	mux.Handle("GET /admin/kv-index/backends", s.admin(s.kvIndexBackends))
+	mux.Handle("POST /admin/kv-index/clear", s.admin(s.kvIndexClear))
+	mux.Handle("/admin/", s.admin(func(w http.ResponseWriter, _ *http.Request) {
+		writeJSON(w, http.StatusNotFound, map[string]any{"error": "no such admin endpoint"})
+	}))
+	return mux
+}
+
+// admin wraps an admin handler with the bearer-token check (when admin.auth_token is set).
+func (s *server) admin(h http.HandlerFunc) http.Handler {
+	token := []byte(s.cfg.Admin.AuthToken)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if len(token) > 0 {
+			got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+			if !ok || subtle.ConstantTimeCompare([]byte(strings.TrimSpace(got)), token) != 1 {
+				w.Header().Set("WWW-Authenticate", `Bearer realm="kvroute admin"`)
+				writeJSON(w, http.StatusUnauthorized, map[string]any{"error": "unauthorized: send Authorization: Bearer <admin.auth_token>"})
+				return
+			}
+		}
+		h(w, r)
+	})
+}
+
+// writeJSON answers with v as indented JSON.
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Cache-Control", "no-store")
+	w.WriteHeader(status)
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(v)
+}
+
+// healthz reports whether the proxy can serve: 200 with at least one backend in rotation, 503
+// otherwise or while draining.
+func (s *server) healthz(w http.ResponseWriter, _ *http.Request) {
+	n := s.health.healthyCount()
+	status, code := "ok", http.StatusOK
+	switch {
+	case s.draining.Load():
+		status, code = "draining", http.StatusServiceUnavailable
+	case n == 0:
+		status, code = "no_healthy_backend", http.StatusServiceUnavailable
+	}
+	writeJSON(w, code, map[string]any{
+		"status":           status,
+		"healthy_backends": n,
+		"backends":         s.health.statuses(),
+	})
+}
+
+// GET /admin/prefix-routing/stats: the Router's tier-1 stats, as the seeds show them.
+func (s *server) prefixRoutingStats(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, s.router.Stats())
+}
+
+// GET /admin/response-cache/stats.
+func (s *server) responseCacheStats(w http.ResponseWriter, r *http.Request) {
+	if s.cache == nil {
+		writeJSON(w, http.StatusOK, map[string]any{"enabled": false})
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), adminTimeout)
+	defer cancel()
+	writeJSON(w, http.StatusOK, s.cache.Stats(ctx))
+}
+
+// POST /admin/response-cache/invalidate with {"clear_all": true} or {"key": "<64 hex>"}.
+func (s *server) responseCacheInvalidate(w http.ResponseWriter, r *http.Request) {
+	if s.cache == nil {
+		writeJSON(w, http.StatusNotFound, map[string]any{"success": false, "error": "the response cache is disabled"})
+		return
+	}
+	var req respcache.InvalidateRequest
+	dec := json.NewDecoder(io.LimitReader(r.Body, 64<<10))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&req); err != nil {
+		writeJSON(w, http.StatusBadRequest, map[string]any{"success": false,
+			"error": `body must be {"clear_all": true} or {"key": "<cache key>"}: ` + err.Error()})
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), adminTimeout)
+	defer cancel()
+	res, err := s.cache.Invalidate(ctx, req)
+	if err != nil {
+		code := http.StatusInternalServerError
+		if errors.Is(err, respcache.ErrEmptyInvalidate) {
+			code = http.StatusBadRequest
+		}
+		writeJSON(w, code, map[string]any{"success": false, "error": err.Error()})
+		return
+	}
+	s.log.Info("response cache invalidated", "action", res.Action, "cleared_entries", res.ClearedEntries)
+	writeJSON(w, http.StatusOK, res)
+}
+
+// kvStatsConfig is the "config" section of GET /admin/kv-index/stats: the seeds' fields plus the
+// Router's.
+type kvStatsConfig struct {
+	kvroute.KVIndexStatsConfig
+	MaxEntries        int           `json:"max_entries"`
+	EntryTTLSeconds   int           `json:"entry_ttl_seconds"`
+	EventSourcesCount int           `json:"event_sources_count"`
+	Tokenizer         string        `json:"tokenizer"`
+	Scoring           scoringConfig `json:"scoring"`
+}
+
+type scoringConfig struct {
+	OverlapWeight       float64 `json:"overlap_weight"`
+	LoadWeight          float64 `json:"load_weight"`
+	HealthWeight        float64 `json:"health_weight"`
+	MinOverlapThreshold float64 `json:"min_overlap_threshold"`
+	GPUTierWeight       float64 `json:"gpu_tier_weight"`
+	CPUTierWeight       float64 `json:"cpu_tier_weight"`
+	StorageTierWeight   float64 `json:"storage_tier_weight"`
+}
+
+// eventSourceSummary is one entry of "event_sources" in GET /admin/kv-index/stats, in the seeds'
+// flat form plus the transport details.
+type eventSourceSummary struct {
+	BackendName    string    `json:"backend_name"`
+	Transport      string    `json:"transport"`
+	Endpoint       string    `json:"endpoint"`
+	Status         string    `json:"status"`
+	Connected      bool      `json:"connected"`
+	EventsReceived uint64    `json:"events_received"`
+	EventsDropped  uint64    `json:"events_dropped"`
+	LastEventAt    time.Time `json:"last_event_at,omitzero"`
+	ReconnectCount uint64    `json:"reconnect_count"`
+	SequenceGaps   uint64    `json:"sequence_gaps"`
+	LastError      string    `json:"last_error,omitempty"`
+}
+
+// kvStatsBody is the body of GET /admin/kv-index/stats.
+type kvStatsBody struct {
+	Enabled          bool                       `json:"enabled"`
+	Config           kvStatsConfig              `json:"config"`
+	Index            kvindex.Stats              `json:"index"`
+	EventSources     []eventSourceSummary       `json:"event_sources"`
+	RoutingDecisions kvroute.KVRoutingDecisions `json:"routing_decisions"`
+	QueryLatency     uint64                     `json:"query_latency_count"`
+	OverlapScores    uint64                     `json:"overlap_score_count"`
+	LookupErrors     uint64                     `json:"lookup_errors"`
+	TokenizeErrors   uint64                     `json:"tokenize_errors"`
+	NoBlockKeys      uint64                     `json:"requests_without_block_keys"`
+	Tokenizer        *prefixkey.TokenizerStats  `json:"tokenizer_stats,omitempty"`
+	IndexError       string                     `json:"index_error,omitempty"`
+}
+
+// statuses returns the status of every event source of every consumer.
+func (s *server) statuses() []events.SourceStatus {
+	var out []events.SourceStatus
+	for _, c := range s.cons {
+		out = append(out, c.Status()...)
+	}
+	return out
+}
+
+// GET /admin/kv-index/stats: Router.KVStats plus the event sources.
+func (s *server) kvIndexStats(w http.ResponseWriter, r *http.Request) {
+	if s.index == nil {
+		writeJSON(w, http.StatusOK, map[string]any{"enabled": false})
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), adminTimeout)
+	defer cancel()
+	st, err := s.router.KVStats(ctx)
+	kc := s.cfg.KVCacheIndex
+	sc := kc.Scoring
+	body := kvStatsBody{
+		Enabled: st.Enabled,
+		Config: kvStatsConfig{KVIndexStatsConfig: st.Config, MaxEntries: kc.MaxEntries, EntryTTLSeconds: kc.EntryTTLSeconds,
+			EventSourcesCount: len(kc.EventSources), Tokenizer: s.tokMode,
+			Scoring: scoringConfig{OverlapWeight: *sc.OverlapWeight, LoadWeight: *sc.LoadWeight, HealthWeight: *sc.HealthWeight,
+				MinOverlapThreshold: sc.MinOverlapThreshold, GPUTierWeight: *sc.GPUTierWeight, CPUTierWeight: *sc.CPUTierWeight,
+				StorageTierWeight: *sc.StorageTierWeight}},
+		Index:            st.Index,
+		EventSources:     []eventSourceSummary{},
+		RoutingDecisions: st.RoutingDecisions,
+		QueryLatency:     st.Lookups,
+		OverlapScores:    st.OverlapScores,
+		LookupErrors:     st.LookupErrors,
+		TokenizeErrors:   st.TokenizeErrors,
+		NoBlockKeys:      st.NoTokens,
+	}
+	if err != nil {
+		body.IndexError = err.Error()
+	}
+	if et, ok := s.tok.(*engineTokenizer); ok {
+		ts := et.stats()
+		body.Tokenizer = &ts
+	}
+	for _, ss := range s.statuses() {
+		body.EventSources = append(body.EventSources, eventSourceSummary{
+			BackendName: ss.Backend, Transport: ss.Transport, Endpoint: ss.Endpoint, Status: string(ss.Connection.State),
+			Connected: ss.Connection.Connected, EventsReceived: ss.Events.Received, EventsDropped: ss.Events.Dropped,
+			LastEventAt: ss.Connection.LastEventAt, ReconnectCount: ss.Connection.ReconnectCount,
+			SequenceGaps: ss.Sequence.Gaps, LastError: ss.LastError,
+		})
+	}
+	writeJSON(w, http.StatusOK, body)
+}
+
+// backendKV is one entry of GET /admin/kv-index/backends.
+type backendKV struct {
+	BackendName  string            `json:"backend_name"`
+	Connection   backendConnection `json:"connection"`
+	Events       backendEvents     `json:"events"`
+	IndexEntries int               `json:"index_entries"`
+	Sources      []sourceRef       `json:"sources,omitempty"`
+}
+
+type backendConnection struct {
+	Connected      bool      `json:"connected"`
+	ReconnectCount uint64    `json:"reconnect_count"`
+	LastEventAt    time.Time `json:"last_event_at,omitzero"`
+}
+
+type backendEvents struct {
+	Received     uint64 `json:"received"`
+	Processed    uint64 `json:"processed"`
+	Dropped      uint64 `json:"dropped"`
+	Malformed    uint64 `json:"malformed"`
+	IndexCreated uint64 `json:"index_created"`
+	IndexEvicted uint64 `json:"index_evicted"`
+	Resets       uint64 `json:"resets"`
+}
+
+type sourceRef struct {
+	Transport string `json:"transport"`
+	Endpoint  string `json:"endpoint"`
+	Status    string `json:"status"`
+	LastError string `json:"last_error,omitempty"`
+}
+
+// GET /admin/kv-index/backends: per backend, its event sources' connection and event counts and
+// the index mutations its events caused.
+func (s *server) kvIndexBackends(w http.ResponseWriter, r *http.Request) {
+	if s.index == nil {
+		writeJSON(w, http.StatusOK, map[string]any{"enabled": false, "backends": []backendKV{}})
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), adminTimeout)
+	defer cancel()
+	ist, _ := s.index.Stats(ctx)
+	counts := s.sink.snapshot()
+	byName := map[string]*backendKV{}
+	var order []string
+	get := func(name string) *backendKV {
+		b := byName[name]
+		if b == nil {
+			b = &backendKV{BackendName: name, IndexEntries: ist.PerBackend[name]}
+			byName[name] = b
+			order = append(order, name)
+		}
+		return b
+	}
+	for _, bc := range s.cfg.Backends {
+		get(bc.Name)
+	}
+	for _, ss := range s.statuses() {
+		b := get(ss.Backend)
+		c := &b.Connection
+		c.Connected = c.Connected || ss.Connection.Connected
+		c.ReconnectCount += ss.Connection.ReconnectCount
+		if ss.Connection.LastEventAt.After(c.LastEventAt) {
+			c.LastEventAt = ss.Connection.LastEventAt
+		}
+		e := &b.Events
+		e.Received += ss.Events.Received
+		e.Processed += ss.Events.Processed
+		e.Dropped += ss.Events.Dropped
+		e.Malformed += ss.Events.Malformed
+		e.Resets += ss.Sequence.Resets
+		b.Sources = append(b.Sources, sourceRef{Transport: ss.Transport, Endpoint: ss.Endpoint,
+			Status: string(ss.Connection.State), LastError: ss.LastError})
+	}
+	for name, c := range counts {
+		b := get(name)
+		b.Events.IndexCreated = c.created.Load()
+		b.Events.IndexEvicted = c.evicted.Load()
+	}
+	out := make([]backendKV, 0, len(order))
+	for _, name := range order {
+		out = append(out, *byName[name])
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"enabled": true, "backends": out})
+}
+
+// POST /admin/kv-index/clear.
+func (s *server) kvIndexClear(w http.ResponseWriter, r *http.Request) {
+	if s.index == nil {
+		writeJSON(w, http.StatusNotFound, map[string]any{"success": false, "error": "the KV cache index is disabled"})
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), adminTimeout)
+	defer cancel()
+	before, _ := s.index.Stats(ctx)
+	n, err := s.router.ClearKVIndex(ctx)
+	if err != nil {
+		writeJSON(w, http.StatusInternalServerError, map[string]any{"success": false, "error": err.Error()})
+		return
+	}
+	s.log.Info("KV index cleared", "entries_before_clear", before.Entries, "cleared_entries", n)
+	writeJSON(w, http.StatusOK, map[string]any{"success": true, "entries_before_clear": before.Entries, "cleared_entries": n})
+}

@@ -1,0 +1,181 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http/httptest"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/internal/enginesim"
+	"github.com/kvroute/kvroute/prefixkey"
+)
+
+// ringOwner returns the backend the CHWBL ring alone would choose for body among names.
+func ringOwner(t *testing.T, body string, names []string) string {
+	t.Helper()
+	req, err := prefixkey.ParseOpenAIChat([]byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var bs []kvroute.Backend
+	for _, n := range names {
+		bs = append(bs, kvroute.Backend{Name: n})
+	}
+	twin, err := kvroute.New(kvroute.Config{Backends: bs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer twin.Close()
+	d, err := twin.Route(context.Background(), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.Done(kvroute.Outcome{})
+	return d.Backend
+}
+
+// warmNonOwner sends body's prompt straight to an engine that is not the ring's choice, and
+// waits until the proxy has indexed its events. It returns that engine's name.
+func warmNonOwner(t *testing.T, p *testProxy, f *enginesim.Fleet, body, warm string) string {
+	t.Helper()
+	var names []string
+	for _, in := range f.Info() {
+		names = append(names, in.Name)
+	}
+	owner := ringOwner(t, body, names)
+	for _, in := range f.Info() {
+		if in.Name == owner {
+			continue
+		}
+		before := indexCreated(t, p, in.Name)
+		if r, b := post(t, in.URL+"/v1/chat/completions", warm); r.StatusCode != 200 {
+			t.Fatalf("warm-up: %d %s", r.StatusCode, b)
+		}
+		waitFor(t, 10*time.Second, in.Name+"'s KV events", func() bool { return indexCreated(t, p, in.Name) > before })
+		return in.Name
+	}
+	t.Fatal("no engine besides the owner")
+	return ""
+}
+
+// The seeds' form: SSE event sources (prefix-granular events) and no tokenizer.
+func TestE2ESSEEventSources(t *testing.T) {
+	f := startFleet(t, 3, false)
+	cfg := fleetConfig(t, f, func(c *Config) {
+		c.KVCacheIndex.Tokenizer = ""
+		c.KVCacheIndex.EventSources = nil
+		for _, in := range f.Info() {
+			c.KVCacheIndex.EventSources = append(c.KVCacheIndex.EventSources,
+				EventSourceConfig{BackendName: in.Name, Endpoint: in.KVEventsURL, ReconnectIntervalMS: 100})
+		}
+	})
+	if cfg.KVCacheIndex.Tokenizer != tokenizerNone {
+		t.Fatalf("tokenizer %q, want none for SSE sources", cfg.KVCacheIndex.Tokenizer)
+	}
+	p := startProxy(t, cfg)
+	sys := longSystemPrompt("SSE", 100)
+	body := chatBody(sys, "A question.", `"temperature":0.5,"max_tokens":2`)
+	holder := warmNonOwner(t, p, f, body, chatBody(sys, "Warm-up.", `"max_tokens":1`))
+	r, b := post(t, p.URL+"/v1/chat/completions", body)
+	if r.StatusCode != 200 {
+		t.Fatalf("%d %s", r.StatusCode, b)
+	}
+	if got, route := r.Header.Get(HeaderBackend), r.Header.Get(HeaderRoute); got != holder || route != "kv_aware" {
+		t.Errorf("routed to %s (%s), want %s (kv_aware)", got, route, holder)
+	}
+	var st kvStatsBody
+	getJSON(t, p.URL+"/admin/kv-index/stats", &st)
+	if len(st.EventSources) != 3 || st.EventSources[0].Transport != "sse" || !st.EventSources[0].Connected {
+		t.Errorf("event sources %+v", st.EventSources)
+	}
+}
+
+// Centralized ZMQ: the proxy binds one endpoint and every engine connects to it; messages are
+// placed by their kv@<engine>@<model> topic.
+func TestE2EZMQBind(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	bind := "tcp://" + ln.Addr().String()
+	ln.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	f, err := enginesim.StartFleet(ctx, enginesim.FleetConfig{N: 3, ZMQ: true, ZMQConnect: bind,
+		Base: enginesim.Config{BlockSize: 16, CapacityBlocks: 2048}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = f.Close() })
+	cfg := fleetConfig(t, f, func(c *Config) {
+		c.KVCacheIndex.EventSources = []EventSourceConfig{{Endpoint: bind, Bind: true}}
+	})
+	p := startProxy(t, cfg)
+	waitFor(t, 10*time.Second, "the engines to connect", func() bool {
+		// An engine shows up in bind mode with its first message; make every engine publish.
+		for i, in := range f.Info() {
+			post(t, in.URL+"/v1/chat/completions", chatBody(fmt.Sprint("hello ", i, " ", time.Now().UnixNano()), strings.Repeat("word ", 20), `"max_tokens":1`))
+		}
+		n := 0
+		for _, s := range p.statuses() {
+			if s.Connection.Connected {
+				n++
+			}
+		}
+		return n == 3
+	})
+	sys := longSystemPrompt("bind", 100)
+	body := chatBody(sys, "A question.", `"temperature":0.5,"max_tokens":2`)
+	holder := warmNonOwner(t, p, f, body, chatBody(sys, "Warm-up.", `"max_tokens":1`))
+	r, b := post(t, p.URL+"/v1/chat/completions", body)
+	if r.StatusCode != 200 {
+		t.Fatalf("%d %s", r.StatusCode, b)
+	}
+	if got, route := r.Header.Get(HeaderBackend), r.Header.Get(HeaderRoute); got != holder || route != "kv_aware" {
+		t.Errorf("routed to %s (%s), want %s (kv_aware)", got, route, holder)
+	}
+}
+
+// Close stops every goroutine newServer and start started (consumers retrying unreachable
+// engines, health probes, the index's sweeper, the breakers' timers).
+func TestCloseStopsEverything(t *testing.T) {
+	up := newFakeUpstream(t, "a")
+	time.Sleep(50 * time.Millisecond)
+	base := runtime.NumGoroutine()
+	cfg := fakeConfig(t, []BackendConfig{{Name: "a", URL: up.URL}, {Name: "b", URL: deadURL(t)}}, func(c *Config) {
+		c.HealthChecks.Enabled = ptr(true)
+		c.HealthChecks.Interval = Duration(10 * time.Millisecond)
+		c.CircuitBreaker.FailureThreshold = 1
+		c.ResponseCache.Enabled = true
+		c.KVCacheIndex.Enabled = true
+		c.KVCacheIndex.EventSources = []EventSourceConfig{
+			{BackendName: "a", Endpoint: up.URL + "/v1/kv_events"},
+			{BackendName: "b", Endpoint: "tcp://" + strings.TrimPrefix(deadURL(t), "http://")},
+		}
+	})
+	srv, err := newServer(cfg, testLogger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ts := httptest.NewServer(srv.Handler())
+	for i := range 10 {
+		post(t, ts.URL+"/v1/chat/completions", chatBody(fmt.Sprint("s", i), "u", ""))
+	}
+	time.Sleep(50 * time.Millisecond)
+	ts.Close()
+	if err := srv.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Close(); err != nil {
+		t.Fatal("second Close:", err)
+	}
+	waitFor(t, 5*time.Second, "goroutines to end", func() bool { return runtime.NumGoroutine() <= base })
+}

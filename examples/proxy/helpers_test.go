@@ -1,0 +1,244 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvroute/kvroute/internal/enginesim"
+)
+
+const testModel = enginesim.DefaultModel
+
+// testLogger logs to the test's output at Warn and above (Debug with -v via testing.Verbose),
+// and drops records once the test has finished, so that a late background log line cannot fail
+// the run.
+func testLogger(t *testing.T) *slog.Logger {
+	t.Helper()
+	w := &testWriter{t: t}
+	t.Cleanup(w.stop) // registered first: runs last
+	level := slog.LevelWarn
+	if testing.Verbose() {
+		level = slog.LevelDebug
+	}
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: level}))
+}
+
+type testWriter struct {
+	mu   sync.Mutex
+	t    *testing.T
+	done bool
+}
+
+func (w *testWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.done {
+		w.t.Log(strings.TrimRight(string(p), "\n"))
+	}
+	return len(p), nil
+}
+
+func (w *testWriter) stop() {
+	w.mu.Lock()
+	w.done = true
+	w.mu.Unlock()
+}
+
+// startFleet starts n simulated engines without latency, with KV events over ZMQ (zmq true) or
+// SSE.
+func startFleet(t *testing.T, n int, zmq bool) *enginesim.Fleet {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	f, err := enginesim.StartFleet(ctx, enginesim.FleetConfig{N: n, ZMQ: zmq, SSE: !zmq,
+		Base: enginesim.Config{BlockSize: 16, CapacityBlocks: 2048}})
+	if err != nil {
+		t.Fatalf("StartFleet: %v", err)
+	}
+	t.Cleanup(func() { _ = f.Close() })
+	return f
+}
+
+// fleetConfig is demoConfig for f with test-friendly timings, defaults applied and validated
+// after edit.
+func fleetConfig(t *testing.T, f *enginesim.Fleet, edit func(*Config)) *Config {
+	t.Helper()
+	cfg := demoConfig(f.Info())
+	cfg.KVCacheIndex.TokenizeTimeout = Duration(5 * time.Second) // -race on shared cores
+	cfg.HealthChecks.Interval = Duration(100 * time.Millisecond)
+	cfg.HealthChecks.Timeout = Duration(2 * time.Second)
+	cfg.Server.Port = ptr(0)
+	if edit != nil {
+		edit(cfg)
+	}
+	cfg.applyDefaults()
+	if err := cfg.validate(); err != nil {
+		t.Fatalf("config: %v", err)
+	}
+	return cfg
+}
+
+// testProxy is a proxy serving on a loopback port.
+type testProxy struct {
+	*server
+	URL string
+}
+
+// startProxy builds, starts and serves the proxy for cfg on a free loopback port; everything
+// stops at the end of the test.
+func startProxy(t *testing.T, cfg *Config) *testProxy {
+	t.Helper()
+	log := testLogger(t)
+	srv, err := newServer(cfg, log)
+	if err != nil {
+		t.Fatalf("newServer: %v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := srv.start(ctx); err != nil {
+		_ = srv.Close()
+		t.Fatalf("start: %v", err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		_ = srv.Close()
+		t.Fatal(err)
+	}
+	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	done := make(chan struct{})
+	go func() { defer close(done); _ = hs.Serve(ln) }()
+	t.Cleanup(func() {
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := hs.Shutdown(sctx); err != nil {
+			_ = hs.Close()
+		}
+		<-done
+		if err := srv.Close(); err != nil {
+			t.Errorf("server Close: %v", err)
+		}
+	})
+	return &testProxy{server: srv, URL: "http://" + ln.Addr().String()}
+}
+
+var httpClient = &http.Client{Timeout: 30 * time.Second}
+
+// post sends body to the proxy and returns the response with its body read.
+func post(t *testing.T, url string, body string, hdr ...string) (*http.Response, []byte) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
+	resp, err := httpClient.Do(req)
+	if err != nil {
+		t.Fatalf("POST %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("POST %s: reading body: %v", url, err)
+	}
+	return resp, b
+}
+
+// getJSON GETs url and decodes the JSON answer into v; it returns the status.
+func getJSON(t *testing.T, url string, v any, hdr ...string) int {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, url, nil)
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
+	resp, err := httpClient.Do(req)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if v != nil {
+		if err := json.Unmarshal(b, v); err != nil {
+			t.Fatalf("GET %s: %v in %s", url, err, b)
+		}
+	}
+	return resp.StatusCode
+}
+
+// chatBody returns an OpenAI chat body.
+func chatBody(system, user string, extra string) string {
+	b, _ := json.Marshal(map[string]any{"model": testModel, "messages": []map[string]string{
+		{"role": "system", "content": system}, {"role": "user", "content": user}}})
+	if extra != "" {
+		b = append(b[:len(b)-1], ","+extra+"}"...)
+	}
+	return string(b)
+}
+
+// longSystemPrompt returns a system prompt of about n words, distinct per seed.
+func longSystemPrompt(seed string, n int) string {
+	var b strings.Builder
+	b.WriteString("You are the " + seed + " assistant.")
+	words := []string{"policy", "refund", "order", "shipping", "account", "billing", "support", "warranty"}
+	for i := range n {
+		b.WriteString(" " + words[i%len(words)])
+	}
+	return b.String()
+}
+
+// waitFor polls cond every 20 ms until it holds or timeout passes.
+func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", timeout, what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// indexCreated returns the index_created count of backend from /admin/kv-index/backends.
+func indexCreated(t *testing.T, p *testProxy, backend string) uint64 {
+	t.Helper()
+	var body struct {
+		Backends []backendKV `json:"backends"`
+	}
+	getJSON(t, p.URL+"/admin/kv-index/backends", &body)
+	for _, b := range body.Backends {
+		if b.BackendName == backend {
+			return b.Events.IndexCreated
+		}
+	}
+	return 0
+}
+
+// errorBody is the OpenAI error shape.
+type errorBody struct {
+	Error *struct {
+		Message string  `json:"message"`
+		Type    string  `json:"type"`
+		Param   *string `json:"param"`
+		Code    *string `json:"code"`
+	} `json:"error"`
+}
+
+// compactJSON re-encodes JSON compactly, for comparisons.
+func compactJSON(b []byte) string {
+	var buf bytes.Buffer
+	if err := json.Compact(&buf, b); err != nil {
+		return string(b)
+	}
+	return buf.String()
+}

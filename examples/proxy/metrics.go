@@ -1,0 +1,115 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/otel/attribute"
+	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
+	"go.opentelemetry.io/otel/metric"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+)
+
+// Metric names of the proxy itself (the library packages register their own).
+const (
+	proxyScope            = "github.com/kvroute/kvroute/examples/proxy"
+	metricProxyRequests   = "kvroute.proxy.requests"         // counter {endpoint, code}
+	metricUpstreamErrors  = "kvroute.proxy.upstream_errors"  // counter {backend, kind}
+	metricRetries         = "kvroute.proxy.retries"          // counter {backend}: the backend that failed
+	metricBackendHealthy  = "kvroute.proxy.backend_healthy"  // gauge {backend}: 1 in rotation
+	metricCircuitOpen     = "kvroute.proxy.circuit_open"     // gauge {backend}: 1 while open
+	metricTokenizeErrors  = "kvroute.proxy.tokenize_errors"  // counter
+	metricRequestDuration = "kvroute.proxy.request_duration" // histogram s {endpoint}
+	metricIndexMutations  = "kvroute.kv_index.events"        // counter {backend, type}
+)
+
+// telemetry is the OpenTelemetry SDK MeterProvider the library packages and the proxy record
+// into, exported through a Prometheus exporter registered on a private registry (never the
+// global one), served at /metrics.
+type telemetry struct {
+	provider *sdkmetric.MeterProvider
+	registry *prometheus.Registry
+	handler  http.Handler
+
+	requests       metric.Int64Counter
+	upstreamErrors metric.Int64Counter
+	retries        metric.Int64Counter
+	tokenizeErrors metric.Int64Counter
+	duration       metric.Float64Histogram
+	reg            metric.Registration
+}
+
+func newTelemetry() (*telemetry, error) {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	exp, err := otelprom.New(otelprom.WithRegisterer(reg))
+	if err != nil {
+		return nil, fmt.Errorf("prometheus exporter: %w", err)
+	}
+	t := &telemetry{
+		provider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(exp)),
+		registry: reg,
+		handler:  promhttp.HandlerFor(reg, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError}),
+	}
+	m := t.provider.Meter(proxyScope)
+	errs := []error{}
+	add := func(err error) { errs = append(errs, err) }
+	t.requests, err = m.Int64Counter(metricProxyRequests, metric.WithDescription("Requests answered by the proxy, by endpoint and status code."), metric.WithUnit("{request}"))
+	add(err)
+	t.upstreamErrors, err = m.Int64Counter(metricUpstreamErrors, metric.WithDescription("Upstream failures by backend and kind (connect, status_5xx, other)."), metric.WithUnit("{error}"))
+	add(err)
+	t.retries, err = m.Int64Counter(metricRetries, metric.WithDescription("Requests retried on another backend after a connection failure, by failed backend."), metric.WithUnit("{request}"))
+	add(err)
+	t.tokenizeErrors, err = m.Int64Counter(metricTokenizeErrors, metric.WithDescription("Tokenizations that failed or timed out (the request was routed without block keys)."), metric.WithUnit("{error}"))
+	add(err)
+	t.duration, err = m.Float64Histogram(metricRequestDuration, metric.WithDescription("Time to the end of the response, by endpoint."), metric.WithUnit("s"),
+		metric.WithExplicitBucketBoundaries(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+	add(err)
+	if err := errors.Join(errs...); err != nil {
+		_ = t.provider.Shutdown(context.Background())
+		return nil, err
+	}
+	return t, nil
+}
+
+// observeHealth registers the gauges of the backends' rotation and circuit states.
+func (t *telemetry) observeHealth(h *healthManager) error {
+	m := t.provider.Meter(proxyScope)
+	healthy, err := m.Int64ObservableGauge(metricBackendHealthy, metric.WithDescription("1 when the backend is in rotation (probes healthy and circuit not open)."))
+	if err != nil {
+		return err
+	}
+	open, err := m.Int64ObservableGauge(metricCircuitOpen, metric.WithDescription("1 while the backend's circuit breaker is open."))
+	if err != nil {
+		return err
+	}
+	t.reg, err = m.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		for _, s := range h.statuses() {
+			attrs := metric.WithAttributes(attribute.String("backend", s.Name))
+			o.ObserveInt64(healthy, b2i(s.InRotation), attrs)
+			o.ObserveInt64(open, b2i(s.Circuit == breakerOpen.String()), attrs)
+		}
+		return nil
+	}, healthy, open)
+	return err
+}
+
+func b2i(b bool) int64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// Close unregisters the callbacks and shuts the MeterProvider down.
+func (t *telemetry) Close() error {
+	if t.reg != nil {
+		_ = t.reg.Unregister()
+	}
+	return t.provider.Shutdown(context.Background())
+}
