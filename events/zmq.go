@@ -129,7 +129,11 @@ type ZMQConfig struct {
 // the replay fails) the backend is cleared (Sink.ClearBackend) and the chain re-baselined;
 // seq ≤ last means the publisher restarted (and the engine's cache with it): the backend is
 // cleared and re-baselined. A batch that cannot be decoded, and a batch dropped because the
-// queue is full, leave such a gap. A failed Sink.Apply clears the backend before the next batch.
+// queue is full, leave such a gap; the worker repairs it (replay, else reset) as soon as it has
+// applied what the same connection queued before the lost batch, without waiting for the
+// publisher's next batch to reveal it (a publisher that goes quiet after a burst would otherwise
+// leave the sink with the hole indefinitely). A failed Sink.Apply clears the backend before the
+// next batch.
 //
 // Lost connections: a PUB socket drops what it publishes while a subscriber is away, and an
 // engine that restarts comes back with an empty cache (and a sequence that may by chance
@@ -175,6 +179,7 @@ type zmqPublisher struct {
 	replayNet, replayAddr string
 	src                   *source
 	be                    *zmqBackend
+	sent                  uint64 // items queued to be (stamps); owned by the reader goroutine
 }
 
 // zmqRoute is where a bind-mode topic goes.
@@ -185,14 +190,49 @@ type zmqRoute struct {
 }
 
 // zmqBackend is one backend's queue and the state of its worker goroutine.
+//
+// A batch a reader could not queue (queue full, undecodable) is recorded in lost, and wake
+// tells the worker, which repairs the hole once it has handled every item the reader queued
+// before the loss: each reader stamps the items it queues to a backend 1, 2, 3, … (per
+// connection), a lost batch carries the stamp of the reader's last queued item as its ticket,
+// and done holds, per connection, the stamp of the last item the worker handled.
 type zmqBackend struct {
 	queue chan *zmqItem
-	src   *source // bind mode: the backend's source
+	wake  chan struct{} // capacity 1: lost has news
+	src   *source       // bind mode: the backend's source
+
+	lostMu sync.Mutex
+	lost   map[lostKey]lostBatch // guarded by lostMu; at most maxChainsPerPipe
+	nlost  atomic.Int32          // len(lost), so that the worker skips the lock when it is empty
 
 	// owned by the worker goroutine
 	w         backendWriter
 	chains    map[chainKey]*chain
+	done      map[uint64]uint64 // connection → stamp of the last item handled
+	ready     []lostEntry
 	replayBuf Batch
+}
+
+// lostKey is the chain of a lost batch; anyRank when the batch could not be decoded (its
+// data-parallel rank is unknown: any chain of the connection and topic).
+type lostKey struct {
+	chain   chainKey
+	anyRank bool
+}
+
+// lostBatch is the last batch of a chain that a reader could not queue (later losses of the
+// chain replace it: the batches queued in between reveal the earlier hole).
+type lostBatch struct {
+	src    *source
+	pub    *zmqPublisher // nil in bind mode
+	model  string
+	seq    uint64
+	ticket uint64 // stamp of the last item the reader had queued to the backend
+}
+
+type lostEntry struct {
+	key lostKey
+	lostBatch
 }
 
 // chainKey identifies one publisher's sequence.
@@ -200,6 +240,14 @@ type chainKey struct {
 	conn  uint64 // the connection: connect mode, the endpoint's index; bind mode, a connection id
 	topic string
 	rank  int // data-parallel rank, -1 when the batch names none
+}
+
+func chainKeyOf(conn uint64, topic string, b *Batch) chainKey {
+	k := chainKey{conn: conn, topic: topic, rank: -1}
+	if b.HasDPRank {
+		k.rank = b.DPRank
+	}
+	return k
 }
 
 type chain struct {
@@ -212,9 +260,16 @@ type zmqItem struct {
 	src   *source
 	pub   *zmqPublisher // nil in bind mode
 	conn  uint64        // see chainKey
+	stamp uint64        // the reader's count of items queued to this backend, this one included
 	topic string
 	reset bool
 	b     Batch
+}
+
+// feed is a reader's stream of items into one backend's queue; owned by the reader goroutine.
+type feed struct {
+	be   *zmqBackend
+	sent uint64 // stamp of the last item queued
 }
 
 // NewZMQConsumer validates cfg and returns a consumer that does nothing until Start.
@@ -371,8 +426,11 @@ func (c *ZMQConsumer) backend(name, topic string, bind bool) (be *zmqBackend, cr
 	}
 	be = &zmqBackend{
 		queue:  make(chan *zmqItem, c.cfg.QueueSize),
+		wake:   make(chan struct{}, 1),
+		lost:   make(map[lostKey]lostBatch),
 		w:      backendWriter{sink: c.cfg.Sink, backend: name},
 		chains: make(map[chainKey]*chain),
+		done:   make(map[uint64]uint64),
 	}
 	if bind {
 		be.src = c.reg.add(name, "zmq", c.bound, topic, c.now)
@@ -484,7 +542,7 @@ func (c *ZMQConsumer) runPublisher(p *zmqPublisher) {
 		p.src.setError(err)
 		p.src.setState(StateDisconnected)
 		if connected {
-			c.queueReset(ctx, p.be, p.src, uint64(p.idx))
+			c.queueReset(ctx, p.be, &p.sent, p.src, uint64(p.idx))
 			c.log.Warn("kvroute events: zmq connection lost", "backend", p.cfg.Backend, "endpoint", p.cfg.Endpoint, "err", err)
 		} else {
 			c.log.Debug("kvroute events: zmq connect failed", "backend", p.cfg.Backend, "endpoint", p.cfg.Endpoint, "err", err)
@@ -499,12 +557,14 @@ func (c *ZMQConsumer) runPublisher(p *zmqPublisher) {
 // lost: what the engine publishes until it is back is lost too (a PUB socket drops messages for
 // absent subscribers), and an engine that restarts comes back with an empty cache, so the
 // backend is cleared now rather than left stale, and the connection's chains are forgotten. It
-// waits for room in the queue (or Close).
-func (c *ZMQConsumer) queueReset(ctx context.Context, be *zmqBackend, src *source, conn uint64) {
+// waits for room in the queue (or Close). sent is the reader's stamp counter for be.
+func (c *ZMQConsumer) queueReset(ctx context.Context, be *zmqBackend, sent *uint64, src *source, conn uint64) {
 	it := c.items.Get().(*zmqItem)
-	it.src, it.conn, it.reset = src, conn, true
+	stamp := *sent + 1
+	it.src, it.conn, it.reset, it.stamp = src, conn, true, stamp
 	select {
-	case be.queue <- it:
+	case be.queue <- it: // the worker's now
+		*sent = stamp
 	case <-ctx.Done():
 		c.putItem(it)
 	}
@@ -539,7 +599,7 @@ func (c *ZMQConsumer) readPublisher(ctx context.Context, raw net.Conn, zc *zmq4.
 				model = m
 			}
 		}
-		c.ingest(p.src, p.be, p, uint64(p.idx), topic, model, f[1], f[2])
+		c.ingest(p.src, p.be, &p.sent, p, uint64(p.idx), topic, model, f[1], f[2])
 	}
 }
 
@@ -589,19 +649,20 @@ func (c *ZMQConsumer) serveBound(ctx context.Context, raw net.Conn) {
 	}
 	c.log.Debug("kvroute events: zmq publisher connected", "remote", raw.RemoteAddr().String())
 	conn := c.connIDs.Add(1)
-	var seen []*zmqBackend // backends this connection carried: connected while it is open
+	var seen []*feed // backends this connection carried: connected while it is open
 	defer func() {
 		if ctx.Err() != nil {
 			return
 		}
-		for _, be := range seen {
-			if be.src.liveConns.Add(-1) == 0 {
-				be.src.setState(StateDisconnected)
+		for _, f := range seen {
+			if f.be.src.liveConns.Add(-1) == 0 {
+				f.be.src.setState(StateDisconnected)
 			}
-			c.queueReset(ctx, be, be.src, conn)
+			c.queueReset(ctx, f.be, &f.sent, f.be.src, conn)
 		}
 	}()
 	var last *zmqRoute
+	var lastFeed *feed
 	for {
 		msg, err := zc.RecvMsg()
 		if err != nil {
@@ -630,8 +691,12 @@ func (c *ZMQConsumer) serveBound(ctx context.Context, raw net.Conn) {
 				continue
 			}
 			last = r
-			if !slices.Contains(seen, r.be) {
-				seen = append(seen, r.be)
+			i := slices.IndexFunc(seen, func(f *feed) bool { return f.be == r.be })
+			if i >= 0 {
+				lastFeed = seen[i]
+			} else {
+				lastFeed = &feed{be: r.be}
+				seen = append(seen, lastFeed)
 				if r.be.src.liveConns.Add(1) == 1 {
 					if r.be.src.everConnected.Load() {
 						r.be.src.reconnects.Add(1)
@@ -640,7 +705,7 @@ func (c *ZMQConsumer) serveBound(ctx context.Context, raw net.Conn) {
 				}
 			}
 		}
-		c.ingest(r.be.src, r.be, nil, conn, r.topic, r.model, f[1], f[2])
+		c.ingest(r.be.src, r.be, &lastFeed.sent, nil, conn, r.topic, r.model, f[1], f[2])
 	}
 }
 
@@ -685,18 +750,21 @@ func (c *ZMQConsumer) route(topic []byte) *zmqRoute {
 	return r
 }
 
-// ingest decodes one message and queues it for the backend's worker.
-func (c *ZMQConsumer) ingest(src *source, be *zmqBackend, p *zmqPublisher, conn uint64, topic, model string, seqFrame, payload []byte) {
+// ingest decodes one message and queues it for the backend's worker; sent is the reader's
+// stamp counter for be. A batch that cannot be queued (undecodable, queue full) is recorded as
+// lost, for the worker to replay or reset.
+func (c *ZMQConsumer) ingest(src *source, be *zmqBackend, sent *uint64, p *zmqPublisher, conn uint64, topic, model string, seqFrame, payload []byte) {
 	seq := binary.BigEndian.Uint64(seqFrame)
 	src.batches.Add(1)
 	src.lastSeq.Store(seq)
 	it := c.items.Get().(*zmqItem)
 	skipped, err := DecodeMsgpackBatch(payload, &it.b)
 	if err != nil {
-		// Not queued: the worker sees the hole in the sequence and replays or resets.
 		src.malformed.Add(1)
 		src.setError(fmt.Errorf("batch %d: %w", seq, err))
 		c.putItem(it)
+		c.loseBatch(be, lostKey{chain: chainKey{conn: conn, topic: topic}, anyRank: true},
+			lostBatch{src: src, pub: p, model: model, seq: seq, ticket: *sent})
 		return
 	}
 	n := uint64(len(it.b.Events))
@@ -707,22 +775,43 @@ func (c *ZMQConsumer) ingest(src *source, be *zmqBackend, p *zmqPublisher, conn 
 	src.received.Add(n + uint64(skipped))
 	src.touch()
 	it.b.Seq, it.b.Model = seq, model
-	it.src, it.pub, it.conn, it.topic = src, p, conn, topic
+	stamp := *sent + 1
+	it.src, it.pub, it.conn, it.topic, it.stamp = src, p, conn, topic, stamp
 	select {
-	case be.queue <- it:
+	case be.queue <- it: // the worker's now
+		*sent = stamp
 	default:
 		src.overflows.Add(1)
 		src.dropped.Add(n)
+		key := lostKey{chain: chainKeyOf(conn, topic, &it.b)}
 		c.putItem(it)
+		c.loseBatch(be, key, lostBatch{src: src, pub: p, model: model, seq: seq, ticket: *sent})
+	}
+}
+
+// loseBatch records a batch the reader could not queue and wakes the worker. A later loss on
+// the same chain replaces the earlier one. When lost is full (maxChainsPerPipe chains) the loss
+// is not recorded: the publisher's next batch reveals it.
+func (c *ZMQConsumer) loseBatch(be *zmqBackend, k lostKey, l lostBatch) {
+	be.lostMu.Lock()
+	if _, ok := be.lost[k]; ok || len(be.lost) < maxChainsPerPipe {
+		be.lost[k] = l
+		be.nlost.Store(int32(len(be.lost)))
+	}
+	be.lostMu.Unlock()
+	select {
+	case be.wake <- struct{}{}:
+	default: // the worker has a wake-up pending already
 	}
 }
 
 func (c *ZMQConsumer) putItem(it *zmqItem) {
-	it.src, it.pub, it.topic, it.reset = nil, nil, "", false
+	it.src, it.pub, it.topic, it.reset, it.stamp = nil, nil, "", false, 0
 	c.items.Put(it)
 }
 
-// work is a backend's worker: it applies the queued batches in order until Close.
+// work is a backend's worker: it applies the queued batches in order, and repairs the holes
+// lost batches left, until Close.
 func (c *ZMQConsumer) work(be *zmqBackend) {
 	ctx := c.life.ctx
 	for {
@@ -731,7 +820,16 @@ func (c *ZMQConsumer) work(be *zmqBackend) {
 			return
 		case it := <-be.queue:
 			c.handle(ctx, be, it)
+			if it.reset && it.pub == nil {
+				delete(be.done, it.conn) // a bind-mode connection's reset is its last item
+			} else {
+				be.done[it.conn] = it.stamp
+			}
 			c.putItem(it)
+		case <-be.wake:
+		}
+		if be.nlost.Load() > 0 {
+			c.handleLost(ctx, be)
 		}
 	}
 }
@@ -741,21 +839,29 @@ func (c *ZMQConsumer) work(be *zmqBackend) {
 func (c *ZMQConsumer) handle(ctx context.Context, be *zmqBackend, it *zmqItem) {
 	src, seq := it.src, it.b.Seq
 	if it.reset {
-		// The connection's chains start over with its next batch.
+		// The connection's chains start over with its next batch; the batches it lost before
+		// (queued before this item) are moot: the backend is cleared.
 		for k := range be.chains {
 			if k.conn == it.conn {
 				delete(be.chains, k)
 			}
+		}
+		if be.nlost.Load() > 0 {
+			be.lostMu.Lock()
+			for k, l := range be.lost {
+				if k.chain.conn == it.conn && l.ticket < it.stamp {
+					delete(be.lost, k)
+				}
+			}
+			be.nlost.Store(int32(len(be.lost)))
+			be.lostMu.Unlock()
 		}
 		be.w.requestReset()
 		var empty Batch
 		be.w.apply(ctx, src, &empty)
 		return
 	}
-	key := chainKey{conn: it.conn, topic: it.topic, rank: -1}
-	if it.b.HasDPRank {
-		key.rank = it.b.DPRank
-	}
+	key := chainKeyOf(it.conn, it.topic, &it.b)
 	ch := be.chains[key]
 	switch {
 	case ch == nil: // first batch of this publisher: the baseline
@@ -766,23 +872,8 @@ func (c *ZMQConsumer) handle(ctx context.Context, be *zmqBackend, it *zmqItem) {
 		be.chains[key] = ch
 	case seq == ch.last+1:
 	case seq > ch.last+1:
-		src.gaps.Add(1)
-		switch {
-		case it.pub == nil || it.pub.replayAddr == "":
-			c.log.Debug("kvroute events: sequence gap, resetting backend", "backend", be.w.backend, "from", ch.last+1, "to", seq)
-			be.w.requestReset()
-		default:
-			if err := c.replay(ctx, be, it, ch.last+1, seq); err != nil {
-				if ctx.Err() != nil {
-					return
-				}
-				src.replayFailures.Add(1)
-				src.setError(fmt.Errorf("replay %d..%d: %w", ch.last+1, seq-1, err))
-				c.log.Warn("kvroute events: replay failed, resetting backend", "backend", be.w.backend, "err", err)
-				be.w.requestReset()
-			} else {
-				src.replays.Add(1)
-			}
+		if !c.fillGap(ctx, be, src, it.pub, it.b.Model, ch.last+1, seq) {
+			return
 		}
 	default: // seq ≤ last: the publisher restarted, and its engine's cache with it
 		c.log.Debug("kvroute events: sequence went back, resetting backend", "backend", be.w.backend, "last", ch.last, "seq", seq)
@@ -792,13 +883,94 @@ func (c *ZMQConsumer) handle(ctx context.Context, be *zmqBackend, it *zmqItem) {
 	be.w.apply(ctx, src, &it.b)
 }
 
+// handleLost repairs the holes of the lost batches whose connection's earlier items have all
+// been handled (the others wait for those items, which are still queued).
+func (c *ZMQConsumer) handleLost(ctx context.Context, be *zmqBackend) {
+	be.lostMu.Lock()
+	ready := be.ready[:0]
+	for k, l := range be.lost {
+		if be.done[k.chain.conn] >= l.ticket {
+			ready = append(ready, lostEntry{k, l})
+			delete(be.lost, k)
+		}
+	}
+	be.nlost.Store(int32(len(be.lost)))
+	be.lostMu.Unlock()
+	for i := range ready {
+		if ctx.Err() != nil {
+			break
+		}
+		c.repairLost(ctx, be, ready[i].key, &ready[i].lostBatch)
+	}
+	clear(ready) // drop the references to sources and publishers
+	be.ready = ready[:0]
+}
+
+// repairLost handles batch l, lost on chain k, as if the publisher's next batch had revealed the
+// hole: the missing batches through l.seq are replayed, or the backend is reset, now. A loss
+// before the chain's baseline is ignored (the chain starts after it), and so is one a later
+// batch already revealed. An undecodable batch belongs to the connection and topic's only chain;
+// when several data-parallel ranks share them the hole cannot be placed, and the backend is
+// reset (the chain's next batch still sees the gap).
+func (c *ZMQConsumer) repairLost(ctx context.Context, be *zmqBackend, k lostKey, l *lostBatch) {
+	var empty Batch
+	ch := be.chains[k.chain]
+	if k.anyRank {
+		ch = nil
+		n := 0
+		for ck, cc := range be.chains {
+			if ck.conn == k.chain.conn && ck.topic == k.chain.topic {
+				ch, n = cc, n+1
+			}
+		}
+		if n > 1 {
+			l.src.gaps.Add(1)
+			c.log.Debug("kvroute events: undecodable batch of an unknown rank, resetting backend", "backend", be.w.backend, "seq", l.seq)
+			be.w.requestReset()
+			be.w.apply(ctx, l.src, &empty)
+			return
+		}
+	}
+	if ch == nil || l.seq <= ch.last {
+		return
+	}
+	if !c.fillGap(ctx, be, l.src, l.pub, l.model, ch.last+1, l.seq+1) {
+		return
+	}
+	ch.last = l.seq
+	be.w.apply(ctx, l.src, &empty) // a reset fillGap requested happens now
+}
+
+// fillGap repairs the hole [from, until) in a publisher's sequence: it replays the missing
+// batches when the publisher (connect mode) has a replay endpoint, and otherwise, or when the
+// replay fails, requests a reset. It reports false when ctx ended during the replay.
+func (c *ZMQConsumer) fillGap(ctx context.Context, be *zmqBackend, src *source, p *zmqPublisher, model string, from, until uint64) bool {
+	src.gaps.Add(1)
+	if p == nil || p.replayAddr == "" {
+		c.log.Debug("kvroute events: sequence gap, resetting backend", "backend", be.w.backend, "from", from, "to", until)
+		be.w.requestReset()
+		return true
+	}
+	if err := c.replay(ctx, be, src, p, model, from, until); err != nil {
+		if ctx.Err() != nil {
+			return false
+		}
+		src.replayFailures.Add(1)
+		src.setError(fmt.Errorf("replay %d..%d: %w", from, until-1, err))
+		c.log.Warn("kvroute events: replay failed, resetting backend", "backend", be.w.backend, "err", err)
+		be.w.requestReset()
+		return true
+	}
+	src.replays.Add(1)
+	return true
+}
+
 // replay requests the batches [from, until) from the publisher's replay endpoint and applies
 // them in order. It fails when the publisher no longer holds one of them, on a malformed
 // answer, and after ReplayTimeout.
-func (c *ZMQConsumer) replay(ctx context.Context, be *zmqBackend, it *zmqItem, from, until uint64) error {
+func (c *ZMQConsumer) replay(ctx context.Context, be *zmqBackend, src *source, p *zmqPublisher, model string, from, until uint64) error {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.ReplayTimeout)
 	defer cancel()
-	p, src := it.pub, it.src
 	raw, zc, err := c.dialZMTP(ctx, p.replayNet, p.replayAddr, zmq4.Dealer)
 	if err != nil {
 		return err
@@ -850,7 +1022,7 @@ func (c *ZMQConsumer) replay(ctx context.Context, be *zmqBackend, it *zmqItem, f
 			src.dropped.Add(uint64(skipped))
 		}
 		src.received.Add(uint64(len(b.Events) + skipped))
-		b.Seq, b.Model = seq, it.b.Model
+		b.Seq, b.Model = seq, model
 		be.w.apply(ctx, src, b)
 		next++
 	}
