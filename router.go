@@ -321,8 +321,13 @@ func (r *DefaultRouter) Route(ctx context.Context, req *prefixkey.Request) (*Dec
 	if d.HasPrefixKey {
 		r.prefix.add(d.PrefixKey.Uint64())
 	}
-	if r.kv != nil && r.routeKV(ctx, req, d) {
-		return r.finish(ctx, d), nil
+	var s4 *scratch4
+	if r.kv != nil {
+		s4 = r.kv.scratch.Get().(*scratch4)
+		defer r.kv.scratch.Put(s4)
+		if r.routeKV(ctx, req, d, s4) {
+			return r.finish(ctx, d), nil
+		}
 	}
 	var err error
 	if d.HasPrefixKey {
@@ -344,8 +349,8 @@ func (r *DefaultRouter) Route(ctx context.Context, req *prefixkey.Request) (*Dec
 		}
 		return nil, err
 	}
-	if r.kv != nil {
-		r.speculateTier1(ctx, req, d)
+	if s4 != nil {
+		r.speculateTier1(ctx, d, s4)
 	}
 	return r.finish(ctx, d), nil
 }

@@ -150,13 +150,12 @@ func newTier4(cfg KVConfig) (*tier4, error) {
 	return t, nil
 }
 
-// routeKV runs tier 4 for a request. It returns true when it took a slot into d (reason kv_aware or
-// imbalance); false when the request must go the tier-1 way (no block keys, no overlap above the
-// threshold, or the index failed), in which case d is untouched but for Overlaps.
-func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *Decision) bool {
+// routeKV runs tier 4 for a request with the caller's scratch s; it leaves the request's block
+// keys in s.keys. It returns true when it took a slot into d (reason kv_aware or imbalance); false
+// when the request must go the tier-1 way (no block keys, no overlap above the threshold, or the
+// index failed), in which case d is untouched.
+func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *Decision, s *scratch4) bool {
 	t := r.kv
-	s := t.scratch.Get().(*scratch4)
-	defer t.scratch.Put(s)
 
 	tokens := req.TokenIDs
 	if tokens == nil && req.PromptTokens != nil {
@@ -346,28 +345,13 @@ func (r *DefaultRouter) afterKVChoice(ctx context.Context, s *scratch4, d *Decis
 	}
 }
 
-// speculateTier1 records predicted entries for a decision tier 1 made while tier 4 is on, so that
-// the index learns where a prefix went even before the engine's events (and, in Approximate mode,
-// at all).
-func (r *DefaultRouter) speculateTier1(ctx context.Context, req *prefixkey.Request, d *Decision) {
-	t := r.kv
-	if t.specTTL <= 0 {
-		return
-	}
-	tokens := req.TokenIDs
-	if tokens == nil {
-		tokens = req.PromptTokens
-	}
-	if tokens == nil {
-		return
-	}
-	s := t.scratch.Get().(*scratch4)
-	root := prefixkey.BlockRoot(req.ModelOrAdapter(), req.CacheSalt)
-	s.keys = prefixkey.AppendBlockKeys(s.keys[:0], root, tokens, t.cfg.BlockSize, req.MultiModal)
-	if len(s.keys) > 0 {
+// speculateTier1 records predicted entries for a decision tier 1 made while tier 4 is on, with
+// the block keys routeKV computed, so that the index learns where a prefix went even before the
+// engine's events (and, in Approximate mode, at all).
+func (r *DefaultRouter) speculateTier1(ctx context.Context, d *Decision, s *scratch4) {
+	if t := r.kv; t.specTTL > 0 && len(s.keys) > 0 {
 		_ = t.cfg.Index.Speculate(ctx, d.handle.Backend(), s.keys, t.specTTL)
 	}
-	t.scratch.Put(s)
 }
 
 // KVIndexStats is the content of the seeds' GET /admin/kv-index/stats as far as the Router knows
