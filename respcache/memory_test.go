@@ -279,12 +279,14 @@ func TestMemoryStats(t *testing.T) {
 
 func TestMemoryShards(t *testing.T) {
 	ctx := context.Background()
-	s := newTestMemory(t, MemoryConfig{Capacity: 1000, Shards: 8})
+	// The shard hash is seeded per process, so shard sizes vary from run to run: 250 per shard
+	// leaves room for any imbalance that is not a bug (100 ± 9 expected), so nothing is evicted.
+	s := newTestMemory(t, MemoryConfig{Capacity: 2000, Shards: 8})
 	for i := range 800 {
 		_ = s.Set(ctx, strconv.Itoa(i), []byte{byte(i)}, 0)
 	}
 	for i := range s.shards {
-		if n := len(s.shards[i].m); n < 50 || n > 125 {
+		if n := len(s.shards[i].m); n < 50 || n > 150 { // beyond ±5 standard deviations
 			t.Errorf("shard %d holds %d of 800 keys", i, n)
 		}
 	}
