@@ -16,8 +16,13 @@
 //     with load and health (kvindex, events, scorer).
 //
 // The default Router (New) implements tier 1 with a fallback selection strategy (round_robin,
-// least_loaded, random or least_latency) for requests that carry no prefix key. Every decision
+// least_loaded, random or least_latency) for requests that carry no prefix key, and tier 4 when
+// Config.KV names a kvindex.KvCacheIndex: the request's block keys (from its tokens, or a
+// prefixkey.Tokenizer) are looked up among the healthy backends, scored with load and health, and
+// the best backend under its CHWBL bound wins when the best overlap reaches
+// min_overlap_threshold (Decision.Reason kv_aware); below it the ring decides. Every decision
 // holds an in-flight slot on its backend until Done; the slots are what the CHWBL bound counts.
+// The response cache (tiers 2 and 3) is respcache's HTTP middleware, in front of Route.
 //
 // Use:
 //
