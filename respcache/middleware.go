@@ -112,7 +112,11 @@ type Config struct {
 //     the wrapped handler is not called;
 //   - MISS: the wrapped handler answers; a copy is recorded and stored when the response is a 200
 //     within the size limits, not content-encoded, and, for a stream, complete (the terminal SSE
-//     event seen: OpenAI "data: [DONE]", Anthropic "event: message_stop").
+//     event seen: OpenAI "data: [DONE]", Anthropic "event: message_stop"). A stream whose
+//     terminal event was recorded is complete and stored even if the client then leaves (the SDKs
+//     close the connection on reading it) and the handler ends with a write error, a cancelled
+//     context or a panic such as http.ErrAbortHandler; what it writes after that point, once nobody
+//     listens, is not recorded. A stream whose client left before the terminal event is not stored.
 //
 // # Coalescing
 //
@@ -435,12 +439,27 @@ func (c *Cache) replay(w http.ResponseWriter, e *storedResponse) {
 func (c *Cache) fill(w http.ResponseWriter, r *http.Request, next http.Handler, key string, fl *flight) {
 	gen := c.gen.Load()
 	w.Header().Set(HeaderXCache, XCacheMiss)
-	rec := &recorder{w: w, xcache: XCacheMiss, c: c, fl: fl, capture: true}
+	rec := &recorder{w: w, xcache: XCacheMiss, c: c, fl: fl, capture: true, ctx: r.Context()}
 	completed := false
 	defer func() {
-		if !completed && fl != nil {
-			// next panicked: waiters that have not started fall back, followers abort.
-			fl.finish(nil, true)
+		if completed {
+			return
+		}
+		// next panicked. A stream whose terminal event was already recorded is complete all the
+		// same: httputil.ReverseProxy, for one, aborts with http.ErrAbortHandler when the client
+		// leaves right after reading "data: [DONE]" and the upstream read is cancelled. Store it
+		// and let followers end cleanly; otherwise waiters that have not started fall back and
+		// followers abort. The panic goes on once this returns.
+		var value []byte
+		var e *storedResponse
+		if rec.streamComplete() {
+			value, e = rec.result()
+		}
+		if fl != nil {
+			fl.finish(e, e == nil)
+		}
+		if value != nil {
+			c.keep(w, r, key, value, gen, rec.clientGone)
 		}
 	}()
 	next.ServeHTTP(rec, r)
@@ -449,15 +468,20 @@ func (c *Cache) fill(w http.ResponseWriter, r *http.Request, next http.Handler, 
 	if fl != nil {
 		fl.finish(e, false)
 	}
-	if value == nil {
-		return
+	if value != nil {
+		c.keep(w, r, key, value, gen, rec.clientGone)
 	}
+}
+
+// keep stores value, the envelope of a complete response recorded by fill since generation gen,
+// under key. clientGone skips the flush to a client known to be gone.
+func (c *Cache) keep(w http.ResponseWriter, r *http.Request, key string, value []byte, gen uint64, clientGone bool) {
 	if c.gen.Load() != gen {
 		return // invalidated while recording
 	}
 	// The response is complete for the client; push out what is buffered before the store
 	// round-trip, so that a slow store does not delay the client.
-	if !rec.clientGone {
+	if !clientGone {
 		_ = http.NewResponseController(w).Flush()
 	}
 	ctx := context.WithoutCancel(r.Context())
@@ -482,9 +506,10 @@ func (c *Cache) fill(w http.ResponseWriter, r *http.Request, next http.Handler, 
 type recorder struct {
 	w       http.ResponseWriter
 	xcache  string
-	c       *Cache  // nil when not capturing
-	fl      *flight // the flight this request leads, or nil
-	capture bool    // record 200 responses
+	c       *Cache          // nil when not capturing
+	fl      *flight         // the flight this request leads, or nil
+	capture bool            // record 200 responses
+	ctx     context.Context // the handler's request context, when capturing
 
 	wroteHeader bool
 	status      int
@@ -496,6 +521,10 @@ type recorder struct {
 	bodyAt      int // envelope prefix length: the body starts at buf[bodyAt]
 	sse         sseScanner
 	clientGone  bool // the client's connection failed while waiters depended on the flight
+	// sealed: the client's connection failed, or the handler's context ended, after the stream's
+	// terminal event was recorded. The recording is complete and kept as it is; later writes are
+	// neither recorded nor relayed.
+	sealed bool
 }
 
 // Header returns the underlying writer's header map.
@@ -565,12 +594,25 @@ func (rw *recorder) Write(p []byte) (int, error) {
 	if !rw.wroteHeader {
 		rw.WriteHeader(http.StatusOK)
 	}
+	// Whether the stream was complete before p: a write that fails while carrying the terminal
+	// event does not count (the client left before the end), nor does one that starts after the
+	// handler's context ended (nobody is listening any more). Once the stream is complete and
+	// nobody listens, the recording is sealed as it is: what the handler writes afterwards (say,
+	// keep-alive comments while it waits for the upstream) reached no client and is not stored.
+	complete := rw.streamComplete()
+	late := !rw.sealed && rw.record && rw.stream && rw.ctx != nil && rw.ctx.Err() != nil
+	if late && complete {
+		rw.sealed = true
+	}
 	n, err := len(p), error(nil)
 	if !rw.clientGone {
 		n, err = rw.w.Write(p)
 	}
 	if rw.capture {
 		rw.capturePiece(p)
+		if late && !complete && rw.streamComplete() {
+			rw.stopRecording()
+		}
 	}
 	if err != nil && rw.fl != nil && rw.fl.shieldLeader() {
 		// The leader's client is gone but waiters follow this call: keep it going for them.
@@ -578,12 +620,27 @@ func (rw *recorder) Write(p []byte) (int, error) {
 		return len(p), nil
 	}
 	if err != nil {
-		rw.stopRecording()
+		if complete {
+			// The client left after the terminal event (SDKs close the connection as soon as
+			// they read it): the recording is complete, keep it whatever the handler does next.
+			rw.sealed = true
+		} else {
+			rw.stopRecording()
+		}
 	}
 	return n, err
 }
 
+// streamComplete reports whether a stream is being recorded and its terminal event was recorded,
+// with no error event: the recording is then complete, whatever the handler writes afterwards.
+func (rw *recorder) streamComplete() bool {
+	return rw.record && rw.stream && rw.wroteHeader && rw.sse.complete()
+}
+
 func (rw *recorder) capturePiece(p []byte) {
+	if rw.sealed {
+		return
+	}
 	if !rw.record {
 		if rw.fl != nil && rw.wroteHeader {
 			rw.fl.relay(p) // past the cap: followers still get it

@@ -5,9 +5,12 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"log"
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httputil"
+	neturl "net/url"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -371,4 +374,213 @@ func TestStreamContextCancelStopsHandler(t *testing.T) {
 		t.Fatal("handler not cancelled")
 	}
 	<-done
+}
+
+// mwHoldHandler writes a complete stream, flushes, then holds the response open until the request
+// context ends, as httputil.ReverseProxy does while it waits for the upstream to close, and then
+// ends the way end says: "return" returns, "write" writes keep-alive comments until a write fails,
+// "abort" panics with http.ErrAbortHandler (ReverseProxy on a failed copy). When cut is positive,
+// only the first cut events are written before the hold and the rest after it. Only the first call
+// holds: later ones write the whole stream and return.
+type mwHoldHandler struct {
+	events []string
+	cut    int
+	end    string
+	calls  atomic.Int64
+}
+
+func (h *mwHoldHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	n := h.calls.Add(1)
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.WriteHeader(http.StatusOK)
+	if n > 1 {
+		_, _ = io.WriteString(w, strings.Join(h.events, "")) // later calls answer at once
+		return
+	}
+	cut := len(h.events)
+	if h.cut > 0 {
+		cut = h.cut
+	}
+	for _, ev := range h.events[:cut] {
+		_, _ = io.WriteString(w, ev)
+		w.(http.Flusher).Flush()
+	}
+	select {
+	case <-r.Context().Done():
+	case <-time.After(10 * time.Second):
+		panic("the client's leaving did not cancel the handler's context")
+	}
+	for _, ev := range h.events[cut:] { // a handler that ignores the cancellation
+		_, _ = io.WriteString(w, ev)
+		w.(http.Flusher).Flush()
+	}
+	switch h.end {
+	case "write":
+		for range 1000 {
+			if _, err := io.WriteString(w, ": keep-alive\n\n"); err != nil {
+				return
+			}
+			if err := http.NewResponseController(w).Flush(); err != nil {
+				return
+			}
+			time.Sleep(time.Millisecond)
+		}
+		panic("writes to a gone client kept succeeding")
+	case "abort":
+		panic(http.ErrAbortHandler)
+	}
+}
+
+// mwReadUntilClose posts body to url, reads the SSE response up to and including the first event
+// that contains marker, and closes the connection at once, as the OpenAI and Anthropic SDKs do.
+func mwReadUntilClose(t *testing.T, url string, body []byte, marker string) (xcache string, got []byte) {
+	t.Helper()
+	resp, err := mwClient.Post(url, "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	br := bufio.NewReader(resp.Body)
+	var ev []byte
+	for {
+		line, err := br.ReadBytes('\n')
+		got = append(got, line...)
+		ev = append(ev, line...)
+		if err != nil {
+			t.Fatalf("read %q: %v", got, err)
+		}
+		if string(line) == "\n" {
+			if bytes.Contains(ev, []byte(marker)) {
+				return resp.Header.Get(HeaderXCache), got
+			}
+			ev = ev[:0]
+		}
+	}
+}
+
+// TestStreamStoredWhenClientLeavesAfterFinalEvent: the SDKs close the connection as soon as they
+// read the terminal event; the handler then sees its context cancelled (and a proxy aborts, or a
+// write fails). The recording is complete and must be stored all the same.
+func TestStreamStoredWhenClientLeavesAfterFinalEvent(t *testing.T) {
+	for _, fm := range []struct {
+		name, path string
+		body       []byte
+		events     []string
+		marker     string
+	}{
+		{"openai", "/v1/chat/completions", mwChat("leave", `"stream":true`), mwOpenAIEvents, "data: [DONE]"},
+		{"anthropic", "/v1/messages", mwAnthropic("leave", `"stream":true`), mwAnthropicEvents, "event: message_stop"},
+	} {
+		for _, end := range []string{"return", "write", "abort", "proxy"} {
+			for _, coalesce := range []bool{true, false} {
+				name := fm.name + "/" + end
+				if !coalesce {
+					name += "/no_coalescing"
+				}
+				t.Run(name, func(t *testing.T) {
+					c := mwNew(t, Config{DisableCoalescing: !coalesce})
+					hold := &mwHoldHandler{events: fm.events, end: end}
+					var next http.Handler = hold
+					if end == "proxy" {
+						hold.end = "return"
+						up := httptest.NewServer(hold)
+						defer up.Close()
+						u, _ := neturl.Parse(up.URL)
+						next = httputil.NewSingleHostReverseProxy(u)
+					}
+					served := make(chan struct{}, 4)
+					mw := c.Middleware(next)
+					srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+						defer func() { served <- struct{}{} }()
+						mw.ServeHTTP(w, r)
+					}))
+					srv.Config.ErrorLog = log.New(io.Discard, "", 0)
+					defer srv.Close()
+					want := strings.Join(fm.events, "")
+
+					xc, got := mwReadUntilClose(t, srv.URL+fm.path, fm.body, fm.marker)
+					if xc != XCacheMiss || string(got) != want {
+						t.Fatalf("first: X-Cache %q body\n%q\nwant\n%q", xc, got, want)
+					}
+					select {
+					case <-served:
+					case <-time.After(10 * time.Second):
+						t.Fatal("the middleware did not return after the client left")
+					}
+					resp, got := mwReadStream(t, srv.URL+fm.path, fm.body, "", nil)
+					if xc := resp.Header.Get(HeaderXCache); xc != XCacheHit || string(got) != want {
+						t.Fatalf("second: X-Cache %q body\n%q\nwant\n%q", xc, got, want)
+					}
+					if n := hold.calls.Load(); n != 1 {
+						t.Fatalf("handler called %d times, want 1", n)
+					}
+				})
+			}
+		}
+	}
+}
+
+// TestStreamNotStoredWhenClientLeavesBeforeFinalEvent: a client that leaves before the terminal
+// event leaves an incomplete recording, never stored, even if the handler writes the rest after
+// its context ended.
+func TestStreamNotStoredWhenClientLeavesBeforeFinalEvent(t *testing.T) {
+	for _, fm := range []struct {
+		name, path string
+		body       []byte
+		events     []string
+		marker     string
+	}{
+		{"openai", "/v1/chat/completions", mwChat("early", `"stream":true`), mwOpenAIEvents, "Hel"},
+		{"anthropic", "/v1/messages", mwAnthropic("early", `"stream":true`), mwAnthropicEvents, "content_block_start"},
+	} {
+		for _, end := range []string{"return", "write", "abort", "proxy"} {
+			for _, coalesce := range []bool{true, false} {
+				name := fm.name + "/" + end
+				if !coalesce {
+					name += "/no_coalescing"
+				}
+				t.Run(name, func(t *testing.T) {
+					c := mwNew(t, Config{DisableCoalescing: !coalesce})
+					hold := &mwHoldHandler{events: fm.events, cut: 2, end: end}
+					var next http.Handler = hold
+					if end == "proxy" {
+						hold.end = "return"
+						up := httptest.NewServer(hold)
+						defer up.Close()
+						u, _ := neturl.Parse(up.URL)
+						next = httputil.NewSingleHostReverseProxy(u)
+					}
+					served := make(chan struct{}, 4)
+					mw := c.Middleware(next)
+					srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+						defer func() { served <- struct{}{} }()
+						mw.ServeHTTP(w, r)
+					}))
+					srv.Config.ErrorLog = log.New(io.Discard, "", 0)
+					defer srv.Close()
+
+					xc, got := mwReadUntilClose(t, srv.URL+fm.path, fm.body, fm.marker)
+					if want := strings.Join(fm.events[:2], ""); xc != XCacheMiss || string(got) != want {
+						t.Fatalf("first: X-Cache %q body\n%q\nwant\n%q", xc, got, want)
+					}
+					select {
+					case <-served:
+					case <-time.After(10 * time.Second):
+						t.Fatal("the middleware did not return after the client left")
+					}
+					if n := c.Stats(context.Background()).Entries; n != 0 {
+						t.Fatalf("%d entries stored from an incomplete stream", n)
+					}
+					resp, err := mwClient.Post(srv.URL+fm.path, "application/json", bytes.NewReader(fm.body))
+					if err != nil {
+						t.Fatal(err)
+					}
+					resp.Body.Close()
+					if xc := resp.Header.Get(HeaderXCache); xc != XCacheMiss {
+						t.Fatalf("second: X-Cache %q, want MISS", xc)
+					}
+				})
+			}
+		}
+	}
 }
