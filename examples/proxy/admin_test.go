@@ -150,7 +150,26 @@ func TestAdminEndpoints(t *testing.T) {
 		hasKeys(t, "kv", srcs[0].(map[string]any), "", "backend_name", "connected", "events_received", "events_dropped", "reconnect_count")
 	})
 	t.Run("kv-index/backends", func(t *testing.T) {
-		doc := get("/admin/kv-index/backends")
+		// The engines publish their KV events asynchronously: wait (bounded) until the index has
+		// applied some, then check the shape and the counts.
+		var doc map[string]any
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			doc = get("/admin/kv-index/backends")
+			created := 0.0
+			for _, b := range doc["backends"].([]any) {
+				if ev, ok := b.(map[string]any)["events"].(map[string]any); ok {
+					created, _ = ev["index_created"].(float64)
+				}
+				if created > 0 {
+					break
+				}
+			}
+			if created > 0 || time.Now().After(deadline) {
+				break
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
 		bs := doc["backends"].([]any)
 		if doc["enabled"] != true || len(bs) != 2 {
 			t.Fatalf("%v", doc)
