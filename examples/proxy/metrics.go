@@ -23,7 +23,6 @@ const (
 	metricRetries         = "kvroute.proxy.retries"          // counter {backend}: the backend that failed
 	metricBackendHealthy  = "kvroute.proxy.backend_healthy"  // gauge {backend}: 1 in rotation
 	metricCircuitOpen     = "kvroute.proxy.circuit_open"     // gauge {backend}: 1 while open
-	metricTokenizeErrors  = "kvroute.proxy.tokenize_errors"  // counter
 	metricRequestDuration = "kvroute.proxy.request_duration" // histogram s {endpoint}
 	metricIndexMutations  = "kvroute.kv_index.events"        // counter {backend, type}
 )
@@ -39,7 +38,6 @@ type telemetry struct {
 	requests       metric.Int64Counter
 	upstreamErrors metric.Int64Counter
 	retries        metric.Int64Counter
-	tokenizeErrors metric.Int64Counter
 	duration       metric.Float64Histogram
 	reg            metric.Registration
 }
@@ -65,7 +63,6 @@ func newTelemetry() (*telemetry, error) {
 	add(err)
 	t.retries, err = m.Int64Counter(metricRetries, metric.WithDescription("Requests retried on another backend after a connection failure, by failed backend."), metric.WithUnit("{request}"))
 	add(err)
-	t.tokenizeErrors, err = m.Int64Counter(metricTokenizeErrors, metric.WithDescription("Tokenizations that failed or timed out (the request was routed without block keys)."), metric.WithUnit("{error}"))
 	add(err)
 	t.duration, err = m.Float64Histogram(metricRequestDuration, metric.WithDescription("Time to the end of the response, by endpoint."), metric.WithUnit("s"),
 		metric.WithExplicitBucketBoundaries(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))

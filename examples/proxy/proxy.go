@@ -173,17 +173,9 @@ func setBody(r *http.Request, body []byte) {
 func (s *server) forward(w http.ResponseWriter, r *http.Request) {
 	pr := r.Context().Value(parsedKey).(*parsedRequest)
 	ctx := r.Context()
-	req := pr.req
-	if s.tok != nil && req.TokenIDs == nil && req.PromptTokens == nil {
-		toks, err := s.tok.Tokenize(ctx, req)
-		if err != nil {
-			s.tel.tokenizeErrors.Add(context.WithoutCancel(ctx), 1)
-			s.log.Debug("tokenize failed; routing without block keys", "err", err)
-		} else {
-			req.TokenIDs = toks
-		}
-	}
-	d, err := s.router.Route(ctx, req)
+	// Tokenization, when configured, happens inside Route (KVConfig.Tokenizer): only when tier 4
+	// runs, with its failures counted in the Router's KV stats.
+	d, err := s.router.Route(ctx, pr.req)
 	if err != nil {
 		s.routeError(w, pr, err)
 		return
@@ -199,7 +191,7 @@ func (s *server) forward(w http.ResponseWriter, r *http.Request) {
 	s.tel.retries.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("backend", failed)))
 	s.log.Warn("upstream failed before answering; retrying on another backend", "backend", failed, "err", err)
 
-	d2, err2 := s.routeAvoiding(ctx, req, failed, err)
+	d2, err2 := s.routeAvoiding(ctx, pr.req, failed, err)
 	if err2 != nil {
 		if errors.Is(err2, kvroute.ErrNoBackend) {
 			writeAPIError(w, pr.format, http.StatusBadGateway, "upstream_error", "",

@@ -229,6 +229,7 @@ func (s *server) buildKV(mp metric.MeterProvider) (*kvroute.KVConfig, error) {
 	return &kvroute.KVConfig{
 		Index:     s.index,
 		BlockSize: kc.BlockSize,
+		Tokenizer: s.tok,
 		Weights: scorer.CompositeConfig{OverlapWeight: *sc.OverlapWeight, LoadWeight: *sc.LoadWeight,
 			HealthWeight: *sc.HealthWeight, MinOverlapThreshold: sc.MinOverlapThreshold},
 		MinOverlapThreshold: sc.MinOverlapThreshold,
