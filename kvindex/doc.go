@@ -27,11 +27,13 @@
 // 64-bit set per tier (a bit per backend, so at most 64 backends) and the speculative holders.
 // Shards are ordered linear-probing tables (O. Amble and D. E. Knuth, "Ordered hash tables",
 // The Computer Journal 17(2), 1974) over 8-byte words, with the 56-byte block bodies in a slab
-// beside them. Lookup probes the request's keys in order, one probe answering for every
-// candidate, and stops when no candidate holds the next key; it takes no lock (a seqlock per
-// shard) and allocates nothing. MemoryConfig.LookupStride makes it a jump search, which probes
-// every n-th key and is exact when backends' holdings are prefixes with monotone tiers, as
-// engines' eviction orders leave them. Writers lock one shard per block.
+// beside them. Lookup is a jump search: it probes every 16th key of the request
+// (MemoryConfig.LookupStride), one probe answering for every candidate, probes key by key only
+// the stride where some candidate's match ends or changes tier, and stops when no candidate holds
+// the next key. That is exact when backends' holdings are prefixes with monotone tiers, as
+// engines' eviction orders leave them and as this index's own expiry keeps them; LookupStride 1
+// probes every key. Lookup takes no lock (a seqlock per shard) and allocates nothing. Writers
+// lock one shard per block.
 //
 // Entries expire EntryTTL after their last evidence: the store of the block, or of a
 // descendant — a BlockStored proves the engine holds the parent's whole chain, so storing a

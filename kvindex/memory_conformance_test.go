@@ -8,19 +8,20 @@ import (
 	"github.com/kvroute/kvroute/kvindex/indextest"
 )
 
-// TestMemoryConformance runs the exported conformance suite against MemoryIndex: with the
-// defaults (sweep goroutine running); with no sweep and a table of several shards; and as a jump
-// search (LookupStride 16), which passes everything but LongRequest, whose hole strictly between
-// two probes is the approximation LookupStride documents.
+// TestMemoryConformance runs the exported conformance suite against MemoryIndex: exact (LookupStride
+// 1), with the sweep goroutine running; exact with no sweep and a table of several shards; and
+// with the defaults, whose jump search passes everything but LongRequest: its hole strictly
+// between two probes (a middle block removed, its descendants kept) is the case LookupStride
+// documents as missed.
 func TestMemoryConformance(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		cfg  kvindex.MemoryConfig
 		skip string // subtest skipped
 	}{
-		{"defaults", kvindex.MemoryConfig{}, ""},
-		{"no_sweep", kvindex.MemoryConfig{SweepInterval: -1, MaxEntries: 1 << 16}, ""},
-		{"jump_search", kvindex.MemoryConfig{LookupStride: 16}, "/LongRequest"},
+		{"exact", kvindex.MemoryConfig{LookupStride: 1}, ""},
+		{"exact_no_sweep", kvindex.MemoryConfig{LookupStride: 1, SweepInterval: -1, MaxEntries: 1 << 16}, ""},
+		{"defaults", kvindex.MemoryConfig{}, "/LongRequest"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			indextest.Run(t, func(t *testing.T, opts indextest.Options) kvindex.KvCacheIndex {

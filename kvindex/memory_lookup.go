@@ -26,9 +26,9 @@ type lookupState struct {
 // allocates nothing, ignores ctx, and returns ErrClosed after Close. It panics if len(out) <
 // len(candidates).
 //
-// With MemoryConfig.LookupStride ≤ 1 (the default) the result is exact: keys are probed in order,
-// one table probe per key answering for every candidate at once, until no remaining candidate
-// holds the next key. With a larger stride it is a jump search; see LookupStride.
+// By default it is a jump search (MemoryConfig.LookupStride, which says when it is exact). With
+// LookupStride 1 keys are probed in order, one table probe per key answering for every candidate
+// at once, until no remaining candidate holds the next key.
 func (m *MemoryIndex) Lookup(_ context.Context, keys []uint64, candidates []string, out []Match) ([]Match, error) {
 	if m.closed.Load() {
 		return out[:0], ErrClosed
