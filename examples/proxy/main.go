@@ -34,6 +34,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"os/signal"
 	"strconv"
@@ -65,6 +66,7 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 		speed     = fs.Float64("engine-speed", 1, "demo mode: wall-clock seconds the engines sleep per simulated second (0: no latency)")
 		verbose   = fs.Bool("v", false, "debug logging")
 		logFormat = fs.String("log-format", "text", "log format: text or json")
+		pprofAddr = fs.String("pprof", "", "serve net/http/pprof on this address (e.g. 127.0.0.1:6060); off when empty")
 	)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: proxy [-config FILE] [-addr HOST:PORT] [flags]\n\n")
@@ -140,6 +142,14 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 			return fmt.Errorf("demo configuration: %w", err)
 		}
 		cfg = demo
+	}
+	if *pprofAddr != "" {
+		stopPprof, err := servePprof(ctx, *pprofAddr, log)
+		if err != nil {
+			ln.Close()
+			return err
+		}
+		defer stopPprof()
 	}
 	printBanner(stdout, cfg, ln.Addr(), fleet != nil)
 	return run(ctx, cfg, ln, log)
@@ -286,4 +296,27 @@ func run(ctx context.Context, cfg *Config, ln net.Listener, log *slog.Logger) er
 	}
 	log.Info("stopped")
 	return nil
+}
+
+// servePprof serves the runtime profiles of net/http/pprof on their own listener, apart from the
+// proxy's mux so that they are never exposed on the serving address. The returned func stops it.
+func servePprof(ctx context.Context, addr string, log *slog.Logger) (func(), error) {
+	ln, err := listen(ctx, addr)
+	if err != nil {
+		return nil, fmt.Errorf("-pprof: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("pprof server", "err", err)
+		}
+	}()
+	log.Info("pprof", "addr", ln.Addr().String())
+	return func() { srv.Close() }, nil
 }

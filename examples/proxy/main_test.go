@@ -18,13 +18,14 @@ import (
 )
 
 // The real entry point with no configuration: the demo fleet starts, the banner shows where to
-// go, a chat completion twice is a MISS then a HIT, and SIGTERM stops everything.
+// go, a chat completion twice is a MISS then a HIT, the profiles are served on the -pprof address
+// only, and SIGTERM stops everything.
 func TestMainDemoMode(t *testing.T) {
 	pr, pw := io.Pipe()
 	var stderr syncBuffer
 	errc := make(chan error, 1)
 	go func() {
-		errc <- mainErr([]string{"-addr", "127.0.0.1:0", "-engines", "2", "-engine-speed", "0"}, pw, &stderr)
+		errc <- mainErr([]string{"-addr", "127.0.0.1:0", "-engines", "2", "-engine-speed", "0", "-pprof", "127.0.0.1:0"}, pw, &stderr)
 		pw.Close()
 	}()
 	var banner strings.Builder
@@ -62,6 +63,17 @@ func TestMainDemoMode(t *testing.T) {
 		}
 	}
 
+	m := regexp.MustCompile(`msg=pprof addr=(\S+)`).FindStringSubmatch(stderr.String())
+	if m == nil {
+		t.Fatalf("no pprof address in the logs:\n%s", stderr.String())
+	}
+	if code := getStatus(t, "http://"+m[1]+"/debug/pprof/cmdline"); code != 200 {
+		t.Errorf("pprof address: /debug/pprof/cmdline %d, want 200", code)
+	}
+	if code := getStatus(t, base+"/debug/pprof/cmdline"); code != 404 {
+		t.Errorf("serving address: /debug/pprof/cmdline %d, want 404", code)
+	}
+
 	if err := syscall.Kill(syscall.Getpid(), syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
@@ -73,12 +85,27 @@ func TestMainDemoMode(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("SIGTERM did not stop the proxy")
 	}
+	if _, err := net.DialTimeout("tcp", m[1], time.Second); err == nil {
+		t.Error("pprof still listening after SIGTERM")
+	}
 	if !strings.Contains(stderr.String(), "shutting down") || !strings.Contains(stderr.String(), "msg=stopped") {
 		t.Errorf("logs:\n%s", stderr.String())
 	}
 	if _, err := net.DialTimeout("tcp", strings.TrimPrefix(base, "http://"), time.Second); err == nil {
 		t.Error("still listening after SIGTERM")
 	}
+}
+
+// getStatus GETs url and returns the status code.
+func getStatus(t *testing.T, url string) int {
+	t.Helper()
+	res, err := http.Get(url)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	_, _ = io.Copy(io.Discard, res.Body)
+	res.Body.Close()
+	return res.StatusCode
 }
 
 type syncBuffer struct {
