@@ -24,6 +24,15 @@
 // holds an in-flight slot on its backend until Done; the slots are what the CHWBL bound counts.
 // The response cache (tiers 2 and 3) is respcache's HTTP middleware, in front of Route.
 //
+// Disaggregated prefill/decode serving is on when Config.Disagg is set and backends carry a
+// prefill or decode Role (package disagg). RouteDisagg then plans each request: fast_decode on a
+// decode backend that holds the prompt's prefix or loads it from shared storage (or computes a
+// short uncached part itself), prefill_then_decode on a prefill backend chosen by its cached prefix
+// and prefill load and a decode backend chosen by decode load, or unified/fallback through Route
+// when the pools cannot serve. Each phase holds a slot on its pool's own bounded-load ring until
+// DisaggDecision.PrefillDone and Done; PrefillFailed re-routes the request to a unified backend.
+// Route itself never chooses a prefill or decode backend.
+//
 // Use:
 //
 //	router, err := kvroute.New(kvroute.Config{

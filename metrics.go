@@ -11,6 +11,7 @@ import (
 	"go.opentelemetry.io/otel/metric/noop"
 
 	"github.com/kvroute/kvroute/chwbl"
+	"github.com/kvroute/kvroute/disagg"
 )
 
 // Instrumentation scope and metric names. They follow the seeds' list with the kvroute prefix in
@@ -26,6 +27,14 @@ const (
 	MetricKVRoutingDecisions = "kvroute.kv_index.routing_decisions"
 	MetricKVQueryLatency     = "kvroute.kv_index.query_latency"
 	MetricKVOverlapScore     = "kvroute.kv_index.overlap_score"
+
+	// Disaggregated serving (registered only with Config.Disagg): requests by path and reason,
+	// requests no path could serve, failed remote prefills, and phases in flight per prefill or
+	// decode backend.
+	MetricDisaggRequests        = "kvroute.disagg.requests"
+	MetricDisaggNoBackend       = "kvroute.disagg.no_backend"
+	MetricDisaggPrefillFailures = "kvroute.disagg.prefill_failures"
+	MetricDisaggInFlight        = "kvroute.disagg.in_flight"
 )
 
 // routerMetrics holds the Router's instruments. Options are built once, so that recording a
@@ -135,6 +144,89 @@ func (m *routerMetrics) recordOverlap(ctx context.Context, ratio float64) {
 }
 
 func (m *routerMetrics) close() error {
+	var err error
+	m.once.Do(func() {
+		if m.reg != nil {
+			err = m.reg.Unregister()
+		}
+	})
+	return err
+}
+
+// disaggMetrics holds the instruments of disaggregated serving; options are built once, so that
+// recording a plan allocates nothing.
+type disaggMetrics struct {
+	requests  metric.Int64Counter
+	byPlan    [len(disagg.Paths) + 1][len(disagg.Reasons) + 1][]metric.AddOption
+	noBackend metric.Int64Counter
+	failures  metric.Int64Counter
+	reg       metric.Registration
+	once      sync.Once
+}
+
+func newDisaggMetrics(mp metric.MeterProvider, r *DefaultRouter) (*disaggMetrics, error) {
+	if mp == nil {
+		mp = noop.NewMeterProvider()
+	}
+	meter := mp.Meter(ScopeName)
+	m := &disaggMetrics{}
+	var err error
+	if m.requests, err = meter.Int64Counter(MetricDisaggRequests,
+		metric.WithDescription("Requests routed with disaggregation on, by path (fast_decode, prefill_then_decode, unified, fallback) and reason."),
+		metric.WithUnit("{request}")); err != nil {
+		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricDisaggRequests, err)
+	}
+	for _, p := range disagg.Paths {
+		for _, why := range disagg.Reasons {
+			m.byPlan[p][why] = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(
+				attribute.String("path", p.String()), attribute.String("reason", why.String())))}
+		}
+	}
+	if m.noBackend, err = meter.Int64Counter(MetricDisaggNoBackend,
+		metric.WithDescription("Requests that no routing path could serve (ErrNoBackend)."),
+		metric.WithUnit("{request}")); err != nil {
+		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricDisaggNoBackend, err)
+	}
+	if m.failures, err = meter.Int64Counter(MetricDisaggPrefillFailures,
+		metric.WithDescription("Remote prefills reported failed."),
+		metric.WithUnit("{request}")); err != nil {
+		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricDisaggPrefillFailures, err)
+	}
+	inflight, err := meter.Int64ObservableGauge(MetricDisaggInFlight,
+		metric.WithDescription("Request phases in flight per prefill or decode backend."),
+		metric.WithUnit("{request}"))
+	if err != nil {
+		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricDisaggInFlight, err)
+	}
+	m.reg, err = meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		var buf [loadsBuf]chwbl.Load
+		for _, pool := range [...]struct {
+			ring  *chwbl.Ring
+			phase string
+		}{{r.dis.prefill, "prefill"}, {r.dis.decode, "decode"}} {
+			for _, l := range pool.ring.Loads(buf[:0]) {
+				o.ObserveInt64(inflight, int64(l.InFlight), metric.WithAttributeSet(attribute.NewSet(
+					attribute.String("backend", l.Name), attribute.String("phase", pool.phase))))
+			}
+		}
+		return nil
+	}, inflight)
+	if err != nil {
+		return nil, fmt.Errorf("kvroute: metric callback: %w", err)
+	}
+	return m, nil
+}
+
+func (m *disaggMetrics) recordPlan(ctx context.Context, p disagg.Plan) {
+	if int(p.Path) < len(m.byPlan) && int(p.Reason) < len(m.byPlan[0]) {
+		m.requests.Add(ctx, 1, m.byPlan[p.Path][p.Reason]...)
+	}
+}
+
+func (m *disaggMetrics) recordNoBackend(ctx context.Context)      { m.noBackend.Add(ctx, 1) }
+func (m *disaggMetrics) recordPrefillFailure(ctx context.Context) { m.failures.Add(ctx, 1) }
+
+func (m *disaggMetrics) close() error {
 	var err error
 	m.once.Do(func() {
 		if m.reg != nil {

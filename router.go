@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/kvroute/kvroute/chwbl"
+	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/prefixkey"
 )
 
@@ -83,6 +84,13 @@ func (r Reason) MarshalText() ([]byte, error) { return []byte(r.String()), nil }
 type Backend struct {
 	Name   string
 	Weight float64 // 0 means 1; scales the backend's ring share and its load bound
+	// Role is the backend's part in disaggregated serving; the zero value, unified, serves whole
+	// requests. Prefill and decode backends need Config.Disagg; they are routed by RouteDisagg only
+	// (Route never chooses them), each pool with its own load bound.
+	Role disagg.Role
+	// Storage is the backend's external storage for KV transfer (external_storage); nil means
+	// Config.Disagg's DefaultStorage.
+	Storage *disagg.ExternalStorage
 }
 
 // DefaultStrategy is the selection strategy for requests without a prefix key.
@@ -117,6 +125,9 @@ type Config struct {
 	Now func() time.Time
 	// KV turns on tier 4 (precise KV-aware routing); nil leaves it off.
 	KV *KVConfig
+	// Disagg turns on disaggregated prefill/decode serving (RouteDisagg) for backends with a
+	// prefill or decode Role; nil leaves it off, and such backends are then refused.
+	Disagg *disagg.Config
 }
 
 func (c Config) withDefaults() Config {
@@ -164,12 +175,15 @@ type backendState struct {
 	successes  atomic.Uint64
 	decisions  atomic.Uint64
 	attrOption metric.MeasurementOption
+	role       disagg.Role
+	storage    *disagg.ExternalStorage // nil: the disaggregation default
 }
 
 // backendSet is an immutable snapshot of the members, swapped whole on every change, so that
 // Route reads it with one atomic load.
 type backendSet struct {
-	list   []*backendState // in the order they were added
+	list   []*backendState // unified backends (the ring's members), in the order they were added
+	pd     []*backendState // prefill and decode backends (on their pools' rings), in the same order
 	byName map[string]*backendState
 }
 
@@ -185,7 +199,8 @@ type DefaultRouter struct {
 	prefix  hyperLogLog
 	counts  [numReasons]atomic.Uint64
 	metrics *routerMetrics
-	kv      *tier4 // nil when tier 4 is off
+	kv      *tier4       // nil when tier 4 is off
+	dis     *disaggState // nil when disaggregation is off
 }
 
 // New builds the default Router from cfg, after validating it (errors wrap ErrInvalidConfig).
@@ -204,9 +219,20 @@ func New(cfg Config) (*DefaultRouter, error) {
 			return nil, err
 		}
 	}
+	if cfg.Disagg != nil {
+		if r.dis, err = newDisaggState(*cfg.Disagg, cfg); err != nil {
+			return nil, err
+		}
+	}
 	r.set.Store(&backendSet{byName: map[string]*backendState{}})
 	if r.metrics, err = newRouterMetrics(cfg.MeterProvider, r); err != nil {
 		return nil, err
+	}
+	if r.dis != nil {
+		if r.dis.metrics, err = newDisaggMetrics(cfg.MeterProvider, r); err != nil {
+			r.Close()
+			return nil, err
+		}
 	}
 	for _, b := range cfg.Backends {
 		if err := r.AddBackend(b); err != nil {
@@ -218,14 +244,20 @@ func New(cfg Config) (*DefaultRouter, error) {
 }
 
 // Close unregisters the Router's metric callbacks. It is idempotent; routing keeps working after it.
-func (r *DefaultRouter) Close() error { return r.metrics.close() }
+func (r *DefaultRouter) Close() error {
+	err := r.metrics.close()
+	if r.dis != nil && r.dis.metrics != nil {
+		err = errors.Join(err, r.dis.metrics.close())
+	}
+	return err
+}
 
 // Config returns the configuration in force, defaults filled in. Backends lists the initial ones.
 func (r *DefaultRouter) Config() Config { return r.cfg }
 
 // AddBackend adds a healthy backend. It returns an error wrapping ErrDuplicate when the name is
-// taken, or ErrInvalidConfig for an empty name or a negative or non-finite weight. Safe for
-// concurrent use.
+// taken, or ErrInvalidConfig for an empty name, a negative or non-finite weight, an invalid role,
+// or a prefill or decode role on a Router without Config.Disagg. Safe for concurrent use.
 func (r *DefaultRouter) AddBackend(b Backend) error {
 	if b.Name == "" {
 		return fmt.Errorf("%w: backend name is empty", ErrInvalidConfig)
@@ -233,6 +265,10 @@ func (r *DefaultRouter) AddBackend(b Backend) error {
 	if b.Weight < 0 || math.IsNaN(b.Weight) || math.IsInf(b.Weight, 0) {
 		return fmt.Errorf("%w: backend %q weight %v", ErrInvalidConfig, b.Name, b.Weight)
 	}
+	if !b.Role.Valid() || (b.Role != disagg.RoleUnified && r.dis == nil) {
+		return fmt.Errorf("%w: backend %q role %v needs Config.Disagg", ErrInvalidConfig, b.Name, b.Role)
+	}
+	ring := r.ringOf(b.Role)
 	if b.Weight == 0 {
 		b.Weight = 1
 	}
@@ -242,18 +278,26 @@ func (r *DefaultRouter) AddBackend(b Backend) error {
 	if _, ok := old.byName[b.Name]; ok {
 		return fmt.Errorf("%w: %q", ErrDuplicate, b.Name)
 	}
-	if err := r.ring.Add(b.Name, b.Weight); err != nil {
+	if err := ring.Add(b.Name, b.Weight); err != nil {
 		if errors.Is(err, chwbl.ErrDuplicate) {
 			return fmt.Errorf("%w: %q", ErrDuplicate, b.Name)
 		}
 		return err
 	}
-	st := &backendState{name: b.Name, weight: b.Weight}
+	st := &backendState{name: b.Name, weight: b.Weight, role: b.Role}
+	if b.Storage != nil {
+		s := *b.Storage
+		st.storage = &s
+	}
 	st.healthy.Store(true)
 	st.success.store(1)
 	st.attrOption = r.metrics.backendOption(b.Name)
-	next := &backendSet{list: make([]*backendState, 0, len(old.list)+1), byName: make(map[string]*backendState, len(old.list)+1)}
-	next.list = append(append(next.list, old.list...), st)
+	next := &backendSet{list: old.list, pd: old.pd, byName: make(map[string]*backendState, len(old.byName)+1)}
+	if b.Role == disagg.RoleUnified {
+		next.list = append(append(make([]*backendState, 0, len(old.list)+1), old.list...), st)
+	} else {
+		next.pd = append(append(make([]*backendState, 0, len(old.pd)+1), old.pd...), st)
+	}
 	for k, v := range old.byName {
 		next.byName[k] = v
 	}
@@ -269,16 +313,23 @@ func (r *DefaultRouter) RemoveBackend(name string) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	old := r.set.Load()
-	if _, ok := old.byName[name]; !ok {
+	gone, ok := old.byName[name]
+	if !ok {
 		return fmt.Errorf("%w: %q", ErrUnknownBackend, name)
 	}
-	if err := r.ring.Remove(name); err != nil {
+	if err := r.ringOf(gone.role).Remove(name); err != nil {
 		return err
 	}
-	next := &backendSet{list: make([]*backendState, 0, len(old.list)), byName: make(map[string]*backendState, len(old.list))}
+	next := &backendSet{list: make([]*backendState, 0, len(old.list)), byName: make(map[string]*backendState, len(old.byName))}
 	for _, st := range old.list {
 		if st.name != name {
 			next.list = append(next.list, st)
+			next.byName[st.name] = st
+		}
+	}
+	for _, st := range old.pd {
+		if st.name != name {
+			next.pd = append(next.pd, st)
 			next.byName[st.name] = st
 		}
 	}
@@ -296,7 +347,7 @@ func (r *DefaultRouter) SetHealthy(name string, healthy bool) error {
 	if !ok {
 		return fmt.Errorf("%w: %q", ErrUnknownBackend, name)
 	}
-	if err := r.ring.SetHealthy(name, healthy); err != nil {
+	if err := r.ringOf(st.role).SetHealthy(name, healthy); err != nil {
 		return err
 	}
 	st.healthy.Store(healthy)

@@ -92,10 +92,14 @@ func (r *DefaultRouter) Stats() PrefixRoutingStats {
 	return s
 }
 
-// ResetStats zeroes the decision counters and the unique-prefix estimate. Safe for concurrent use.
+// ResetStats zeroes the decision counters (those of DisaggStats too) and the unique-prefix estimate.
+// Safe for concurrent use.
 func (r *DefaultRouter) ResetStats() {
 	for i := range r.counts {
 		r.counts[i].Store(0)
 	}
 	r.prefix.reset()
+	if r.dis != nil {
+		r.dis.counters.Reset()
+	}
 }

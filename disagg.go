@@ -1,0 +1,491 @@
+package kvroute
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvroute/kvroute/chwbl"
+	"github.com/kvroute/kvroute/disagg"
+	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/kvindex"
+	"github.com/kvroute/kvroute/prefixkey"
+)
+
+// disaggAttempts bounds how often RouteDisagg re-plans when a concurrent request took the last
+// slot under a pool's bound between the snapshot and the acquisition; the last attempt takes its
+// slots regardless of the bound.
+const disaggAttempts = 3
+
+// errNoPrefillPhase is returned by PrefillFailed on a decision without a prefill phase in flight.
+var errNoPrefillPhase = errors.New("kvroute: the decision has no prefill phase in flight")
+
+// disaggState is the Router's disaggregation: the planner and one CHWBL ring per pool, whose
+// in-flight counts are the prefill and decode loads (the unified backends stay on Router.ring).
+type disaggState struct {
+	planner  *disagg.Planner
+	prefill  *chwbl.Ring
+	decode   *chwbl.Ring
+	counters disagg.Counters
+	metrics  *disaggMetrics
+	scratch  sync.Pool // *scratchD
+}
+
+// scratchD is one RouteDisagg call's working memory, pooled.
+type scratchD struct {
+	keys    []uint64
+	names   []string
+	matches []kvindex.Match
+	cands   []disagg.Candidate
+	loads   []chwbl.Load
+}
+
+func newDisaggState(cfg disagg.Config, rc Config) (*disaggState, error) {
+	p, err := disagg.New(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	ringCfg := chwbl.Config{VirtualNodes: rc.VirtualNodes, Epsilon: p.Config().Epsilon}
+	t := &disaggState{planner: p}
+	if t.prefill, err = chwbl.New(ringCfg); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	if t.decode, err = chwbl.New(ringCfg); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	t.scratch.New = func() any { return &scratchD{} }
+	return t, nil
+}
+
+// ringOf returns the ring that holds backends of role: the Router's ring for unified backends,
+// the pool's ring for prefill and decode backends (only called for roles AddBackend accepted).
+func (r *DefaultRouter) ringOf(role disagg.Role) *chwbl.Ring {
+	switch {
+	case r.dis != nil && role == disagg.RolePrefill:
+		return r.dis.prefill
+	case r.dis != nil && role == disagg.RoleDecode:
+		return r.dis.decode
+	}
+	return r.ring
+}
+
+// DisaggConfig returns the disaggregation configuration in force, defaults applied (the timeouts
+// a gateway applies to the two phases among them), and false when disaggregation is off.
+func (r *DefaultRouter) DisaggConfig() (disagg.Config, bool) {
+	if r.dis == nil {
+		return disagg.Config{}, false
+	}
+	return r.dis.planner.Config(), true
+}
+
+// DisaggDecision is the outcome of RouteDisagg: the embedded Plan (path, reason, prefill and decode
+// backends, expected cached tokens, storage) and the in-flight slots it holds — a prefill slot on
+// Prefill until PrefillDone (or Done), a decode slot on Decode until Done. For the unified and
+// fallback paths, Unified is the Route decision that holds the slot on the unified backend (Decode
+// names it). Every method is safe for concurrent use and idempotent; the exported fields are
+// read-only for the caller.
+type DisaggDecision struct {
+	disagg.Plan
+	PrefixKey    prefixkey.Key
+	HasPrefixKey bool
+	// Unified is non-nil for the unified and fallback paths: the tier-1/tier-4 decision over the
+	// unified backends, whose slot Done releases.
+	Unified *Decision
+
+	router     *DefaultRouter
+	req        *prefixkey.Request
+	prefill    chwbl.Handle
+	decode     chwbl.Handle
+	pst, dst   *backendState
+	start      time.Time
+	prefillEnd atomic.Int64 // UnixNano of PrefillDone, 0 before
+}
+
+// RouteDisagg chooses the routing path and backends for req and takes the slots of the phases it
+// needs: a prefill slot on the prefill backend (prefill_then_decode) and a decode slot on the decode
+// backend, each on its pool's CHWBL ring, under the pool's load bound. It looks the request's block
+// keys up in tier 4's index (when Config.KV is set) for every backend, builds one
+// disagg.Candidate per backend (role, weight, health, prefill or decode phases in flight, cached
+// prefix and its tier, storage) and follows disagg.Planner.Plan; speculative index entries then
+// record that the chosen prefill and decode backends will hold the prompt. The unified and
+// fallback paths are routed by Route (tiers 1 and 4 over the unified backends), whose pick
+// becomes Decode. Without Config.Disagg every request takes that unified path (reason disabled).
+//
+// It returns a non-nil decision and a nil error, or nil and: ErrNilRequest; ctx.Err() when ctx
+// ended before the choice; an error wrapping ErrNoBackend (and disagg.ErrNoBackend) when no path
+// the configuration allows has a healthy backend. ctx also bounds the tokenizer and a remote
+// index. The caller must call Done when the request ends, and PrefillDone or PrefillFailed when a
+// prefill phase ends. Safe for concurrent use.
+func (r *DefaultRouter) RouteDisagg(ctx context.Context, req *prefixkey.Request) (*DisaggDecision, error) {
+	if req == nil {
+		return nil, ErrNilRequest
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	if r.dis == nil {
+		return r.routeUnified(ctx, req, disagg.Plan{Path: disagg.PathUnified, Reason: disagg.ReasonDisabled}, nil)
+	}
+	t := r.dis
+	s := t.scratch.Get().(*scratchD)
+	defer t.scratch.Put(s)
+	d := &DisaggDecision{router: r, req: req, start: r.cfg.Now()}
+	if !r.cfg.DisablePrefixRouting {
+		d.PrefixKey, d.HasPrefixKey = prefixkey.PrefixKey(req, r.cfg.MaxPrefixLength)
+	}
+	in := disagg.Input{TieBreak: d.PrefixKey.Uint64()}
+	if !d.HasPrefixKey {
+		in.TieBreak = r.rr.Add(1)
+	}
+	in.PromptTokens = r.disaggKeys(ctx, req, s)
+	in.PromptBlocks = len(s.keys)
+	for attempt := 1; ; attempt++ {
+		r.disaggCandidates(ctx, d, s, true)
+		in.Candidates = s.cands
+		plan, err := t.planner.Plan(in)
+		if err != nil {
+			t.counters.RecordNoBackend()
+			t.metrics.recordNoBackend(ctx)
+			return nil, fmt.Errorf("%w: %w", ErrNoBackend, err)
+		}
+		if plan.Path == disagg.PathUnified || plan.Path == disagg.PathFallback {
+			return r.routeUnified(ctx, req, plan, s.cands)
+		}
+		if r.takeSlots(d, plan, attempt >= disaggAttempts) {
+			d.Plan = plan
+			break
+		}
+		if attempt > disaggAttempts { // the chosen backends keep leaving the pools
+			t.counters.RecordNoBackend()
+			t.metrics.recordNoBackend(ctx)
+			return nil, fmt.Errorf("%w: the planned backends left their pools", ErrNoBackend)
+		}
+	}
+	set := r.set.Load()
+	d.dst = set.byName[d.Decode]
+	if d.Prefill != "" {
+		d.pst = set.byName[d.Prefill]
+	}
+	for _, st := range [...]*backendState{d.pst, d.dst} {
+		if st != nil {
+			st.decisions.Add(1)
+		}
+	}
+	if k := r.kv; k != nil && k.specTTL > 0 && len(s.keys) > 0 {
+		if d.Prefill != "" {
+			_ = k.cfg.Index.Speculate(ctx, d.Prefill, s.keys, k.specTTL)
+		}
+		_ = k.cfg.Index.Speculate(ctx, d.Decode, s.keys, k.specTTL)
+	}
+	t.counters.Record(d.Plan)
+	t.metrics.recordPlan(ctx, d.Plan)
+	return d, nil
+}
+
+// takeSlots takes the plan's decode slot and, for prefill_then_decode, its prefill slot, each
+// under its pool's bound unless force. It returns false (holding nothing) when a slot was refused.
+func (r *DefaultRouter) takeSlots(d *DisaggDecision, plan disagg.Plan, force bool) bool {
+	take := func(ring *chwbl.Ring, h *chwbl.Handle, name string) bool {
+		if force {
+			return ring.AcquireBackend(h, name) == nil
+		}
+		ok, err := ring.TryAcquireBackend(h, name)
+		return ok && err == nil
+	}
+	if !take(r.dis.decode, &d.decode, plan.Decode) {
+		return false
+	}
+	if plan.Prefill != "" && !take(r.dis.prefill, &d.prefill, plan.Prefill) {
+		d.decode.Release()
+		return false
+	}
+	return true
+}
+
+// routeUnified serves a unified or fallback plan through Route and wraps its decision. cands, when
+// given, supply the expected cached tokens of Route's pick.
+func (r *DefaultRouter) routeUnified(ctx context.Context, req *prefixkey.Request, plan disagg.Plan, cands []disagg.Candidate) (*DisaggDecision, error) {
+	u, err := r.Route(ctx, req)
+	if err != nil {
+		if r.dis != nil && errors.Is(err, ErrNoBackend) {
+			r.dis.counters.RecordNoBackend()
+			r.dis.metrics.recordNoBackend(ctx)
+		}
+		return nil, err
+	}
+	plan.Prefill, plan.Decode = "", u.Backend
+	plan.ExpectedCachedTokens, plan.UncachedTokens, plan.Storage = u.ExpectedCachedTokens, 0, disagg.ExternalStorage{}
+	for i := range cands {
+		if cands[i].Name == u.Backend {
+			plan.ExpectedCachedTokens = cands[i].CachedTokens
+		}
+	}
+	d := &DisaggDecision{Plan: plan, PrefixKey: u.PrefixKey, HasPrefixKey: u.HasPrefixKey, Unified: u, router: r, req: req, start: u.start}
+	if r.dis != nil {
+		r.dis.counters.Record(plan)
+		r.dis.metrics.recordPlan(ctx, plan)
+	}
+	return d, nil
+}
+
+// disaggKeys leaves the request's block keys in s.keys (when tier 4 is on) and returns the prompt's
+// length in tokens (0 when unknown).
+func (r *DefaultRouter) disaggKeys(ctx context.Context, req *prefixkey.Request, s *scratchD) int {
+	s.keys = s.keys[:0]
+	tokens := req.TokenIDs
+	if tokens == nil && req.PromptTokens != nil {
+		tokens = req.PromptTokens
+	}
+	k := r.kv
+	if k == nil {
+		return len(tokens)
+	}
+	if tokens == nil && k.cfg.Tokenizer != nil {
+		var err error
+		if tokens, err = k.cfg.Tokenizer.Tokenize(ctx, req); err != nil {
+			tokens = nil
+		}
+	}
+	if tokens != nil {
+		s.keys = prefixkey.AppendBlockKeys(s.keys, prefixkey.BlockRoot(req.ModelOrAdapter(), req.CacheSalt), tokens, k.cfg.BlockSize, req.MultiModal)
+	}
+	return len(tokens)
+}
+
+// disaggCandidates fills s.cands with every backend: the unified ones from the Router's ring,
+// the prefill and decode ones from their pools' rings, each (with lookup) with its cached prefix
+// from the index.
+func (r *DefaultRouter) disaggCandidates(ctx context.Context, d *DisaggDecision, s *scratchD, lookup bool) {
+	set := r.set.Load()
+	s.loads = r.ring.Loads(s.loads[:0])
+	nUnified := len(s.loads)
+	s.loads = r.dis.prefill.Loads(s.loads)
+	nPrefill := len(s.loads) - nUnified
+	s.loads = r.dis.decode.Loads(s.loads)
+	s.cands, s.names = s.cands[:0], s.names[:0]
+	for i, l := range s.loads {
+		c := disagg.Candidate{Name: l.Name, Weight: l.Weight, Healthy: l.Healthy, Health: 1}
+		switch {
+		case i < nUnified:
+			c.Role, c.DecodeLoad = disagg.RoleUnified, l.InFlight
+		case i < nUnified+nPrefill:
+			c.Role, c.PrefillLoad = disagg.RolePrefill, l.InFlight
+		default:
+			c.Role, c.DecodeLoad = disagg.RoleDecode, l.InFlight
+		}
+		if st := set.byName[l.Name]; st != nil {
+			c.Health, c.Storage = st.success.load(), st.storage
+		}
+		s.cands = append(s.cands, c)
+		s.names = append(s.names, l.Name)
+	}
+	k := r.kv
+	if !lookup {
+		return
+	}
+	usePrefix := k != nil && len(s.keys) == 0 && k.cfg.UsePrefixEntries && d.HasPrefixKey
+	if k == nil || (len(s.keys) == 0 && !usePrefix) || len(s.names) == 0 {
+		return
+	}
+	if cap(s.matches) < len(s.names) {
+		s.matches = make([]kvindex.Match, len(s.names))
+	}
+	start := r.cfg.Now()
+	var err error
+	if usePrefix {
+		s.matches, err = k.cfg.Index.LookupPrefix(ctx, d.PrefixKey.String(), s.names, s.matches[:len(s.names)])
+	} else {
+		s.matches, err = k.cfg.Index.Lookup(ctx, s.keys, s.names, s.matches[:len(s.names)])
+	}
+	r.metrics.recordLookup(ctx, r.cfg.Now().Sub(start))
+	if err != nil { // plan without cache facts: every path stays available
+		return
+	}
+	for i := range s.matches {
+		m := &s.matches[i]
+		c := &s.cands[i]
+		c.CachedTokens, c.Overlap = m.Tokens, m.Score
+		switch m.Tier {
+		case events.TierGPU:
+			c.Tier = disagg.TierGPU
+		case events.TierCPU:
+			c.Tier = disagg.TierCPU
+		default:
+			c.Tier = disagg.TierStorage
+		}
+	}
+}
+
+// PrefillDone ends the prefill phase: it releases the prefill slot and records o against the
+// prefill backend (latency and success, as Decision.Done does). Only the first call (of
+// PrefillDone, PrefillFailed and Done) releases the slot; a no-op for decisions without a prefill
+// phase and for a nil decision. Safe for concurrent use.
+func (d *DisaggDecision) PrefillDone(o Outcome) { d.endPrefill(o) }
+
+// endPrefill releases the prefill slot and records o; it reports whether this call released it.
+func (d *DisaggDecision) endPrefill(o Outcome) bool {
+	if d == nil || !d.prefill.Release() {
+		return false
+	}
+	now := d.router.cfg.Now()
+	d.prefillEnd.Store(now.UnixNano())
+	if d.pst != nil {
+		lat := o.Latency
+		if lat <= 0 {
+			lat = now.Sub(d.start)
+		}
+		d.pst.observe(lat, o.Err == nil)
+	}
+	return true
+}
+
+// FirstToken tells the Router the request's first token arrived; for the unified and fallback paths
+// it is Decision.FirstToken, for the others a no-op (their prefill load ends with PrefillDone).
+func (d *DisaggDecision) FirstToken() {
+	if d != nil && d.Unified != nil {
+		d.Unified.FirstToken()
+	}
+}
+
+// Done ends the request: it releases the decode slot (or the unified decision's slot) and records
+// o against that backend; a prefill slot still held is released without an outcome. Only the first
+// call has an effect; a nil decision is a no-op. Safe for concurrent use.
+func (d *DisaggDecision) Done(o Outcome) {
+	if d == nil {
+		return
+	}
+	if d.Unified != nil {
+		d.Unified.Done(o)
+		return
+	}
+	d.prefill.Release()
+	if !d.decode.Release() || d.dst == nil {
+		return
+	}
+	lat := o.Latency
+	if lat <= 0 {
+		from := d.start
+		if ns := d.prefillEnd.Load(); ns != 0 {
+			from = time.Unix(0, ns)
+		}
+		lat = d.router.cfg.Now().Sub(from)
+	}
+	d.dst.observe(lat, o.Err == nil)
+}
+
+// PrefillFailed reports that the remote prefill failed with cause: it releases the prefill slot
+// (recording the failure against the prefill backend) and the decode slot (recording nothing: the
+// decode phase never ran), counts the failure, and re-routes the request to a unified backend with
+// Route. The new decision has path fallback and reason prefill_failed; the caller forwards the
+// whole request to its Decode and calls its Done, not this decision's.
+//
+// It returns an error wrapping ErrNoBackend and cause when fallback to unified is off or no unified
+// backend is healthy (both slots are released all the same), ctx.Err() when ctx has ended, and an
+// error (releasing nothing) when the decision has no prefill phase in flight. Safe for concurrent
+// use; only the first of PrefillDone, PrefillFailed and Done releases the prefill slot.
+func (d *DisaggDecision) PrefillFailed(ctx context.Context, cause error) (*DisaggDecision, error) {
+	if !d.endPrefill(Outcome{Err: cause}) {
+		return nil, errNoPrefillPhase
+	}
+	r := d.router
+	d.decode.Release()
+	t := r.dis
+	t.counters.RecordPrefillFailure()
+	t.metrics.recordPrefillFailure(ctx)
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	s := t.scratch.Get().(*scratchD)
+	defer t.scratch.Put(s)
+	r.disaggCandidates(ctx, d, s, false)
+	plan, err := t.planner.Fallback(disagg.Input{Candidates: s.cands})
+	if err != nil {
+		t.counters.RecordNoBackend()
+		t.metrics.recordNoBackend(ctx)
+		return nil, fmt.Errorf("%w: prefill on %q failed (%w): %w", ErrNoBackend, d.Prefill, cause, err)
+	}
+	return r.routeUnified(ctx, d.req, plan, nil)
+}
+
+// DisaggStats is the body of an admin endpoint on disaggregated serving: the configuration, the
+// requests by path and reason, and each prefill and decode backend's phases in flight.
+type DisaggStats struct {
+	// Enabled: Config.Disagg is set and does not disable disaggregation.
+	Enabled  bool              `json:"enabled"`
+	Config   DisaggStatsConfig `json:"config"`
+	Requests disagg.Stats      `json:"requests"`
+	// The number of backends in each pool (the configuration's pool sizing suggests a 3:1
+	// decode-to-prefill ratio as a start).
+	PrefillBackends int                 `json:"prefill_backends"`
+	DecodeBackends  int                 `json:"decode_backends"`
+	UnifiedBackends int                 `json:"unified_backends"`
+	Backends        []DisaggBackendLoad `json:"backends"`
+}
+
+// DisaggStatsConfig is the disaggregation configuration as the stats report it, in the
+// configuration's names; DefaultStorage's credentials are redacted.
+type DisaggStatsConfig struct {
+	PrefillTimeout    string                 `json:"prefill_timeout"`
+	KVTransferTimeout string                 `json:"kv_transfer_timeout"`
+	FallbackToUnified bool                   `json:"fallback_to_unified"`
+	Conditional       bool                   `json:"conditional_disaggregation"`
+	MaxUncachedTokens int                    `json:"max_uncached_tokens"`
+	MaxUncachedRatio  float64                `json:"max_uncached_ratio"`
+	LoadFactorEpsilon float64                `json:"load_factor_epsilon"`
+	DefaultStorage    disagg.ExternalStorage `json:"default_external_storage"`
+}
+
+// DisaggBackendLoad is one prefill or decode backend's line in DisaggStats. Storage is nil when the
+// backend uses the default; its credentials are redacted.
+type DisaggBackendLoad struct {
+	Backend          string                  `json:"backend"`
+	Role             disagg.Role             `json:"role"`
+	Healthy          bool                    `json:"healthy"`
+	Weight           float64                 `json:"weight"`
+	PrefillsInFlight int                     `json:"prefills_in_flight"`
+	DecodesInFlight  int                     `json:"decodes_in_flight"`
+	Decisions        uint64                  `json:"decisions"`
+	SuccessRate      float64                 `json:"success_rate"`
+	Storage          *disagg.ExternalStorage `json:"external_storage,omitempty"`
+}
+
+// DisaggStats returns a snapshot of disaggregated serving; without Config.Disagg it is the zero
+// DisaggStats. Safe for concurrent use; counters are read one by one.
+func (r *DefaultRouter) DisaggStats() DisaggStats {
+	t := r.dis
+	if t == nil {
+		return DisaggStats{}
+	}
+	c := t.planner.Config()
+	s := DisaggStats{Enabled: !c.Disabled, Requests: t.counters.Snapshot(), Config: DisaggStatsConfig{
+		PrefillTimeout: c.PrefillTimeout.String(), KVTransferTimeout: c.KVTransferTimeout.String(),
+		FallbackToUnified: !c.DisableFallback, Conditional: !c.DisableConditional,
+		MaxUncachedTokens: c.MaxUncachedTokens, MaxUncachedRatio: c.MaxUncachedRatio,
+		LoadFactorEpsilon: c.Epsilon, DefaultStorage: c.DefaultStorage,
+	}}
+	set := r.set.Load()
+	s.UnifiedBackends = len(set.list)
+	for _, pool := range [...]struct {
+		ring *chwbl.Ring
+		role disagg.Role
+	}{{t.prefill, disagg.RolePrefill}, {t.decode, disagg.RoleDecode}} {
+		for _, l := range pool.ring.Loads(nil) {
+			bl := DisaggBackendLoad{Backend: l.Name, Role: pool.role, Healthy: l.Healthy, Weight: l.Weight, SuccessRate: 1}
+			if pool.role == disagg.RolePrefill {
+				bl.PrefillsInFlight = l.InFlight
+				s.PrefillBackends++
+			} else {
+				bl.DecodesInFlight = l.InFlight
+				s.DecodeBackends++
+			}
+			if st := set.byName[l.Name]; st != nil {
+				bl.Decisions, bl.SuccessRate, bl.Storage = st.decisions.Load(), st.success.load(), st.storage
+			}
+			s.Backends = append(s.Backends, bl)
+		}
+	}
+	return s
+}

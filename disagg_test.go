@@ -1,0 +1,544 @@
+package kvroute
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/kvroute/kvroute/chwbl"
+	"github.com/kvroute/kvroute/disagg"
+	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/kvindex"
+	"github.com/kvroute/kvroute/prefixkey"
+)
+
+var dgStore = disagg.ExternalStorage{Endpoint: "http://kv-store:8080", Namespace: "inference/kv-cache",
+	AccessKey: "AK-dg-91", SecretKey: "SK-dg-77"}
+
+// dgFleet is the seeds' disaggregated fleet: two prefill, three decode (weight 2) and one unified
+// backend.
+func dgFleet() []Backend {
+	return []Backend{
+		{Name: "prefill-1", Role: disagg.RolePrefill},
+		{Name: "prefill-2", Role: disagg.RolePrefill},
+		{Name: "decode-1", Role: disagg.RoleDecode, Weight: 2},
+		{Name: "decode-2", Role: disagg.RoleDecode, Weight: 2},
+		{Name: "decode-3", Role: disagg.RoleDecode, Weight: 2},
+		{Name: "unified-fallback"},
+	}
+}
+
+func dgIndex(t testing.TB) *kvindex.MemoryIndex {
+	t.Helper()
+	ix, err := kvindex.NewMemory(kvindex.MemoryConfig{DefaultModel: "llama-3-8b"})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ix.Close() })
+	return ix
+}
+
+func dgRouter(t testing.TB, ix kvindex.KvCacheIndex, dc disagg.Config, mut ...func(*Config)) *DefaultRouter {
+	t.Helper()
+	if dc.DefaultStorage.IsZero() {
+		dc.DefaultStorage = dgStore
+	}
+	cfg := Config{Backends: dgFleet(), Disagg: &dc}
+	if ix != nil {
+		cfg.KV = &KVConfig{Index: ix}
+	}
+	for _, m := range mut {
+		m(&cfg)
+	}
+	return newRouter(t, cfg)
+}
+
+func dgTokens(seed, n int) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = uint32((seed*104729 + i*2246822519) % 128000)
+	}
+	return out
+}
+
+// dgHold makes backend hold the first nBlocks blocks of tokens on tier, as an engine's event says.
+func dgHold(t testing.TB, ix kvindex.KvCacheIndex, backend string, tokens []uint32, nBlocks int, tier events.Tier) {
+	t.Helper()
+	hashes := make([]uint64, nBlocks)
+	for i := range hashes {
+		hashes[i] = uint64(7000 + i)
+	}
+	require.NoError(t, ix.Apply(context.Background(), backend, &events.Batch{Model: "llama-3-8b", Events: []events.Event{{
+		Kind: events.KindBlockStored, BlockHashes: hashes, TokenIDs: tokens[:nBlocks*16], BlockSize: 16, Tier: tier}}}))
+}
+
+func dgReq(tokens []uint32) *prefixkey.Request {
+	r := chatReq("You are a disaggregated assistant.", "q")
+	r.TokenIDs = tokens
+	return r
+}
+
+// dgLoads returns every backend's slots in flight, by name, over the three rings.
+func dgLoads(r *DefaultRouter) map[string]int {
+	out := map[string]int{}
+	for _, ring := range []*chwbl.Ring{r.ring, r.dis.prefill, r.dis.decode} {
+		for _, l := range ring.Loads(nil) {
+			out[l.Name] += l.InFlight
+		}
+	}
+	return out
+}
+
+// dgBusy holds n decode slots on backend until the test ends.
+func dgBusy(t *testing.T, r *DefaultRouter, backend string, n int) {
+	for range n {
+		var h chwbl.Handle
+		require.NoError(t, r.dis.decode.AcquireBackend(&h, backend))
+		t.Cleanup(func() { h.Release() })
+	}
+}
+
+func TestRouteDisaggPaths(t *testing.T) {
+	long := dgTokens(1, 64*16+5) // 1029 tokens, 64 full blocks
+	tests := []struct {
+		name    string
+		cfg     disagg.Config
+		tokens  []uint32
+		setup   func(t *testing.T, r *DefaultRouter, ix *kvindex.MemoryIndex)
+		path    disagg.Path
+		reason  disagg.Reason
+		prefill string
+		decode  string
+		cached  int
+	}{
+		{
+			name: "gpu hit on a decode backend", tokens: long,
+			setup: func(t *testing.T, r *DefaultRouter, ix *kvindex.MemoryIndex) {
+				dgHold(t, ix, "decode-2", long, 64, events.TierGPU)
+				dgHold(t, ix, "decode-1", long, 20, events.TierGPU)
+			},
+			path: disagg.PathFastDecode, reason: disagg.ReasonLocalHit, decode: "decode-2", cached: 1024,
+		},
+		{
+			name: "storage hit: least-loaded decode backend", tokens: long,
+			setup: func(t *testing.T, r *DefaultRouter, ix *kvindex.MemoryIndex) {
+				dgHold(t, ix, "prefill-1", long, 64, events.TierStorage)
+				dgBusy(t, r, "decode-1", 1)
+				dgBusy(t, r, "decode-2", 1)
+			},
+			path: disagg.PathFastDecode, reason: disagg.ReasonStorageHit, decode: "decode-3", cached: 1024,
+		},
+		{
+			name: "no cache: prefill by overlap, decode by load", tokens: long,
+			setup: func(t *testing.T, r *DefaultRouter, ix *kvindex.MemoryIndex) {
+				dgHold(t, ix, "prefill-2", long, 40, events.TierGPU)
+				dgHold(t, ix, "decode-1", long, 16, events.TierGPU) // a short hit earns no credit
+				dgBusy(t, r, "decode-1", 1)
+				dgBusy(t, r, "decode-3", 1)
+			},
+			path: disagg.PathPrefillThenDecode, reason: disagg.ReasonCacheMiss, prefill: "prefill-2", decode: "decode-2", cached: 640,
+		},
+		{
+			name: "short prompt skips the remote prefill", tokens: dgTokens(2, 100),
+			setup: func(t *testing.T, r *DefaultRouter, ix *kvindex.MemoryIndex) {
+				dgBusy(t, r, "decode-1", 1)
+				dgBusy(t, r, "decode-2", 1)
+			},
+			path: disagg.PathFastDecode, reason: disagg.ReasonShortPrompt, decode: "decode-3",
+		},
+		{
+			name: "decode pool down: fallback to unified", tokens: long,
+			setup: func(t *testing.T, r *DefaultRouter, ix *kvindex.MemoryIndex) {
+				for _, n := range []string{"decode-1", "decode-2", "decode-3"} {
+					require.NoError(t, r.SetHealthy(n, false))
+				}
+			},
+			path: disagg.PathFallback, reason: disagg.ReasonPoolUnavailable, decode: "unified-fallback",
+		},
+		{
+			name: "prefill pool down and a prefill needed: fallback", tokens: long,
+			setup: func(t *testing.T, r *DefaultRouter, ix *kvindex.MemoryIndex) {
+				require.NoError(t, r.SetHealthy("prefill-1", false))
+				require.NoError(t, r.SetHealthy("prefill-2", false))
+			},
+			path: disagg.PathFallback, reason: disagg.ReasonPoolUnavailable, decode: "unified-fallback",
+		},
+		{
+			name: "disabled: unified", cfg: disagg.Config{Disabled: true}, tokens: long,
+			path: disagg.PathUnified, reason: disagg.ReasonDisabled, decode: "unified-fallback",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ix := dgIndex(t)
+			r := dgRouter(t, ix, tt.cfg, func(c *Config) { c.KV.Speculation = SpeculateOff })
+			if tt.setup != nil {
+				tt.setup(t, r, ix)
+			}
+			d, err := r.RouteDisagg(context.Background(), dgReq(tt.tokens))
+			require.NoError(t, err)
+			defer d.Done(Outcome{})
+			assert.Equal(t, tt.path, d.Path)
+			assert.Equal(t, tt.reason, d.Reason)
+			assert.Equal(t, tt.prefill, d.Prefill)
+			assert.Equal(t, tt.decode, d.Decode)
+			assert.Equal(t, tt.cached, d.ExpectedCachedTokens)
+			unified := tt.path == disagg.PathFallback || tt.path == disagg.PathUnified
+			assert.Equal(t, unified, d.Unified != nil)
+
+			h := http.Header{}
+			d.SetHeaders(h)
+			assert.Equal(t, tt.path.String(), h.Get(disagg.HeaderRoutingPath))
+			assert.Equal(t, tt.decode, h.Get(disagg.HeaderDecodeBackend))
+			assert.Equal(t, tt.prefill, h.Get(disagg.HeaderPrefillBackend))
+
+			st := r.DisaggStats()
+			assert.Equal(t, uint64(1), st.Requests.Path(tt.path))
+			assert.Equal(t, uint64(1), st.Requests.Total)
+		})
+	}
+}
+
+func TestRouteDisaggNoBackend(t *testing.T) {
+	r := dgRouter(t, dgIndex(t), disagg.Config{DisableFallback: true})
+	for _, n := range []string{"decode-1", "decode-2", "decode-3"} {
+		require.NoError(t, r.SetHealthy(n, false))
+	}
+	d, err := r.RouteDisagg(context.Background(), dgReq(dgTokens(3, 2000)))
+	assert.Nil(t, d)
+	assert.ErrorIs(t, err, ErrNoBackend)
+	assert.ErrorIs(t, err, disagg.ErrNoBackend)
+	assert.Equal(t, uint64(1), r.DisaggStats().Requests.NoBackend)
+	for name, n := range dgLoads(r) {
+		assert.Zero(t, n, name)
+	}
+	_, err = r.RouteDisagg(context.Background(), nil)
+	assert.ErrorIs(t, err, ErrNilRequest)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err = r.RouteDisagg(ctx, dgReq(nil))
+	assert.ErrorIs(t, err, context.Canceled)
+}
+
+func TestRouteDisaggPhases(t *testing.T) {
+	ix := dgIndex(t)
+	r := dgRouter(t, ix, disagg.Config{})
+	ctx := context.Background()
+	toks := dgTokens(4, 80*16)
+	d, err := r.RouteDisagg(ctx, dgReq(toks))
+	require.NoError(t, err)
+	require.Equal(t, disagg.PathPrefillThenDecode, d.Path)
+	loads := dgLoads(r)
+	assert.Equal(t, 1, loads[d.Prefill])
+	assert.Equal(t, 1, loads[d.Decode])
+
+	d.PrefillDone(Outcome{})
+	d.PrefillDone(Outcome{Err: errors.New("late")}) // idempotent: no second release or outcome
+	loads = dgLoads(r)
+	assert.Zero(t, loads[d.Prefill])
+	assert.Equal(t, 1, loads[d.Decode])
+	d.Done(Outcome{})
+	d.Done(Outcome{})
+	for name, n := range dgLoads(r) {
+		assert.Zero(t, n, name)
+	}
+	for _, b := range r.DisaggStats().Backends {
+		assert.Equal(t, 1.0, b.SuccessRate, b.Backend)
+	}
+
+	// Speculation told the index where the prompt went: the same prompt is now a local hit on
+	// that decode backend.
+	again, err := r.RouteDisagg(ctx, dgReq(toks))
+	require.NoError(t, err)
+	defer again.Done(Outcome{})
+	assert.Equal(t, disagg.PathFastDecode, again.Path)
+	assert.Equal(t, disagg.ReasonLocalHit, again.Reason)
+	assert.Equal(t, d.Decode, again.Decode)
+	again.PrefillDone(Outcome{}) // no prefill phase: a no-op
+	_, err = again.PrefillFailed(ctx, errors.New("x"))
+	assert.Error(t, err)
+	assert.Equal(t, 1, dgLoads(r)[again.Decode])
+}
+
+func TestRouteDisaggPrefillFailed(t *testing.T) {
+	for _, fallback := range []bool{true, false} {
+		t.Run(fmt.Sprintf("fallback=%v", fallback), func(t *testing.T) {
+			r := dgRouter(t, dgIndex(t), disagg.Config{DisableFallback: !fallback})
+			ctx := context.Background()
+			d, err := r.RouteDisagg(ctx, dgReq(dgTokens(5, 3000)))
+			require.NoError(t, err)
+			require.Equal(t, disagg.PathPrefillThenDecode, d.Path)
+			cause := errors.New("prefill timed out")
+			fb, err := d.PrefillFailed(ctx, cause)
+			if !fallback {
+				assert.Nil(t, fb)
+				assert.ErrorIs(t, err, ErrNoBackend)
+				assert.ErrorIs(t, err, cause)
+			} else {
+				require.NoError(t, err)
+				assert.Equal(t, disagg.PathFallback, fb.Path)
+				assert.Equal(t, disagg.ReasonPrefillFailed, fb.Reason)
+				assert.Equal(t, "unified-fallback", fb.Decode)
+				assert.Empty(t, fb.Prefill)
+				assert.Equal(t, 1, dgLoads(r)["unified-fallback"])
+				h := http.Header{}
+				d.SetHeaders(h)
+				fb.SetHeaders(h)
+				assert.Empty(t, h.Get(disagg.HeaderPrefillBackend))
+				fb.Done(Outcome{})
+			}
+			d.Done(Outcome{}) // already released: no effect
+			_, err = d.PrefillFailed(ctx, cause)
+			assert.Error(t, err) // only once
+			for name, n := range dgLoads(r) {
+				assert.Zero(t, n, name)
+			}
+			st := r.DisaggStats()
+			assert.Equal(t, uint64(1), st.Requests.PrefillFailures)
+			for _, b := range st.Backends {
+				if b.Backend == d.Prefill {
+					assert.Less(t, b.SuccessRate, 1.0, "the failure counts against the prefill backend")
+				} else {
+					assert.Equal(t, 1.0, b.SuccessRate, b.Backend)
+				}
+			}
+		})
+	}
+}
+
+// Every slot taken is given back, whatever the mix of outcomes, while health flaps.
+func TestRouteDisaggLoadReturnsToZero(t *testing.T) {
+	ix := dgIndex(t)
+	r := dgRouter(t, ix, disagg.Config{})
+	ctx := context.Background()
+	prompts := make([][]uint32, 12)
+	for i := range prompts {
+		prompts[i] = dgTokens(100+i, 16*(5+i*9))
+		if i%3 == 0 {
+			dgHold(t, ix, "decode-1", prompts[i], len(prompts[i])/16, events.TierGPU)
+		}
+		if i%4 == 1 {
+			dgHold(t, ix, "prefill-2", prompts[i], len(prompts[i])/16, events.TierStorage)
+		}
+	}
+	stop := make(chan struct{})
+	var flapper sync.WaitGroup
+	flapper.Go(func() {
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				_ = r.SetHealthy("decode-2", true)
+				_ = r.SetHealthy("prefill-1", true)
+				return
+			default:
+			}
+			_ = r.SetHealthy("decode-2", i%2 == 0)
+			_ = r.SetHealthy("prefill-1", i%3 != 0)
+		}
+	})
+	var wg sync.WaitGroup
+	var routed, failed sync.Map
+	for g := range 16 {
+		wg.Go(func() {
+			rnd := rand.New(rand.NewPCG(uint64(g), 1))
+			for i := range 150 {
+				d, err := r.RouteDisagg(ctx, dgReq(prompts[rnd.IntN(len(prompts))]))
+				if err != nil {
+					failed.Store(fmt.Sprint(g, i), err)
+					continue
+				}
+				routed.Store(d.Path, true)
+				switch rnd.IntN(5) {
+				case 0: // the normal two-phase flow
+					d.PrefillDone(Outcome{})
+					d.Done(Outcome{})
+				case 1: // prefill fails: the fallback serves
+					if fb, err := d.PrefillFailed(ctx, errors.New("boom")); err == nil {
+						fb.Done(Outcome{})
+					}
+					d.Done(Outcome{})
+				case 2: // Done without PrefillDone, twice, from two goroutines
+					var both sync.WaitGroup
+					both.Go(func() { d.Done(Outcome{Err: errors.New("decode failed")}) })
+					both.Go(func() { d.Done(Outcome{}) })
+					both.Wait()
+				case 3: // phases reported concurrently
+					var both sync.WaitGroup
+					both.Go(func() { d.PrefillDone(Outcome{}) })
+					both.Go(func() { d.Done(Outcome{}) })
+					both.Wait()
+				default:
+					d.FirstToken()
+					d.Done(Outcome{})
+					d.PrefillDone(Outcome{})
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(stop)
+	flapper.Wait()
+	failed.Range(func(k, v any) bool {
+		t.Errorf("request %v: %v", k, v)
+		return true
+	})
+	for name, n := range dgLoads(r) {
+		assert.Zero(t, n, name)
+	}
+	for _, p := range []disagg.Path{disagg.PathFastDecode, disagg.PathPrefillThenDecode} {
+		_, ok := routed.Load(p)
+		assert.True(t, ok, "no request took %v", p)
+	}
+	st := r.DisaggStats()
+	assert.Equal(t, uint64(16*150), st.Requests.FastDecode+st.Requests.PrefillThenDecode+st.Requests.Fallback-st.Requests.Reasons.PrefillFailed)
+}
+
+func TestDisaggBackendsStayOffTheUnifiedRing(t *testing.T) {
+	r := dgRouter(t, nil, disagg.Config{}, func(c *Config) {
+		c.Backends = append(c.Backends, Backend{Name: "unified-2"})
+		c.Strategy = StrategyRoundRobin
+	})
+	ctx := context.Background()
+	for i := range 60 {
+		req := chatReq(fmt.Sprintf("system %d", i), "u")
+		if i%3 == 0 {
+			req = &prefixkey.Request{Model: "m"} // no prefix key: the strategy decides
+		}
+		d, err := r.Route(ctx, req)
+		require.NoError(t, err)
+		assert.Contains(t, []string{"unified-fallback", "unified-2"}, d.Backend)
+		d.Done(Outcome{})
+	}
+	// Membership changes go to the right ring.
+	require.NoError(t, r.RemoveBackend("decode-3"))
+	require.NoError(t, r.AddBackend(Backend{Name: "decode-4", Role: disagg.RoleDecode}))
+	assert.ErrorIs(t, r.AddBackend(Backend{Name: "decode-4", Role: disagg.RoleDecode}), ErrDuplicate)
+	assert.ErrorIs(t, r.SetHealthy("decode-3", false), ErrUnknownBackend)
+	require.NoError(t, r.SetHealthy("decode-4", false))
+	st := r.DisaggStats()
+	assert.Equal(t, 2, st.PrefillBackends)
+	assert.Equal(t, 3, st.DecodeBackends)
+	assert.Equal(t, 2, st.UnifiedBackends)
+	assert.Len(t, r.Stats().BackendDistribution, 2)
+
+	// A decode slot held across its backend's removal is released once, harmlessly.
+	d, err := r.RouteDisagg(ctx, dgReq(dgTokens(9, 100)))
+	require.NoError(t, err)
+	require.NoError(t, r.RemoveBackend(d.Decode))
+	d.Done(Outcome{})
+	for name, n := range dgLoads(r) {
+		assert.Zero(t, n, name)
+	}
+}
+
+func TestDisaggNeedsConfig(t *testing.T) {
+	_, err := New(Config{Backends: []Backend{{Name: "p", Role: disagg.RolePrefill}}})
+	assert.ErrorIs(t, err, ErrInvalidConfig)
+	_, err = New(Config{Backends: []Backend{{Name: "p", Role: disagg.Role(9)}}, Disagg: &disagg.Config{}})
+	assert.ErrorIs(t, err, ErrInvalidConfig)
+	_, err = New(Config{Disagg: &disagg.Config{MaxUncachedRatio: 2}})
+	assert.ErrorIs(t, err, ErrInvalidConfig)
+
+	// Without Config.Disagg, RouteDisagg is Route with a unified label.
+	r := newRouter(t, Config{Backends: backends(2)})
+	d, err := r.RouteDisagg(context.Background(), chatReq("s", "u"))
+	require.NoError(t, err)
+	assert.Equal(t, disagg.PathUnified, d.Path)
+	assert.Equal(t, disagg.ReasonDisabled, d.Reason)
+	require.NotNil(t, d.Unified)
+	assert.Equal(t, d.Unified.Backend, d.Decode)
+	inflight, _ := r.ring.InFlight(d.Decode)
+	assert.Equal(t, 1, inflight)
+	d.Done(Outcome{})
+	inflight, _ = r.ring.InFlight(d.Decode)
+	assert.Zero(t, inflight)
+	assert.Equal(t, DisaggStats{}, r.DisaggStats())
+	_, ok := r.DisaggConfig()
+	assert.False(t, ok)
+}
+
+func TestDisaggStatsRedactAndReset(t *testing.T) {
+	own := disagg.ExternalStorage{Endpoint: "http://own:9000", Namespace: "kv", Credentials: "cred-own-33"}
+	r := dgRouter(t, nil, disagg.Config{}, func(c *Config) {
+		c.Backends[0].Storage = &own
+	})
+	own.Endpoint = "http://changed" // the Router keeps its own copy
+	d, err := r.RouteDisagg(context.Background(), dgReq(dgTokens(6, 5000)))
+	require.NoError(t, err)
+	d.Done(Outcome{})
+	b, err := json.Marshal(r.DisaggStats())
+	require.NoError(t, err)
+	out := string(b)
+	for _, secret := range []string{"cred-own-33", dgStore.AccessKey, dgStore.SecretKey} {
+		assert.NotContains(t, out, secret)
+	}
+	assert.Contains(t, out, `"endpoint":"http://own:9000"`)
+	assert.Contains(t, out, `"prefill_timeout":"1m0s"`)
+	assert.Contains(t, out, `"prefill_then_decode":1`)
+	assert.True(t, strings.Contains(out, disagg.Redacted))
+	cfg, ok := r.DisaggConfig()
+	assert.True(t, ok)
+	assert.Equal(t, disagg.DefaultKVTransferTimeout, cfg.KVTransferTimeout)
+
+	r.ResetStats()
+	assert.Zero(t, r.DisaggStats().Requests.Total)
+}
+
+func TestDisaggMetrics(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer func() { _ = mp.Shutdown(context.Background()) }()
+	ix := dgIndex(t)
+	r := dgRouter(t, ix, disagg.Config{}, func(c *Config) { c.MeterProvider = mp })
+	ctx := context.Background()
+	held, err := r.RouteDisagg(ctx, dgReq(dgTokens(7, 3000)))
+	require.NoError(t, err)
+	short, err := r.RouteDisagg(ctx, dgReq(dgTokens(8, 50)))
+	require.NoError(t, err)
+	short.Done(Outcome{})
+	fb, err := held.PrefillFailed(ctx, errors.New("x"))
+	require.NoError(t, err)
+	defer fb.Done(Outcome{})
+	pinned, err := r.RouteDisagg(ctx, dgReq(dgTokens(10, 3000)))
+	require.NoError(t, err)
+	defer pinned.Done(Outcome{})
+
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(ctx, &rm))
+	got := map[string]metricdata.Aggregation{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			got[m.Name] = m.Data
+		}
+	}
+	byPath := map[string]int64{}
+	for _, dp := range got[MetricDisaggRequests].(metricdata.Sum[int64]).DataPoints {
+		p, _ := dp.Attributes.Value("path")
+		why, _ := dp.Attributes.Value("reason")
+		byPath[p.AsString()+"/"+why.AsString()] += dp.Value
+	}
+	assert.Equal(t, map[string]int64{"prefill_then_decode/cache_miss": 2, "fast_decode/short_prompt": 1, "fallback/prefill_failed": 1}, byPath)
+	fails := got[MetricDisaggPrefillFailures].(metricdata.Sum[int64]).DataPoints
+	require.Len(t, fails, 1)
+	assert.Equal(t, int64(1), fails[0].Value)
+	inflight := map[string]int64{}
+	for _, dp := range got[MetricDisaggInFlight].(metricdata.Gauge[int64]).DataPoints {
+		b, _ := dp.Attributes.Value("backend")
+		ph, _ := dp.Attributes.Value("phase")
+		inflight[ph.AsString()+"/"+b.AsString()] = dp.Value
+	}
+	assert.Len(t, inflight, 5)
+	assert.Equal(t, int64(1), inflight["prefill/"+pinned.Prefill])
+	assert.Equal(t, int64(1), inflight["decode/"+pinned.Decode])
+	require.NoError(t, r.Close())
+	require.NoError(t, r.Close())
+}
