@@ -12,12 +12,18 @@ type Tier uint8
 const (
 	TierGPU Tier = iota // GPU KV cache (event medium "GPU")
 	TierCPU             // CPU offload tier (event medium "CPU")
+	// TierStorage is external storage (event medium "STORAGE"): only BlockStored events of a
+	// prefill engine's writes use it; the block cache itself holds GPU and CPU blocks.
+	TierStorage
 )
 
-// String returns the vLLM medium: "GPU" or "CPU".
+// String returns the event medium: "GPU", "CPU" or "STORAGE".
 func (t Tier) String() string {
-	if t == TierCPU {
+	switch t {
+	case TierCPU:
 		return "CPU"
+	case TierStorage:
+		return "STORAGE"
 	}
 	return "GPU"
 }
@@ -31,6 +37,7 @@ type block struct {
 	refs      int // running requests holding it (GPU only)
 	tier      Tier
 	detached  bool // un-cached by Reset while held: freed to the empty pool on release
+	remote    bool // loaded from external storage and not yet part of an admitted request's hit
 	inList    bool
 	prev      *block
 	next      *block
@@ -400,3 +407,89 @@ func (c *blockCache) lookup(tokens []uint32) (gpu, cached int) {
 
 // held returns the GPU blocks allocated to running requests.
 func (c *blockCache) held() int { return c.capacity - c.empty - c.free.n }
+
+// insertLoaded places blocks from to to−1 of tokens, read from external storage, on the GPU as
+// cached, evictable blocks, and records their BlockStored (GPU) operations. The blocks before
+// from must be cached (GPU or CPU tier), else nothing is placed: the loaded run would not
+// continue a prefix. Blocks already cached are left as they are; placement takes empty blocks,
+// then evicts the least recently used evictable ones, but never this prompt's own blocks, and
+// stops when no block is free. Placed blocks are marked remote until an admission counts them.
+// It returns the number of blocks placed.
+func (c *blockCache) insertLoaded(tokens []uint32, from, to int) int {
+	if from >= to || to*c.bs > len(tokens) {
+		return 0
+	}
+	hashes := c.hashes(make([]uint64, 0, to), tokens[:to*c.bs])
+	var pinned []*block // this prompt's GPU blocks, held while placing so that nothing evicts them
+	pin := func(b *block) {
+		if b.refs == 0 {
+			c.free.remove(b)
+		}
+		b.refs++
+		pinned = append(pinned, b)
+	}
+	unpin := func() {
+		for i := len(pinned) - 1; i >= 0; i-- { // tail first, as release
+			b := pinned[i]
+			b.refs--
+			if b.refs == 0 {
+				c.free.pushBack(b)
+			}
+		}
+	}
+	for _, h := range hashes[:from] {
+		if b := c.gpu[h]; b != nil {
+			pin(b)
+		} else if c.cpu[h] == nil {
+			unpin()
+			return 0
+		}
+	}
+	placed, runStart := 0, -1
+	flush := func(end int) {
+		if runStart < 0 {
+			return
+		}
+		o := op{kind: opStored, tier: TierGPU, tokens: tokens[runStart*c.bs : end*c.bs]}
+		o.hashes = append([]uint64(nil), hashes[runStart:end]...)
+		if runStart > 0 {
+			o.parent, o.hasParent = hashes[runStart-1], true
+		}
+		c.ops = append(c.ops, o)
+		c.storedBlocks += uint64(end - runStart)
+		runStart = -1
+	}
+	end := from
+	for i := from; i < to; i++ {
+		h := hashes[i]
+		if b := c.gpu[h]; b != nil {
+			flush(i)
+			pin(b)
+			end = i + 1
+			continue
+		}
+		if c.cpu[h] != nil { // admission reloads it from the CPU tier
+			flush(i)
+			end = i + 1
+			continue
+		}
+		if c.empty == 0 && c.free.n == 0 {
+			break
+		}
+		c.allocSlot()
+		b := &block{hash: h, tokens: append([]uint32(nil), tokens[i*c.bs:(i+1)*c.bs]...), tier: TierGPU, remote: true}
+		if i > 0 {
+			b.parent, b.hasParent = hashes[i-1], true
+		}
+		c.gpu[h] = b
+		pin(b)
+		placed++
+		if runStart < 0 {
+			runStart = i
+		}
+		end = i + 1
+	}
+	flush(end)
+	unpin()
+	return placed
+}

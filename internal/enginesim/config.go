@@ -71,6 +71,14 @@ type Config struct {
 	HashSeed uint64
 	// Events configures the KV-event publishers.
 	Events EventsConfig
+	// Role is the engine's part in prefill/decode disaggregation (see the package doc's "Prefill
+	// and decode disaggregation"); the zero value is RoleUnified.
+	Role Role
+	// Storage is the external KV storage (an S3 bucket) that a prefill engine writes a prompt's
+	// blocks to and a decode engine reads them from; nil means none: kv_transfer_params are then
+	// ignored. It is shared by the engines of a P/D fleet, which must use the same Model and
+	// BlockSize to find each other's blocks.
+	Storage *StorageConfig
 	// Now is the clock for timestamps (created, event batches) and queue waits; nil means
 	// time.Now.
 	Now func() time.Time
@@ -224,6 +232,15 @@ func (cfg Config) withDefaults() (Config, error) {
 		return bad("Events.Hashes %d unknown", cfg.Events.Hashes)
 	case strings.ContainsRune(cfg.Model, 0):
 		return bad("model name holds a NUL byte")
+	case cfg.Role > RoleDecode:
+		return bad("Role %d unknown", cfg.Role)
+	}
+	if cfg.Storage != nil {
+		sc, err := cfg.Storage.withDefaults()
+		if err != nil {
+			return bad("Storage: %v", err)
+		}
+		cfg.Storage = &sc
 	}
 	if cfg.Events.ZMQEndpoint != "" {
 		if _, _, err := splitTCP(cfg.Events.ZMQEndpoint); err != nil {

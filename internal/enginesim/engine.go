@@ -28,6 +28,11 @@ var (
 	ErrTooLong = errors.New("enginesim: request too long")
 	// ErrStarted is returned by Start after a successful Start.
 	ErrStarted = errors.New("enginesim: already started")
+	// ErrStorageUnavailable is returned when a prefill could not write its blocks to external
+	// storage (HTTP 503, so that a proxy falls back to a unified or decode-only path).
+	ErrStorageUnavailable = errors.New("enginesim: external KV storage unavailable")
+	// ErrBadTransferParams is returned for kv_transfer_params the engine cannot honour (HTTP 400).
+	ErrBadTransferParams = errors.New("enginesim: bad kv_transfer_params")
 )
 
 // Input is one request as the engine processes it.
@@ -39,6 +44,9 @@ type Input struct {
 	// PrefixKey is kvroute's prefix key of the request (prefixkey.PrefixKey(req, 1024)), used by
 	// the SSE events; the zero Key means none.
 	PrefixKey prefixkey.Key
+	// KVTransfer is the request's kv_transfer_params (prefill/decode disaggregation); nil means
+	// none. See the package doc.
+	KVTransfer *KVTransferParams
 }
 
 // InputOf returns the Input for a parsed request: PromptTokens(r), the completion length (max
@@ -59,16 +67,25 @@ func (e *Engine) InputOf(r *prefixkey.Request) Input {
 type Result struct {
 	PromptTokens int
 	// CachedTokens is the prefix-cache hit (usage.prompt_tokens_details.cached_tokens): GPU hits
-	// plus blocks loaded from the CPU tier.
+	// plus blocks loaded from the CPU tier and from external storage.
 	CachedTokens int
 	// CPUCachedTokens is the part of CachedTokens loaded from the CPU tier.
-	CPUCachedTokens  int
+	CPUCachedTokens int
+	// StorageTokens is the part of CachedTokens loaded from external storage for this request.
+	StorageTokens    int
 	CompletionTokens int
 	// Queued is the wall-clock time (by Config.Now) spent waiting for admission.
 	Queued time.Duration
 	// Prefill and Decode are the latency model's virtual durations.
 	Prefill time.Duration
 	Decode  time.Duration
+	// StorageLoad is the virtual transfer time of the blocks read from external storage (slept
+	// before the prefill); StorageStore that of the blocks a prefill wrote (slept after it).
+	StorageLoad  time.Duration
+	StorageStore time.Duration
+	// KVTransfer is set when this engine ran the prefill of a do_remote_decode request and wrote
+	// its blocks: the kv_transfer_params of the response.
+	KVTransfer *KVTransferParams
 }
 
 // Stats are an engine's counters and gauges.
@@ -78,7 +95,8 @@ type Stats struct {
 	// prefix_cache_queries: prompt tokens found on the GPU, and prompt tokens looked up.
 	PrefixCacheHits    uint64
 	PrefixCacheQueries uint64
-	// ExternalCacheHits counts prompt tokens loaded from the CPU tier.
+	// ExternalCacheHits counts prompt tokens loaded from the CPU tier or from external storage
+	// (vLLM's KV-connector hits).
 	ExternalCacheHits uint64
 	Running           int
 	Waiting           int
@@ -101,6 +119,32 @@ type Stats struct {
 	ZMQSubscribers  int
 	SSESubscribers  int
 	SSEEvents       uint64
+
+	// External KV storage (Config.Storage). Bytes and times are the simulated ones
+	// (BytesPerToken, BandwidthBytesPerSec), not those of the small objects really moved.
+	//
+	// StorageBlocksWritten and StorageBytesWritten count blocks a prefill wrote;
+	// StorageBlocksSkipped those it found already stored (not rewritten). StorageBlocksRead and
+	// StorageBytesRead count blocks read (with kv_transfer_params or on the storage path).
+	// StorageWriteTime and StorageReadTime sum the virtual transfer times. StorageMissingBlocks
+	// counts blocks listed in kv_transfer_params that could not be loaded (absent, unreadable, not
+	// matching the prompt, no storage configured) and were computed locally. StorageErrors counts
+	// failed storage operations (unreachable, an error answer, a corrupt object, or skipped in
+	// the cooldown after storage was found unreachable): at most one per request.
+	// StorageLookups counts requests that queried storage for blocks. PrefillHandoffs counts prefills answered with
+	// kv_transfer_params; DecodeHandoffs requests served with do_remote_prefill.
+	StorageBlocksWritten uint64
+	StorageBlocksSkipped uint64
+	StorageBytesWritten  uint64
+	StorageBlocksRead    uint64
+	StorageBytesRead     uint64
+	StorageWriteTime     time.Duration
+	StorageReadTime      time.Duration
+	StorageMissingBlocks uint64
+	StorageErrors        uint64
+	StorageLookups       uint64
+	PrefillHandoffs      uint64
+	DecodeHandoffs       uint64
 }
 
 // waiter is a request in the queue.
@@ -122,6 +166,8 @@ type job struct {
 	res   Result
 	debt  time.Duration // real sleep owed but not yet slept (sub-millisecond token times)
 	done  bool
+	// handoff: a do_remote_decode prefill that writes its blocks to storage after the prefill.
+	handoff bool
 }
 
 // Engine is a simulated vLLM engine: a paged KV cache with prefix caching, a scheduler with a
@@ -131,10 +177,11 @@ type job struct {
 // All methods are safe for concurrent use. New starts nothing; Start starts the event sockets'
 // goroutines and Serve an HTTP server; Close stops them all and is idempotent.
 type Engine struct {
-	cfg Config
-	log *slog.Logger
-	enc batchEncoder
-	bus *bus // nil without ZMQ endpoint and replay
+	cfg   Config
+	log   *slog.Logger
+	enc   batchEncoder
+	bus   *bus     // nil without ZMQ endpoint and replay
+	store *kvStore // nil without Config.Storage
 
 	mu         sync.Mutex
 	cache      *blockCache
@@ -156,6 +203,7 @@ type Engine struct {
 	tr         *transport
 	handlers   sync.WaitGroup // in-flight HTTP handlers and flush callbacks
 	stats      Stats
+	written    map[uint64]struct{} // storage keys this process wrote or found stored (and announced)
 
 	srvMu  sync.Mutex
 	srv    *http.Server
@@ -184,6 +232,13 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.Events.SSE {
 		e.sse = newSSETracker(cfg.BlockSize, cfg.Events.SSEBuffer)
 	}
+	if cfg.Storage != nil {
+		e.store, err = newKVStore(*cfg.Storage, cfg.Model)
+		if err != nil {
+			return nil, fmt.Errorf("%w: Storage: %w", ErrInvalidConfig, err)
+		}
+		e.written = make(map[uint64]struct{})
+	}
 	e.cache = newBlockCache(cfg.BlockSize, cfg.CapacityBlocks, cfg.CPUCapacityBlocks, e.newSeed())
 	e.life, e.endLife = context.WithCancel(context.Background())
 	e.stats.Name = cfg.Name
@@ -199,8 +254,15 @@ func (e *Engine) newSeed() uint64 {
 	return binary.LittleEndian.Uint64(b[:]) | 1
 }
 
-// Config returns the engine's configuration with defaults applied.
-func (e *Engine) Config() Config { return e.cfg }
+// Config returns the engine's configuration with defaults applied (Storage is a copy).
+func (e *Engine) Config() Config {
+	c := e.cfg
+	if c.Storage != nil {
+		sc := *c.Storage
+		c.Storage = &sc
+	}
+	return c
+}
 
 // Name returns Config.Name.
 func (e *Engine) Name() string { return e.cfg.Name }
@@ -307,6 +369,9 @@ func (e *Engine) Close() error {
 	}
 	e.stopHTTP()
 	e.handlers.Wait()
+	if e.store != nil {
+		e.store.close()
+	}
 	return nil
 }
 
@@ -404,6 +469,9 @@ func (e *Engine) Restart(ctx context.Context) error {
 	}
 	e.cache = newBlockCache(e.cfg.BlockSize, e.cfg.CapacityBlocks, e.cfg.CPUCapacityBlocks, e.newSeed())
 	e.life, e.endLife = context.WithCancel(context.Background())
+	if e.written != nil {
+		clear(e.written) // a new process knows nothing of what is stored: it asks storage again
+	}
 	if e.bus != nil {
 		e.bus.restart()
 	}
@@ -499,17 +567,23 @@ func (e *Engine) Stats() Stats {
 	return s
 }
 
-// Generate runs one request through the engine — admission (queueing at MaxConcurrent or when
-// the cache is full), prefix-cache lookup and allocation, prefill and decode sleeps scaled by
-// SpeedFactor, release — as the HTTP handlers do, and returns what happened. ctx cancels the
-// wait and the sleeps. Errors: ErrDown, ErrOverloaded, ErrTooLong, ErrClosed, or ctx's error.
+// Generate runs one request through the engine — reads from external storage (kv_transfer_params
+// or the storage path), admission (queueing at MaxConcurrent or when the cache is full),
+// prefix-cache lookup and allocation, transfer and prefill sleeps, the writes of a
+// do_remote_decode prefill, decode sleeps, all scaled by SpeedFactor, release — as the HTTP
+// handlers do, and returns what happened. ctx cancels the storage requests, the wait and the
+// sleeps. Errors: ErrDown, ErrOverloaded, ErrTooLong, ErrClosed, ErrStorageUnavailable, or ctx's
+// error.
 func (e *Engine) Generate(ctx context.Context, in Input) (Result, error) {
-	j, err := e.admit(ctx, in)
+	j, err := e.begin(ctx, in)
 	if err != nil {
 		return Result{}, err
 	}
 	defer j.finish()
-	if err := j.sleep(ctx, j.res.Prefill, true); err != nil {
+	if err := j.sleep(ctx, j.res.StorageLoad+j.res.Prefill, true); err != nil {
+		return j.res, err
+	}
+	if err := j.handOff(ctx, in.Tokens); err != nil {
 		return j.res, err
 	}
 	if err := j.sleep(ctx, j.res.Decode, false); err != nil {
@@ -518,8 +592,9 @@ func (e *Engine) Generate(ctx context.Context, in Input) (Result, error) {
 	return j.res, j.flushDebt(ctx)
 }
 
-// admit admits the request now or queues it until it fits.
-func (e *Engine) admit(ctx context.Context, in Input) (*job, error) {
+// admit admits the request now or queues it until it fits. The blocks of ld (read from storage)
+// are placed in the cache first.
+func (e *Engine) admit(ctx context.Context, in Input, ld *storageLoad) (*job, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -545,12 +620,19 @@ func (e *Engine) admit(ctx context.Context, in Input) (*job, error) {
 		e.mu.Unlock()
 		return nil, fmt.Errorf("%w: %d blocks needed, the KV cache holds %d", ErrTooLong, p.total, e.cache.capacity)
 	}
+	placed := ld != nil && ld.n > 0 && e.cache.insertLoaded(in.Tokens, ld.from, ld.from+ld.n) > 0
+	if placed {
+		e.cache.classify(&p)
+	}
 	now := e.cfg.Now()
 	if len(e.queue) == 0 && e.running < e.cfg.MaxConcurrent && e.cache.fits(&p) {
 		j := e.startLocked(&p, in, 0)
 		e.stepLocked()
 		e.mu.Unlock()
 		return j, nil
+	}
+	if placed {
+		e.stepLocked() // the loaded blocks are cached whether the request waits or not
 	}
 	if e.cfg.MaxQueue < 0 || (e.cfg.MaxQueue > 0 && len(e.queue) >= e.cfg.MaxQueue) {
 		e.stats.Rejected++
@@ -594,9 +676,20 @@ func (e *Engine) startLocked(p *plan, in Input, queued time.Duration) *job {
 	e.running++
 	n := len(in.Tokens)
 	bs := e.cfg.BlockSize
+	// Blocks placed from storage count as external hits (vLLM's connector hits), not local ones.
+	remote, remoteGPU := 0, 0
+	for i, b := range l.blocks[:p.hit] {
+		if b.remote {
+			b.remote = false
+			remote++
+			if i < p.gpuHit {
+				remoteGPU++
+			}
+		}
+	}
 	e.stats.PrefixCacheQueries += uint64(n)
-	e.stats.PrefixCacheHits += uint64(p.gpuHit * bs)
-	e.stats.ExternalCacheHits += uint64((p.hit - p.gpuHit) * bs)
+	e.stats.PrefixCacheHits += uint64((p.gpuHit - remoteGPU) * bs)
+	e.stats.ExternalCacheHits += uint64((p.hit - p.gpuHit + remoteGPU) * bs)
 	e.stats.PromptTokens += uint64(n)
 	if e.sse != nil && !in.PrefixKey.IsZero() {
 		e.sse.setChain(in.PrefixKey.String(), p.hashes)
@@ -605,7 +698,8 @@ func (e *Engine) startLocked(p *plan, in Input, queued time.Duration) *job {
 	res := Result{
 		PromptTokens:     n,
 		CachedTokens:     cached,
-		CPUCachedTokens:  (p.hit - p.gpuHit) * bs,
+		CPUCachedTokens:  (p.hit - p.gpuHit - (remote - remoteGPU)) * bs,
+		StorageTokens:    remote * bs,
 		CompletionTokens: in.OutputTokens,
 		Queued:           queued,
 		Prefill:          e.cfg.Latency.Prefill(n, cached, p.cpuLoaded*bs),

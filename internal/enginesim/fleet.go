@@ -24,6 +24,11 @@ type FleetConfig struct {
 	SSE bool
 	// Host is the loopback address the engines listen on; default "127.0.0.1".
 	Host string
+	// Roles, when set, gives engine i the role Roles[i] (engines beyond its length keep
+	// Base.Role): a prefill/decode fleet, e.g. {RolePrefill, RoleDecode, RoleDecode}. The engines
+	// share Base.Storage; its block keys do not depend on the engines' hash seeds, so the fleet
+	// needs no common HashSeed.
+	Roles []Role
 }
 
 // EngineInfo says where one engine of a fleet is reachable.
@@ -43,6 +48,8 @@ type EngineInfo struct {
 	BlockSize         int
 	CapacityBlocks    int
 	CPUCapacityBlocks int
+	// Role is the engine's disaggregation role.
+	Role Role
 }
 
 // Fleet is a set of engines serving on loopback listeners. Its methods are safe for concurrent
@@ -57,6 +64,9 @@ type Fleet struct {
 func StartFleet(ctx context.Context, cfg FleetConfig) (*Fleet, error) {
 	if cfg.N < 1 {
 		return nil, fmt.Errorf("%w: FleetConfig.N %d: want ≥ 1", ErrInvalidConfig, cfg.N)
+	}
+	if len(cfg.Roles) > cfg.N {
+		return nil, fmt.Errorf("%w: FleetConfig.Roles has %d entries for %d engines", ErrInvalidConfig, len(cfg.Roles), cfg.N)
 	}
 	host := cfg.Host
 	if host == "" {
@@ -75,6 +85,9 @@ func StartFleet(ctx context.Context, cfg FleetConfig) (*Fleet, error) {
 		}
 		if c.HashSeed != 0 {
 			c.HashSeed += uint64(i)
+		}
+		if i < len(cfg.Roles) {
+			c.Role = cfg.Roles[i]
 		}
 		if cfg.ZMQ {
 			c.Events.Topic = "kv@" + c.Name + "@" + c.Model
@@ -104,7 +117,7 @@ func StartFleet(ctx context.Context, cfg FleetConfig) (*Fleet, error) {
 		}
 		in := EngineInfo{Name: e.Name(), Model: e.Model(), URL: e.URL(), ZMQEndpoint: e.ZMQEndpoint(),
 			ReplayEndpoint: e.ReplayEndpoint(), BlockSize: e.cfg.BlockSize, CapacityBlocks: e.cfg.CapacityBlocks,
-			CPUCapacityBlocks: e.cfg.CPUCapacityBlocks}
+			CPUCapacityBlocks: e.cfg.CPUCapacityBlocks, Role: e.cfg.Role}
 		if cfg.ZMQ {
 			in.Topic = c.Events.Topic
 		}

@@ -1,6 +1,7 @@
 package enginesim
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/binary"
@@ -27,6 +28,10 @@ const (
 	HeaderPrefill      = "X-Enginesim-Prefill-Us"    // Result.Prefill in µs (virtual)
 	HeaderDecode       = "X-Enginesim-Decode-Us"     // Result.Decode in µs (virtual)
 	HeaderQueued       = "X-Enginesim-Queued-Us"     // Result.Queued in µs (wall clock)
+	// HeaderStorageTokens is Result.StorageTokens, HeaderStorageLoad Result.StorageLoad in µs
+	// (virtual); both sent only by an engine with Config.Storage.
+	HeaderStorageTokens = "X-Enginesim-Storage-Tokens"
+	HeaderStorageLoad   = "X-Enginesim-Storage-Load-Us"
 )
 
 // Handler returns the engine's HTTP API:
@@ -114,6 +119,11 @@ func readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool) {
 	return body, true
 }
 
+// transferField is the request's kv_transfer_params.
+type transferField struct {
+	KVTransferParams *KVTransferParams `json:"kv_transfer_params"`
+}
+
 // streamOptions are the fields prefixkey does not parse.
 type streamOptions struct {
 	StreamOptions *struct {
@@ -168,9 +178,22 @@ func (e *Engine) serveGenerate(w http.ResponseWriter, r *http.Request, f prefixk
 		_ = json.Unmarshal(body, &so)
 		meta.usage = so.StreamOptions != nil && so.StreamOptions.IncludeUsage
 	}
+	if bytes.Contains(body, []byte(`"kv_transfer_params"`)) {
+		var tf transferField
+		if err := json.Unmarshal(body, &tf); err != nil {
+			fail(w, http.StatusBadRequest, "BadRequestError", "kv_transfer_params: "+err.Error())
+			return
+		}
+		in.KVTransfer = tf.KVTransferParams
+		if in.KVTransfer != nil && in.KVTransfer.DoRemoteDecode && req.Params.Stream {
+			fail(w, http.StatusBadRequest, "BadRequestError", ErrBadTransferParams.Error()+
+				": do_remote_decode needs \"stream\": false (the response carries the decode's kv_transfer_params)")
+			return
+		}
+	}
 
 	ctx := r.Context()
-	j, err := e.admit(ctx, in)
+	j, err := e.begin(ctx, in)
 	if err != nil {
 		switch {
 		case errors.Is(err, ErrTooLong):
@@ -189,12 +212,24 @@ func (e *Engine) serveGenerate(w http.ResponseWriter, r *http.Request, f prefixk
 	h.Set(HeaderPrefill, strconv.FormatInt(j.res.Prefill.Microseconds(), 10))
 	h.Set(HeaderDecode, strconv.FormatInt(j.res.Decode.Microseconds(), 10))
 	h.Set(HeaderQueued, strconv.FormatInt(j.res.Queued.Microseconds(), 10))
+	if e.store != nil {
+		h.Set(HeaderStorageTokens, strconv.Itoa(j.res.StorageTokens))
+		h.Set(HeaderStorageLoad, strconv.FormatInt(j.res.StorageLoad.Microseconds(), 10))
+	}
 
 	if req.Params.Stream {
 		e.stream(w, r, j, meta, in)
 		return
 	}
-	if err := j.sleep(ctx, j.res.Prefill, true); err != nil {
+	if err := j.sleep(ctx, j.res.StorageLoad+j.res.Prefill, true); err != nil {
+		e.sleepFailed(w, err, fail)
+		return
+	}
+	if err := j.handOff(ctx, in.Tokens); err != nil {
+		if errors.Is(err, ErrStorageUnavailable) {
+			fail(w, http.StatusServiceUnavailable, "ServiceUnavailableError", err.Error())
+			return
+		}
 		e.sleepFailed(w, err, fail)
 		return
 	}
@@ -345,13 +380,14 @@ type chatChoice struct {
 }
 
 type chatBody struct {
-	ID             string       `json:"id"`
-	Object         string       `json:"object"`
-	Created        int64        `json:"created"`
-	Model          string       `json:"model"`
-	Choices        []chatChoice `json:"choices"`
-	Usage          *usageBody   `json:"usage"`
-	PromptLogprobs any          `json:"prompt_logprobs"`
+	ID               string            `json:"id"`
+	Object           string            `json:"object"`
+	Created          int64             `json:"created"`
+	Model            string            `json:"model"`
+	Choices          []chatChoice      `json:"choices"`
+	Usage            *usageBody        `json:"usage"`
+	PromptLogprobs   any               `json:"prompt_logprobs"`
+	KVTransferParams *KVTransferParams `json:"kv_transfer_params,omitempty"`
 }
 
 type textChoice struct {
@@ -364,12 +400,13 @@ type textChoice struct {
 }
 
 type textBody struct {
-	ID      string       `json:"id"`
-	Object  string       `json:"object"`
-	Created int64        `json:"created"`
-	Model   string       `json:"model"`
-	Choices []textChoice `json:"choices"`
-	Usage   *usageBody   `json:"usage,omitempty"`
+	ID               string            `json:"id"`
+	Object           string            `json:"object"`
+	Created          int64             `json:"created"`
+	Model            string            `json:"model"`
+	Choices          []textChoice      `json:"choices"`
+	Usage            *usageBody        `json:"usage,omitempty"`
+	KVTransferParams *KVTransferParams `json:"kv_transfer_params,omitempty"`
 }
 
 type anthropicBlock struct {
@@ -385,14 +422,15 @@ type anthropicUsage struct {
 }
 
 type anthropicBody struct {
-	ID           string           `json:"id"`
-	Type         string           `json:"type"`
-	Role         string           `json:"role"`
-	Model        string           `json:"model"`
-	Content      []anthropicBlock `json:"content"`
-	StopReason   *string          `json:"stop_reason"`
-	StopSequence *string          `json:"stop_sequence"`
-	Usage        anthropicUsage   `json:"usage"`
+	ID               string            `json:"id"`
+	Type             string            `json:"type"`
+	Role             string            `json:"role"`
+	Model            string            `json:"model"`
+	Content          []anthropicBlock  `json:"content"`
+	StopReason       *string           `json:"stop_reason"`
+	StopSequence     *string           `json:"stop_sequence"`
+	Usage            anthropicUsage    `json:"usage"`
+	KVTransferParams *KVTransferParams `json:"kv_transfer_params,omitempty"`
 }
 
 // anthropicUsageOf follows Anthropic's accounting: input_tokens excludes the tokens read from the
@@ -405,7 +443,8 @@ func anthropicUsageOf(res Result, out int) anthropicUsage {
 func (e *Engine) body(m genMeta, res Result, k int) any {
 	switch m.format {
 	case prefixkey.FormatOpenAICompletion:
-		b := textBody{ID: m.id, Object: "text_completion", Created: m.created, Model: m.model, Usage: usageOf(res)}
+		b := textBody{ID: m.id, Object: "text_completion", Created: m.created, Model: m.model, Usage: usageOf(res),
+			KVTransferParams: res.KVTransfer}
 		fr := m.finishReason()
 		for c := range m.n {
 			b.Choices = append(b.Choices, textChoice{Index: c, Text: text(m.seed, c, k), FinishReason: &fr})
@@ -415,9 +454,10 @@ func (e *Engine) body(m genMeta, res Result, k int) any {
 		sr := m.anthropicStop()
 		return anthropicBody{ID: m.id, Type: "message", Role: "assistant", Model: m.model,
 			Content: []anthropicBlock{{Type: "text", Text: text(m.seed, 0, k)}}, StopReason: &sr,
-			Usage: anthropicUsageOf(res, k)}
+			Usage: anthropicUsageOf(res, k), KVTransferParams: res.KVTransfer}
 	default:
-		b := chatBody{ID: m.id, Object: "chat.completion", Created: m.created, Model: m.model, Usage: usageOf(res)}
+		b := chatBody{ID: m.id, Object: "chat.completion", Created: m.created, Model: m.model, Usage: usageOf(res),
+			KVTransferParams: res.KVTransfer}
 		for c := range m.n {
 			b.Choices = append(b.Choices, chatChoice{Index: c, FinishReason: m.finishReason(),
 				Message: chatMessage{Role: "assistant", Content: text(m.seed, c, k), ToolCalls: []any{}}})
@@ -522,7 +562,7 @@ func (e *Engine) stream(w http.ResponseWriter, r *http.Request, j *job, m genMet
 		s.event("message_start", map[string]any{"type": "message_start", "message": anthropicBody{
 			ID: m.id, Type: "message", Role: "assistant", Model: m.model, Content: []anthropicBlock{},
 			Usage: anthropicUsageOf(j.res, 1)}})
-		if s.flush() != nil || j.sleep(ctx, j.res.Prefill, true) != nil || j.flushDebt(ctx) != nil {
+		if s.flush() != nil || j.sleep(ctx, j.res.StorageLoad+j.res.Prefill, true) != nil || j.flushDebt(ctx) != nil {
 			return
 		}
 		s.event("content_block_start", map[string]any{"type": "content_block_start", "index": 0,
@@ -542,7 +582,7 @@ func (e *Engine) stream(w http.ResponseWriter, r *http.Request, j *job, m genMet
 		_ = s.flush()
 		return
 	}
-	if j.sleep(ctx, j.res.Prefill, true) != nil || j.flushDebt(ctx) != nil {
+	if j.sleep(ctx, j.res.StorageLoad+j.res.Prefill, true) != nil || j.flushDebt(ctx) != nil {
 		return
 	}
 	fr := m.finishReason()
@@ -693,10 +733,22 @@ func (e *Engine) handleMetrics(w http.ResponseWriter, _ *http.Request) {
 	metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", s.Usage)
 	metric("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.", float64(s.PrefixCacheQueries))
 	metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", float64(s.PrefixCacheHits))
-	metric("vllm:external_prefix_cache_hits_total", "counter", "External prefix cache hits from KV connector (CPU tier), in tokens.", float64(s.ExternalCacheHits))
+	metric("vllm:external_prefix_cache_hits_total", "counter", "External prefix cache hits from KV connector (CPU tier and external storage), in tokens.", float64(s.ExternalCacheHits))
 	metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", float64(s.PromptTokens))
 	metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", float64(s.OutputTokens))
 	metric("vllm:request_success_total", "counter", "Count of successfully processed requests.", float64(s.Requests))
+	metric("vllm:kv_storage_blocks_written_total", "counter", "KV blocks written to external storage by prefills.", float64(s.StorageBlocksWritten))
+	metric("vllm:kv_storage_blocks_skipped_total", "counter", "KV blocks a prefill found already in external storage (not rewritten).", float64(s.StorageBlocksSkipped))
+	metric("vllm:kv_storage_bytes_written_total", "counter", "Simulated bytes of KV written to external storage.", float64(s.StorageBytesWritten))
+	metric("vllm:kv_storage_blocks_read_total", "counter", "KV blocks loaded from external storage.", float64(s.StorageBlocksRead))
+	metric("vllm:kv_storage_bytes_read_total", "counter", "Simulated bytes of KV loaded from external storage.", float64(s.StorageBytesRead))
+	metric("vllm:kv_storage_write_seconds_total", "counter", "Simulated transfer time of KV writes to external storage.", s.StorageWriteTime.Seconds())
+	metric("vllm:kv_storage_read_seconds_total", "counter", "Simulated transfer time of KV loads from external storage.", s.StorageReadTime.Seconds())
+	metric("vllm:kv_storage_missing_blocks_total", "counter", "KV blocks listed in kv_transfer_params that could not be loaded and were computed locally.", float64(s.StorageMissingBlocks))
+	metric("vllm:kv_storage_errors_total", "counter", "Failed external storage operations.", float64(s.StorageErrors))
+	metric("vllm:kv_storage_lookups_total", "counter", "Requests that queried external storage for KV blocks.", float64(s.StorageLookups))
+	metric("vllm:kv_transfer_prefill_handoffs_total", "counter", "Prefills answered with kv_transfer_params for a remote decode.", float64(s.PrefillHandoffs))
+	metric("vllm:kv_transfer_decode_handoffs_total", "counter", "Requests served with do_remote_prefill.", float64(s.DecodeHandoffs))
 	w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
 	_, _ = io.WriteString(w, b.String())
 }
