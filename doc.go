@@ -20,8 +20,12 @@
 // Config.KV names a kvindex.KvCacheIndex: the request's block keys (from its tokens, or a
 // prefixkey.Tokenizer) are looked up among the healthy backends, scored with load and health, and
 // the best backend under its CHWBL bound wins when the best overlap reaches
-// min_overlap_threshold (Decision.Reason kv_aware); below it the ring decides. Every decision
-// holds an in-flight slot on its backend until Done; the slots are what the CHWBL bound counts.
+// min_overlap_threshold (Decision.Reason kv_aware). Below it the backend with the least prefill
+// work ahead of the request takes it (least_work: the uncached prompt tokens of the requests it
+// has not started answering, plus this one's), because the ring's bound counts requests, not
+// their length; KVConfig.RingFallback gives the decision to the ring instead. Every decision
+// holds an in-flight slot on its backend until Done; the slots are what the CHWBL bound counts,
+// and no tier-4 choice passes it. Decision.FirstToken tells the Router a prefill has ended.
 // The response cache (tiers 2 and 3) is respcache's HTTP middleware, in front of Route.
 //
 // Disaggregated prefill/decode serving is on when Config.Disagg is set and backends carry a

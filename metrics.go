@@ -64,7 +64,7 @@ func newRouterMetrics(mp metric.MeterProvider, r *DefaultRouter) (*routerMetrics
 	if err != nil {
 		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricPrefixRoutingRequests, err)
 	}
-	for _, why := range []Reason{ReasonPrefixHash, ReasonOverflow, ReasonFallback, ReasonKVAware, ReasonImbalance} {
+	for _, why := range []Reason{ReasonPrefixHash, ReasonOverflow, ReasonFallback, ReasonKVAware, ReasonImbalance, ReasonLeastWork} {
 		m.byReason[why] = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("strategy", why.String())))}
 	}
 	m.kvDecisions, err = meter.Int64Counter(MetricKVRoutingDecisions,

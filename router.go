@@ -72,6 +72,8 @@ func (r Reason) String() string {
 		return "kv_aware"
 	case ReasonImbalance:
 		return "imbalance"
+	case ReasonLeastWork:
+		return "least_work"
 	default:
 		return "none"
 	}
@@ -175,6 +177,10 @@ type backendState struct {
 	successes  atomic.Uint64
 	decisions  atomic.Uint64
 	attrOption metric.MeasurementOption
+	// backlog is the prompt tokens, not cached on the backend, of the requests routed to it
+	// whose prefill has not ended (FirstToken or Done): the prefill work queued there. Only
+	// requests tier 4 knows the length of count.
+	backlog    atomic.Int64
 	role       disagg.Role
 	storage    *disagg.ExternalStorage // nil: the disaggregation default
 }
@@ -377,7 +383,9 @@ func (r *DefaultRouter) Route(ctx context.Context, req *prefixkey.Request) (*Dec
 		s4 = r.kv.scratch.Get().(*scratch4)
 		defer r.kv.scratch.Put(s4)
 		if r.routeKV(ctx, req, d, s4) {
-			return r.finish(ctx, d), nil
+			d = r.finish(ctx, d)
+			r.addBacklog(d, s4)
+			return d, nil
 		}
 	}
 	var err error
@@ -403,7 +411,11 @@ func (r *DefaultRouter) Route(ctx context.Context, req *prefixkey.Request) (*Dec
 	if s4 != nil {
 		r.speculateTier1(ctx, d, s4)
 	}
-	return r.finish(ctx, d), nil
+	d = r.finish(ctx, d)
+	if s4 != nil {
+		r.addBacklog(d, s4)
+	}
+	return d, nil
 }
 
 // finish fills the decision's backend fields and counts it.
@@ -434,7 +446,8 @@ type Decision struct {
 	ExpectedCachedTokens int
 
 	router   *DefaultRouter
-	activeID uint64 // active-sequence id when tier 4 tracks sequences, else 0
+	backlog  atomic.Int64 // the tokens this request adds to state.backlog until its prefill ends
+	activeID uint64       // active-sequence id when tier 4 tracks sequences, else 0
 	state    *backendState
 	handle   chwbl.Handle
 	start    time.Time
@@ -454,6 +467,7 @@ func (d *Decision) Done(o Outcome) {
 	if d == nil || !d.handle.Release() {
 		return
 	}
+	d.endPrefill()
 	if d.activeID != 0 {
 		d.router.kv.cfg.Active.Done(d.activeID)
 	}
@@ -468,11 +482,23 @@ func (d *Decision) Done(o Outcome) {
 }
 
 // FirstToken tells the Router the backend produced the request's first token: its prefill load
-// ends (for cost scoring with active-sequence tracking). Safe to call from any goroutine, at most
-// once meaningfully; a no-op when sequences are not tracked.
+// ends (the backend's prefill backlog, and active-sequence tracking for cost scoring). Done does
+// the same for a request whose first token was never reported. Safe to call from any goroutine;
+// only the first call has an effect.
 func (d *Decision) FirstToken() {
-	if d != nil && d.activeID != 0 {
+	if d == nil {
+		return
+	}
+	d.endPrefill()
+	if d.activeID != 0 {
 		d.router.kv.cfg.Active.FirstToken(d.activeID)
+	}
+}
+
+// endPrefill takes the request's tokens off its backend's prefill backlog, once.
+func (d *Decision) endPrefill() {
+	if n := d.backlog.Swap(0); n != 0 && d.state != nil {
+		d.state.backlog.Add(-n)
 	}
 }
 

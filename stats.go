@@ -33,7 +33,8 @@ type RoutingDecisionCounts struct {
 	Overflow     uint64 `json:"overflow"`
 	Fallback     uint64 `json:"fallback"`
 	KVAware      uint64 `json:"kv_aware,omitempty"`  // tier 4 chose
-	Imbalance    uint64 `json:"imbalance,omitempty"` // tier 4's imbalance guard chose
+	Imbalance    uint64 `json:"imbalance,omitempty"`  // tier 4's imbalance guard chose
+	LeastWork    uint64 `json:"least_work,omitempty"` // tier 4 found too little cached: least prefill work chose
 	OverflowRate string `json:"overflow_rate"`
 }
 
@@ -70,7 +71,8 @@ func (r *DefaultRouter) Stats() PrefixRoutingStats {
 	d.Fallback = r.counts[ReasonFallback].Load()
 	d.KVAware = r.counts[ReasonKVAware].Load()
 	d.Imbalance = r.counts[ReasonImbalance].Load()
-	d.Total = d.PrefixHash + d.Overflow + d.Fallback + d.KVAware + d.Imbalance
+	d.LeastWork = r.counts[ReasonLeastWork].Load()
+	d.Total = d.PrefixHash + d.Overflow + d.Fallback + d.KVAware + d.Imbalance + d.LeastWork
 	rate := 0.0
 	if d.Total > 0 {
 		rate = float64(d.Overflow) / float64(d.Total)

@@ -62,8 +62,18 @@ type KVConfig struct {
 	// Guard never fires.
 	Guard scorer.Guard
 	// Active, when set, tracks active sequences per backend for cost scoring: Route adds each
-	// KV-routed request, Decision.FirstToken ends its prefill load and Done frees it.
+	// request tier 4 placed (kv_aware, imbalance, least_work), Decision.FirstToken ends its prefill
+	// load and Done frees it.
 	Active *scorer.Active
+	// RingFallback sends a request whose best overlap is below MinOverlapThreshold to tier 1 (the
+	// CHWBL ring, by prefix key), as the seeds describe. By default such a request goes instead
+	// to the backend with the least prefill work ahead of it (ReasonLeastWork): the prompt tokens,
+	// not cached there, of the requests routed to it whose first token has not come, plus this
+	// request's own uncached tokens there. The ring's bound counts requests, not their length, so
+	// on traces whose prompts range from hundreds to a hundred thousand tokens it lets long
+	// prompts queue behind each other (BENCHMARKS.md, routing quality); speculation already
+	// gives the stickiness the ring would.
+	RingFallback bool
 }
 
 // Reasons added by tier 4.
@@ -73,6 +83,9 @@ const (
 	// ReasonImbalance: the KV index had a match, but the fleet was skewed and the imbalance guard
 	// chose the least-loaded backend.
 	ReasonImbalance
+	// ReasonLeastWork: tier 4 looked the request up, but no backend held enough of it (below the
+	// threshold); the backend with the least prefill work ahead of this request took it.
+	ReasonLeastWork
 	numReasons
 )
 
@@ -108,6 +121,9 @@ type scratch4 struct {
 	scores  []float64
 	order   []int
 	loads   []chwbl.Load
+	work    []float64
+	ntok    int  // the request's prompt tokens (0: not tokenized)
+	looked  bool // matches holds an index answer for names
 }
 
 func newTier4(cfg KVConfig) (*tier4, error) {
@@ -169,6 +185,7 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 		}
 	}
 	s.keys = s.keys[:0]
+	s.ntok, s.looked = len(tokens), false
 	if tokens != nil {
 		root := prefixkey.BlockRoot(req.ModelOrAdapter(), req.CacheSalt)
 		s.keys = prefixkey.AppendBlockKeys(s.keys, root, tokens, t.cfg.BlockSize, req.MultiModal)
@@ -210,6 +227,7 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 		r.metrics.recordKV(ctx, false)
 		return false
 	}
+	s.looked = true
 
 	// Candidates, in the order of s.names.
 	s.cands = s.cands[:0]
@@ -256,7 +274,17 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 	if best <= 0 || ratio < t.threshold {
 		t.kvFallback.Add(1)
 		r.metrics.recordKV(ctx, false)
-		return false
+		if t.cfg.RingFallback || usePrefix {
+			return false
+		}
+		i := r.acquireLeastWork(s, d, set)
+		if i < 0 { // every backend at its bound: the CHWBL walk decides
+			return false
+		}
+		d.Reason = ReasonLeastWork
+		d.ExpectedCachedTokens = s.cands[i].CachedTokens
+		r.afterKVChoice(ctx, s, d, s.cands[i])
+		return true
 	}
 
 	if cap(s.scores) < len(s.cands) {
@@ -320,6 +348,64 @@ func (r *DefaultRouter) acquireBest(s *scratch4, d *Decision) int {
 		s.order = s.order[:len(s.order)-1]
 	}
 	return -1
+}
+
+// acquireLeastWork takes a slot, under its CHWBL bound, on the candidate with the least prefill
+// work per unit of weight: its backlog plus the request's tokens it does not hold; ties go to the
+// less loaded. It returns the candidate's index, or -1 when all are at their bound.
+func (r *DefaultRouter) acquireLeastWork(s *scratch4, d *Decision, set *backendSet) int {
+	s.work = s.work[:0]
+	s.order = s.order[:0]
+	for i := range s.cands {
+		c := &s.cands[i]
+		w := c.Weight
+		if w <= 0 {
+			w = 1
+		}
+		var backlog int64
+		if st := set.byName[c.Backend]; st != nil {
+			backlog = st.backlog.Load()
+		}
+		s.work = append(s.work, (float64(backlog)+float64(max(s.ntok-c.CachedTokens, 0)))/w)
+		s.order = append(s.order, i)
+	}
+	for len(s.order) > 0 {
+		bi := 0
+		for k := 1; k < len(s.order); k++ {
+			a, b := s.order[k], s.order[bi]
+			if s.work[a] < s.work[b] || (s.work[a] == s.work[b] && lessLoaded(&s.cands[a], &s.cands[b])) {
+				bi = k
+			}
+		}
+		i := s.order[bi]
+		if ok, _ := r.ring.TryAcquireBackend(&d.handle, s.cands[i].Backend); ok {
+			return i
+		}
+		s.order[bi] = s.order[len(s.order)-1]
+		s.order = s.order[:len(s.order)-1]
+	}
+	return -1
+}
+
+// addBacklog puts the request's prompt tokens that d's backend does not hold (by the index's
+// answer) on that backend's prefill backlog, until the decision's FirstToken or Done.
+func (r *DefaultRouter) addBacklog(d *Decision, s *scratch4) {
+	if s.ntok == 0 || d.state == nil {
+		return
+	}
+	cached := 0
+	if s.looked {
+		for i, name := range s.names {
+			if name == d.Backend {
+				cached = s.matches[i].Tokens
+				break
+			}
+		}
+	}
+	if n := int64(s.ntok - cached); n > 0 {
+		d.backlog.Store(n)
+		d.state.backlog.Add(n)
+	}
 }
 
 func lessLoaded(a, b *scorer.Candidate) bool {

@@ -83,9 +83,9 @@ func TestKVAwareRoutesToHolder(t *testing.T) {
 	assert.Equal(t, uint64(1), r.Stats().RoutingDecisions.KVAware)
 }
 
-func TestKVBelowThresholdUsesCHWBL(t *testing.T) {
+func TestKVBelowThresholdRingFallback(t *testing.T) {
 	ix := newMemIndex(t)
-	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff, RingFallback: true}})
 	toks := promptTokens(2, 40*16)
 	storeBlocks(t, ix, "vllm-2", toks, 4, events.TierGPU) // 10 % < 30 %
 	d, err := r.Route(context.Background(), tokReq("system B", toks))
@@ -95,6 +95,43 @@ func TestKVBelowThresholdUsesCHWBL(t *testing.T) {
 	assert.Nil(t, d.Overlaps)
 	st, _ := r.KVStats(context.Background())
 	assert.Equal(t, uint64(1), st.RoutingDecisions.Fallback)
+}
+
+// Below the threshold the backend with the least prefill work ahead of the request takes it: the
+// one holding a little of it when all are idle, then, while that one still prefills, an idle one;
+// FirstToken and Done take a request's tokens off its backend's backlog.
+func TestKVBelowThresholdLeastWork(t *testing.T) {
+	ix := newMemIndex(t)
+	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	ctx := context.Background()
+	backlog := func(name string) int64 { return r.set.Load().byName[name].backlog.Load() }
+	toks := promptTokens(2, 40*16)
+	storeBlocks(t, ix, "vllm-2", toks, 4, events.TierGPU) // 10 % < 30 %
+
+	d1, err := r.Route(ctx, tokReq("system B", toks))
+	require.NoError(t, err)
+	assert.Equal(t, ReasonLeastWork, d1.Reason)
+	assert.Equal(t, "vllm-2", d1.Backend, "idle fleet: the backend that must compute the least")
+	assert.Equal(t, 4*16, d1.ExpectedCachedTokens)
+	assert.Equal(t, int64(36*16), backlog("vllm-2"))
+
+	other := promptTokens(7, 40*16) // cached nowhere
+	d2, err := r.Route(ctx, tokReq("system C", other))
+	require.NoError(t, err)
+	assert.Equal(t, ReasonLeastWork, d2.Reason)
+	assert.NotEqual(t, "vllm-2", d2.Backend, "vllm-2 still has 576 tokens to prefill")
+	assert.Equal(t, int64(40*16), backlog(d2.Backend))
+
+	d1.FirstToken()
+	d1.FirstToken()
+	assert.Equal(t, int64(0), backlog("vllm-2"), "the first token ends the prefill, once")
+	d1.Done(Outcome{})
+	d2.Done(Outcome{})
+	assert.Equal(t, int64(0), backlog(d2.Backend), "Done ends a prefill whose first token was never reported")
+
+	st, _ := r.KVStats(ctx)
+	assert.Equal(t, uint64(2), st.RoutingDecisions.Fallback, "least_work is a fallback in the seeds' sense")
+	assert.Equal(t, uint64(2), r.Stats().RoutingDecisions.LeastWork)
 }
 
 func TestKVTierWeightsPreferGPU(t *testing.T) {
@@ -144,7 +181,7 @@ func TestKVSpeculationThenApproximate(t *testing.T) {
 			first, err := r.Route(ctx, tokReq("", toks)) // no system prompt: anchored on the message
 			require.NoError(t, err)
 			first.Done(Outcome{})
-			assert.Equal(t, ReasonPrefixHash, first.Reason, "empty index: CHWBL decides")
+			assert.Equal(t, ReasonLeastWork, first.Reason, "empty index: least prefill work decides")
 			// A request with the same tokens but another anchor text would hash elsewhere on the
 			// ring; the speculative entries send it to the same backend.
 			other := tokReq("a different system prompt", toks)
