@@ -180,9 +180,9 @@ type backendState struct {
 	// backlog is the prompt tokens, not cached on the backend, of the requests routed to it
 	// whose prefill has not ended (FirstToken or Done): the prefill work queued there. Only
 	// requests tier 4 knows the length of count.
-	backlog    atomic.Int64
-	role       disagg.Role
-	storage    *disagg.ExternalStorage // nil: the disaggregation default
+	backlog atomic.Int64
+	role    disagg.Role
+	storage *disagg.ExternalStorage // nil: the disaggregation default
 }
 
 // backendSet is an immutable snapshot of the members, swapped whole on every change, so that

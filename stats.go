@@ -32,7 +32,7 @@ type RoutingDecisionCounts struct {
 	PrefixHash   uint64 `json:"prefix_hash"`
 	Overflow     uint64 `json:"overflow"`
 	Fallback     uint64 `json:"fallback"`
-	KVAware      uint64 `json:"kv_aware,omitempty"`  // tier 4 chose
+	KVAware      uint64 `json:"kv_aware,omitempty"`   // tier 4 chose
 	Imbalance    uint64 `json:"imbalance,omitempty"`  // tier 4's imbalance guard chose
 	LeastWork    uint64 `json:"least_work,omitempty"` // tier 4 found too little cached: least prefill work chose
 	OverflowRate string `json:"overflow_rate"`

@@ -101,7 +101,7 @@ type MemoryConfig struct {
 	// first). An event stream that removes a middle block while keeping its descendants (no
 	// engine we know sends one) leaves a hole strictly between two probes, which is missed: the
 	// match is reported longer. 1 means exact: every key is probed in order.
-		LookupStride int
+	LookupStride int
 	// Now is the clock (time.Now when nil). The index works in ticks of 2²² ns (≈4.2 ms).
 	Now func() time.Time
 }
