@@ -249,6 +249,7 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 		}
 		if st := set.byName[l.Name]; st != nil {
 			c.Health = st.success.load()
+			c.PendingPrefillTokens = int(max(st.backlog.Load(), 0))
 		}
 		s.cands = append(s.cands, c)
 	}

@@ -16,6 +16,8 @@ const (
 	DefaultLoadWeight          = 0.3
 	DefaultHealthWeight        = 0.1
 	DefaultMinOverlapThreshold = 0.3
+	// DefaultPrefillTokensPerRequest is CompositeConfig.PrefillTokensPerRequest when zero.
+	DefaultPrefillTokensPerRequest = 1024
 )
 
 // weightSumTolerance is how far from 1.0 the three composite weights may sum.
@@ -35,6 +37,13 @@ type CompositeConfig struct {
 	// Range (0, 1]; 0 means DefaultMinOverlapThreshold (0.3). To go KV-aware on any overlap at
 	// all, set a tiny positive value such as 1e-9: Active also requires a best overlap > 0.
 	MinOverlapThreshold float64
+	// PrefillTokensPerRequest is how many pending prefill tokens (Candidate.PendingPrefillTokens)
+	// weigh in the load as much as one request in flight: a backend with a long prompt still to
+	// prefill is busier than its request count says, and the next request waits for that prompt.
+	// 0 means DefaultPrefillTokensPerRequest (1024, chosen with the trace replay of
+	// benchmarks/replay: 256 to 4,096 give the same picture); negative ignores pending tokens,
+	// which is the seeds' load ratio of in-flight requests alone.
+	PrefillTokensPerRequest int
 }
 
 // Composite is the seeds' KvOverlapScorer: a weighted sum of cache overlap, spare capacity and
@@ -44,7 +53,8 @@ type CompositeConfig struct {
 //
 //	overlap_ratio = c.Overlap / r.Blocks                       (r.Blocks > 0)
 //	              = c.Overlap / max Overlap over healthy cands (r.Blocks == 0; 0 when that max is 0)
-//	load_ratio    = (c.InFlight/c.Weight) / max over healthy cands of (InFlight/Weight)  (0 when all idle)
+//	load_ratio    = load(c) / max over healthy cands of load  (0 when all idle)
+//	load(c)       = (c.InFlight + c.PendingPrefillTokens/PrefillTokensPerRequest) / c.Weight
 //	health        = c.Health
 //
 // each clamped to [0, 1]; unhealthy candidates score -Inf. Scores of healthy candidates lie in
@@ -56,6 +66,8 @@ type CompositeConfig struct {
 type Composite struct {
 	ow, lw, hw float64
 	minOverlap float64
+	perTok     float64 // 1/PrefillTokensPerRequest; 0 ignores pending prefill tokens
+	tokPerReq  int
 }
 
 var _ BackendScorer = (*Composite)(nil)
@@ -86,12 +98,20 @@ func NewComposite(cfg CompositeConfig) (*Composite, error) {
 	if !(t > 0 && t <= 1) {
 		return nil, fmt.Errorf("%w: MinOverlapThreshold = %v, want (0, 1]", ErrInvalidConfig, cfg.MinOverlapThreshold)
 	}
-	return &Composite{ow: ow, lw: lw, hw: hw, minOverlap: t}, nil
+	c := &Composite{ow: ow, lw: lw, hw: hw, minOverlap: t, tokPerReq: cfg.PrefillTokensPerRequest}
+	if c.tokPerReq == 0 {
+		c.tokPerReq = DefaultPrefillTokensPerRequest
+	}
+	if c.tokPerReq > 0 {
+		c.perTok = 1 / float64(c.tokPerReq)
+	}
+	return c, nil
 }
 
 // Config returns the configuration in effect, defaults applied. Safe for concurrent use.
 func (c *Composite) Config() CompositeConfig {
-	return CompositeConfig{OverlapWeight: c.ow, LoadWeight: c.lw, HealthWeight: c.hw, MinOverlapThreshold: c.minOverlap}
+	return CompositeConfig{OverlapWeight: c.ow, LoadWeight: c.lw, HealthWeight: c.hw, MinOverlapThreshold: c.minOverlap,
+		PrefillTokensPerRequest: c.tokPerReq}
 }
 
 // Score writes one score per candidate into out and returns out[:len(cands)] (a new slice only
@@ -103,7 +123,7 @@ func (c *Composite) Score(req Request, cands []Candidate, out []float64) []float
 	maxLoad := 0.0
 	for i := range cands {
 		if cands[i].Healthy {
-			out[i] = loadOf(&cands[i])
+			out[i] = workOf(&cands[i], c.perTok)
 			maxLoad = max(maxLoad, out[i])
 		}
 	}
@@ -183,6 +203,16 @@ func clamp01(v float64) float64 {
 	default: // ≤ 0 or NaN
 		return 0
 	}
+}
+
+// workOf returns a candidate's weighted load counting its pending prefill tokens, perTok requests
+// per token: (InFlight + perTok·PendingPrefillTokens)/Weight.
+func workOf(c *Candidate, perTok float64) float64 {
+	n := float64(max(c.InFlight, 0)) + perTok*float64(max(c.PendingPrefillTokens, 0))
+	if w := c.Weight; w > 0 && !math.IsInf(w, 1) {
+		return n / w
+	}
+	return n
 }
 
 // loadOf returns a candidate's weighted load InFlight/Weight; a Weight that is not a positive

@@ -45,17 +45,17 @@ func TestNewComposite(t *testing.T) {
 		want    CompositeConfig
 		wantErr bool
 	}{
-		{name: "zero means defaults", want: CompositeConfig{0.6, 0.3, 0.1, 0.3}},
-		{name: "custom weights", cfg: CompositeConfig{OverlapWeight: 0.5, LoadWeight: 0.5}, want: CompositeConfig{0.5, 0.5, 0, 0.3}},
-		{name: "overlap only", cfg: CompositeConfig{OverlapWeight: 1}, want: CompositeConfig{1, 0, 0, 0.3}},
-		{name: "sum within tolerance", cfg: CompositeConfig{0.7, 0.2, 0.1 + 5e-10, 0}, want: CompositeConfig{0.7, 0.2, 0.1 + 5e-10, 0.3}},
-		{name: "threshold set", cfg: CompositeConfig{MinOverlapThreshold: 1}, want: CompositeConfig{0.6, 0.3, 0.1, 1}},
-		{name: "tiny threshold", cfg: CompositeConfig{MinOverlapThreshold: 1e-9}, want: CompositeConfig{0.6, 0.3, 0.1, 1e-9}},
+		{name: "zero means defaults", want: CompositeConfig{0.6, 0.3, 0.1, 0.3, 1024}},
+		{name: "custom weights", cfg: CompositeConfig{OverlapWeight: 0.5, LoadWeight: 0.5}, want: CompositeConfig{0.5, 0.5, 0, 0.3, 1024}},
+		{name: "overlap only", cfg: CompositeConfig{OverlapWeight: 1}, want: CompositeConfig{1, 0, 0, 0.3, 1024}},
+		{name: "sum within tolerance", cfg: CompositeConfig{0.7, 0.2, 0.1 + 5e-10, 0, 0}, want: CompositeConfig{0.7, 0.2, 0.1 + 5e-10, 0.3, 1024}},
+		{name: "threshold set", cfg: CompositeConfig{MinOverlapThreshold: 1}, want: CompositeConfig{0.6, 0.3, 0.1, 1, 1024}},
+		{name: "tiny threshold", cfg: CompositeConfig{MinOverlapThreshold: 1e-9}, want: CompositeConfig{0.6, 0.3, 0.1, 1e-9, 1024}},
 		{name: "sum below one", cfg: CompositeConfig{OverlapWeight: 0.5, LoadWeight: 0.3}, wantErr: true},
-		{name: "sum above one", cfg: CompositeConfig{0.6, 0.3, 0.2, 0}, wantErr: true},
-		{name: "negative weight", cfg: CompositeConfig{1.2, -0.2, 0, 0}, wantErr: true},
-		{name: "NaN weight", cfg: CompositeConfig{nan, 0.5, 0.5, 0}, wantErr: true},
-		{name: "Inf weight", cfg: CompositeConfig{math.Inf(1), 0, 0, 0}, wantErr: true},
+		{name: "sum above one", cfg: CompositeConfig{0.6, 0.3, 0.2, 0, 0}, wantErr: true},
+		{name: "negative weight", cfg: CompositeConfig{1.2, -0.2, 0, 0, 0}, wantErr: true},
+		{name: "NaN weight", cfg: CompositeConfig{nan, 0.5, 0.5, 0, 0}, wantErr: true},
+		{name: "Inf weight", cfg: CompositeConfig{math.Inf(1), 0, 0, 0, 0}, wantErr: true},
 		{name: "negative threshold", cfg: CompositeConfig{MinOverlapThreshold: -0.1}, wantErr: true},
 		{name: "threshold above one", cfg: CompositeConfig{MinOverlapThreshold: 1.5}, wantErr: true},
 		{name: "NaN threshold", cfg: CompositeConfig{MinOverlapThreshold: nan}, wantErr: true},
@@ -233,4 +233,39 @@ func TestCompositeAllocs(t *testing.T) {
 	out := make([]float64, len(cands))
 	assertNoAllocs(t, func() { out = c.Score(req, cands, out) })
 	assertNoAllocs(t, func() { _ = c.Active(req, cands) })
+}
+
+// A backend with a long prompt still to prefill is busier than its request count says: with the
+// default PrefillTokensPerRequest its pending tokens count, and a negative value restores the
+// seeds' load ratio of requests alone.
+func TestCompositePendingPrefillTokens(t *testing.T) {
+	cands := []Candidate{
+		{Backend: "one-short", Overlap: 4, InFlight: 1, Healthy: true, Health: 1},
+		{Backend: "long-prompt", Overlap: 4, InFlight: 0, PendingPrefillTokens: 4096, Healthy: true, Health: 1},
+	}
+	req := Request{Blocks: 8}
+	for _, tc := range []struct {
+		name   string
+		perReq int
+		want   string
+	}{
+		{"default counts pending tokens", 0, "one-short"},
+		{"128 tokens per request", 128, "one-short"},
+		{"negative ignores them", -1, "long-prompt"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, err := NewComposite(CompositeConfig{PrefillTokensPerRequest: tc.perReq})
+			if err != nil {
+				t.Fatal(err)
+			}
+			s := c.Score(req, cands, nil)
+			best := 0
+			if s[1] > s[0] {
+				best = 1
+			}
+			if got := cands[best].Backend; got != tc.want {
+				t.Errorf("best %s (scores %v), want %s", got, s, tc.want)
+			}
+		})
+	}
 }

@@ -19,6 +19,10 @@ type Candidate struct {
 	// (see Active): blocks still being prefilled, and blocks held by running sequences.
 	ActivePrefillBlocks int
 	ActiveDecodeBlocks  int
+	// PendingPrefillTokens is the prefill work queued on the backend: the prompt tokens, not
+	// cached there, of the requests routed to it that have not produced a first token (0 when
+	// the router does not know prompt lengths).
+	PendingPrefillTokens int
 }
 
 // Request is what a scorer knows of the request itself.
