@@ -36,6 +36,7 @@ func (s *server) routes() http.Handler {
 	mux.Handle("GET /admin/kv-index/stats", s.admin(s.kvIndexStats))
 	mux.Handle("GET /admin/kv-index/backends", s.admin(s.kvIndexBackends))
 	mux.Handle("POST /admin/kv-index/clear", s.admin(s.kvIndexClear))
+	mux.Handle("GET /admin/disaggregation/stats", s.admin(s.disaggregationStats))
 	mux.Handle("/admin/", s.admin(func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusNotFound, map[string]any{"error": "no such admin endpoint"})
 	}))
@@ -89,6 +90,16 @@ func (s *server) healthz(w http.ResponseWriter, _ *http.Request) {
 // GET /admin/prefix-routing/stats: the Router's tier-1 stats, as the seeds show them.
 func (s *server) prefixRoutingStats(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, s.router.Stats())
+}
+
+// GET /admin/disaggregation/stats: the Router's DisaggStats (configuration, requests by routing
+// path and reason, each prefill and decode backend's phases in flight; credentials redacted).
+func (s *server) disaggregationStats(w http.ResponseWriter, _ *http.Request) {
+	if !s.cfg.DisaggregatedServing.Enabled {
+		writeJSON(w, http.StatusOK, map[string]any{"enabled": false})
+		return
+	}
+	writeJSON(w, http.StatusOK, s.router.DisaggStats())
 }
 
 // GET /admin/response-cache/stats.

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/examples/proxy/internal/yamlconf"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/scorer"
@@ -44,9 +45,9 @@ type Config struct {
 	HealthChecks HealthCheckConfig `yaml:"health_checks"`
 	// CircuitBreaker takes a backend out of rotation after consecutive upstream failures.
 	CircuitBreaker CircuitBreakerConfig `yaml:"circuit_breaker"`
-	// DisaggregatedServing is recognised so that the seeds' full example gives a clear error:
-	// prefill/decode disaggregation is not implemented by this proxy.
-	DisaggregatedServing *DisaggregatedConfig `yaml:"disaggregated_serving"`
+	// DisaggregatedServing runs prefill and decode on separate backends (roles prefill and
+	// decode), with unified backends as the fallback.
+	DisaggregatedServing DisaggregatedConfig `yaml:"disaggregated_serving"`
 }
 
 // ServerConfig is the server section.
@@ -274,8 +275,13 @@ type BackendConfig struct {
 	// its KV events, and the backends the engine tokenizer may ask for a request's model.
 	Model  string   `yaml:"model"`
 	Models []string `yaml:"models"`
-	// Role is the seeds' disaggregation role; only "unified" (or none) is supported.
+	// Role is prefill, decode or unified (default): what the backend does in disaggregated
+	// serving. Prefill and decode need disaggregated_serving.enabled.
 	Role string `yaml:"role"`
+	// ExternalStorage is where the backend's KV tensors transit (default:
+	// disaggregated_serving.default_external_storage). A prefill and a decode backend are paired
+	// only when their storage is at the same location (endpoint, bucket and kv_namespace).
+	ExternalStorage *ExternalStorageConfig `yaml:"external_storage"`
 }
 
 // HealthCheckConfig is the health_checks section.
@@ -305,17 +311,56 @@ type CircuitBreakerConfig struct {
 	RecoveryTimeout Duration `yaml:"recovery_timeout"`
 }
 
-// DisaggregatedConfig is the seeds' disaggregated_serving section; only enabled: false is
-// accepted.
+// DisaggregatedConfig is the disaggregated_serving section: prefill/decode disaggregation.
 type DisaggregatedConfig struct {
-	// Enabled must be false.
+	// Enabled turns disaggregation on (default false); backends with role prefill or decode need
+	// it.
 	Enabled bool `yaml:"enabled"`
-	// PrefillTimeout, KVTransferTimeout, FallbackToUnified and DefaultExternalStorage are the
-	// seeds' fields, accepted and ignored.
-	PrefillTimeout         Duration       `yaml:"prefill_timeout"`
-	KVTransferTimeout      Duration       `yaml:"kv_transfer_timeout"`
-	FallbackToUnified      *bool          `yaml:"fallback_to_unified"`
-	DefaultExternalStorage map[string]any `yaml:"default_external_storage"`
+	// PrefillTimeout bounds the remote prefill request (default 60s).
+	PrefillTimeout Duration `yaml:"prefill_timeout"`
+	// KVTransferTimeout bounds the wait for a decode backend's response headers after a remote
+	// prefill: the decode engine loads the KV tensors before it answers (default 15s).
+	KVTransferTimeout Duration `yaml:"kv_transfer_timeout"`
+	// FallbackToUnified sends a request to a unified backend when the prefill or decode pool has
+	// no healthy backend or its prefill failed (default true).
+	FallbackToUnified *bool `yaml:"fallback_to_unified"`
+	// DefaultExternalStorage is the storage of every backend without external_storage.
+	DefaultExternalStorage *ExternalStorageConfig `yaml:"default_external_storage"`
+	// Conditional skips the remote prefill when the decode backend's uncached part of the prompt
+	// is short.
+	Conditional ConditionalConfig `yaml:"conditional"`
+}
+
+// ExternalStorageConfig is external_storage (per backend) and
+// disaggregated_serving.default_external_storage: where KV tensors transit between prefill and
+// decode backends. The proxy does not read the storage itself (the engines do); it uses the
+// location to pair backends and shows it, credentials redacted, in the stats.
+type ExternalStorageConfig struct {
+	// Endpoint is the storage's URL, e.g. http://kv-store:8080 (required).
+	Endpoint string `yaml:"endpoint"`
+	// KVNamespace is the key prefix of the KV tensors, e.g. inference/kv-cache.
+	KVNamespace string `yaml:"kv_namespace"`
+	// Credentials is an opaque credential (optional with anonymous access); redacted in logs.
+	Credentials Secret `yaml:"credentials"`
+	// Bucket, for S3-compatible storage, is part of the location: endpoint/bucket.
+	Bucket string `yaml:"bucket"`
+	// AccessKey and SecretKey are S3-style credentials; redacted in logs.
+	AccessKey Secret `yaml:"access_key"`
+	SecretKey Secret `yaml:"secret_key"`
+}
+
+// ConditionalConfig is disaggregated_serving.conditional: conditional disaggregation. The remote
+// prefill is skipped (the decode backend computes the rest itself) when the part of the prompt the
+// best decode backend cannot reuse is at most MaxUncachedTokens tokens or at most
+// MaxUncachedRatio of the prompt.
+type ConditionalConfig struct {
+	// Enabled turns conditional disaggregation on (default true). Off, any reusable prefix on a
+	// decode backend means fast_decode and none means a remote prefill.
+	Enabled *bool `yaml:"enabled"`
+	// MaxUncachedTokens (default 512) and MaxUncachedRatio (default 0.1, at most 1) are the
+	// thresholds; 0 turns that test off.
+	MaxUncachedTokens *int     `yaml:"max_uncached_tokens"`
+	MaxUncachedRatio  *float64 `yaml:"max_uncached_ratio"`
 }
 
 // Defaults of the proxy's own settings (the library packages' defaults apply to the rest).
@@ -477,6 +522,27 @@ func (c *Config) applyDefaults() {
 		}
 	}
 
+	ds := &c.DisaggregatedServing
+	if ds.PrefillTimeout == 0 {
+		ds.PrefillTimeout = Duration(disagg.DefaultPrefillTimeout)
+	}
+	if ds.KVTransferTimeout == 0 {
+		ds.KVTransferTimeout = Duration(disagg.DefaultKVTransferTimeout)
+	}
+	if ds.FallbackToUnified == nil {
+		ds.FallbackToUnified = ptr(true)
+	}
+	cd := &ds.Conditional
+	if cd.Enabled == nil {
+		cd.Enabled = ptr(true)
+	}
+	if cd.MaxUncachedTokens == nil {
+		cd.MaxUncachedTokens = ptr(disagg.DefaultMaxUncachedTokens)
+	}
+	if cd.MaxUncachedRatio == nil {
+		cd.MaxUncachedRatio = ptr(disagg.DefaultMaxUncachedRatio)
+	}
+
 	h := &c.HealthChecks
 	if h.Enabled == nil {
 		h.Enabled = ptr(true)
@@ -632,9 +698,7 @@ func (c *Config) validate() error {
 	if cb.RecoveryTimeout <= 0 {
 		fe.add("circuit_breaker.recovery_timeout", "must be positive")
 	}
-	if d := c.DisaggregatedServing; d != nil && d.Enabled {
-		fe.add("disaggregated_serving.enabled", "prefill/decode disaggregation is not supported by this proxy; set it to false")
-	}
+	c.validateDisagg(&fe)
 	return errors.Join(fe...)
 }
 
@@ -661,10 +725,106 @@ func (c *Config) validateBackends(fe *fieldErrors) {
 		if b.Model != "" && len(b.Models) > 0 {
 			fe.add(p, "set model or models, not both")
 		}
-		if b.Role != "" && b.Role != "unified" {
-			fe.add(p+".role", "%q: prefill/decode roles are not supported by this proxy (use unified or leave it out)", b.Role)
+	}
+}
+
+// validateDisagg checks disaggregated_serving and the backends' roles and storage.
+func (c *Config) validateDisagg(fe *fieldErrors) {
+	ds := c.DisaggregatedServing
+	if ds.DefaultExternalStorage != nil {
+		ds.DefaultExternalStorage.validate(fe, "disaggregated_serving.default_external_storage")
+	}
+	cd := ds.Conditional
+	if n := *cd.MaxUncachedTokens; n < 0 {
+		fe.add("disaggregated_serving.conditional.max_uncached_tokens", "%d must not be negative", n)
+	}
+	if r := *cd.MaxUncachedRatio; math.IsNaN(r) || r < 0 || r > 1 {
+		fe.add("disaggregated_serving.conditional.max_uncached_ratio", "%v is not in [0, 1]", r)
+	}
+	var prefill, decode []int
+	for i, b := range c.Backends {
+		p := fmt.Sprintf("backends[%d]", i)
+		if b.ExternalStorage != nil {
+			b.ExternalStorage.validate(fe, p+".external_storage")
+		}
+		role, err := disagg.ParseRole(b.Role)
+		if err != nil {
+			fe.add(p+".role", "%q is not one of prefill, decode, unified", b.Role)
+			continue
+		}
+		if role == disagg.RoleUnified {
+			continue
+		}
+		if !ds.Enabled {
+			fe.add(p+".role", "%q needs disaggregated_serving.enabled: true", b.Role)
+			continue
+		}
+		if role == disagg.RolePrefill {
+			prefill = append(prefill, i)
+		} else {
+			decode = append(decode, i)
 		}
 	}
+	if len(prefill) > 0 && len(decode) == 0 {
+		fe.add("backends", "%d backend(s) with role prefill but none with role decode: a prefill needs a decode backend to hand its KV to", len(prefill))
+		return
+	}
+	// A prefill backend that shares storage with no decode backend could never be chosen.
+	for _, i := range prefill {
+		ps := c.storageOf(&c.Backends[i])
+		paired := false
+		for _, j := range decode {
+			if ps.SameLocation(c.storageOf(&c.Backends[j])) {
+				paired = true
+				break
+			}
+		}
+		if !paired {
+			fe.add(fmt.Sprintf("backends[%d].external_storage", i), "prefill backend %q shares its storage (%s) with no decode backend",
+				c.Backends[i].Name, ps)
+		}
+	}
+}
+
+// validate checks one external storage section at path.
+func (s *ExternalStorageConfig) validate(fe *fieldErrors, path string) {
+	if err := checkHTTPURL(s.Endpoint); err != nil {
+		fe.add(path+".endpoint", "%v", err)
+	}
+	if strings.ContainsAny(s.Bucket, "/?#") {
+		fe.add(path+".bucket", "%q must be a bucket name (no /, ? or #)", s.Bucket)
+	}
+	if (s.AccessKey == "") != (s.SecretKey == "") {
+		fe.add(path, "set both access_key and secret_key, or neither")
+	}
+}
+
+// location returns the storage as the Router sees it: the bucket, when set, joins the endpoint
+// (path-style, http://host:port/bucket) so that two buckets on one endpoint are two locations.
+func (s *ExternalStorageConfig) location() disagg.ExternalStorage {
+	if s == nil {
+		return disagg.ExternalStorage{}
+	}
+	ep := s.Endpoint
+	if s.Bucket != "" {
+		ep = strings.TrimRight(ep, "/") + "/" + s.Bucket
+	}
+	return disagg.ExternalStorage{Endpoint: ep, Namespace: s.KVNamespace, Credentials: string(s.Credentials),
+		AccessKey: string(s.AccessKey), SecretKey: string(s.SecretKey)}
+}
+
+// storageOf returns b's storage location: its own, else the default (zero when neither is set).
+func (c *Config) storageOf(b *BackendConfig) disagg.ExternalStorage {
+	if b.ExternalStorage != nil {
+		return b.ExternalStorage.location()
+	}
+	return c.DisaggregatedServing.DefaultExternalStorage.location()
+}
+
+// role returns b's parsed role (unified for an invalid one: validate reports it).
+func (b *BackendConfig) role() disagg.Role {
+	r, _ := disagg.ParseRole(b.Role)
+	return r
 }
 
 func (c *Config) validateResponseCache(fe *fieldErrors) {

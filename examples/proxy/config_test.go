@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvroute/kvroute/disagg"
 )
 
 // env returns a lookup over m.
@@ -142,13 +144,65 @@ kv_cache_index: {enabled: true, backend: redis}
 		{"health", minimalBackends + `
 health_checks: {interval: 1ms, path: health}
 `, nil, []string{"health_checks.interval: 1ms is shorter than 10ms", `health_checks.path: "health" must start with /`}},
-		{"disaggregated", minimalBackends + `
+		{"decode role without disaggregation", `
+backends:
+  - {name: d, url: "http://d", role: decode}
+  - {name: u, url: "http://u"}
+`, nil, []string{`backends[0].role: "decode" needs disaggregated_serving.enabled: true`}},
+		{"unknown role", `
+backends:
+  - {name: p, url: "http://p", role: leader}
+`, nil, []string{`backends[0].role: "leader" is not one of prefill, decode, unified`}},
+		{"prefill pool without decode pool", `
 disaggregated_serving: {enabled: true}
-`, nil, []string{"disaggregated_serving.enabled: prefill/decode disaggregation is not supported"}},
-		{"roles", `
 backends:
   - {name: p, url: "http://p", role: prefill}
-`, nil, []string{`backends[0].role: "prefill": prefill/decode roles are not supported`}},
+  - {name: u, url: "http://u", role: unified}
+`, nil, []string{"backends: 1 backend(s) with role prefill but none with role decode"}},
+		{"prefill sharing no storage", `
+disaggregated_serving:
+  enabled: true
+  default_external_storage: {endpoint: "http://kv-a:8080", kv_namespace: inference/kv-cache}
+backends:
+  - name: p
+    url: http://p
+    role: prefill
+    external_storage: {endpoint: "http://kv-b:8080", kv_namespace: inference/kv-cache}
+  - {name: d, url: "http://d", role: decode}
+`, nil, []string{`backends[0].external_storage: prefill backend "p" shares its storage (endpoint="http://kv-b:8080" namespace="inference/kv-cache") with no decode backend`}},
+		{"external storage fields", `
+disaggregated_serving:
+  enabled: true
+  default_external_storage: {kv_namespace: x, access_key: AKIA}
+backends:
+  - name: d
+    url: http://d
+    role: decode
+    external_storage: {endpoint: "s3://kv", bucket: "a/b"}
+`, nil, []string{"disaggregated_serving.default_external_storage.endpoint: is required",
+			"disaggregated_serving.default_external_storage: set both access_key and secret_key, or neither",
+			`backends[0].external_storage.endpoint: "s3://kv": scheme must be http or https`,
+			`backends[0].external_storage.bucket: "a/b" must be a bucket name`}},
+		{"unknown storage field", `
+backends:
+  - name: d
+    url: http://d
+    external_storage: {endpoint: "http://kv", regoin: eu}
+`, nil, []string{"backends[0].external_storage.regoin: unknown field"}},
+		{"conditional thresholds", minimalBackends + `
+disaggregated_serving:
+  enabled: true
+  conditional: {max_uncached_tokens: -5, max_uncached_ratio: 1.5}
+`, nil, []string{"disaggregated_serving.conditional.max_uncached_tokens: -5 must not be negative",
+			"disaggregated_serving.conditional.max_uncached_ratio: 1.5 is not in [0, 1]"}},
+		{"negative timeout", minimalBackends + `
+disaggregated_serving: {enabled: true, prefill_timeout: -1s}
+`, nil, []string{`disaggregated_serving.prefill_timeout: invalid duration "-1s"`}},
+		{"storage credentials from env", minimalBackends + `
+disaggregated_serving:
+  enabled: true
+  default_external_storage: {endpoint: "http://kv:8080", credentials: "${KV_CREDENTIALS}"}
+`, nil, []string{"disaggregated_serving.default_external_storage.credentials: environment variable KV_CREDENTIALS is not set"}},
 		{"invalid yaml", "backends: [", nil, []string{"invalid YAML"}},
 	}
 	for _, tc := range tests {
@@ -223,14 +277,24 @@ func TestExampleConfigs(t *testing.T) {
 	})
 	t.Run("seeds production example", func(t *testing.T) {
 		data, _ := os.ReadFile("testdata/seeds-production.yaml")
-		_, err := parseConfig(data, env(map[string]string{"VAST_ACCESS_KEY": "a", "VAST_SECRET_KEY": "b"}))
-		if err == nil {
-			t.Fatal("accepted disaggregated serving")
+		cfg, err := parseConfig(data, env(map[string]string{"VAST_ACCESS_KEY": "a", "VAST_SECRET_KEY": "b"}))
+		if err != nil {
+			t.Fatal(err)
 		}
-		for _, w := range []string{"disaggregated_serving.enabled:", `backends[0].role: "prefill"`, `backends[2].role: "decode"`} {
-			if !strings.Contains(err.Error(), w) {
-				t.Errorf("error %v\nlacks %s", err, w)
+		ds := cfg.DisaggregatedServing
+		if !ds.Enabled || time.Duration(ds.PrefillTimeout) != time.Minute || time.Duration(ds.KVTransferTimeout) != 15*time.Second ||
+			!*ds.FallbackToUnified {
+			t.Errorf("disaggregated_serving: %+v", ds)
+		}
+		roles := map[disagg.Role]int{}
+		for _, b := range cfg.Backends {
+			roles[b.role()]++
+			if got := cfg.storageOf(&b); got.Endpoint != "http://vast-cluster.prod.example.com:8080" || got.Namespace != "prod/inference/kv-cache" {
+				t.Errorf("%s: storage %v", b.Name, got)
 			}
+		}
+		if roles[disagg.RolePrefill] != 2 || roles[disagg.RoleDecode] != 3 || roles[disagg.RoleUnified] != 1 {
+			t.Errorf("roles %v", roles)
 		}
 	})
 }
@@ -255,5 +319,44 @@ func TestSecretsRedacted(t *testing.T) {
 	}
 	if !strings.Contains(buf.String(), "[REDACTED]") {
 		t.Errorf("no redaction marker:\n%s", buf.String())
+	}
+}
+
+// Storage credentials of disaggregated serving never reach the logs either.
+func TestDisaggSecretsRedacted(t *testing.T) {
+	data, err := os.ReadFile("configs/disaggregated.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	secret := "kv-store-secret-9f3a"
+	cfg, err := parseConfig(data, env(map[string]string{"S3_ACCESS_KEY": "AKIA-" + secret, "S3_SECRET_KEY": secret}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// decode-6 names the same storage itself, with an opaque credential.
+	st := *cfg.DisaggregatedServing.DefaultExternalStorage
+	st.Credentials = Secret("cred-" + secret)
+	cfg.Backends[7].ExternalStorage = &st
+	if err := cfg.validate(); err != nil {
+		t.Fatal(err)
+	}
+	var buf bytes.Buffer
+	s := &server{cfg: cfg, log: slog.New(slog.NewJSONHandler(&buf, nil)), tokMode: "engine"}
+	s.logConfig()
+	s.log = slog.New(slog.NewTextHandler(&buf, nil))
+	s.logConfig()
+	dc, err := disaggConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintf(&buf, "%v %+v %#v %v %+v %#v", st, st, st, dc.DefaultStorage, dc.DefaultStorage, dc.DefaultStorage)
+	if strings.Contains(buf.String(), secret) {
+		t.Errorf("secret leaked:\n%s", buf.String())
+	}
+	for _, want := range []string{"[REDACTED]", `"disaggregated_serving.default_external_storage":{"endpoint":"http://127.0.0.1:7070/kv-cache"`,
+		"role=decode", "role=prefill"} {
+		if !strings.Contains(buf.String(), want) {
+			t.Errorf("log lacks %s:\n%s", want, buf.String())
+		}
 	}
 }

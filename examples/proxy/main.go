@@ -10,7 +10,8 @@
 //
 // Endpoints: POST /v1/chat/completions, /v1/completions and /v1/messages (streaming passed
 // through); GET /admin/prefix-routing/stats, /admin/response-cache/stats,
-// /admin/kv-index/stats, /admin/kv-index/backends; POST /admin/response-cache/invalidate and
+// /admin/kv-index/stats, /admin/kv-index/backends, /admin/disaggregation/stats; POST
+// /admin/response-cache/invalidate and
 // /admin/kv-index/clear (bearer token when admin.auth_token is set); GET /metrics (Prometheus) and
 // GET /healthz. Every routed response carries X-Kvroute-Backend and X-Kvroute-Route, and X-Cache
 // when the response cache is on.
@@ -22,7 +23,14 @@
 // replaced once by another; health probes and a circuit breaker take failing backends out of
 // rotation. SIGINT or SIGTERM drains the requests in flight (server.shutdown_timeout) and exits.
 //
-// Example configurations are in configs/: tier1.yaml, all-tiers.yaml and zmq-events.yaml.
+// With disaggregated_serving enabled, backends have roles (prefill, decode, unified) and
+// Router.RouteDisagg chooses each request's path: fast_decode, unified and fallback forward it
+// as above; prefill_then_decode first sends a one-token prefill to a prefill backend and then the
+// request, with the prefill's kv_transfer_params, to a decode backend (see disagg.go). Responses
+// then also carry X-Kvroute-Routing-Path, X-Kvroute-Prefill-Backend and X-Kvroute-Decode-Backend.
+//
+// Example configurations are in configs/: tier1.yaml, all-tiers.yaml, zmq-events.yaml and
+// disaggregated.yaml.
 package main
 
 import (
@@ -246,7 +254,11 @@ func printBanner(w io.Writer, cfg *Config, addr net.Addr, demo bool) {
 		auth = "  (admin endpoints need -H 'Authorization: Bearer <admin.auth_token>')"
 	}
 	fmt.Fprintf(&b, "Stats:%s\n", auth)
-	for _, p := range []string{"/admin/prefix-routing/stats", "/admin/response-cache/stats", "/admin/kv-index/stats", "/admin/kv-index/backends"} {
+	paths := []string{"/admin/prefix-routing/stats", "/admin/response-cache/stats", "/admin/kv-index/stats", "/admin/kv-index/backends"}
+	if cfg.DisaggregatedServing.Enabled {
+		paths = append(paths, "/admin/disaggregation/stats")
+	}
+	for _, p := range paths {
 		fmt.Fprintf(&b, "  %s%s\n", base, p)
 	}
 	fmt.Fprintf(&b, "  %s/metrics   (Prometheus)\n  %s/healthz\n\nStop with Ctrl-C (requests in flight are drained).\n\n", base, base)

@@ -9,6 +9,8 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"sync"
@@ -205,11 +207,14 @@ func TestListenAddressInUse(t *testing.T) {
 }
 
 func TestMainBadConfig(t *testing.T) {
-	t.Setenv("VAST_ACCESS_KEY", "AKIA-test")
-	t.Setenv("VAST_SECRET_KEY", "secret-test")
+	path := filepath.Join(t.TempDir(), "bad.yaml")
+	bad := "backends:\n  - {name: d, url: \"http://127.0.0.1:1\", role: decode}\n"
+	if err := os.WriteFile(path, []byte(bad), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	var stderr bytes.Buffer
-	err := mainErr([]string{"-config", "testdata/seeds-production.yaml"}, io.Discard, &stderr)
-	if err == nil || !strings.Contains(err.Error(), "testdata/seeds-production.yaml") || !strings.Contains(err.Error(), "disaggregated_serving") {
+	err := mainErr([]string{"-config", path}, io.Discard, &stderr)
+	if err == nil || !strings.Contains(err.Error(), path) || !strings.Contains(err.Error(), "disaggregated_serving.enabled") {
 		t.Errorf("err = %v", err)
 	}
 	if err := mainErr([]string{"-config", "testdata/does-not-exist.yaml"}, io.Discard, &stderr); err == nil {

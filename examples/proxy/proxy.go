@@ -18,6 +18,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/prefixkey"
 )
 
@@ -46,15 +47,56 @@ type parsedRequest struct {
 	body   []byte
 }
 
+// lease is the Router's hold on a backend for one request: *kvroute.Decision or
+// *kvroute.DisaggDecision.
+type lease interface {
+	FirstToken()
+	Done(kvroute.Outcome)
+}
+
+// upstream is where one attempt goes and how its response is labelled.
+type upstream struct {
+	backend string
+	route   string       // X-Kvroute-Route
+	plan    *disagg.Plan // the routing-path headers, when disaggregation is on
+	lease   lease
+	body    []byte // the request body to send
+	// headerTimeout, when positive, bounds the wait for the backend's response headers (not the
+	// body: streams may be long): kv_transfer_timeout after a remote prefill.
+	headerTimeout time.Duration
+	requestID     string // X-Request-Id to send, when set (the two phases share one)
+}
+
 // attempt is one forwarding of a request to one backend.
 type attempt struct {
-	d        *kvroute.Decision
-	target   *url.URL
-	stream   bool
-	canRetry bool  // a failure before the response may be retried elsewhere
-	status   int   // the upstream's status, 0 before its response
-	err      error // the transport's (or ModifyResponse's) error, before anything was written
+	lease     lease
+	target    *url.URL
+	stream    bool
+	canRetry  bool   // a failure before the response may be retried elsewhere
+	requestID string // X-Request-Id to set, when not empty
+	status    int    // the upstream's status, 0 before its response
+	err       error  // the transport's (or ModifyResponse's) error, before anything was written
+	// headers is headersWaiting until the response headers arrive (headersArrived) or the header
+	// timeout fires (headersTimedOut), whichever comes first.
+	headers atomic.Int32
 }
+
+// States of attempt.headers.
+const (
+	headersWaiting int32 = iota
+	headersArrived
+	headersTimedOut
+)
+
+// errKVTransferTimeout is the failure of a decode attempt whose backend did not answer within
+// kv_transfer_timeout after the remote prefill.
+var errKVTransferTimeout error = timeoutError("no response headers within kv_transfer_timeout")
+
+// timeoutError is an error that reports itself as a timeout (errKind).
+type timeoutError string
+
+func (e timeoutError) Error() string { return string(e) }
+func (e timeoutError) Timeout() bool { return true }
 
 // errRetryStatus marks an upstream answer that the proxy retries on another backend (502, 503 or
 // 504 on a first attempt: the backend cannot serve now, and nothing reached the client).
@@ -81,12 +123,18 @@ func (s *server) newReverseProxy() *httputil.ReverseProxy {
 			pr.SetXForwarded()
 			// Identity bodies: cacheable and streamed as they come.
 			pr.Out.Header.Del("Accept-Encoding")
+			if a.requestID != "" {
+				pr.Out.Header.Set(headerRequestID, a.requestID)
+			}
 		},
 		Transport:     s.transport,
 		FlushInterval: -1,
 		ErrorLog:      slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
 		ModifyResponse: func(res *http.Response) error {
 			a := res.Request.Context().Value(attemptKey).(*attempt)
+			if !a.headers.CompareAndSwap(headersWaiting, headersArrived) && a.headers.Load() == headersTimedOut {
+				return errKVTransferTimeout
+			}
 			a.status = res.StatusCode
 			if a.canRetry && retryableStatus(res.StatusCode) {
 				return &errRetryStatus{code: res.StatusCode}
@@ -169,9 +217,13 @@ func setBody(r *http.Request, body []byte) {
 }
 
 // forward tokenizes, routes and proxies one request; a backend that fails before answering is
-// replaced once by another.
+// replaced once by another. With disaggregation on, forwardDisagg runs the request instead.
 func (s *server) forward(w http.ResponseWriter, r *http.Request) {
 	pr := r.Context().Value(parsedKey).(*parsedRequest)
+	if s.cfg.DisaggregatedServing.Enabled {
+		s.forwardDisagg(w, r, pr)
+		return
+	}
 	ctx := r.Context()
 	// Tokenization, when configured, happens inside Route (KVConfig.Tokenizer): only when tier 4
 	// runs, with its failures counted in the Router's KV stats.
@@ -180,36 +232,48 @@ func (s *server) forward(w http.ResponseWriter, r *http.Request) {
 		s.routeError(w, pr, err)
 		return
 	}
-	retry, err := s.proxyTo(w, r, pr, d, "")
+	// Only a first attempt is retried, and only when another backend could take it: with one
+	// backend in rotation its own answer (a 503, say) is more useful to the client than ours.
+	up := &upstream{backend: d.Backend, route: d.Reason.String(), lease: d, body: pr.body}
+	retry, err := s.proxyTo(w, r, pr, up, "", s.health.healthyCount() > 1)
 	if !retry {
 		return
 	}
-	failed := d.Backend
-	d.Done(kvroute.Outcome{Err: err})
-	s.health.observeRequest(failed, true, err)
-	s.tel.upstreamErrors.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("backend", failed), attribute.String("kind", errKind(err))))
-	s.tel.retries.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("backend", failed)))
-	s.log.Warn("upstream failed before answering; retrying on another backend", "backend", failed, "err", err)
+	s.failedBeforeAnswer(ctx, up, err)
+	d2, err2 := s.routeAvoiding(ctx, pr.req, up.backend, err)
+	s.retryOn(w, r, pr, up.backend, err, d2, err2, nil)
+}
 
-	d2, err2 := s.routeAvoiding(ctx, pr.req, failed, err)
+// failedBeforeAnswer records the failure of an attempt that the proxy is about to retry: it
+// releases its lease with the error and feeds the backend's circuit breaker and the metrics.
+func (s *server) failedBeforeAnswer(ctx context.Context, up *upstream, err error) {
+	up.lease.Done(kvroute.Outcome{Err: err})
+	s.health.observeRequest(up.backend, true, err)
+	ctx = context.WithoutCancel(ctx)
+	s.tel.upstreamErrors.Add(ctx, 1, metric.WithAttributes(attribute.String("backend", up.backend), attribute.String("kind", errKind(err))))
+	s.tel.retries.Add(ctx, 1, metric.WithAttributes(attribute.String("backend", up.backend)))
+	s.log.Warn("upstream failed before answering; retrying on another backend", "backend", up.backend, "err", err)
+}
+
+// retryOn sends the request, whose first attempt on failed ended in cause, to d2 (the Router's
+// second decision, or its error err2). plan, when set, labels the retry's routing path. The
+// retry is not retried: its failure is answered with 502.
+func (s *server) retryOn(w http.ResponseWriter, r *http.Request, pr *parsedRequest, failed string, cause error,
+	d2 *kvroute.Decision, err2 error, plan *disagg.Plan) {
 	if err2 != nil {
 		if errors.Is(err2, kvroute.ErrNoBackend) {
 			writeAPIError(w, pr.format, http.StatusBadGateway, "upstream_error", "",
-				"backend "+failed+" failed ("+err.Error()+") and no other healthy backend is available")
+				"backend "+failed+" failed ("+cause.Error()+") and no other healthy backend is available")
 			return
 		}
 		s.routeError(w, pr, err2)
 		return
 	}
-	if retry, err := s.proxyTo(w, r, pr, d2, failed); retry {
-		// Not retried twice: answer with the second failure.
-		d2.Done(kvroute.Outcome{Err: err})
-		s.health.observeRequest(d2.Backend, true, err)
-		s.tel.upstreamErrors.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("backend", d2.Backend), attribute.String("kind", errKind(err))))
-		s.log.Warn("upstream failed on retry", "backend", d2.Backend, "err", err)
-		writeAPIError(w, pr.format, http.StatusBadGateway, "upstream_error", "",
-			"backends "+failed+" and "+d2.Backend+" failed: "+err.Error())
+	up := &upstream{backend: d2.Backend, route: d2.Reason.String(), plan: plan, lease: d2, body: pr.body}
+	if plan != nil {
+		plan.Decode = d2.Backend
 	}
+	_, _ = s.proxyTo(w, r, pr, up, failed, false)
 }
 
 // routeError answers a Route error.
@@ -249,19 +313,19 @@ func (s *server) routeAvoiding(ctx context.Context, req *prefixkey.Request, fail
 	return nil, kvroute.ErrNoBackend
 }
 
-// proxyTo forwards one attempt to d's backend. It returns retry true, with the failure, when the
-// backend failed before anything was written to the client, this was the first attempt
-// (retriedFrom "") and another backend is in rotation: the caller then owns d. Otherwise it has
-// answered the client and released d.
-func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedRequest, d *kvroute.Decision, retriedFrom string) (retry bool, err error) {
-	// Only a first attempt is retried, and only when another backend could take it: with one
-	// backend in rotation its own answer (a 503, say) is more useful to the client than ours.
-	canRetry := retriedFrom == "" && s.health.healthyCount() > 1
-	a := &attempt{d: d, target: s.backends[d.Backend], stream: pr.req.Params.Stream, canRetry: canRetry}
+// proxyTo forwards one attempt to up.backend. It returns retry true, with the failure, when the
+// backend failed before anything was written to the client and canRetry is set: the caller then
+// owns up.lease. Otherwise it has answered the client and released up.lease.
+func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedRequest, up *upstream, retriedFrom string, canRetry bool) (retry bool, err error) {
+	d := up.lease
+	a := &attempt{lease: d, target: s.backends[up.backend], stream: pr.req.Params.Stream, canRetry: canRetry, requestID: up.requestID}
 	aw := &attemptWriter{ResponseWriter: w, a: a}
 	h := w.Header()
-	h.Set(HeaderBackend, d.Backend)
-	h.Set(HeaderRoute, d.Reason.String())
+	h.Set(HeaderBackend, up.backend)
+	h.Set(HeaderRoute, up.route)
+	if up.plan != nil {
+		up.plan.SetHeaders(h)
+	}
 	if retriedFrom != "" {
 		h.Set(HeaderRetriedFrom, retriedFrom)
 	}
@@ -286,8 +350,16 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 			}
 		}
 	}()
+	if up.headerTimeout > 0 {
+		t := time.AfterFunc(up.headerTimeout, func() {
+			if a.headers.CompareAndSwap(headersWaiting, headersTimedOut) {
+				cancelUp(errKVTransferTimeout)
+			}
+		})
+		defer t.Stop()
+	}
 	out := r.WithContext(context.WithValue(upCtx, attemptKey, a))
-	setBody(out, pr.body)
+	setBody(out, up.body)
 
 	completed := false
 	defer func() {
@@ -301,11 +373,14 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 			return
 		}
 		d.Done(kvroute.Outcome{Err: errUpstreamAborted})
-		s.health.observeRequest(d.Backend, true, errUpstreamAborted)
-		s.tel.upstreamErrors.Add(context.WithoutCancel(r.Context()), 1, metric.WithAttributes(attribute.String("backend", d.Backend), attribute.String("kind", "aborted")))
+		s.health.observeRequest(up.backend, true, errUpstreamAborted)
+		s.tel.upstreamErrors.Add(context.WithoutCancel(r.Context()), 1, metric.WithAttributes(attribute.String("backend", up.backend), attribute.String("kind", "aborted")))
 	}()
 	s.rp.ServeHTTP(aw, out)
 	completed = true
+	if a.err != nil && a.headers.Load() == headersTimedOut {
+		a.err = errKVTransferTimeout
+	}
 
 	if a.err != nil && !aw.wroteHeader {
 		if r.Context().Err() != nil { // the client left before the answer
@@ -316,18 +391,22 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 			return true, a.err
 		}
 		d.Done(kvroute.Outcome{Err: a.err})
-		s.health.observeRequest(d.Backend, true, a.err)
-		s.tel.upstreamErrors.Add(context.WithoutCancel(r.Context()), 1, metric.WithAttributes(attribute.String("backend", d.Backend), attribute.String("kind", errKind(a.err))))
-		writeAPIError(w, pr.format, http.StatusBadGateway, "upstream_error", "", "backend "+d.Backend+" failed: "+a.err.Error())
+		s.health.observeRequest(up.backend, true, a.err)
+		s.tel.upstreamErrors.Add(context.WithoutCancel(r.Context()), 1, metric.WithAttributes(attribute.String("backend", up.backend), attribute.String("kind", errKind(a.err))))
+		msg := "backend " + up.backend + " failed: " + a.err.Error()
+		if retriedFrom != "" {
+			msg = "backends " + retriedFrom + " and " + up.backend + " failed: " + a.err.Error()
+		}
+		writeAPIError(w, pr.format, http.StatusBadGateway, "upstream_error", "", msg)
 		return false, a.err
 	}
 	var outcome error
 	if a.status >= 500 {
 		outcome = &statusError{code: a.status}
-		s.tel.upstreamErrors.Add(context.WithoutCancel(r.Context()), 1, metric.WithAttributes(attribute.String("backend", d.Backend), attribute.String("kind", "status_5xx")))
+		s.tel.upstreamErrors.Add(context.WithoutCancel(r.Context()), 1, metric.WithAttributes(attribute.String("backend", up.backend), attribute.String("kind", "status_5xx")))
 	}
 	d.Done(kvroute.Outcome{Err: outcome})
-	s.health.observeRequest(d.Backend, outcome != nil, outcome)
+	s.health.observeRequest(up.backend, outcome != nil, outcome)
 	return false, nil
 }
 
@@ -396,7 +475,7 @@ func (w *attemptWriter) Write(p []byte) (int, error) {
 	if !w.firstByte && len(p) > 0 {
 		w.firstByte = true
 		if w.a.stream {
-			w.a.d.FirstToken()
+			w.a.lease.FirstToken()
 		}
 	}
 	n, err := w.ResponseWriter.Write(p)

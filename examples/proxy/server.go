@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
@@ -119,10 +120,20 @@ func newServer(cfg *Config, log *slog.Logger) (s *server, err error) {
 		MeterProvider:                  mp,
 	}
 	for _, b := range cfg.Backends {
-		rcfg.Backends = append(rcfg.Backends, kvroute.Backend{Name: b.Name, Weight: b.Weight})
+		rb := kvroute.Backend{Name: b.Name, Weight: b.Weight, Role: b.role()}
+		if b.ExternalStorage != nil {
+			st := b.ExternalStorage.location()
+			rb.Storage = &st
+		}
+		rcfg.Backends = append(rcfg.Backends, rb)
 	}
 	if cfg.KVCacheIndex.Enabled {
 		if rcfg.KV, err = s.buildKV(mp); err != nil {
+			return nil, err
+		}
+	}
+	if cfg.DisaggregatedServing.Enabled {
+		if rcfg.Disagg, err = disaggConfig(cfg); err != nil {
 			return nil, err
 		}
 	}
@@ -144,6 +155,40 @@ func newServer(cfg *Config, log *slog.Logger) (s *server, err error) {
 	}
 	s.handler = s.routes()
 	return s, nil
+}
+
+// disaggConfig maps disaggregated_serving onto the Router's disaggregation. Prefill and unified
+// backends are scored with kv_cache_index.scoring's weights when tier 4 is on.
+func disaggConfig(cfg *Config) (*disagg.Config, error) {
+	ds := cfg.DisaggregatedServing
+	cd := ds.Conditional
+	dc := &disagg.Config{
+		PrefillTimeout:     time.Duration(ds.PrefillTimeout),
+		KVTransferTimeout:  time.Duration(ds.KVTransferTimeout),
+		DisableFallback:    !*ds.FallbackToUnified,
+		DefaultStorage:     ds.DefaultExternalStorage.location(),
+		DisableConditional: !*cd.Enabled,
+		// 0 turns a test off in the YAML; the library spells that with a negative value (its 0
+		// means the default).
+		MaxUncachedTokens: *cd.MaxUncachedTokens,
+		MaxUncachedRatio:  *cd.MaxUncachedRatio,
+	}
+	if dc.MaxUncachedTokens == 0 {
+		dc.MaxUncachedTokens = -1
+	}
+	if dc.MaxUncachedRatio == 0 {
+		dc.MaxUncachedRatio = -1
+	}
+	if cfg.KVCacheIndex.Enabled {
+		sc := cfg.KVCacheIndex.Scoring
+		comp, err := scorer.NewComposite(scorer.CompositeConfig{OverlapWeight: *sc.OverlapWeight, LoadWeight: *sc.LoadWeight,
+			HealthWeight: *sc.HealthWeight, MinOverlapThreshold: sc.MinOverlapThreshold})
+		if err != nil {
+			return nil, fmt.Errorf("disaggregated_serving: %w", err)
+		}
+		dc.Scorer = comp
+	}
+	return dc, nil
 }
 
 // buildKV builds tier 4: the index, its event consumers and the tokenizer.
@@ -386,8 +431,19 @@ func (s *server) logConfig() {
 			"kv_cache_index.tokenizer", s.tokMode, "kv_cache_index.speculation", cfg.KVCacheIndex.Speculation,
 			"kv_cache_index.event_sources", len(cfg.KVCacheIndex.EventSources))
 	}
+	if ds := cfg.DisaggregatedServing; ds.Enabled {
+		attrs = append(attrs, "disaggregated_serving.prefill_timeout", ds.PrefillTimeout.String(),
+			"disaggregated_serving.kv_transfer_timeout", ds.KVTransferTimeout.String(),
+			"disaggregated_serving.fallback_to_unified", *ds.FallbackToUnified,
+			"disaggregated_serving.conditional", *ds.Conditional.Enabled,
+			"disaggregated_serving.default_external_storage", ds.DefaultExternalStorage.location())
+	}
 	s.log.Info("configuration", attrs...)
 	for _, b := range cfg.Backends {
-		s.log.Info("backend", "name", b.Name, "url", redactURL(b.URL), "weight", b.Weight, "model", b.model())
+		attrs := []any{"name", b.Name, "url", redactURL(b.URL), "weight", b.Weight, "model", b.model()}
+		if cfg.DisaggregatedServing.Enabled {
+			attrs = append(attrs, "role", b.role().String(), "external_storage", cfg.storageOf(&b))
+		}
+		s.log.Info("backend", attrs...)
 	}
 }

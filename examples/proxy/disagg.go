@@ -1,0 +1,320 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+
+	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/disagg"
+	"github.com/kvroute/kvroute/prefixkey"
+)
+
+// The two-phase flow of disaggregated serving. RouteDisagg chooses a path:
+//
+//   - fast_decode, unified, fallback: the client's request goes to the chosen backend as it came
+//     (a decode backend whose cache, or storage, holds the prefix loads it by itself);
+//   - prefill_then_decode: a prefill request (the client's body with max_tokens 1, not streamed,
+//     and kv_transfer_params {"do_remote_decode": true, "do_remote_prefill": false}) goes to the
+//     prefill backend under prefill_timeout; the kv_transfer_params of its answer are added to the
+//     client's body, which goes to the decode backend, whose response headers must arrive within
+//     kv_transfer_timeout (it loads the KV first); its answer is streamed to the client.
+//
+// A failed prefill (connection error, timeout, 408, 429, 5xx, an answer without
+// kv_transfer_params) re-plans the request onto a unified backend (DisaggDecision.PrefillFailed);
+// a decode backend that fails before answering is replaced by a unified backend. Both need
+// fallback_to_unified.
+
+// headerRequestID is the request-id header; the prefill and decode requests of one client request
+// carry the same value, so that engines can match the two phases.
+const headerRequestID = "X-Request-Id"
+
+// prefillTransferParams asks the prefill engine to compute the prompt's KV for a remote decode.
+var prefillTransferParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":false}`)
+
+// maxPrefillResponse caps the prefill answer read (one generated token and the transfer
+// parameters: a few KiB).
+const maxPrefillResponse = 4 << 20
+
+// Errors of a remote prefill.
+var (
+	errPrefillTimeout   error = timeoutError("no answer within prefill_timeout")
+	errNoTransferParams       = errors.New("the prefill answer has no kv_transfer_params object")
+)
+
+// prefillResult is the outcome of a remote prefill: the kv_transfer_params object of its answer,
+// or an answer to relay to the client (the backend refused the request itself: a 4xx), or the
+// failure.
+type prefillResult struct {
+	params []byte
+	relay  *relayedResponse
+	err    error
+}
+
+// relayedResponse is an upstream answer passed to the client as it is (hop-by-hop headers
+// aside).
+type relayedResponse struct {
+	status int
+	header http.Header
+	body   []byte
+}
+
+// forwardDisagg serves one request with disaggregation on.
+func (s *server) forwardDisagg(w http.ResponseWriter, r *http.Request, pr *parsedRequest) {
+	ctx := r.Context()
+	d, err := s.router.RouteDisagg(ctx, pr.req)
+	if err != nil {
+		s.routeError(w, pr, err)
+		return
+	}
+	up := disaggUpstream(d, pr.body)
+	if d.Path == disagg.PathPrefillThenDecode {
+		reqID := r.Header.Get(headerRequestID)
+		if reqID == "" {
+			reqID = newRequestID()
+		}
+		res := s.prefill(ctx, r, pr, d.Prefill, reqID)
+		switch {
+		case ctx.Err() != nil: // the client left: nobody reads an answer
+			d.Done(kvroute.Outcome{})
+			return
+		case res.relay != nil:
+			d.PrefillDone(kvroute.Outcome{})
+			d.Done(kvroute.Outcome{})
+			s.relay(w, d, res.relay)
+			return
+		case res.err != nil:
+			prefillBackend := d.Prefill
+			s.log.Warn("prefill failed; falling back to a unified backend", "backend", prefillBackend, "err", res.err)
+			nd, err := d.PrefillFailed(ctx, res.err)
+			if err != nil {
+				if errors.Is(err, kvroute.ErrNoBackend) {
+					writeAPIError(w, pr.format, http.StatusServiceUnavailable, "no_healthy_backend", "",
+						"the prefill on "+prefillBackend+" failed ("+res.err.Error()+") and no unified backend can serve the request")
+					return
+				}
+				s.routeError(w, pr, err)
+				return
+			}
+			d, up = nd, disaggUpstream(nd, pr.body)
+		default:
+			d.PrefillDone(kvroute.Outcome{})
+			body, err := editTopLevel(pr.body, jsonEdit{"kv_transfer_params", res.params})
+			if err != nil { // the body parsed as an object: not reached
+				d.Done(kvroute.Outcome{})
+				s.log.Error("cannot add kv_transfer_params to the request", "err", err)
+				writeAPIError(w, pr.format, http.StatusInternalServerError, "internal_error", "", "cannot build the decode request")
+				return
+			}
+			up.body = body
+			up.headerTimeout = time.Duration(s.cfg.DisaggregatedServing.KVTransferTimeout)
+			up.requestID = reqID
+		}
+	}
+	retry, err := s.proxyTo(w, r, pr, up, "", s.canFallback(d))
+	if !retry {
+		return
+	}
+	s.failedBeforeAnswer(ctx, up, err)
+	// The second attempt goes to a unified backend: the whole request, as the client sent it.
+	var d2 *kvroute.Decision
+	var err2 error
+	if d.Unified != nil {
+		d2, err2 = s.routeAvoiding(ctx, pr.req, up.backend, err)
+	} else {
+		d2, err2 = s.router.Route(ctx, pr.req)
+	}
+	path := disagg.PathFallback
+	if d.Path == disagg.PathUnified { // no pools to fall back from: another unified backend
+		path = disagg.PathUnified
+	}
+	s.retryOn(w, r, pr, up.backend, err, d2, err2, &disagg.Plan{Path: path})
+}
+
+// disaggUpstream is the attempt for d's decode (or unified) backend with the client's body.
+// X-Kvroute-Route is the plan's reason on the disaggregated paths (local_hit, storage_hit,
+// short_prompt, cache_miss) and the unified decision's label on the others.
+func disaggUpstream(d *kvroute.DisaggDecision, body []byte) *upstream {
+	plan := d.Plan
+	up := &upstream{backend: d.Decode, route: d.Reason.String(), plan: &plan, lease: d, body: body}
+	if d.Unified != nil {
+		up.route = d.Unified.Reason.String()
+	}
+	return up
+}
+
+// canFallback reports whether a decode or unified attempt of d that fails before answering may be
+// retried: on a unified backend (another one when d is already on one), with fallback_to_unified.
+func (s *server) canFallback(d *kvroute.DisaggDecision) bool {
+	if !*s.cfg.DisaggregatedServing.FallbackToUnified && d.Path != disagg.PathUnified {
+		return false
+	}
+	n := 0
+	for _, b := range s.cfg.Backends {
+		if b.role() == disagg.RoleUnified && b.Name != d.Decode && s.health.inRotation(b.Name) {
+			n++
+		}
+	}
+	return n > 0
+}
+
+// prefill runs the remote prefill of the request on backend, under prefill_timeout (and the
+// client's context), and records its outcome in the backend's circuit breaker.
+func (s *server) prefill(ctx context.Context, r *http.Request, pr *parsedRequest, backend, reqID string) prefillResult {
+	res := s.doPrefill(ctx, r, pr, backend, reqID)
+	switch {
+	case ctx.Err() != nil:
+	case res.err != nil:
+		s.health.observeRequest(backend, true, res.err)
+		s.tel.upstreamErrors.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("backend", backend),
+			attribute.String("kind", prefillErrKind(res.err))))
+	default:
+		s.health.observeRequest(backend, false, nil)
+	}
+	return res
+}
+
+func (s *server) doPrefill(ctx context.Context, r *http.Request, pr *parsedRequest, backend, reqID string) prefillResult {
+	body, err := prefillBody(pr)
+	if err != nil {
+		return prefillResult{err: fmt.Errorf("prefill request: %w", err)}
+	}
+	pctx, cancel := context.WithTimeoutCause(ctx, time.Duration(s.cfg.DisaggregatedServing.PrefillTimeout), errPrefillTimeout)
+	defer cancel()
+	u := s.backends[backend].JoinPath(r.URL.Path)
+	u.RawQuery = r.URL.RawQuery
+	req, err := http.NewRequestWithContext(pctx, http.MethodPost, u.String(), bytes.NewReader(body))
+	if err != nil {
+		return prefillResult{err: err}
+	}
+	req.Header = upstreamHeader(r.Header)
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "application/json")
+	req.Header.Set(headerRequestID, reqID)
+	resp, err := s.transport.RoundTrip(req)
+	if err != nil {
+		if errors.Is(context.Cause(pctx), errPrefillTimeout) {
+			err = errPrefillTimeout
+		}
+		return prefillResult{err: err}
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, maxPrefillResponse+1))
+	if err != nil {
+		if errors.Is(context.Cause(pctx), errPrefillTimeout) {
+			err = errPrefillTimeout
+		}
+		return prefillResult{err: fmt.Errorf("reading the prefill answer: %w", err)}
+	}
+	code := resp.StatusCode
+	switch {
+	case code >= 500 || code == http.StatusRequestTimeout || code == http.StatusTooManyRequests:
+		return prefillResult{err: &statusError{code: code}}
+	case code >= 400:
+		return prefillResult{relay: &relayedResponse{status: code, header: withoutHopHeaders(resp.Header.Clone()), body: b}}
+	case code < 200 || code > 299:
+		return prefillResult{err: &statusError{code: code}}
+	case len(b) > maxPrefillResponse:
+		return prefillResult{err: fmt.Errorf("the prefill answer exceeds %d bytes", maxPrefillResponse)}
+	}
+	params, ok, err := topLevelValue(b, "kv_transfer_params")
+	if err != nil || !ok || len(params) == 0 || params[0] != '{' {
+		return prefillResult{err: errNoTransferParams}
+	}
+	return prefillResult{params: params}
+}
+
+// prefillErrKind classifies a prefill failure for metrics.
+func prefillErrKind(err error) string {
+	if se, ok := errors.AsType[*statusError](err); ok && se.code >= 500 {
+		return "status_5xx"
+	}
+	if errors.Is(err, errNoTransferParams) {
+		return "no_kv_transfer_params"
+	}
+	return errKind(err)
+}
+
+// prefillBody returns the prefill request's body: the client's body with max_tokens 1
+// (max_completion_tokens for a chat request that uses it), stream false, no stream_options or
+// min_tokens, and kv_transfer_params asking for a remote decode. Every other member is kept as it
+// came.
+func prefillBody(pr *parsedRequest) ([]byte, error) {
+	one := []byte("1")
+	edits := make([]jsonEdit, 0, 6)
+	edits = append(edits, jsonEdit{"stream", []byte("false")}, jsonEdit{"stream_options", nil},
+		jsonEdit{"min_tokens", nil}, jsonEdit{"kv_transfer_params", prefillTransferParams})
+	p := pr.req.Params
+	if pr.format == prefixkey.FormatOpenAIChat && p.MaxCompletionTokens.Set {
+		edits = append(edits, jsonEdit{"max_completion_tokens", one})
+		if p.MaxTokens.Set {
+			edits = append(edits, jsonEdit{"max_tokens", one})
+		}
+	} else {
+		edits = append(edits, jsonEdit{"max_tokens", one})
+	}
+	return editTopLevel(pr.body, edits...)
+}
+
+// relay answers the client with a prefill backend's refusal of the request.
+func (s *server) relay(w http.ResponseWriter, d *kvroute.DisaggDecision, res *relayedResponse) {
+	h := w.Header()
+	for k, v := range res.header {
+		h[k] = v
+	}
+	d.SetHeaders(h)
+	h.Set(HeaderBackend, d.Prefill)
+	h.Set(HeaderRoute, d.Reason.String())
+	h.Set("Content-Length", strconv.Itoa(len(res.body)))
+	w.WriteHeader(res.status)
+	_, _ = w.Write(res.body)
+}
+
+// hopHeaders are the hop-by-hop headers (RFC 9110 section 7.6.1) a proxy does not forward.
+var hopHeaders = []string{"Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization",
+	"Te", "Trailer", "Transfer-Encoding", "Upgrade"}
+
+// upstreamHeader returns the client's headers for a request of the proxy's own to a backend:
+// without hop-by-hop headers (and those Connection names), Content-Length, Expect and
+// Accept-Encoding (identity bodies).
+func upstreamHeader(in http.Header) http.Header {
+	h := withoutHopHeaders(in.Clone())
+	h.Del("Expect")
+	h.Del("Accept-Encoding")
+	return h
+}
+
+// withoutHopHeaders deletes from h the hop-by-hop headers, those its Connection header names, and
+// Content-Length; it returns h.
+func withoutHopHeaders(h http.Header) http.Header {
+	for _, f := range h.Values("Connection") {
+		for _, name := range strings.Split(f, ",") {
+			if n := strings.TrimSpace(name); n != "" {
+				h.Del(n)
+			}
+		}
+	}
+	for _, k := range hopHeaders {
+		h.Del(k)
+	}
+	h.Del("Content-Length")
+	return h
+}
+
+// newRequestID returns 16 random bytes in hex.
+func newRequestID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
