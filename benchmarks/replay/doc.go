@@ -51,6 +51,14 @@
 // slots and compute (a global LRU, load spread ideally), and an infinite cache (the ceiling of
 // the workload's reuse; its TTFT is the prefill at that hit without queueing).
 //
+// # Prefill/decode disaggregation
+//
+// RunPD replays a workload on a fleet of prefill and decode engines (PDConfig) routed by
+// kvroute's RouteDisagg (PolicyPD): a prefill engine computes the prompt and writes its blocks to
+// an enginesim.VirtualStorage (announced as storage-tier KV events), a decode engine reads the
+// blocks it lacks and decodes; transfers take bytes over bandwidth. PDComparison runs P/D fleets
+// against unified fleets of as many engines at the same arrival times.
+//
 // # Use
 //
 //	w, err := replay.ReadTraceFile("trace.jsonl.gz")

@@ -23,6 +23,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/benchmarks/replay"
 )
 
@@ -40,6 +41,10 @@ type options struct {
 	utilisation                                  float64
 	lag                                          time.Duration
 	parallelPrefill                              bool
+	pd                                           string
+	bytesPerToken                                int64
+	bandwidth                                    float64
+	pdSpecOff                                    bool
 }
 
 func run(args []string, stdout io.Writer) error {
@@ -61,8 +66,15 @@ func run(args []string, stdout io.Writer) error {
 	fs.IntVar(&o.limit, "limit", 0, "replay only the first N requests (0: all)")
 	fs.IntVar(&o.common, "common-prefix-tokens", 0, "prepend this many tokens shared by every request (one first block and prefix key for all)")
 	fs.IntVar(&o.workers, "workers", runtime.GOMAXPROCS(0), "policies simulated in parallel")
+	fs.StringVar(&o.pd, "pd", "", "compare prefill/decode fleets (comma-separated prefill:decode, e.g. 2:6) with -policies (default kvroute) on unified fleets of as many engines, same arrivals")
+	fs.Int64Var(&o.bytesPerToken, "bytes-per-token", replay.DefaultBytesPerToken, "with -pd: KV bytes per token moved through storage")
+	fs.Float64Var(&o.bandwidth, "storage-bandwidth", replay.DefaultStorageBandwidth, "with -pd: bytes per second of each transfer between an engine and storage")
+	fs.BoolVar(&o.pdSpecOff, "pd-speculation-off", false, "with -pd: turn tier 4's speculation off for the P/D router")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if o.pd != "" {
+		return runPD(fs, o, stdout)
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
@@ -281,4 +293,59 @@ func writeOutputs(o options, name string, rs []replay.Result, ss []replay.Summar
 		i = j
 	}
 	return nil
+}
+
+// runPD runs the -pd comparison and writes its outputs as <workload>-pd-<P>x<D>.*.
+func runPD(fs *flag.FlagSet, o options, stdout io.Writer) error {
+	fleets, err := replay.ParsePD(o.pd)
+	if err != nil {
+		return err
+	}
+	baseline := []string{replay.PolicyKVRoute}
+	fs.Visit(func(f *flag.Flag) {
+		if f.Name == "policies" {
+			baseline = nil
+		}
+	})
+	if baseline == nil {
+		if baseline, err = replay.ParsePolicies(o.policies); err != nil {
+			return err
+		}
+	}
+	for i := range fleets {
+		fleets[i].BytesPerToken, fleets[i].BandwidthBytesPerSec = o.bytesPerToken, o.bandwidth
+		if o.pdSpecOff {
+			fleets[i].Speculation = kvroute.SpeculateOff
+		}
+	}
+	if o.sweep != "" {
+		return errors.New("-pd does not combine with -sweep")
+	}
+	seeds, err := parseSeeds(o.seeds)
+	if err != nil {
+		return err
+	}
+	c := replay.PDComparison{Workloads: map[uint64]*replay.Workload{}, Seeds: seeds, Baseline: baseline, Fleets: fleets,
+		Workers: o.workers, Base: replay.Config{CapacityTokens: o.capacity, BlockSize: o.blockSize,
+			Utilisation: o.utilisation, EventLag: o.lag, ParallelPrefill: o.parallelPrefill}}
+	for _, seed := range seeds {
+		if c.Workloads[seed], err = load(o, seed); err != nil {
+			return err
+		}
+	}
+	start := time.Now()
+	rs, err := c.Run()
+	if err != nil {
+		return err
+	}
+	ss := replay.SummarisePD(rs)
+	if err := replay.WritePDTable(stdout, ss); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "\n%d requests × %d runs in %.1f s wall (%d workers)\n", len(c.Workloads[seeds[0]].Requests), len(rs),
+		time.Since(start).Seconds(), o.workers)
+	if o.out == "" {
+		return nil
+	}
+	return replay.WritePDOutputs(o.out, replay.PDStem(c.Workloads[seeds[0]].Name, fleets), rs, ss)
 }
