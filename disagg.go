@@ -102,6 +102,7 @@ type DisaggDecision struct {
 	pst, dst   *backendState
 	start      time.Time
 	prefillEnd atomic.Int64 // UnixNano of PrefillDone, 0 before
+	specKeys   []uint64     // block keys PrefillDone speculates for Decode (prefill_then_decode)
 }
 
 // RouteDisagg chooses the routing path and backends for req and takes the slots of the phases it
@@ -176,9 +177,14 @@ func (r *DefaultRouter) RouteDisagg(ctx context.Context, req *prefixkey.Request)
 	}
 	if k := r.kv; k != nil && k.specTTL > 0 && len(s.keys) > 0 {
 		if d.Prefill != "" {
-			_ = k.cfg.Index.Speculate(ctx, d.Prefill, s.keys, k.specTTL)
+			// The prompt's KV exists only once the prefill has computed it and written it to
+			// storage, on its way to the decode backend: PrefillDone speculates for both. Doing it
+			// now would send a twin request arriving meanwhile, as a local or storage hit, to a
+			// decode backend that would find nothing and compute the whole prompt itself.
+			d.specKeys = append([]uint64(nil), s.keys...)
+		} else {
+			_ = k.cfg.Index.Speculate(ctx, d.Decode, s.keys, k.specTTL)
 		}
-		_ = k.cfg.Index.Speculate(ctx, d.Decode, s.keys, k.specTTL)
 	}
 	t.counters.Record(d.Plan)
 	t.metrics.recordPlan(ctx, d.Plan)
@@ -323,7 +329,19 @@ func (r *DefaultRouter) disaggCandidates(ctx context.Context, d *DisaggDecision,
 // prefill backend (latency and success, as Decision.Done does). Only the first call (of
 // PrefillDone, PrefillFailed and Done) releases the slot; a no-op for decisions without a prefill
 // phase and for a nil decision. Safe for concurrent use.
-func (d *DisaggDecision) PrefillDone(o Outcome) { d.endPrefill(o) }
+//
+// A successful prefill (o.Err nil) also records speculative index entries for the prefill backend,
+// which holds the prompt's KV and has written it to storage, and for the decode backend, which is
+// about to load it; they use a background context, bounded by the index.
+func (d *DisaggDecision) PrefillDone(o Outcome) {
+	if d.endPrefill(o) && o.Err == nil && d.specKeys != nil {
+		if k := d.router.kv; k != nil {
+			_ = k.cfg.Index.Speculate(context.Background(), d.Prefill, d.specKeys, k.specTTL)
+			_ = k.cfg.Index.Speculate(context.Background(), d.Decode, d.specKeys, k.specTTL)
+		}
+		d.specKeys = nil
+	}
+}
 
 // endPrefill releases the prefill slot and records o; it reports whether this call released it.
 func (d *DisaggDecision) endPrefill(o Outcome) bool {

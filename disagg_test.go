@@ -241,6 +241,13 @@ func TestRouteDisaggPhases(t *testing.T) {
 	assert.Equal(t, 1, loads[d.Prefill])
 	assert.Equal(t, 1, loads[d.Decode])
 
+	// Before the prefill is done nobody holds the prompt: a twin request is no hit anywhere.
+	twin, err := r.RouteDisagg(ctx, dgReq(toks))
+	require.NoError(t, err)
+	assert.Equal(t, disagg.PathPrefillThenDecode, twin.Path, "%+v", twin.Plan)
+	assert.Zero(t, twin.ExpectedCachedTokens)
+	twin.Done(Outcome{}) // ends both phases; no prefill done, no speculation
+
 	d.PrefillDone(Outcome{})
 	d.PrefillDone(Outcome{Err: errors.New("late")}) // idempotent: no second release or outcome
 	loads = dgLoads(r)

@@ -48,8 +48,8 @@ type PDConfig struct {
 	BytesPerToken        int64
 	BandwidthBytesPerSec float64
 	// Speculation is tier 4's speculation mode (kvroute.KVConfig.Speculation; the zero value is
-	// kvroute's default, short speculation). RouteDisagg speculates that the chosen decode engine
-	// holds the prompt from the moment it routes, before the remote prefill and the transfer.
+	// kvroute's default, short speculation). For a remote prefill, RouteDisagg speculates for the
+	// prefill and decode engines when the prefill is done (PrefillDone), not when it routes.
 	Speculation kvroute.Speculation
 	// Disagg is the router's disaggregation configuration; its zero value is disagg's defaults.
 	// A zero DefaultStorage is replaced by the fleet's shared storage location.

@@ -32,7 +32,7 @@ func TestRunPDCompletesAndAccounts(t *testing.T) {
 	require.Equal(t, 4, res.Engines)
 
 	// Every request reached its decode engine's first token and finished, after its transfers.
-	pt := 0
+	pt, twins := 0, 0
 	for i := range s.reqs {
 		r := &s.reqs[i]
 		require.NotNil(t, r.d, "request %d", i)
@@ -43,7 +43,11 @@ func TestRunPDCompletesAndAccounts(t *testing.T) {
 		case disagg.PathPrefillThenDecode:
 			pt++
 			require.GreaterOrEqual(t, int(r.prefill), 0)
-			require.Positive(t, r.write+r.read, "request %d: a remote prefill without a transfer", i)
+			if r.write+r.read == 0 {
+				// A twin of a request whose prefill was still running when it was routed: its KV
+				// was already in storage and at the decode engine when its own prefill ended.
+				twins++
+			}
 		case disagg.PathFastDecode:
 			require.Equal(t, int32(-1), r.prefill)
 		default:
@@ -52,6 +56,8 @@ func TestRunPDCompletesAndAccounts(t *testing.T) {
 		require.GreaterOrEqual(t, int(r.decode), pdFleet.Prefill, "request %d decoded on a prefill engine", i)
 	}
 	require.Positive(t, pt, "no request took the remote prefill")
+	t.Logf("%d remote prefills, %d of them twins with nothing to transfer", pt, twins)
+	require.Less(t, twins, pt, "some remote prefills transfer their KV")
 	require.Equal(t, pt, res.Paths["prefill_then_decode"])
 	require.Equal(t, len(w.Requests)-pt, res.Paths["fast_decode"])
 	require.Positive(t, res.Paths["fast_decode"], "no request reused a cached prefix")
@@ -107,9 +113,9 @@ func TestRunPDConditionalThreshold(t *testing.T) {
 	require.Greater(t, res2.Paths["prefill_then_decode"], res.Paths["prefill_then_decode"])
 	require.LessOrEqual(t, res2.DecodeComputedMax, 300)
 
-	// With kvroute's default speculation the router takes the decode engine of a remote prefill
-	// to hold the prompt before the prefill is over: a request sharing the prompt that arrives
-	// meanwhile goes to that engine as a local hit, which then computes the prompt itself.
+	// With kvroute's default speculation the same holds but for local hits on entries the router
+	// recorded for a decode engine (after a prefill was done, while the transfer runs): a decode
+	// engine may then compute part of a prompt it was expected to hold.
 	s3, res3 := runPDSim(t, w, cfg, pdFleet)
 	for i := range s3.reqs {
 		r := &s3.reqs[i]
