@@ -74,6 +74,7 @@ type attempt struct {
 	stream    bool
 	canRetry  bool   // a failure before the response may be retried elsewhere
 	requestID string // X-Request-Id to set, when not empty
+	body      []byte // the upstream request's body
 	status    int    // the upstream's status, 0 before its response
 	err       error  // the transport's (or ModifyResponse's) error, before anything was written
 	// headers is headersWaiting until the response headers arrive (headersArrived) or the header
@@ -121,15 +122,24 @@ func (s *server) newReverseProxy() *httputil.ReverseProxy {
 			a := pr.In.Context().Value(attemptKey).(*attempt)
 			pr.SetURL(a.target)
 			pr.SetXForwarded()
+			// ReverseProxy wraps the body in a reader net/http does not know to be in memory, which
+			// makes the transport send the headers and the body in two writes; the body is ours and
+			// in memory, so hand the transport a reader it recognises: one write per request.
+			if pr.Out.Body != nil {
+				setBody(pr.Out, a.body)
+			}
 			// Identity bodies: cacheable and streamed as they come.
 			pr.Out.Header.Del("Accept-Encoding")
 			if a.requestID != "" {
 				pr.Out.Header.Set(headerRequestID, a.requestID)
 			}
 		},
-		Transport:     s.transport,
-		FlushInterval: -1,
-		ErrorLog:      slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
+		Transport: s.transport,
+		// FlushInterval 0: ReverseProxy flushes streams (text/event-stream, or no
+		// Content-Length) after every write by itself, and writes a response of known length
+		// with its headers in one go. -1 would also flush a plain JSON answer's headers apart
+		// from its body, from a timer goroutine: two writes and a goroutine per request.
+		ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
 		ModifyResponse: func(res *http.Response) error {
 			a := res.Request.Context().Value(attemptKey).(*attempt)
 			if !a.headers.CompareAndSwap(headersWaiting, headersArrived) && a.headers.Load() == headersTimedOut {
@@ -359,6 +369,7 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 		defer t.Stop()
 	}
 	out := r.WithContext(context.WithValue(upCtx, attemptKey, a))
+	a.body = up.body
 	setBody(out, up.body)
 
 	completed := false
