@@ -325,38 +325,21 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 // acquireBest tries the scored candidates best first and takes a slot on the first one under its
 // CHWBL bound. It returns the candidate's index, or -1 when all are at their bound.
 func (r *DefaultRouter) acquireBest(s *scratch4, d *Decision) int {
-	s.order = s.order[:0]
+	s.work, s.order = s.work[:0], s.order[:0]
 	for i := range s.cands {
+		s.work = append(s.work, -s.scores[i])
 		if !math.IsInf(s.scores[i], -1) && !math.IsNaN(s.scores[i]) {
 			s.order = append(s.order, i)
 		}
 	}
-	// Selection by repeated best pick: the first try nearly always succeeds, so a full sort would
-	// be wasted work.
-	for len(s.order) > 0 {
-		bi := 0
-		for k := 1; k < len(s.order); k++ {
-			a, b := s.order[k], s.order[bi]
-			if s.scores[a] > s.scores[b] || (s.scores[a] == s.scores[b] && lessLoaded(&s.cands[a], &s.cands[b])) {
-				bi = k
-			}
-		}
-		i := s.order[bi]
-		if ok, _ := r.ring.TryAcquireBackend(&d.handle, s.cands[i].Backend); ok {
-			return i
-		}
-		s.order[bi] = s.order[len(s.order)-1]
-		s.order = s.order[:len(s.order)-1]
-	}
-	return -1
+	return r.acquireLowest(s, d)
 }
 
 // acquireLeastWork takes a slot, under its CHWBL bound, on the candidate with the least prefill
 // work per unit of weight: its backlog plus the request's tokens it does not hold; ties go to the
 // less loaded. It returns the candidate's index, or -1 when all are at their bound.
 func (r *DefaultRouter) acquireLeastWork(s *scratch4, d *Decision, set *backendSet) int {
-	s.work = s.work[:0]
-	s.order = s.order[:0]
+	s.work, s.order = s.work[:0], s.order[:0]
 	for i := range s.cands {
 		c := &s.cands[i]
 		w := c.Weight
@@ -370,6 +353,14 @@ func (r *DefaultRouter) acquireLeastWork(s *scratch4, d *Decision, set *backendS
 		s.work = append(s.work, (float64(backlog)+float64(max(s.ntok-c.CachedTokens, 0)))/w)
 		s.order = append(s.order, i)
 	}
+	return r.acquireLowest(s, d)
+}
+
+// acquireLowest tries the candidates of s.order by increasing s.work (ties to the less loaded)
+// and takes a slot on the first one under its CHWBL bound. It returns the candidate's index, or
+// -1 when all are at their bound. Selection by repeated lowest pick: the first try nearly always
+// succeeds, so a full sort would be wasted work.
+func (r *DefaultRouter) acquireLowest(s *scratch4, d *Decision) int {
 	for len(s.order) > 0 {
 		bi := 0
 		for k := 1; k < len(s.order); k++ {
