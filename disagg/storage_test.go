@@ -22,10 +22,11 @@ func TestStorageRedaction(t *testing.T) {
 	slog.New(slog.NewTextHandler(&slogText, nil)).Info("storage", "s", s, "plan", plan)
 	slog.New(slog.NewJSONHandler(&slogJSON, nil)).Info("storage", "s", s, "p", &s)
 	outputs := map[string]string{
-		"String":    s.String(),
-		"%v":        fmt.Sprintf("%v", s),
-		"%+v":       fmt.Sprintf("%+v", s),
-		"%#v":       fmt.Sprintf("%#v", s),
+		"String": s.String(),
+		"%v":     fmt.Sprintf("%v", s),
+		"%+v":    fmt.Sprintf("%+v", s),
+		"%#v":    fmt.Sprintf("%#v", s),
+		//lint:ignore S1025 the test checks what fmt prints for a pointer
 		"%s ptr":    fmt.Sprintf("%s", &s),
 		"%q":        fmt.Sprintf("%q", s),
 		"config":    fmt.Sprintf("%+v", cfg),

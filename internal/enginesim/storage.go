@@ -170,9 +170,9 @@ func redacted(s string) string {
 func (c StorageConfig) withDefaults() (StorageConfig, error) {
 	switch {
 	case c.Bucket == "":
-		return c, errors.New("Bucket is required")
+		return c, errors.New("storage: Bucket is required")
 	case c.Endpoint == "":
-		return c, errors.New("Endpoint is required")
+		return c, errors.New("storage: Endpoint is required")
 	case c.BytesPerToken < 0:
 		return c, fmt.Errorf("BytesPerToken %d: want ≥ 0", c.BytesPerToken)
 	case c.BandwidthBytesPerSec < 0, math.IsNaN(c.BandwidthBytesPerSec), math.IsInf(c.BandwidthBytesPerSec, 0):
@@ -191,7 +191,7 @@ func (c StorageConfig) withDefaults() (StorageConfig, error) {
 	}
 	for _, seg := range strings.Split(c.Namespace, "/") {
 		if seg == "" || seg == "." || seg == ".." {
-			return c, fmt.Errorf("Namespace %q: empty, \".\" or \"..\" path segment", c.Namespace)
+			return c, fmt.Errorf("storage: Namespace %q: empty, \".\" or \"..\" path segment", c.Namespace)
 		}
 	}
 	if c.Region == "" {
@@ -217,13 +217,13 @@ func splitEndpoint(ep string) (host string, secure bool, err error) {
 	u, err := url.Parse(ep)
 	switch {
 	case err != nil: // the URL is not printed: it may hold credentials
-		return "", false, errors.New("Endpoint is not a URL: want http://host[:port] or https://host[:port]")
+		return "", false, errors.New("storage: Endpoint is not a URL: want http://host[:port] or https://host[:port]")
 	case u.Scheme != "http" && u.Scheme != "https":
-		return "", false, fmt.Errorf("Endpoint %q: want http://host[:port] or https://host[:port]", u.Redacted())
+		return "", false, fmt.Errorf("storage: Endpoint %q: want http://host[:port] or https://host[:port]", u.Redacted())
 	case u.User != nil:
-		return "", false, errors.New("Endpoint: credentials in the URL are not supported; use AccessKey and SecretKey")
+		return "", false, errors.New("storage: Endpoint: credentials in the URL are not supported; use AccessKey and SecretKey")
 	case u.Host == "", u.Path != "" && u.Path != "/", u.RawQuery != "", u.Fragment != "":
-		return "", false, fmt.Errorf("Endpoint %q: want scheme://host[:port] only", u.Redacted())
+		return "", false, fmt.Errorf("storage: Endpoint %q: want scheme://host[:port] only", u.Redacted())
 	}
 	return u.Host, u.Scheme == "https", nil
 }
