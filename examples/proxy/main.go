@@ -45,6 +45,7 @@ import (
 	"net/http/pprof"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"syscall"
@@ -75,6 +76,7 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 		verbose   = fs.Bool("v", false, "debug logging")
 		logFormat = fs.String("log-format", "text", "log format: text or json")
 		pprofAddr = fs.String("pprof", "", "serve net/http/pprof on this address (e.g. 127.0.0.1:6060); off when empty")
+		gcPercent = fs.Int("gc-percent", defaultGCPercent, "garbage-collection target percentage (debug.SetGCPercent), unless GOGC is set")
 	)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: proxy [-config FILE] [-addr HOST:PORT] [flags]\n\n")
@@ -82,6 +84,9 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 	}
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if _, set := os.LookupEnv("GOGC"); !set {
+		debug.SetGCPercent(*gcPercent)
 	}
 	addrSet := false
 	fs.Visit(func(f *flag.Flag) { addrSet = addrSet || f.Name == "addr" })
@@ -309,6 +314,11 @@ func run(ctx context.Context, cfg *Config, ln net.Listener, log *slog.Logger) er
 	log.Info("stopped")
 	return nil
 }
+
+// defaultGCPercent is -gc-percent's default. The proxy's live heap is small (its caches aside), and
+// most of its garbage is per-request buffers: collecting at 4× the live heap instead of 2× cut
+// its CPU per request enough for about 30 % more requests per second under wrk (BENCHMARKS.md).
+const defaultGCPercent = 400
 
 // servePprof serves the runtime profiles of net/http/pprof on their own listener, apart from the
 // proxy's mux so that they are never exposed on the serving address. The returned func stops it.
