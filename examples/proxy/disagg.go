@@ -90,7 +90,8 @@ func (s *server) forwardDisagg(w http.ResponseWriter, r *http.Request, pr *parse
 			d.Done(kvroute.Outcome{})
 			return
 		case res.relay != nil:
-			d.PrefillDone(kvroute.Outcome{})
+			// The prefill backend refused the request itself: no KV was computed (PrefillDone
+			// would record speculative entries for it); Done ends both phases.
 			d.Done(kvroute.Outcome{})
 			s.relay(w, d, res.relay)
 			return
