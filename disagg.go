@@ -110,7 +110,8 @@ type DisaggDecision struct {
 // backend, each on its pool's CHWBL ring, under the pool's load bound. It looks the request's block
 // keys up in tier 4's index (when Config.KV is set) for every backend, builds one
 // disagg.Candidate per backend (role, weight, health, prefill or decode phases in flight, cached
-// prefix and its tier, storage) and follows disagg.Planner.Plan; speculative index entries then
+// prefix and its tier, the prefix it has written to storage, storage) and follows
+// disagg.Planner.Plan; speculative index entries then
 // record that the chosen prefill and decode backends will hold the prompt. The unified and
 // fallback paths are routed by Route (tiers 1 and 4 over the unified backends), whose pick
 // becomes Decode. Without Config.Disagg every request takes that unified path (reason disabled).
@@ -313,7 +314,7 @@ func (r *DefaultRouter) disaggCandidates(ctx context.Context, d *DisaggDecision,
 	for i := range s.matches {
 		m := &s.matches[i]
 		c := &s.cands[i]
-		c.CachedTokens, c.Overlap = m.Tokens, m.Score
+		c.CachedTokens, c.Overlap, c.StoredTokens = m.Tokens, m.Score, m.StoredTokens
 		switch m.Tier {
 		case events.TierGPU:
 			c.Tier = disagg.TierGPU

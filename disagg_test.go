@@ -208,6 +208,58 @@ func TestRouteDisaggPaths(t *testing.T) {
 	}
 }
 
+// TestRouteDisaggStoredPrefix: a prefill engine keeps a prompt on its GPU and writes it to
+// external storage (BlockStored on GPU, then on STORAGE, for the same blocks). The index still
+// reports the prefix on GPU, but its StoredTokens make it a storage hit for the decode backend
+// that shares that storage, as soon as the whole prefix is written.
+func TestRouteDisaggStoredPrefix(t *testing.T) {
+	elsewhere := disagg.ExternalStorage{Endpoint: "http://other-store:8080", Namespace: "kv"}
+	ix := dgIndex(t)
+	r := dgRouter(t, ix, disagg.Config{}, func(c *Config) {
+		c.KV.Speculation = SpeculateOff
+		for i := range c.Backends {
+			if n := c.Backends[i].Name; n == "decode-1" || n == "decode-2" {
+				c.Backends[i].Storage = &elsewhere
+			}
+		}
+	})
+	long := dgTokens(9, 64*16+5) // 64 full blocks
+	route := func(what string) *DisaggDecision {
+		t.Helper()
+		d, err := r.RouteDisagg(context.Background(), dgReq(long))
+		require.NoError(t, err, what)
+		d.Done(Outcome{})
+		return d
+	}
+
+	dgHold(t, ix, "prefill-1", long, 64, events.TierGPU)
+	d := route("on GPU only")
+	assert.Equal(t, disagg.PathPrefillThenDecode, d.Path, "on GPU only")
+	assert.Equal(t, "prefill-1", d.Prefill, "on GPU only")
+	assert.Equal(t, "decode-3", d.Decode, "on GPU only: the one decode backend reading prefill-1's storage")
+	assert.Equal(t, 1024, d.ExpectedCachedTokens, "on GPU only")
+
+	dgHold(t, ix, "prefill-1", long, 20, events.TierStorage)
+	d = route("20 blocks written")
+	assert.Equal(t, disagg.PathPrefillThenDecode, d.Path, "20 blocks written: 709 tokens left is not short")
+
+	dgHold(t, ix, "prefill-1", long, 64, events.TierStorage)
+	d = route("64 blocks written")
+	assert.Equal(t, disagg.PathFastDecode, d.Path, "64 blocks written")
+	assert.Equal(t, disagg.ReasonStorageHit, d.Reason, "64 blocks written")
+	assert.Equal(t, "decode-3", d.Decode, "64 blocks written: the decode backend sharing the storage")
+	assert.Equal(t, "", d.Prefill, "64 blocks written")
+	assert.Equal(t, 1024, d.ExpectedCachedTokens, "64 blocks written")
+	assert.Equal(t, 5, d.UncachedTokens, "64 blocks written")
+	assert.True(t, d.Storage.SameLocation(dgStore), "64 blocks written: storage %v", d.Storage)
+
+	m, err := ix.Lookup(context.Background(), prefixkey.AppendBlockKeys(nil, prefixkey.BlockRoot("llama-3-8b", ""), long, 16, nil),
+		[]string{"prefill-1"}, make([]kvindex.Match, 1))
+	require.NoError(t, err)
+	assert.Equal(t, kvindex.Match{Backend: "prefill-1", Blocks: 64, Tokens: 1024, Score: 64, Tier: events.TierGPU,
+		StoredBlocks: 64, StoredTokens: 1024}, m[0], "the index still says GPU")
+}
+
 func TestRouteDisaggNoBackend(t *testing.T) {
 	r := dgRouter(t, dgIndex(t), disagg.Config{DisableFallback: true})
 	for _, n := range []string{"decode-1", "decode-2", "decode-3"} {

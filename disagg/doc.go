@@ -14,8 +14,10 @@
 //
 //   - fast_decode: a decode backend serves the request alone. It holds the prompt's prefix in its
 //     own memory (reason local_hit), or loads it from storage where any backend left it (reason
-//     storage_hit: the least-loaded decode backend that reads that storage), or computes the
-//     short uncached part itself (reason short_prompt).
+//     storage_hit: the least-loaded decode backend that reads that storage; a prefix is there when
+//     a backend holds it on the storage tier, or keeps it in memory and has written it to storage
+//     too, Candidate.StoredTokens), or computes the short uncached part itself (reason
+//     short_prompt).
 //   - prefill_then_decode: a prefill backend, chosen by its cached prefix and its prefill load
 //     only, computes the prompt; a decode backend, chosen by its decode load only (it loads the
 //     whole KV, so a cached prefix earns it nothing), generates the tokens.

@@ -34,6 +34,12 @@ type Candidate struct {
 	CachedTokens int
 	Overlap      float64
 	Tier         Tier
+	// StoredTokens is the longest consecutive prefix of the prompt the backend holds in its
+	// external storage (kvindex Match.StoredTokens), whether or not it also holds it on a faster
+	// tier: a prefill backend keeps a prompt on its GPU and writes it to storage. That prefix is
+	// readable by every backend whose storage is at the same location, as is CachedTokens when
+	// Tier is TierStorage; 0 means none (or unknown).
+	StoredTokens int
 	// Storage is the backend's external storage; nil means Config.DefaultStorage.
 	Storage *ExternalStorage
 }
@@ -113,7 +119,7 @@ type Planner struct {
 type scratch struct {
 	pool    []int // candidate indexes of the pool being chosen from
 	decodes []int // the eligible decode backends, while the prefill pool is chosen
-	stored  []int // candidates holding a prefix on their storage tier
+	stored  []int // candidates holding a prefix on their storage tier (see storedOf)
 	reuse   []int // per pool entry: tokens a decode backend can reuse
 	local   []bool
 	cands   []scorer.Candidate
@@ -142,8 +148,9 @@ func (p *Planner) Config() Config { return p.cfg }
 //  2. No prefill or decode backend at all: unified (reason no_pools).
 //  3. No healthy decode backend: fallback (reason pool_unavailable).
 //  4. Among the healthy decode backends under their pool's load bound, the one that can reuse the
-//     longest prefix wins: held in its own memory (GPU or CPU tier), or on the storage tier of any
-//     backend whose storage is at its location; at equal length its own memory beats storage, then
+//     longest prefix wins: held in its own memory (GPU or CPU tier), or in the storage of any
+//     backend whose storage is at its location (the longer of its StoredTokens and, when its Tier
+//     is TierStorage, its CachedTokens); at equal length its own memory beats storage, then
 //     the lower decode load (relative to weight) wins. If the part it cannot reuse is short
 //     (conditional disaggregation, see Config) — or with conditional disaggregation off, if it can
 //     reuse anything — the path is fast_decode (reason local_hit, storage_hit, or short_prompt when
@@ -225,7 +232,7 @@ func (p *Planner) fastDecode(in Input, s *scratch) (Plan, bool) {
 	cands := in.Candidates
 	s.stored = s.stored[:0]
 	for bi := range cands {
-		if cands[bi].Tier == TierStorage && cands[bi].CachedTokens > 0 {
+		if storedOf(&cands[bi]) > 0 {
 			s.stored = append(s.stored, bi)
 		}
 	}
@@ -239,8 +246,8 @@ func (p *Planner) fastDecode(in Input, s *scratch) (Plan, bool) {
 		stored := 0
 		for _, bi := range s.stored {
 			b := &cands[bi]
-			if b.CachedTokens > stored && (bi == di || p.reachable(b, d)) {
-				stored = b.CachedTokens
+			if n := storedOf(b); n > stored && (bi == di || p.reachable(b, d)) {
+				stored = n
 			}
 		}
 		s.reuse = append(s.reuse, max(local, stored))
@@ -428,6 +435,16 @@ func (p *Planner) storageOf(c *Candidate) ExternalStorage {
 		return *c.Storage
 	}
 	return p.cfg.DefaultStorage
+}
+
+// storedOf returns the length of the prefix c holds in its external storage: StoredTokens, or
+// CachedTokens when the whole cached prefix is on the storage tier, whichever is longer.
+func storedOf(c *Candidate) int {
+	n := max(c.StoredTokens, 0)
+	if c.Tier == TierStorage {
+		n = max(n, c.CachedTokens)
+	}
+	return n
 }
 
 // reachable reports whether d can read the prefix b holds on its storage tier: both have storage,

@@ -30,6 +30,9 @@ func overlapOf(tokens int, t Tier) float64 {
 
 func down(c Candidate) Candidate { c.Healthy = false; return c }
 
+// written says that c holds a prefix of n tokens in its external storage too.
+func written(c Candidate, n int) Candidate { c.StoredTokens = n; return c }
+
 func at(c Candidate, s ExternalStorage) Candidate { c.Storage = &s; return c }
 
 var (
@@ -96,6 +99,42 @@ func TestPlan(t *testing.T) {
 			in: in(1000, dec("d1", 0, 0, TierGPU), dec("d2", 0, 0, TierGPU),
 				pre("p1", 0, 992, TierStorage), pre("p2", 0, 0, TierGPU)),
 			want: Plan{Path: PathPrefillThenDecode, Reason: ReasonCacheMiss, Prefill: "p1", Decode: "d1", ExpectedCachedTokens: 992, UncachedTokens: 8},
+		},
+		{
+			name: "a prefill backend's gpu prefix written to storage is a storage hit",
+			in: in(1000, at(dec("d1", 2, 0, TierGPU), storeA), at(dec("d2", 1, 0, TierGPU), storeA), at(dec("d3", 0, 0, TierGPU), storeB),
+				at(written(pre("p1", 0, 992, TierGPU), 992), storeA)),
+			want: Plan{Path: PathFastDecode, Reason: ReasonStorageHit, Decode: "d2", ExpectedCachedTokens: 992, UncachedTokens: 8, Storage: storeA},
+		},
+		{
+			name: "the same prefix on gpu only needs a remote prefill",
+			in: in(1000, at(dec("d1", 2, 0, TierGPU), storeA), at(dec("d2", 1, 0, TierGPU), storeA), at(dec("d3", 0, 0, TierGPU), storeB),
+				at(pre("p1", 0, 992, TierGPU), storeA)),
+			want: Plan{Path: PathPrefillThenDecode, Reason: ReasonCacheMiss, Prefill: "p1", Decode: "d2", ExpectedCachedTokens: 992, UncachedTokens: 8, Storage: storeA},
+		},
+		{
+			name: "only the stored part of a gpu prefix is readable from storage",
+			in: in(1000, at(dec("d1", 0, 0, TierGPU), storeA),
+				at(written(pre("p1", 0, 992, TierGPU), 480), storeA), at(written(pre("p2", 1, 0, TierGPU), 0), storeA)),
+			want: Plan{Path: PathPrefillThenDecode, Reason: ReasonCacheMiss, Prefill: "p1", Decode: "d1", ExpectedCachedTokens: 992, UncachedTokens: 8, Storage: storeA},
+		},
+		{
+			name: "a stored prefix longer than a decode backend's own beats it",
+			in: in(1000, at(dec("d1", 0, 480, TierGPU), storeA), at(dec("d2", 3, 0, TierGPU), storeA),
+				at(written(pre("p1", 0, 992, TierGPU), 960), storeA)),
+			want: Plan{Path: PathFastDecode, Reason: ReasonStorageHit, Decode: "d1", ExpectedCachedTokens: 960, UncachedTokens: 40, Storage: storeA},
+		},
+		{
+			name: "a decode backend's own gpu prefix beats the same one in storage",
+			in: in(1000, at(dec("d1", 0, 0, TierGPU), storeA), at(written(dec("d2", 1, 992, TierGPU), 992), storeA),
+				at(written(pre("p1", 0, 992, TierGPU), 992), storeA)),
+			want: Plan{Path: PathFastDecode, Reason: ReasonLocalHit, Decode: "d2", ExpectedCachedTokens: 992, UncachedTokens: 8},
+		},
+		{
+			name: "a stored prefix is not readable from another location",
+			in: in(1000, at(dec("d1", 0, 0, TierGPU), storeB),
+				at(written(pre("p1", 0, 992, TierGPU), 992), storeA), at(pre("p2", 0, 0, TierGPU), storeB)),
+			want: Plan{Path: PathPrefillThenDecode, Reason: ReasonCacheMiss, Prefill: "p2", Decode: "d1", UncachedTokens: 1000, Storage: storeB},
 		},
 		{
 			name: "no cache: prefill by overlap, decode by decode load only",

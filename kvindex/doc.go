@@ -19,7 +19,10 @@
 // events to come. Engine blocks may be any multiple of the index's block size. Because a key
 // commits to the whole chain before it, "block i is held" already implies "the same blocks
 // 0..i−1 were stored"; a backend's match is the longest run of the request's keys it holds
-// (a hole stops it), each block weighted by the best tier it is held on (TierWeights).
+// (a hole stops it), each block weighted by the best tier it is held on (TierWeights). A block
+// held on several tiers is recorded on each: Match.StoredBlocks is the longest run the backend
+// holds on the storage tier, faster copies or not — what a prefill engine that keeps a prompt on
+// its GPU has already written to external storage, readable by backends sharing that storage.
 //
 // # MemoryIndex
 //
@@ -29,8 +32,8 @@
 // The Computer Journal 17(2), 1974) over 8-byte words, with the 56-byte block bodies in a slab
 // beside them. Lookup is a jump search: it probes every 16th key of the request
 // (MemoryConfig.LookupStride), one probe answering for every candidate, probes key by key only
-// the stride where some candidate's match ends or changes tier, and stops when no candidate holds
-// the next key. That is exact when backends' holdings are prefixes with monotone tiers, as
+// the stride where some candidate's match (or its run on the storage tier) ends or changes tier,
+// and stops when no candidate holds the next key. That is exact when backends' holdings are prefixes with monotone tiers, as
 // engines' eviction orders leave them and as this index's own expiry keeps them; LookupStride 1
 // probes every key. Lookup takes no lock (a seqlock per shard) and allocates nothing. Writers
 // lock one shard per block.

@@ -43,6 +43,15 @@ type Match struct {
 	Score float64
 	// Tier is the slowest tier among the matched blocks (TierGPU when Blocks == 0).
 	Tier Tier
+	// StoredBlocks is the length, in blocks, of the longest consecutive prefix of the request's
+	// block keys that the backend holds on TierStorage, whether or not it also holds those blocks
+	// on a faster tier (0 when it holds block 0 on no storage); StoredTokens is StoredBlocks × the
+	// index's block size, or the token count of a prefix-granular entry on TierStorage. It never
+	// exceeds Blocks. A prefill engine that keeps a prompt on its GPU and writes it to external
+	// storage reports Tier GPU, yet StoredTokens tells that backends sharing its storage can read
+	// the prefix from there.
+	StoredBlocks int
+	StoredTokens int
 }
 
 // Lookuper finds how much of a request's prefix each candidate backend holds.

@@ -90,11 +90,14 @@ type MemoryConfig struct {
 	// probes every LookupStride-th key of the request (and the last), and takes a candidate that
 	// holds a probed key on the same best tier as the previous probed key to hold every key
 	// between them on that tier; a candidate that lost a probed key, or whose best tier changed,
-	// is resolved exactly by probing that stride key by key. A lookup then costs about
-	// len(keys)/LookupStride probes plus LookupStride per place where some candidate's match ends
-	// or changes tier, instead of one probe per matched key (BenchmarkLookup: about 10× fewer
-	// nanoseconds for a 512-block request). The result is exact when each candidate's cached
-	// blocks within the request form a prefix whose tiers change monotonically along it — what
+	// is resolved exactly by probing that stride key by key; so is, on the storage tier, a
+	// candidate that held the previous probed key there but not this one (Match.StoredBlocks:
+	// the storage copies of a candidate's blocks are taken to form a prefix too). A lookup then
+	// costs about len(keys)/LookupStride probes plus LookupStride per place where some
+	// candidate's match (or stored prefix) ends or changes tier, instead of one probe per matched
+	// key (BenchmarkLookup: about 10× fewer nanoseconds for a 512-block request). The result is
+	// exact when each candidate's cached blocks within the request form a prefix whose tiers
+	// change monotonically along it, and its storage copies a prefix of that — what
 	// engines' eviction orders leave (vLLM frees a sequence's blocks tail first, so a parent is
 	// never evicted before its children; SGLang evicts radix-tree leaves), and what this index's
 	// own expiry and eviction keep (storing a block refreshes its ancestors, so descendants go
@@ -200,6 +203,9 @@ type MemoryIndex struct {
 	ids       [MaxMemoryBackends]idCounters
 	reg       registry
 	prefix    prefixStore
+	// storageIDs are the ids that have stored a block on the storage tier since they were
+	// assigned: Lookup searches only their stored prefixes. Cleared when the ids are freed.
+	storageIDs atomic.Uint64
 
 	lookups   [16]paddedCounter
 	evictions atomic.Uint64
@@ -566,6 +572,9 @@ func (m *MemoryIndex) refreshAncestors(h, bit uint64, c clock) {
 
 // store adds backend id's membership of block h (mixed key), child of parentH, on tier.
 func (m *MemoryIndex) store(h, parentH uint64, id uint8, tier events.Tier, c clock) {
+	if bit := uint64(1) << id; tier == events.TierStorage && m.storageIDs.Load()&bit == 0 {
+		m.storageIDs.Or(bit) // before the block is visible to lookups
+	}
 	sh := m.lockShard(h, &c)
 	m.addConfirmed(sh, h, parentH, id, tier, c)
 	sh.mu.Unlock()
@@ -732,6 +741,7 @@ func (m *MemoryIndex) sweep() {
 			ic.specs.Store(0)
 			ic.prefix.Store(0)
 		}
+		m.storageIDs.And(^mask)
 		m.reg.release(mask)
 	}
 	// Backends that hold nothing and sent nothing for an EntryTTL give their id back: a fleet
@@ -796,7 +806,8 @@ func (m *MemoryIndex) Close() error {
 
 // LookupPrefix fills out[i] for candidates[i] from the prefix-granular entries of prefix
 // (PrefixLookuper): Tokens is the entry's token count, Blocks Tokens / BlockSize, Score Tokens ×
-// the weight of its tier. Candidates without a live entry get a zero Match. It takes one shard's
+// the weight of its tier; StoredTokens and StoredBlocks equal Tokens and Blocks for an entry on
+// TierStorage. Candidates without a live entry get a zero Match. It takes one shard's
 // read lock, allocates nothing, ignores ctx, and returns ErrClosed after Close. It panics if
 // len(out) < len(candidates).
 func (m *MemoryIndex) LookupPrefix(_ context.Context, prefix string, candidates []string, out []Match) ([]Match, error) {
@@ -833,6 +844,10 @@ func (m *MemoryIndex) LookupPrefix(_ context.Context, prefix string, candidates 
 			out[i].Blocks = h.tokens / m.cfg.BlockSize
 			out[i].Score = float64(h.tokens) * m.weights[h.tier]
 			out[i].Tier = h.tier
+			if h.tier == events.TierStorage {
+				out[i].StoredTokens = h.tokens
+				out[i].StoredBlocks = out[i].Blocks
+			}
 			break
 		}
 	}

@@ -16,19 +16,23 @@ const (
 	lookupBatch      = 16
 )
 
-// lookupState accumulates one lookup's results per backend id.
+// lookupState accumulates one lookup's results per backend id: the depth of the match, its
+// blocks whose best tier is CPU and storage, and the depth of the prefix held on storage.
 type lookupState struct {
-	depth, nCPU, nStorage [MaxMemoryBackends]int32
+	depth, nCPU, nStorage, stored [MaxMemoryBackends]int32
 }
 
 // Lookup fills out[i] for candidates[i] with the longest consecutive prefix of keys that the
-// candidate holds on any tier (Lookuper). Expired entries count as absent. It takes no lock,
-// allocates nothing, ignores ctx, and returns ErrClosed after Close. It panics if len(out) <
-// len(candidates).
+// candidate holds on any tier (Lookuper), and with the longest one it holds on the storage tier
+// (Match.StoredBlocks). Expired entries count as absent. It takes no lock, allocates nothing,
+// ignores ctx, and returns ErrClosed after Close. It panics if len(out) < len(candidates).
 //
-// By default it is a jump search (MemoryConfig.LookupStride, which says when it is exact). With
-// LookupStride 1 keys are probed in order, one table probe per key answering for every candidate
-// at once, until no remaining candidate holds the next key.
+// By default it is a jump search (MemoryConfig.LookupStride, which says when it is exact; the
+// storage prefix is searched likewise, under the same assumption). With LookupStride 1 keys are
+// probed in order, one table probe per key answering for every candidate at once, until no
+// remaining candidate holds the next key. Only candidates that have stored some block on the
+// storage tier since their id was assigned are searched for a storage prefix: the others cost
+// nothing more.
 func (m *MemoryIndex) Lookup(_ context.Context, keys []uint64, candidates []string, out []Match) ([]Match, error) {
 	if m.closed.Load() {
 		return out[:0], ErrClosed
@@ -52,10 +56,11 @@ func (m *MemoryIndex) Lookup(_ context.Context, keys []uint64, candidates []stri
 	}
 	c := m.clock()
 	var st lookupState
+	stored := want & m.storageIDs.Load()
 	if m.cfg.LookupStride > 1 && len(keys) > m.cfg.LookupStride {
-		m.scanJump(keys, want, &st, c)
+		m.scanJump(keys, want, stored, &st, c)
 	} else {
-		m.scanExact(keys, want, &st, c)
+		m.scanExact(keys, want, stored, &st, c)
 	}
 	w := &m.weights
 	for i := range out {
@@ -67,6 +72,9 @@ func (m *MemoryIndex) Lookup(_ context.Context, keys []uint64, candidates []stri
 		out[i].Blocks = d
 		out[i].Tokens = d * m.cfg.BlockSize
 		out[i].Score = w[events.TierGPU]*float64(d-nc-ns) + w[events.TierCPU]*float64(nc) + w[events.TierStorage]*float64(ns)
+		sd := int(st.stored[id])
+		out[i].StoredBlocks = sd
+		out[i].StoredTokens = sd * m.cfg.BlockSize
 		switch {
 		case ns > 0:
 			out[i].Tier = events.TierStorage
@@ -77,13 +85,15 @@ func (m *MemoryIndex) Lookup(_ context.Context, keys []uint64, candidates []stri
 	return out, nil
 }
 
-// scanExact probes every key in order until no candidate of alive holds the next one.
+// scanExact probes every key in order until no candidate of alive holds the next one. The
+// candidates of stored (a subset of alive) are also followed on the storage tier: the first key
+// one of them lacks there ends its stored prefix.
 //
 // Keys are probed in batches. A first pass loads the home key slot of every key of the batch:
 // the loads are independent, so their cache misses overlap instead of following one another (a
 // 10M-membership table is far larger than the caches). The seqlocked probes then run on warm
 // lines. Batches start small, so that a lookup that stops early wastes little.
-func (m *MemoryIndex) scanExact(keys []uint64, alive uint64, st *lookupState, c clock) {
+func (m *MemoryIndex) scanExact(keys []uint64, alive, stored uint64, st *lookupState, c clock) {
 	shards, smask := m.shards, m.shardMask
 	var hs [lookupBatch]uint64
 	var touched uint64
@@ -120,6 +130,12 @@ func (m *MemoryIndex) scanExact(keys []uint64, alive uint64, st *lookupState, c 
 			}
 		}
 		held := g | cpu | sto
+		if sLost := stored &^ sto; sLost != 0 {
+			for ; sLost != 0; sLost &= sLost - 1 {
+				st.stored[bits.TrailingZeros64(sLost)] = int32(i)
+			}
+			stored &= sto
+		}
 		if lost := alive &^ held; lost != 0 {
 			for ; lost != 0; lost &= lost - 1 {
 				st.depth[bits.TrailingZeros64(lost)] = int32(i)
@@ -138,6 +154,9 @@ func (m *MemoryIndex) scanExact(keys []uint64, alive uint64, st *lookupState, c 
 	}
 	for ; alive != 0; alive &= alive - 1 {
 		st.depth[bits.TrailingZeros64(alive)] = int32(len(keys))
+	}
+	for ; stored != 0; stored &= stored - 1 {
+		st.stored[bits.TrailingZeros64(stored)] = int32(len(keys))
 	}
 	if touched == 1 {
 		runtime.KeepAlive(touched) // keeps the prefetching loads
@@ -187,7 +206,14 @@ func (b body) holders(c clock) (g, cpu, sto uint64) {
 // last). A candidate that holds the probed key on the same best tier as the previous probed key
 // is taken to hold every key between them on that tier. The others — candidates that lost the
 // probed key, or whose best tier changed — are resolved exactly by probing the stride key by key.
-func (m *MemoryIndex) scanJump(keys []uint64, alive uint64, st *lookupState, c clock) {
+//
+// The candidates of stored (a subset of alive) are followed on the storage tier alike: one that
+// holds the probed key on storage, as it held the previous probed key, is taken to hold every key
+// between them there; one that lacks the probed key on storage has its stored prefix end inside
+// the stride, found key by key (along with the others' refinement: when it holds the probed key
+// on the same best tier, these are the only extra probes). A candidate whose best tier changed is
+// checked key by key on storage too, since its stride is probed anyway.
+func (m *MemoryIndex) scanJump(keys []uint64, alive, stored uint64, st *lookupState, c clock) {
 	n := len(keys)
 	stride := m.cfg.LookupStride
 	pos := -1                   // last probed index
@@ -200,9 +226,11 @@ func (m *MemoryIndex) scanJump(keys []uint64, alive uint64, st *lookupState, c c
 		curSto := alive & sto &^ (g | cpu)
 		lost := alive &^ held
 		changed := alive & held & ((curCPU ^ prevCPU) | (curSto ^ prevSto))
-		if lost|changed != 0 {
+		sLost := stored &^ sto
+		if lost|changed|sLost != 0 {
 			// Changed candidates with a hole in the window end there, as lost ones do.
-			ended := m.refine(keys, pos+1, next, lost, changed, st, c)
+			ended, sEnded := m.refine(keys, pos+1, next, lost, changed, sLost, stored&changed&^sLost, st, c)
+			stored &^= sEnded
 			held &^= ended
 			changed &^= ended
 			curCPU &^= ended
@@ -230,17 +258,33 @@ func (m *MemoryIndex) scanJump(keys []uint64, alive uint64, st *lookupState, c c
 	for ; alive != 0; alive &= alive - 1 {
 		st.depth[bits.TrailingZeros64(alive)] = int32(n)
 	}
+	for ; stored != 0; stored &= stored - 1 {
+		st.stored[bits.TrailingZeros64(stored)] = int32(n)
+	}
 }
 
 // refine probes keys[lo:hi] in order. The candidates of lost, which hold keys[lo-1] (or lo is
 // 0) but not keys[hi], get their exact depth and tier counts; those of changed, which hold
 // keys[hi], get their exact tier counts for keys[lo:hi]; those of them that lack a key there get
-// their depth as lost ones do, and are returned.
-func (m *MemoryIndex) refine(keys []uint64, lo, hi int, lost, changed uint64, st *lookupState, c clock) (ended uint64) {
+// their depth as lost ones do, and are returned as ended.
+//
+// On the storage tier likewise: the candidates of sLost, which hold keys[lo-1] (or lo is 0) on
+// storage but not keys[hi], get the exact depth of their stored prefix; those of sCheck, which
+// hold both on storage, are checked for a key of keys[lo:hi] they lack there, which ends their
+// stored prefix. Every candidate whose stored prefix ended is returned in sEnded.
+func (m *MemoryIndex) refine(keys []uint64, lo, hi int, lost, changed, sLost, sCheck uint64, st *lookupState, c clock) (ended, sEnded uint64) {
 	open := lost | changed
-	for j := lo; j < hi && open != 0; j++ {
+	sOpen := sLost | sCheck
+	for j := lo; j < hi && open|sOpen != 0; j++ {
 		g, cpu, sto := m.probe(mix(keys[j]), c)
 		held := g | cpu | sto
+		if x := sOpen &^ sto; x != 0 {
+			sEnded |= x
+			sOpen &= sto
+			for ; x != 0; x &= x - 1 {
+				st.stored[bits.TrailingZeros64(x)] = int32(j)
+			}
+		}
 		for x := open &^ held; x != 0; x &= x - 1 {
 			st.depth[bits.TrailingZeros64(x)] = int32(j)
 		}
@@ -256,5 +300,8 @@ func (m *MemoryIndex) refine(keys []uint64, lo, hi int, lost, changed uint64, st
 	for x := open & lost; x != 0; x &= x - 1 {
 		st.depth[bits.TrailingZeros64(x)] = int32(hi)
 	}
-	return ended
+	for x := sOpen & sLost; x != 0; x &= x - 1 {
+		st.stored[bits.TrailingZeros64(x)] = int32(hi)
+	}
+	return ended, sEnded | sLost
 }

@@ -330,7 +330,8 @@ func TestKthLargest(t *testing.T) {
 
 // TestLookupJumpMatchesExact checks that the jump search (LookupStride) agrees with the exact scan
 // when holdings are prefixes, as engines' evictions leave them, including tier changes along a
-// chain that only slow down.
+// chain that only slow down, and copies of a prefix on the storage tier (Match.StoredBlocks), some
+// followed by blocks on storage only.
 func TestLookupJumpMatchesExact(t *testing.T) {
 	m, _ := newTestIndex(t, MemoryConfig{})
 	r := rand.New(rand.NewPCG(7, 8))
@@ -359,8 +360,21 @@ func TestLookupJumpMatchesExact(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
+			if r.IntN(3) == 0 {
+				continue // nothing on storage
+			}
+			stored := r.IntN(n + 1)
+			if stored == n && n < len(toks)/16 && r.IntN(2) == 0 {
+				// The whole prefix written to storage, followed by blocks on storage only.
+				stored = n + 1 + r.IntN(len(toks)/16-n)
+			}
+			if stored > 0 {
+				storeChain(t, m, name, toks[:stored*16], base, events.TierStorage)
+			}
 		}
 	}
+	storing := 0 // lookups in which some candidate holds a stored prefix
+	longer := 0  // of them, where one's stored prefix is shorter than its match
 	ctx := context.Background()
 	exact := make([]Match, len(names))
 	jump := make([]Match, len(names))
@@ -380,8 +394,22 @@ func TestLookupJumpMatchesExact(t *testing.T) {
 				if !slices.Equal(exact, jump) {
 					t.Fatalf("stride %d, %d keys: jump %v, exact %v", stride, n, jump, exact)
 				}
+				for i, x := range exact {
+					if x.StoredBlocks > x.Blocks || x.StoredTokens != 16*x.StoredBlocks {
+						t.Fatalf("%d keys, %s: stored prefix %+v exceeds the match", n, names[i], x)
+					}
+					if x.StoredBlocks > 0 {
+						storing++
+						if x.StoredBlocks < x.Blocks {
+							longer++
+						}
+					}
+				}
 			}
 		}
+	}
+	if storing == 0 || longer == 0 {
+		t.Fatalf("the random holdings exercise no stored prefix (%d) or none shorter than its match (%d)", storing, longer)
 	}
 	m.cfg.LookupStride = 1
 
@@ -399,6 +427,31 @@ func TestLookupJumpMatchesExact(t *testing.T) {
 	m.cfg.LookupStride = 16
 	if got := blocksOf(t, m, keys, "h"); got[0] != 64 {
 		t.Errorf("jump lookup over a hole at 5: %d blocks (the documented approximation says 64)", got[0])
+	}
+
+	// But a window refined for a tier change shows its hole, on the storage tier too: GPU and
+	// storage copies of 64 blocks, blocks 20.. freed from GPU, block 25 from both.
+	storeChain(t, m, "s", toks, 60000, events.TierGPU)
+	storeChain(t, m, "s", toks, 60000, events.TierStorage)
+	var freed []uint64
+	for b := 20; b < 64; b++ {
+		freed = append(freed, 60000+uint64(b))
+	}
+	if err := m.Apply(ctx, "s", &events.Batch{Events: []events.Event{
+		{Kind: events.KindBlockRemoved, BlockHashes: freed, Tier: events.TierGPU},
+		{Kind: events.KindBlockRemoved, BlockHashes: []uint64{60025}, Tier: events.TierStorage},
+	}}); err != nil {
+		t.Fatal(err)
+	}
+	for _, stride := range []int{1, 16} {
+		m.cfg.LookupStride = stride
+		got := make([]Match, 1)
+		if _, err := m.Lookup(ctx, keys, []string{"s"}, got); err != nil {
+			t.Fatal(err)
+		}
+		if got[0].Blocks != 25 || got[0].StoredBlocks != 25 || got[0].Tier != events.TierStorage {
+			t.Errorf("stride %d, hole at 25 after a tier change at 20: %+v, want 25 blocks, 25 stored, on storage", stride, got[0])
+		}
 	}
 	m.cfg.LookupStride = 1
 }

@@ -731,34 +731,37 @@ func redisSlot(spec int64, tag uint16, tiers uint8, exp int64) [redisSlotSize]by
 }
 
 // redisSlotTier decodes the slot of backend id (tag tag) in block string v at time now (ms):
-// whether the backend holds the block, and its best tier (a live confirmed entry wins over a
-// speculative one, which counts as GPU). A slot stamped with another tag is not the backend's.
-func redisSlotTier(v string, id int, tag uint16, now int64) (Tier, bool) {
+// whether the backend holds the block, its best tier (a live confirmed entry wins over a
+// speculative one, which counts as GPU), and whether it holds the block on TierStorage (a live
+// confirmed entry whose tiers include storage, whatever its best tier). A slot stamped with
+// another tag is not the backend's.
+func redisSlotTier(v string, id int, tag uint16, now int64) (best Tier, storage, ok bool) {
 	off := id * redisSlotSize
 	if id < 0 || len(v) < off+redisConfOff { // a speculative write may end the string at the tag
-		return 0, false
+		return 0, false, false
 	}
 	if uint16(v[off+redisTagOff])<<8|uint16(v[off+redisTagOff+1]) != tag {
-		return 0, false
+		return 0, false, false
 	}
 	var w uint64
 	if len(v) >= off+redisSlotSize {
 		w = redisGet48(v, off+redisConfOff)
 	}
 	if tiers := uint8(w >> redisTierShift); tiers&7 != 0 && int64(w&redisExpMask) > now {
+		storage = tiers&(1<<events.TierStorage) != 0
 		switch {
-		case tiers&1 != 0:
-			return events.TierGPU, true
-		case tiers&2 != 0:
-			return events.TierCPU, true
+		case tiers&(1<<events.TierGPU) != 0:
+			return events.TierGPU, storage, true
+		case tiers&(1<<events.TierCPU) != 0:
+			return events.TierCPU, storage, true
 		default:
-			return events.TierStorage, true
+			return events.TierStorage, true, true
 		}
 	}
 	if int64(redisGet48(v, off)) > now {
-		return events.TierGPU, true
+		return events.TierGPU, false, true
 	}
-	return 0, false
+	return 0, false, false
 }
 
 // ---- counters ----

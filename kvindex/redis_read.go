@@ -13,8 +13,10 @@ import (
 
 // Lookup implements Lookuper: for each candidate, the longest consecutive prefix of keys it holds
 // (each block on its best live tier; a speculative entry counts as GPU), Tokens = Blocks ×
-// BlockSize, Score the tier-weighted length, Tier the slowest tier among the matched blocks.
-// Unknown candidates, and candidates whose entries all expired, get a zero Match.
+// BlockSize, Score the tier-weighted length, Tier the slowest tier among the matched blocks, and
+// StoredBlocks the longest consecutive prefix it holds on TierStorage (on faster tiers too or
+// not; StoredTokens = StoredBlocks × BlockSize). Unknown candidates, and candidates whose entries
+// all expired, get a zero Match.
 //
 // It makes one round trip per DefaultRedisLookupChunk blocks — HMGET of the candidates' ids
 // pipelined with MGET of the chunk's block strings — and reads a further chunk only while some
@@ -43,6 +45,10 @@ func (x *RedisIndex) Lookup(ctx context.Context, keys []uint64, candidates []str
 	tags := make([]uint16, len(candidates))
 	alive := make([]int, 0, len(candidates)) // indexes of the candidates matching every block so far
 	counts := make([][events.NumTiers]int, len(candidates))
+	// stored[i] counts candidate i's blocks held on storage so far; storedOn[i] says that every
+	// block so far was (the stored prefix has not ended).
+	stored := make([]int, len(candidates))
+	storedOn := make([]bool, len(candidates))
 	for lo := 0; lo < len(keys); lo += DefaultRedisLookupChunk {
 		chunk := keys[lo:min(lo+DefaultRedisLookupChunk, len(keys))]
 		cmds := make([]rueidis.Completed, 0, 2)
@@ -65,6 +71,7 @@ func (x *RedisIndex) Lookup(ctx context.Context, keys []uint64, candidates []str
 					if id, err := strconv.Atoi(s); err == nil && id >= 0 {
 						ids[i], tags[i] = id, redisTag(candidates[i])
 						alive = append(alive, i)
+						storedOn[i] = true
 					}
 				}
 			}
@@ -80,8 +87,11 @@ func (x *RedisIndex) Lookup(ctx context.Context, keys []uint64, candidates []str
 			v, _ := b.ToString() // "" for a missing block
 			n := 0
 			for _, i := range alive {
-				if t, ok := redisSlotTier(v, ids[i], tags[i], now); ok {
+				if t, sto, ok := redisSlotTier(v, ids[i], tags[i], now); ok {
 					counts[i][t]++
+					if storedOn[i] = storedOn[i] && sto; storedOn[i] {
+						stored[i]++
+					}
 					alive[n] = i
 					n++
 				}
@@ -104,6 +114,8 @@ func (x *RedisIndex) Lookup(ctx context.Context, keys []uint64, candidates []str
 			}
 		}
 		m.Tokens = m.Blocks * x.blockSize
+		m.StoredBlocks = stored[i]
+		m.StoredTokens = m.StoredBlocks * x.blockSize
 	}
 	return out, nil
 }
@@ -119,7 +131,8 @@ func redisReplyErr(err error) error {
 // LookupPrefix implements PrefixLookuper in one round trip (ZREVRANGEBYSCORE +inf -inf WITHSCORES
 // of the prefix's sorted set, pipelined with HGETALL of its tiers). For each candidate holding a
 // live entry: Tokens is its token count, Blocks = Tokens / BlockSize, Score = Tokens × the weight
-// of its tier. prefix is compared case-insensitively. Timeouts and errors as Lookup.
+// of its tier; StoredTokens and StoredBlocks equal Tokens and Blocks for an entry on TierStorage.
+// prefix is compared case-insensitively. Timeouts and errors as Lookup.
 func (x *RedisIndex) LookupPrefix(ctx context.Context, prefix string, candidates []string, out []Match) ([]Match, error) {
 	out = out[:len(candidates)]
 	for i, c := range candidates {
@@ -164,6 +177,9 @@ func (x *RedisIndex) LookupPrefix(ctx context.Context, prefix string, candidates
 			m.Blocks = m.Tokens / x.blockSize
 			m.Tier = t
 			m.Score = float64(m.Tokens) * x.weights[t]
+			if t == events.TierStorage {
+				m.StoredTokens, m.StoredBlocks = m.Tokens, m.Blocks
+			}
 			break
 		}
 	}

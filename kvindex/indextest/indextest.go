@@ -37,6 +37,9 @@
 //   - An engine block of r × BlockSize tokens is r keys; BlockRemoved of it removes all r.
 //   - A BlockStored without tokens adds its tier to blocks that backend already stored (vLLM's
 //     offloading connector announces CPU copies so); otherwise it is dropped.
+//   - A block is held on every tier it was stored on and not removed from: Match.Tier counts it at
+//     its best tier, Match.StoredBlocks on TierStorage when it is there, faster tiers or not (a
+//     prefill engine's GPU blocks written to external storage).
 //   - Events of attention groups other than 0 change nothing.
 //   - Prefix-granular (SSE) entries follow the seeds' table: cache_created and cache_reloaded →
 //     GPU; cache_offloaded → storage when StorageOffloading, else removed; cache_evicted →
@@ -113,6 +116,7 @@ func Run(t *testing.T, newIndex NewIndexFunc) {
 		{"MultiBlockEventChaining", testMultiBlockChaining},
 		{"EngineBlockMultiple", testEngineBlockMultiple},
 		{"TierDowngrade", testTierDowngrade},
+		{"StoredPrefix", testStoredPrefix},
 		{"TokenlessStore", testTokenlessStore},
 		{"AllBlocksCleared", testAllBlocksCleared},
 		{"ClearBackend", testClearBackend},
@@ -286,7 +290,8 @@ func (e *env) wantBlocks(what string, ks []uint64, candidates []string, want ...
 func (e *env) wantMatch(what string, got, want kvindex.Match) {
 	e.t.Helper()
 	if got.Backend != want.Backend || got.Blocks != want.Blocks || got.Tokens != want.Tokens ||
-		got.Tier != want.Tier || math.Abs(got.Score-want.Score) > 1e-9 {
+		got.Tier != want.Tier || math.Abs(got.Score-want.Score) > 1e-9 ||
+		got.StoredBlocks != want.StoredBlocks || got.StoredTokens != want.StoredTokens {
 		e.t.Errorf("%s: got %+v, want %+v", what, got, want)
 	}
 }
@@ -481,6 +486,76 @@ func testTierDowngrade(t *testing.T, newIndex NewIndexFunc) {
 	e.apply("b", child(201, hashes(202, 2), toks[2*blockSize:], blockSize, events.TierStorage))
 	e.wantMatch("CPU then storage", e.lookup(ks, "b")[0], kvindex.Match{
 		Backend: "b", Blocks: 4, Tokens: 4 * blockSize, Score: 2*w[events.TierCPU] + 2*w[events.TierStorage], Tier: events.TierStorage})
+}
+
+// storedMatch is a match of n blocks, the first gpu of them on GPU and the rest on storage only,
+// whose first stored blocks are on storage (their faster copies aside).
+func storedMatch(backend string, n, gpu, stored int) kvindex.Match {
+	w := kvindex.DefaultTierWeights
+	m := kvindex.Match{Backend: backend, Blocks: n, Tokens: n * blockSize, Tier: events.TierGPU,
+		StoredBlocks: stored, StoredTokens: stored * blockSize}
+	m.Score = float64(gpu)*w[events.TierGPU] + float64(n-gpu)*w[events.TierStorage]
+	if gpu < n {
+		m.Tier = events.TierStorage
+	}
+	return m
+}
+
+// testStoredPrefix checks Match.StoredBlocks: the longest prefix a backend holds on the storage
+// tier, whether or not it also holds it on a faster one (a prefill engine of disaggregated serving
+// keeps a prompt on its GPU and writes it to external storage: a BlockStored on GPU, then one on
+// storage), ended by the first block missing from storage. Tier and Score stay those of each
+// block's best tier.
+func testStoredPrefix(t *testing.T, newIndex NewIndexFunc) {
+	e := setup(t, newIndex, nil)
+	toks := tokens(40, 300*blockSize)
+	ks := keys(model, "", toks)
+	// 300 blocks on GPU, the first 137 (ending inside a run of 16) written to storage too.
+	e.storeLong("prefill", toks, 1000, events.TierGPU)
+	e.storeLong("prefill", toks[:137*blockSize], 1000, events.TierStorage)
+	// 100 blocks on storage only.
+	e.storeLong("storage", toks[:100*blockSize], 1000, events.TierStorage)
+	// 300 blocks on GPU, and another prompt on storage.
+	e.storeLong("elsewhere", toks, 1000, events.TierGPU)
+	e.storeLong("elsewhere", tokens(41, 40*blockSize), 5000, events.TierStorage)
+	// A prefix on storage whose first block is on CPU only (no stored prefix).
+	e.storeLong("cpu-first", toks[:blockSize], 1000, events.TierCPU)
+	e.apply("cpu-first", child(1000, hashes(1001, 31), toks[blockSize:32*blockSize], blockSize, events.TierStorage))
+	got := e.lookup(ks, "prefill", "storage", "elsewhere", "cpu-first", "unknown")
+	e.wantMatch("GPU 300, storage 137", got[0], storedMatch("prefill", 300, 300, 137))
+	e.wantMatch("storage only", got[1], storedMatch("storage", 100, 0, 100))
+	e.wantMatch("storage for another prompt", got[2], storedMatch("elsewhere", 300, 300, 0))
+	w := kvindex.DefaultTierWeights
+	e.wantMatch("CPU block 0, then storage", got[3], kvindex.Match{Backend: "cpu-first", Blocks: 32, Tokens: 32 * blockSize,
+		Score: w[events.TierCPU] + 31*w[events.TierStorage], Tier: events.TierStorage})
+	e.wantMatch("unknown backend", got[4], kvindex.Match{Backend: "unknown"})
+
+	// A shorter request bounds the stored prefix.
+	for _, n := range []int{137, 100, 20, 9} {
+		got := e.lookup(ks[:n], "prefill", "storage")
+		e.wantMatch(fmt.Sprintf("prefill, request of %d", n), got[0], storedMatch("prefill", n, n, n))
+		e.wantMatch(fmt.Sprintf("storage, request of %d", n), got[1], storedMatch("storage", min(n, 100), 0, min(n, 100)))
+	}
+	// The rest written to storage too; then the GPU copies of the last 100 blocks freed.
+	e.storeLong("prefill", toks, 1000, events.TierStorage)
+	e.wantMatch("all on GPU and storage", e.lookup(ks, "prefill")[0], storedMatch("prefill", 300, 300, 300))
+	e.apply("prefill", removed(hashes(1200, 100), events.TierGPU))
+	e.wantMatch("last 100 on storage only", e.lookup(ks, "prefill")[0], storedMatch("prefill", 300, 200, 300))
+
+	// A hole in the storage copy ends the stored prefix, not the match.
+	short := tokens(42, 8*blockSize)
+	sk := keys(model, "", short)
+	e.apply("hole", stored(hashes(7000, 8), short, blockSize, events.TierGPU))
+	e.apply("hole", stored(hashes(7000, 8), short, blockSize, events.TierStorage))
+	e.wantMatch("8 on GPU and storage", e.lookup(sk, "hole")[0], storedMatch("hole", 8, 8, 8))
+	e.apply("hole", removed([]uint64{7005}, events.TierStorage))
+	e.wantMatch("storage hole at 5", e.lookup(sk, "hole")[0], storedMatch("hole", 8, 8, 5))
+	e.apply("hole", removed([]uint64{7000}, events.TierStorage))
+	e.wantMatch("storage hole at 0", e.lookup(sk, "hole")[0], storedMatch("hole", 8, 8, 0))
+	// A hole on every tier ends both.
+	e.apply("hole", stored(hashes(7000, 8), short, blockSize, events.TierStorage))
+	e.apply("hole", removed([]uint64{7002}, events.TierGPU), removed([]uint64{7002}, events.TierStorage))
+	e.wantMatch("hole at 2", e.lookup(sk, "hole")[0], storedMatch("hole", 2, 2, 2))
 }
 
 func testTokenlessStore(t *testing.T, newIndex NewIndexFunc) {
@@ -690,7 +765,8 @@ func testPrefixTransitions(t *testing.T, newIndex NewIndexFunc) {
 				case gpu:
 					want = kvindex.Match{Backend: "a", Blocks: 2048 / blockSize, Tokens: 2048, Score: 2048 * w[events.TierGPU], Tier: events.TierGPU}
 				case storage:
-					want = kvindex.Match{Backend: "a", Blocks: 2048 / blockSize, Tokens: 2048, Score: 2048 * w[events.TierStorage], Tier: events.TierStorage}
+					want = kvindex.Match{Backend: "a", Blocks: 2048 / blockSize, Tokens: 2048, Score: 2048 * w[events.TierStorage], Tier: events.TierStorage,
+						StoredBlocks: 2048 / blockSize, StoredTokens: 2048}
 				}
 				e.wantMatch(tc.name, got[0], want)
 				e.wantMatch(tc.name+" (other backend)", got[1], kvindex.Match{Backend: "b", Blocks: 32, Tokens: 512, Score: 512, Tier: events.TierGPU})
