@@ -20,8 +20,13 @@ import (
 // slots regardless of the bound.
 const disaggAttempts = 3
 
-// errNoPrefillPhase is returned by PrefillFailed on a decision without a prefill phase in flight.
-var errNoPrefillPhase = errors.New("kvroute: the decision has no prefill phase in flight")
+// errNoPrefillPhase is returned by PrefillFailed on a decision without a prefill phase in flight;
+// errNoDecodePhase by DecodeFailed on a decision without a decode phase in flight on a decode
+// backend.
+var (
+	errNoPrefillPhase = errors.New("kvroute: the decision has no prefill phase in flight")
+	errNoDecodePhase  = errors.New("kvroute: the decision has no decode phase in flight on a decode backend")
+)
 
 // disaggState is the Router's disaggregation: the planner and one CHWBL ring per pool, whose
 // in-flight counts are the prefill and decode loads (the unified backends stay on Router.ring).
@@ -425,6 +430,46 @@ func (d *DisaggDecision) PrefillFailed(ctx context.Context, cause error) (*Disag
 		t.counters.RecordNoBackend()
 		t.metrics.recordNoBackend(ctx)
 		return nil, fmt.Errorf("%w: prefill on %q failed (%w): %w", ErrNoBackend, d.Prefill, cause, err)
+	}
+	return r.routeUnified(ctx, d.req, plan, nil)
+}
+
+// DecodeFailed reports that the decode backend failed before answering, with cause: it releases
+// the decision's slots (recording the failure against the decode backend), counts the failure, and
+// re-routes the request to a unified backend with Route. The new decision has path fallback and
+// reason decode_failed; the caller forwards the whole request, as the client sent it, to its
+// Decode and calls its Done, not this decision's.
+//
+// It returns an error wrapping ErrNoBackend and cause when fallback to unified is off or no
+// unified backend is healthy (the slots are released all the same), ctx.Err() when ctx has ended,
+// and an error (releasing nothing) for a decision without a decode phase in flight on a decode
+// backend: the unified and fallback paths (retry those with Route) and a decision already done.
+// Safe for concurrent use.
+func (d *DisaggDecision) DecodeFailed(ctx context.Context, cause error) (*DisaggDecision, error) {
+	if d == nil || d.Unified != nil {
+		return nil, errNoDecodePhase
+	}
+	d.prefill.Release()
+	if !d.decode.Release() {
+		return nil, errNoDecodePhase
+	}
+	r := d.router
+	if d.dst != nil {
+		d.dst.observe(r.cfg.Now().Sub(d.start), false)
+	}
+	t := r.dis
+	t.counters.RecordDecodeFailure()
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	s := t.scratch.Get().(*scratchD)
+	defer t.scratch.Put(s)
+	r.disaggCandidates(ctx, d, s, false)
+	plan, err := t.planner.DecodeFallback(disagg.Input{Candidates: s.cands})
+	if err != nil {
+		t.counters.RecordNoBackend()
+		t.metrics.recordNoBackend(ctx)
+		return nil, fmt.Errorf("%w: decode on %q failed (%w): %w", ErrNoBackend, d.Decode, cause, err)
 	}
 	return r.routeUnified(ctx, d.req, plan, nil)
 }

@@ -328,6 +328,56 @@ func TestRouteDisaggPhases(t *testing.T) {
 	assert.Equal(t, 1, dgLoads(r)[again.Decode])
 }
 
+// A decode backend that fails before answering: its slots are released, the failure counts
+// against it, and the request goes to a unified backend (fallback, decode_failed); the unified
+// path itself has no decode phase to fail this way.
+func TestRouteDisaggDecodeFailed(t *testing.T) {
+	for _, fallback := range []bool{true, false} {
+		t.Run(fmt.Sprintf("fallback=%v", fallback), func(t *testing.T) {
+			r := dgRouter(t, dgIndex(t), disagg.Config{DisableFallback: !fallback})
+			ctx := context.Background()
+			d, err := r.RouteDisagg(ctx, dgReq(dgTokens(6, 3000)))
+			require.NoError(t, err)
+			require.Equal(t, disagg.PathPrefillThenDecode, d.Path)
+			d.PrefillDone(Outcome{})
+			cause := errors.New("connection refused")
+			fb, err := d.DecodeFailed(ctx, cause)
+			if !fallback {
+				assert.Nil(t, fb)
+				assert.ErrorIs(t, err, ErrNoBackend)
+				assert.ErrorIs(t, err, cause)
+			} else {
+				require.NoError(t, err)
+				assert.Equal(t, disagg.PathFallback, fb.Path)
+				assert.Equal(t, disagg.ReasonDecodeFailed, fb.Reason)
+				assert.Equal(t, "unified-fallback", fb.Decode)
+				assert.Equal(t, 1, dgLoads(r)["unified-fallback"])
+				_, err = fb.DecodeFailed(ctx, cause)
+				assert.Error(t, err, "a unified decision has no decode phase")
+				fb.Done(Outcome{})
+			}
+			_, err = d.DecodeFailed(ctx, cause)
+			assert.Error(t, err, "only once")
+			d.Done(Outcome{}) // already released: no effect
+			for name, n := range dgLoads(r) {
+				assert.Zero(t, n, name)
+			}
+			st := r.DisaggStats()
+			assert.Equal(t, uint64(1), st.Requests.DecodeFailures)
+			if fallback {
+				assert.Equal(t, uint64(1), st.Requests.Reasons.DecodeFailed)
+			}
+			for _, b := range st.Backends {
+				if b.Backend == d.Decode {
+					assert.Less(t, b.SuccessRate, 1.0, "the failure counts against the decode backend")
+				} else {
+					assert.Equal(t, 1.0, b.SuccessRate, b.Backend)
+				}
+			}
+		})
+	}
+}
+
 func TestRouteDisaggPrefillFailed(t *testing.T) {
 	for _, fallback := range []bool{true, false} {
 		t.Run(fmt.Sprintf("fallback=%v", fallback), func(t *testing.T) {

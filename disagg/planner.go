@@ -201,6 +201,12 @@ func (p *Planner) Fallback(in Input) (Plan, error) {
 	return p.fallback(in, ReasonPrefillFailed, "the prefill failed")
 }
 
+// DecodeFallback is Fallback for a request whose decode backend failed before answering: reason
+// decode_failed.
+func (p *Planner) DecodeFallback(in Input) (Plan, error) {
+	return p.fallback(in, ReasonDecodeFailed, "the decode failed")
+}
+
 func (p *Planner) fallback(in Input, why Reason, what string) (Plan, error) {
 	if p.cfg.DisableFallback {
 		return Plan{}, fmt.Errorf("%w: %s and fallback to unified is off", ErrNoBackend, what)

@@ -328,6 +328,13 @@ func TestFallback(t *testing.T) {
 	if _, err := off.Fallback(Input{Candidates: cands}); !errors.Is(err, ErrNoBackend) {
 		t.Errorf("Fallback with fallback off: %v, want ErrNoBackend", err)
 	}
+	got, err = p.DecodeFallback(Input{Candidates: cands})
+	if want.Reason = ReasonDecodeFailed; err != nil || got != want {
+		t.Errorf("DecodeFallback = %+v, %v, want %+v", got, err, want)
+	}
+	if _, err := off.DecodeFallback(Input{Candidates: cands}); !errors.Is(err, ErrNoBackend) {
+		t.Errorf("DecodeFallback with fallback off: %v, want ErrNoBackend", err)
+	}
 }
 
 // Equal backends are chosen in turn as TieBreak varies, so that idle fleets do not send every

@@ -155,15 +155,19 @@ const (
 	// ReasonPrefillFailed: the request's remote prefill failed and it was sent to a unified
 	// backend instead (fallback).
 	ReasonPrefillFailed
+	// ReasonDecodeFailed: the decode backend failed before answering and the request was sent to
+	// a unified backend (fallback).
+	ReasonDecodeFailed
 	numReasons
 )
 
 // Reasons lists every reason, in the order of their constants.
 var Reasons = [...]Reason{ReasonLocalHit, ReasonStorageHit, ReasonShortPrompt, ReasonCacheMiss,
-	ReasonDisabled, ReasonNoPools, ReasonPoolUnavailable, ReasonPrefillFailed}
+	ReasonDisabled, ReasonNoPools, ReasonPoolUnavailable, ReasonPrefillFailed, ReasonDecodeFailed}
 
 // String returns the reason's label: "local_hit", "storage_hit", "short_prompt", "cache_miss",
-// "disabled", "no_pools", "pool_unavailable" or "prefill_failed"; "" for the zero Reason.
+// "disabled", "no_pools", "pool_unavailable", "prefill_failed" or "decode_failed"; "" for the zero
+// Reason.
 func (r Reason) String() string {
 	switch r {
 	case ReasonLocalHit:
@@ -182,6 +186,8 @@ func (r Reason) String() string {
 		return "pool_unavailable"
 	case ReasonPrefillFailed:
 		return "prefill_failed"
+	case ReasonDecodeFailed:
+		return "decode_failed"
 	case 0:
 		return ""
 	default:

@@ -13,6 +13,7 @@ type Counters struct {
 	reasons         [numReasons]atomic.Uint64
 	noBackend       atomic.Uint64
 	prefillFailures atomic.Uint64
+	decodeFailures  atomic.Uint64
 }
 
 // Record counts one request served by plan. Plans with an unknown path or reason count only in
@@ -32,6 +33,9 @@ func (c *Counters) RecordNoBackend() { c.noBackend.Add(1) }
 // RecordPrefillFailure counts one remote prefill that failed.
 func (c *Counters) RecordPrefillFailure() { c.prefillFailures.Add(1) }
 
+// RecordDecodeFailure counts one decode phase whose backend failed before answering.
+func (c *Counters) RecordDecodeFailure() { c.decodeFailures.Add(1) }
+
 // Reset zeroes every counter.
 func (c *Counters) Reset() {
 	for i := range c.paths {
@@ -42,6 +46,7 @@ func (c *Counters) Reset() {
 	}
 	c.noBackend.Store(0)
 	c.prefillFailures.Store(0)
+	c.decodeFailures.Store(0)
 }
 
 // Snapshot returns the counters. They are read one by one, so a snapshot taken under load may be
@@ -61,9 +66,11 @@ func (c *Counters) Snapshot() Stats {
 			NoPools:         c.reasons[ReasonNoPools].Load(),
 			PoolUnavailable: c.reasons[ReasonPoolUnavailable].Load(),
 			PrefillFailed:   c.reasons[ReasonPrefillFailed].Load(),
+			DecodeFailed:    c.reasons[ReasonDecodeFailed].Load(),
 		},
 		NoBackend:       c.noBackend.Load(),
 		PrefillFailures: c.prefillFailures.Load(),
+		DecodeFailures:  c.decodeFailures.Load(),
 	}
 	s.Total = s.FastDecode + s.PrefillThenDecode + s.Unified + s.Fallback
 	return s
@@ -82,6 +89,9 @@ type Stats struct {
 	// failed (each is also counted under its fallback, when one served it).
 	NoBackend       uint64 `json:"no_backend"`
 	PrefillFailures uint64 `json:"prefill_failures"`
+	// DecodeFailures counts decode phases whose backend failed before answering (each also
+	// counted under its fallback, when one served it).
+	DecodeFailures uint64 `json:"decode_failures"`
 }
 
 // Path returns the count of one path; 0 for an unknown one.
@@ -109,4 +119,5 @@ type ReasonCounts struct {
 	NoPools         uint64 `json:"no_pools"`
 	PoolUnavailable uint64 `json:"pool_unavailable"`
 	PrefillFailed   uint64 `json:"prefill_failed"`
+	DecodeFailed    uint64 `json:"decode_failed"`
 }

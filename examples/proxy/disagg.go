@@ -127,15 +127,22 @@ func (s *server) forwardDisagg(w http.ResponseWriter, r *http.Request, pr *parse
 	if !retry {
 		return
 	}
-	s.failedBeforeAnswer(ctx, up, err)
 	// The second attempt goes to a unified backend: the whole request, as the client sent it.
-	var d2 *kvroute.Decision
-	var err2 error
-	if d.Unified != nil {
-		d2, err2 = s.routeAvoiding(ctx, pr.req, up.backend, err)
-	} else {
-		d2, err2 = s.router.Route(ctx, pr.req)
+	if d.Unified == nil {
+		// A decode backend failed: the library releases its slots, counts the failure and
+		// re-plans (fallback, decode_failed); the Done in failedBeforeAnswer is then a no-op.
+		nd, err2 := d.DecodeFailed(ctx, err)
+		s.failedBeforeAnswer(ctx, up, err)
+		var d2 *kvroute.Decision
+		plan := &disagg.Plan{Path: disagg.PathFallback, Reason: disagg.ReasonDecodeFailed}
+		if err2 == nil {
+			d2, plan = nd.Unified, &nd.Plan
+		}
+		s.retryOn(w, r, pr, up.backend, err, d2, err2, plan)
+		return
 	}
+	s.failedBeforeAnswer(ctx, up, err)
+	d2, err2 := s.routeAvoiding(ctx, pr.req, up.backend, err)
 	path := disagg.PathFallback
 	if d.Path == disagg.PathUnified { // no pools to fall back from: another unified backend
 		path = disagg.PathUnified

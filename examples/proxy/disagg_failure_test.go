@@ -46,6 +46,9 @@ func TestDisaggTimeouts(t *testing.T) {
 			resp.Header.Get(HeaderRetriedFrom) != decode.Name() {
 			t.Fatalf("%v retried from %q: %s", r, resp.Header.Get(HeaderRetriedFrom), b)
 		}
+		if st := disaggStats(t, p).Requests; st.DecodeFailures != 1 || st.Reasons.DecodeFailed != 1 {
+			t.Errorf("decode failure not counted by the router: %+v", st)
+		}
 	})
 	t.Run("prefill engine stalls: the unified engine serves", func(t *testing.T) {
 		failures := disaggStats(t, p).Requests.PrefillFailures
