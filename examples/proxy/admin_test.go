@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -151,10 +152,15 @@ func TestAdminEndpoints(t *testing.T) {
 	})
 	t.Run("kv-index/backends", func(t *testing.T) {
 		// The engines publish their KV events asynchronously: wait (bounded) until the index has
-		// applied some, then check the shape and the counts.
+		// applied some, then check the shape and the counts. A PUB socket drops what it publishes
+		// before a subscription reaches it, and the consumer learns of such a loss only from the
+		// next event's sequence number: keep some traffic going while waiting.
 		var doc map[string]any
 		deadline := time.Now().Add(10 * time.Second)
-		for {
+		for i := 0; ; i++ {
+			if i%25 == 0 {
+				post(t, p.URL+"/v1/chat/completions", chatBody(longSystemPrompt(fmt.Sprintf("events %d", i), 40), "Hello?", `"max_tokens":1`))
+			}
 			doc = get("/admin/kv-index/backends")
 			created := 0.0
 			for _, b := range doc["backends"].([]any) {
