@@ -277,6 +277,7 @@ func TestE2EKVAwareRoutesToHolder(t *testing.T) {
 	holder := f.Info()[holderIdx]
 
 	// Warm the holder directly, behind the proxy's back: only its KV events tell the proxy.
+	awaitEvents(t, p, holder.URL, holder.Name, 10*time.Second)
 	before := indexCreated(t, p, holder.Name)
 	r, b := post(t, holder.URL+"/v1/chat/completions", chatBody(sys, "Warm-up.", `"max_tokens":1`))
 	if r.StatusCode != 200 {

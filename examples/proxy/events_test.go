@@ -52,6 +52,7 @@ func warmNonOwner(t *testing.T, p *testProxy, f *enginesim.Fleet, body, warm str
 		if in.Name == owner {
 			continue
 		}
+		awaitEvents(t, p, in.URL, in.Name, 10*time.Second)
 		before := indexCreated(t, p, in.Name)
 		if r, b := post(t, in.URL+"/v1/chat/completions", warm); r.StatusCode != 200 {
 			t.Fatalf("warm-up: %d %s", r.StatusCode, b)

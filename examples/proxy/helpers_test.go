@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -210,6 +211,30 @@ func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool)
 }
 
 // indexCreated returns the index_created count of backend from /admin/kv-index/backends.
+// awaitEvents makes sure the proxy receives engine's KV events before a test relies on them: a
+// PUB socket drops what it publishes before the subscription reaches it, and the consumer learns
+// of a loss only from the next event. It sends throwaway prompts straight to the engine until the
+// proxy's index has applied an event from it (bounded by timeout).
+func awaitEvents(t *testing.T, p *testProxy, engineURL, backend string, timeout time.Duration) {
+	t.Helper()
+	before := indexCreated(t, p, backend)
+	deadline := time.Now().Add(timeout)
+	for i := 0; ; i++ {
+		if r, b := post(t, engineURL+"/v1/chat/completions", chatBody(longSystemPrompt(fmt.Sprintf("probe %s %d", backend, i), 40), "Hi.", `"max_tokens":1`)); r.StatusCode != 200 {
+			t.Fatalf("probe: %d %s", r.StatusCode, b)
+		}
+		for range 10 {
+			if indexCreated(t, p, backend) > before {
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no KV events from %s within %v", backend, timeout)
+		}
+	}
+}
+
 func indexCreated(t *testing.T, p *testProxy, backend string) uint64 {
 	t.Helper()
 	var body struct {
