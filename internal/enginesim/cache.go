@@ -493,3 +493,27 @@ func (c *blockCache) insertLoaded(tokens []uint32, from, to int) int {
 	unpin()
 	return placed
 }
+
+// storageOps records storage-tier BlockStored ops for the prompt's blocks idx (increasing block
+// indexes): one op per run of consecutive blocks, with the engine's own hashes, each run chained to
+// its parent's hash.
+func (c *blockCache) storageOps(tokens []uint32, idx []int) {
+	if len(idx) == 0 {
+		return
+	}
+	hashes := c.hashes(make([]uint64, 0, len(tokens)/c.bs), tokens)
+	for a := 0; a < len(idx); {
+		b := a + 1
+		for b < len(idx) && idx[b] == idx[b-1]+1 {
+			b++
+		}
+		first, last := idx[a], idx[b-1]+1
+		o := op{kind: opStored, tier: TierStorage, tokens: tokens[first*c.bs : last*c.bs],
+			hashes: append([]uint64(nil), hashes[first:last]...)}
+		if first > 0 {
+			o.parent, o.hasParent = hashes[first-1], true
+		}
+		c.ops = append(c.ops, o)
+		a = b
+	}
+}

@@ -337,24 +337,9 @@ func (e *Engine) announceLocked(tokens []uint32, keys []uint64, idx []int) {
 	if len(e.written)+len(idx) > maxWrittenKeys {
 		clear(e.written)
 	}
-	bs := e.cfg.BlockSize
-	hashes := e.cache.hashes(make([]uint64, 0, len(keys)), tokens)
-	for s := 0; s < len(idx); {
-		t := s + 1
-		for t < len(idx) && idx[t] == idx[t-1]+1 {
-			t++
-		}
-		first, last := idx[s], idx[t-1]+1
-		o := op{kind: opStored, tier: TierStorage, tokens: tokens[first*bs : last*bs],
-			hashes: append([]uint64(nil), hashes[first:last]...)}
-		if first > 0 {
-			o.parent, o.hasParent = hashes[first-1], true
-		}
-		e.cache.ops = append(e.cache.ops, o)
-		for i := first; i < last; i++ {
-			e.written[keys[i]] = struct{}{}
-		}
-		s = t
+	e.cache.storageOps(tokens, idx)
+	for _, i := range idx {
+		e.written[keys[i]] = struct{}{}
 	}
 	e.stepLocked()
 }

@@ -128,24 +128,9 @@ func (s *VirtualStorage) Write(v *VirtualEngine, tokens []uint32) VirtualTransfe
 	if len(todo) == 0 {
 		return t
 	}
-	hashes := v.cache.hashes(make([]uint64, 0, len(keys)), tokens)
-	bs := s.bs
-	for a := 0; a < len(todo); { // runs of consecutive blocks, each with its parent's hash
-		b := a + 1
-		for b < len(todo) && todo[b] == todo[b-1]+1 {
-			b++
-		}
-		first, last := todo[a], todo[b-1]+1
-		o := op{kind: opStored, tier: TierStorage, tokens: tokens[first*bs : last*bs],
-			hashes: append([]uint64(nil), hashes[first:last]...)}
-		if first > 0 {
-			o.parent, o.hasParent = hashes[first-1], true
-		}
-		v.cache.ops = append(v.cache.ops, o)
-		for i := first; i < last; i++ {
-			ann[keys[i]] = struct{}{}
-		}
-		a = b
+	v.cache.storageOps(tokens, todo)
+	for _, i := range todo {
+		ann[keys[i]] = struct{}{}
 	}
 	return t
 }
