@@ -1,7 +1,6 @@
 package replay
 
 import (
-	"container/heap"
 	"context"
 	"errors"
 	"fmt"
@@ -207,13 +206,11 @@ type pdReq struct {
 
 // pdSim is one P/D replay: a single goroutine drains a heap of timestamped events.
 type pdSim struct {
-	w       *Workload
-	cfg     Config
-	pd      PDConfig
-	scale   float64
-	now     time.Duration
-	seq     uint64
-	heap    eventHeap
+	w     *Workload
+	cfg   Config
+	pd    PDConfig
+	scale float64
+	eventQueue
 	engines []*enginesim.VirtualEngine
 	store   *enginesim.VirtualStorage
 	names   []string
@@ -298,18 +295,12 @@ func (s *pdSim) close() {
 	_ = s.ix.Close()
 }
 
-func (s *pdSim) clock() time.Time { return simEpoch.Add(s.now) }
-
-func (s *pdSim) push(e simEvent) {
-	e.seq = s.seq
-	s.seq++
-	heap.Push(&s.heap, e)
-}
-
 func (s *pdSim) run() error {
-	for s.heap.Len() > 0 {
-		e := heap.Pop(&s.heap).(simEvent)
-		s.now = e.at
+	for {
+		e, ok := s.next()
+		if !ok {
+			return nil
+		}
 		i := int(e.req)
 		var err error
 		switch e.kind {
@@ -332,7 +323,6 @@ func (s *pdSim) run() error {
 			return err
 		}
 	}
-	return nil
 }
 
 // inFlight returns the phases the router counts in flight.

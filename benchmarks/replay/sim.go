@@ -239,6 +239,33 @@ func (h *eventHeap) Pop() any {
 	return x
 }
 
+// eventQueue is a simulation's virtual clock and its pending events, in time order (ties in the
+// order they were scheduled). Not safe for concurrent use: one goroutine runs a simulation.
+type eventQueue struct {
+	now  time.Duration
+	seq  uint64
+	heap eventHeap
+}
+
+// clock is the virtual time as a time.Time, for the router's and the index's Now.
+func (q *eventQueue) clock() time.Time { return simEpoch.Add(q.now) }
+
+func (q *eventQueue) push(e simEvent) {
+	e.seq = q.seq
+	q.seq++
+	heap.Push(&q.heap, e)
+}
+
+// next pops the earliest event and moves the clock to it; false when none is left.
+func (q *eventQueue) next() (simEvent, bool) {
+	if q.heap.Len() == 0 {
+		return simEvent{}, false
+	}
+	e := heap.Pop(&q.heap).(simEvent)
+	q.now = e.at
+	return e, true
+}
+
 // reqState is one request's progress.
 type reqState struct {
 	arrival  time.Duration
@@ -255,12 +282,10 @@ type reqState struct {
 
 // sim is one replay: a single goroutine drains a heap of timestamped events.
 type sim struct {
-	w       *Workload
-	cfg     Config
-	scale   float64
-	now     time.Duration
-	seq     uint64
-	heap    eventHeap
+	w     *Workload
+	cfg   Config
+	scale float64
+	eventQueue
 	engines []*enginesim.VirtualEngine
 	pol     router
 	reqs    []reqState
@@ -319,18 +344,12 @@ func newSim(w *Workload, cfg Config, policy string, scale float64) (*sim, error)
 	return s, nil
 }
 
-func (s *sim) clock() time.Time { return simEpoch.Add(s.now) }
-
-func (s *sim) push(e simEvent) {
-	e.seq = s.seq
-	s.seq++
-	heap.Push(&s.heap, e)
-}
-
 func (s *sim) run() error {
-	for s.heap.Len() > 0 {
-		e := heap.Pop(&s.heap).(simEvent)
-		s.now = e.at
+	for {
+		e, ok := s.next()
+		if !ok {
+			return nil
+		}
 		switch e.kind {
 		case evArrive:
 			if err := s.arrive(int(e.req)); err != nil {
@@ -352,7 +371,6 @@ func (s *sim) run() error {
 			}
 		}
 	}
-	return nil
 }
 
 func (s *sim) arrive(i int) error {
