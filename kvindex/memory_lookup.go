@@ -110,25 +110,7 @@ func (m *MemoryIndex) scanExact(keys []uint64, alive, stored uint64, st *lookupS
 			}
 			next, size = end, lookupBatch
 		}
-		h := hs[i-base]
-		sh := &shards[h&smask]
-		var g, cpu, sto uint64
-		for spins := 0; ; spins++ {
-			s1 := sh.seq.Load()
-			if s1&1 == 0 {
-				t := sh.tab.Load()
-				g, cpu, sto = 0, 0, 0
-				if _, b := t.find(h); b.hot != nil {
-					g, cpu, sto = b.holders(c)
-				}
-				if sh.seq.Load() == s1 {
-					break
-				}
-			}
-			if spins&63 == 63 {
-				runtime.Gosched()
-			}
-		}
+		g, cpu, sto := m.probe(hs[i-base], c)
 		held := g | cpu | sto
 		if sLost := stored &^ sto; sLost != 0 {
 			for ; sLost != 0; sLost &= sLost - 1 {
