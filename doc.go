@@ -19,13 +19,15 @@
 // least_loaded, random or least_latency) for requests that carry no prefix key, and tier 4 when
 // Config.KV names a kvindex.KvCacheIndex: the request's block keys (from its tokens, or a
 // prefixkey.Tokenizer) are looked up among the healthy backends, scored with load and health, and
-// the best backend under its CHWBL bound wins when the best overlap reaches
+// the best backend under tier 4's load bound wins when the best overlap reaches
 // min_overlap_threshold (Decision.Reason kv_aware). Below it the backend with the least prefill
 // work ahead of the request takes it (least_work: the uncached prompt tokens of the requests it
 // has not started answering, plus this one's), because the ring's bound counts requests, not
 // their length; KVConfig.RingFallback gives the decision to the ring instead. Every decision
-// holds an in-flight slot on its backend until Done; the slots are what the CHWBL bound counts,
-// and no tier-4 choice passes it. Decision.FirstToken tells the Router a prefill has ended.
+// holds an in-flight slot on its backend until Done; the slots are what the load bounds count:
+// CHWBL's (1+ε)·mean for the ring, and for tier 4 its own, looser KVConfig.LoadFactorEpsilon
+// (default 1.0: up to twice the mean), because a backend that holds the prompt's KV cache is
+// worth more than an even spread. Decision.FirstToken tells the Router a prefill has ended.
 // The response cache (tiers 2 and 3) is respcache's HTTP middleware, in front of Route.
 //
 // Disaggregated prefill/decode serving is on when Config.Disagg is set and backends carry a

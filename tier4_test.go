@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"testing"
 	"time"
 
@@ -147,28 +148,48 @@ func TestKVTierWeightsPreferGPU(t *testing.T) {
 }
 
 func TestKVRespectsLoadBound(t *testing.T) {
-	ix := newMemIndex(t)
-	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
-	toks := promptTokens(4, 16*16)
-	storeBlocks(t, ix, "vllm-1", toks, 16, events.TierGPU)
-	ctx := context.Background()
-	var held []*Decision
-	for range 40 {
-		d, err := r.Route(ctx, tokReq("hot", toks))
-		require.NoError(t, err)
-		held = append(held, d)
-		bound := r.ring.Bound(1) // the bound now, with this request counted, is what it was checked against or more
-		for _, l := range r.Stats().BackendDistribution {
-			assert.LessOrEqual(t, l.InFlightRequests, bound, "%s at %d in flight, bound %d", l.Backend, l.InFlightRequests, bound)
-		}
+	// Tier 4's bound is ceil((1+ε)·T·w/W) with its own ε (default 1, twice the mean); 0.25 is
+	// the ring's.
+	for _, tc := range []struct {
+		eps, want float64
+	}{{0, DefaultKVLoadFactorEpsilon}, {0.25, 0.25}, {3, 3}} {
+		t.Run(fmt.Sprint(tc.eps), func(t *testing.T) {
+			ix := newMemIndex(t)
+			r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff, LoadFactorEpsilon: tc.eps}})
+			toks := promptTokens(4, 16*16)
+			storeBlocks(t, ix, "vllm-1", toks, 16, events.TierGPU)
+			ctx := context.Background()
+			var held []*Decision
+			for range 40 {
+				d, err := r.Route(ctx, tokReq("hot", toks))
+				require.NoError(t, err)
+				held = append(held, d)
+				// The bound now, with this request counted, is what it was checked against or more.
+				bound := int(math.Ceil((1 + tc.want) * float64(len(held)) / 4))
+				for _, l := range r.Stats().BackendDistribution {
+					assert.LessOrEqual(t, l.InFlightRequests, bound, "%s at %d in flight, bound %d", l.Backend, l.InFlightRequests, bound)
+				}
+			}
+			byBackend := map[string]int{}
+			for _, d := range held {
+				byBackend[d.Backend]++
+				d.Done(Outcome{})
+			}
+			// The holder takes its bounded share, (1+ε)/4 of the requests, and no more.
+			share := int((1 + tc.want) * 40 / 4)
+			if share < 40 {
+				assert.Less(t, byBackend["vllm-1"], 40, "a hot prefix must not pile onto one backend")
+			}
+			assert.GreaterOrEqual(t, byBackend["vllm-1"], min(share, 40)-1, "the holder takes its bounded share")
+			st, err := r.KVStats(ctx)
+			require.NoError(t, err)
+			assert.Equal(t, tc.want, st.Config.LoadFactorEpsilon)
+		})
 	}
-	byBackend := map[string]int{}
-	for _, d := range held {
-		byBackend[d.Backend]++
-		d.Done(Outcome{})
-	}
-	assert.Less(t, byBackend["vllm-1"], 40, "a hot prefix must not pile onto one backend")
-	assert.GreaterOrEqual(t, byBackend["vllm-1"], 10, "the holder still takes its bounded share")
+	_, err := New(Config{Backends: backends(2), KV: &KVConfig{Index: newMemIndex(t), LoadFactorEpsilon: 11}})
+	assert.ErrorIs(t, err, ErrInvalidConfig)
+	_, err = New(Config{Backends: backends(2), KV: &KVConfig{Index: newMemIndex(t), LoadFactorEpsilon: math.NaN()}})
+	assert.ErrorIs(t, err, ErrInvalidConfig)
 }
 
 func TestKVSpeculationThenApproximate(t *testing.T) {

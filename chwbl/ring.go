@@ -484,6 +484,24 @@ func (r *Ring) AcquireBackend(h *Handle, name string) error {
 // Policies that choose a backend by other means (KV overlap) use it to keep the CHWBL bound.
 // Safe for concurrent use.
 func (r *Ring) TryAcquireBackend(h *Handle, name string) (bool, error) {
+	return r.tryAcquire(h, name, r.eps1)
+}
+
+// TryAcquireBackendWithin is TryAcquireBackend with a load factor of its own in place of the
+// ring's ε: the backend must be healthy and inflight+1 ≤ ceil((1+epsilon)·(T+1)·weight/W), with
+// T and W as in Bound. A policy whose choice is worth more than an even spread (a backend that
+// holds the request's KV cache) uses a looser epsilon than the ring's own. epsilon must be ≥ 0;
+// NaN or a negative value means the ring's ε. Safe for concurrent use.
+func (r *Ring) TryAcquireBackendWithin(h *Handle, name string, epsilon float64) (bool, error) {
+	if !(epsilon >= 0) {
+		return r.tryAcquire(h, name, r.eps1)
+	}
+	return r.tryAcquire(h, name, 1+epsilon)
+}
+
+// tryAcquire takes a slot on the named backend if it is healthy and under the bound of load
+// factor eps1 (1+ε).
+func (r *Ring) tryAcquire(h *Handle, name string, eps1 float64) (bool, error) {
 	h.reset()
 	r.mu.Lock()
 	m, ok := r.byName[name]
@@ -491,7 +509,7 @@ func (r *Ring) TryAcquireBackend(h *Handle, name string) (bool, error) {
 		r.mu.Unlock()
 		return false, ErrUnknownBackend
 	}
-	if !m.healthy || m.inflight >= boundOf(r.factor(), m.weight) {
+	if !m.healthy || m.inflight >= boundOf(eps1*float64(r.total+1)/r.weight, m.weight) {
 		r.mu.Unlock()
 		return false, nil
 	}

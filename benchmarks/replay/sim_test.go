@@ -77,6 +77,9 @@ func TestOraclesBound(t *testing.T) {
 // TestSharedFirstBlock replays a bursty trace whose every request starts with the same block
 // (one prefix key for all): kvroute's default must still spread the load. (Tier 1 alone does
 // not: its overflow walk rarely reaches the last backends clockwise, so it is not checked here.)
+// One engine taking everything would be max/mean 8; tier 4 lets the engine holding a popular
+// document carry up to twice the mean in flight (KVConfig.LoadFactorEpsilon), so request counts
+// over this short trace (30 documents of uneven popularity) may be uneven by a third, not more.
 func TestSharedFirstBlock(t *testing.T) {
 	w, err := ReadTrace(strings.NewReader(burstyTrace(400, 7)), "bursty")
 	require.NoError(t, err)
@@ -86,7 +89,7 @@ func TestSharedFirstBlock(t *testing.T) {
 		for i, n := range r.PerEngine {
 			require.Positive(t, n, "%s: engine %d got nothing", p, i)
 		}
-		require.LessOrEqual(t, r.LoadMaxMean, 1.3, "%s: %v", p, r.PerEngine)
+		require.LessOrEqual(t, r.LoadMaxMean, 1.35, "%s: %v", p, r.PerEngine)
 	}
 }
 

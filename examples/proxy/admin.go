@@ -158,6 +158,7 @@ type scoringConfig struct {
 	LoadWeight          float64 `json:"load_weight"`
 	HealthWeight        float64 `json:"health_weight"`
 	MinOverlapThreshold float64 `json:"min_overlap_threshold"`
+	LoadFactorEpsilon   float64 `json:"load_factor_epsilon"`
 	GPUTierWeight       float64 `json:"gpu_tier_weight"`
 	CPUTierWeight       float64 `json:"cpu_tier_weight"`
 	StorageTierWeight   float64 `json:"storage_tier_weight"`
@@ -220,7 +221,7 @@ func (s *server) kvIndexStats(w http.ResponseWriter, r *http.Request) {
 		Config: kvStatsConfig{KVIndexStatsConfig: st.Config, MaxEntries: kc.MaxEntries, EntryTTLSeconds: kc.EntryTTLSeconds,
 			EventSourcesCount: len(kc.EventSources), Tokenizer: s.tokMode,
 			Scoring: scoringConfig{OverlapWeight: *sc.OverlapWeight, LoadWeight: *sc.LoadWeight, HealthWeight: *sc.HealthWeight,
-				MinOverlapThreshold: sc.MinOverlapThreshold, GPUTierWeight: *sc.GPUTierWeight, CPUTierWeight: *sc.CPUTierWeight,
+				MinOverlapThreshold: sc.MinOverlapThreshold, LoadFactorEpsilon: sc.LoadFactorEpsilon, GPUTierWeight: *sc.GPUTierWeight, CPUTierWeight: *sc.CPUTierWeight,
 				StorageTierWeight: *sc.StorageTierWeight}},
 		Index:            st.Index,
 		EventSources:     []eventSourceSummary{},

@@ -141,7 +141,7 @@ func TestAdminEndpoints(t *testing.T) {
 		doc := get("/admin/kv-index/stats")
 		hasKeys(t, "kv", doc, "", "enabled", "config", "index", "event_sources", "routing_decisions", "query_latency_count", "overlap_score_count")
 		hasKeys(t, "kv", doc, "config", "backend", "max_entries", "entry_ttl_seconds", "event_sources_count", "scoring")
-		hasKeys(t, "kv", doc, "config.scoring", "overlap_weight", "load_weight", "health_weight", "min_overlap_threshold")
+		hasKeys(t, "kv", doc, "config.scoring", "overlap_weight", "load_weight", "health_weight", "min_overlap_threshold", "load_factor_epsilon")
 		hasKeys(t, "kv", doc, "index", "prefix_count", "entry_count", "total_hits", "total_evictions")
 		hasKeys(t, "kv", doc, "routing_decisions", "kv_aware", "fallback", "total")
 		srcs := doc["event_sources"].([]any)

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/examples/proxy/internal/yamlconf"
 	"github.com/kvroute/kvroute/kvindex"
@@ -226,6 +227,10 @@ type ScoringConfig struct {
 	// MinOverlapThreshold is the fraction of a request a backend must hold for KV-aware routing
 	// to take over (default 0.3, range (0, 1]).
 	MinOverlapThreshold float64 `yaml:"min_overlap_threshold"`
+	// LoadFactorEpsilon bounds KV-aware choices as prefix_routing.load_factor_epsilon bounds the
+	// ring's: a backend tier 4 picks may carry up to (1+ε) times the mean in-flight requests
+	// (default 1.0, range [0.01, 10]; kvroute.KVConfig.LoadFactorEpsilon).
+	LoadFactorEpsilon float64 `yaml:"load_factor_epsilon"`
 	// GPUTierWeight, CPUTierWeight and StorageTierWeight multiply the overlap of blocks held on
 	// each tier (defaults 1.0, 0.8, 0.6; range [0, 1]).
 	GPUTierWeight     *float64 `yaml:"gpu_tier_weight"`
@@ -503,6 +508,9 @@ func (c *Config) applyDefaults() {
 	}
 	if sc.MinOverlapThreshold == 0 {
 		sc.MinOverlapThreshold = 0.3
+	}
+	if sc.LoadFactorEpsilon == 0 {
+		sc.LoadFactorEpsilon = kvroute.DefaultKVLoadFactorEpsilon
 	}
 	if kv.StorageOffloading.TreatEvictionAsOffload == nil {
 		kv.StorageOffloading.TreatEvictionAsOffload = ptr(true)
@@ -960,6 +968,9 @@ func (c *Config) validateKV(fe *fieldErrors) {
 	}
 	if t := sc.MinOverlapThreshold; math.IsNaN(t) || t <= 0 || t > 1 {
 		fe.add("kv_cache_index.scoring.min_overlap_threshold", "%v is not in (0, 1]", t)
+	}
+	if e := sc.LoadFactorEpsilon; math.IsNaN(e) || e < 0.01 || e > 10 {
+		fe.add("kv_cache_index.scoring.load_factor_epsilon", "%v is not in [0.01, 10]", e)
 	}
 	for name, w := range map[string]float64{"gpu_tier_weight": *sc.GPUTierWeight, "cpu_tier_weight": *sc.CPUTierWeight,
 		"storage_tier_weight": *sc.StorageTierWeight} {

@@ -123,10 +123,11 @@ kv_cache_index:
   enabled: true
   max_entries: 5
   entry_ttl_seconds: 100000
-  scoring: {min_overlap_threshold: 1.5, storage_tier_weight: 2}
+  scoring: {min_overlap_threshold: 1.5, storage_tier_weight: 2, load_factor_epsilon: 20}
 `, nil, []string{"kv_cache_index.max_entries: 5 is not in [100, 10000000]",
 			"kv_cache_index.entry_ttl_seconds: 100000 is not in [1, 86400]",
 			"kv_cache_index.scoring.min_overlap_threshold: 1.5 is not in (0, 1]",
+			"kv_cache_index.scoring.load_factor_epsilon: 20 is not in [0.01, 10]",
 			"kv_cache_index.scoring.storage_tier_weight: 2 is not in [0, 1]"}},
 		{"event sources", minimalBackends + `
 kv_cache_index:

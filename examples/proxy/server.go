@@ -278,6 +278,7 @@ func (s *server) buildKV(mp metric.MeterProvider) (*kvroute.KVConfig, error) {
 		Weights: scorer.CompositeConfig{OverlapWeight: *sc.OverlapWeight, LoadWeight: *sc.LoadWeight,
 			HealthWeight: *sc.HealthWeight, MinOverlapThreshold: sc.MinOverlapThreshold},
 		MinOverlapThreshold: sc.MinOverlapThreshold,
+		LoadFactorEpsilon:   sc.LoadFactorEpsilon,
 		UsePrefixEntries:    usePrefix,
 		Speculation:         spec,
 	}, nil
