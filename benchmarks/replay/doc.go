@@ -51,6 +51,11 @@
 // slots and compute (a global LRU, load spread ideally), and an infinite cache (the ceiling of
 // the workload's reuse; its TTFT is the prefill at that hit without queueing).
 //
+// Beside each policy's hit ratio the report gives its reachable hit ratio: the hit ratio had
+// every request gone to the engine that held the most of its prompt when it arrived, on the
+// caches that policy's routing built. The gap between the two is what routing turned away; the
+// gap between reachable and the global LRU is what the partitioned caches' contents cost.
+//
 // # Prefill/decode disaggregation
 //
 // RunPD replays a workload on a fleet of prefill and decode engines (PDConfig) routed by

@@ -45,5 +45,6 @@ func infinite(w *Workload, cfg Config, res *Result) {
 	if res.PromptTokens > 0 {
 		res.HitRatio = float64(res.CachedTokens) / float64(res.PromptTokens)
 	}
+	res.ReachableTokens, res.Reachable = res.CachedTokens, res.HitRatio
 	fillTTFT(res, ttft, sum)
 }

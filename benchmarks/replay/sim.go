@@ -148,6 +148,14 @@ type Result struct {
 	OutputTokens int64 `json:"output_tokens"`
 	// HitRatio is CachedTokens / PromptTokens over the admitted requests.
 	HitRatio float64 `json:"hit_ratio"`
+	// ReachableTokens counts, for each admitted request, the prompt tokens cached on the engine
+	// that held the most of its prompt when it arrived; Reachable is their share of
+	// PromptTokens: the hit ratio had every request gone to that engine, on the caches this
+	// policy's own routing built. Its distance to HitRatio is what routing turned away (for load,
+	// or because the index did not know); its distance to the global LRU's is what the caches'
+	// contents cost (duplicates, flushes by long prompts).
+	ReachableTokens int64   `json:"reachable_tokens"`
+	Reachable       float64 `json:"reachable_hit_ratio"`
 	// PerEngine counts the requests routed to each engine; LoadMaxMean is its max over its mean
 	// (1 for the global-LRU oracle, whose one pooled engine spreads load ideally; 0 for the
 	// infinite-cache oracle, which has no engines).
@@ -268,16 +276,17 @@ func (q *eventQueue) next() (simEvent, bool) {
 
 // reqState is one request's progress.
 type reqState struct {
-	arrival  time.Duration
-	engine   int32
-	rejected bool
-	d        *kvroute.Decision
-	tokens   []uint32
-	cached   int
-	prompt   int
-	queued   time.Duration
-	first    time.Duration
-	finish   time.Duration
+	arrival   time.Duration
+	engine    int32
+	rejected  bool
+	d         *kvroute.Decision
+	tokens    []uint32
+	cached    int
+	reachable int // the most of the prompt any engine held at arrival, in tokens
+	prompt    int
+	queued    time.Duration
+	first     time.Duration
+	finish    time.Duration
 }
 
 // sim is one replay: a single goroutine drains a heap of timestamped events.
@@ -380,6 +389,13 @@ func (s *sim) arrive(i int) error {
 	r.prompt = len(r.tokens)
 	req := &prefixkey.Request{Format: prefixkey.FormatOpenAIChat, Model: DefaultModel, System: anchorText(wr, s.cfg.Seed),
 		HasSystem: len(wr.Segments) > 0, TokenIDs: r.tokens}
+	// An engine computes at least the prompt's last token: what it reports cached stops a block
+	// short of a prompt it holds whole.
+	most := (r.prompt - 1) / s.cfg.BlockSize * s.cfg.BlockSize
+	for _, e := range s.engines {
+		gpu, _ := e.Lookup(r.tokens)
+		r.reachable = max(r.reachable, min(gpu*s.cfg.BlockSize, most))
+	}
 	eng, d, err := s.pol.route(req)
 	if err != nil {
 		return fmt.Errorf("replay: routing request %d: %w", i, err)
@@ -437,6 +453,7 @@ func (s *sim) result(res *Result) {
 		res.PerEngine[r.engine]++
 		res.PromptTokens += int64(r.prompt)
 		res.CachedTokens += int64(r.cached)
+		res.ReachableTokens += int64(r.reachable)
 		res.OutputTokens += int64(s.w.Requests[i].OutputTokens)
 		t := (r.first - r.arrival).Seconds()
 		ttft = append(ttft, t)
@@ -446,6 +463,7 @@ func (s *sim) result(res *Result) {
 	}
 	if res.PromptTokens > 0 {
 		res.HitRatio = float64(res.CachedTokens) / float64(res.PromptTokens)
+		res.Reachable = float64(res.ReachableTokens) / float64(res.PromptTokens)
 	}
 	res.LoadMaxMean = maxOverMean(res.PerEngine)
 	if len(s.engines) == 1 && s.cfg.Engines > 1 { // the global-LRU oracle: spread ideally
