@@ -100,7 +100,8 @@ const (
 	// chose the least-loaded backend.
 	ReasonImbalance
 	// ReasonLeastWork: tier 4 looked the request up, but no backend held enough of it (below the
-	// threshold); the backend with the least prefill work ahead of this request took it.
+	// threshold), or its prompt is shorter than one block; the backend with the least prefill
+	// work ahead of this request took it.
 	ReasonLeastWork
 	numReasons
 )
@@ -215,7 +216,10 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 		s.keys = prefixkey.AppendBlockKeys(s.keys, root, tokens, t.cfg.BlockSize, req.MultiModal)
 	}
 	usePrefix := len(s.keys) == 0 && t.cfg.UsePrefixEntries && d.HasPrefixKey
-	if len(s.keys) == 0 && !usePrefix {
+	// A prompt shorter than one block: no engine can hold any of it, so there is nothing to look
+	// up, and the backend with the least prefill work takes it (below) rather than the ring.
+	short := len(s.keys) == 0 && len(tokens) > 0 && !usePrefix && !t.cfg.RingFallback
+	if len(s.keys) == 0 && !usePrefix && !short {
 		t.noTokens.Add(1)
 		t.kvFallback.Add(1)
 		r.metrics.recordKV(ctx, false)
@@ -236,22 +240,27 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 	if cap(s.matches) < len(s.names) {
 		s.matches = make([]kvindex.Match, len(s.names))
 	}
-	start := r.cfg.Now()
-	var err error
-	if usePrefix {
-		s.matches, err = t.cfg.Index.LookupPrefix(ctx, d.PrefixKey.String(), s.names, s.matches[:len(s.names)])
+	if short {
+		s.matches = s.matches[:len(s.names)]
+		clear(s.matches)
 	} else {
-		s.matches, err = t.cfg.Index.Lookup(ctx, s.keys, s.names, s.matches[:len(s.names)])
+		start := r.cfg.Now()
+		var err error
+		if usePrefix {
+			s.matches, err = t.cfg.Index.LookupPrefix(ctx, d.PrefixKey.String(), s.names, s.matches[:len(s.names)])
+		} else {
+			s.matches, err = t.cfg.Index.Lookup(ctx, s.keys, s.names, s.matches[:len(s.names)])
+		}
+		r.metrics.recordLookup(ctx, r.cfg.Now().Sub(start))
+		t.lookups.Add(1)
+		if err != nil {
+			t.lookupErrs.Add(1)
+			t.kvFallback.Add(1)
+			r.metrics.recordKV(ctx, false)
+			return false
+		}
+		s.looked = true
 	}
-	r.metrics.recordLookup(ctx, r.cfg.Now().Sub(start))
-	t.lookups.Add(1)
-	if err != nil {
-		t.lookupErrs.Add(1)
-		t.kvFallback.Add(1)
-		r.metrics.recordKV(ctx, false)
-		return false
-	}
-	s.looked = true
 
 	// Candidates, in the order of s.names.
 	s.cands = s.cands[:0]

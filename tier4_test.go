@@ -135,6 +135,39 @@ func TestKVBelowThresholdLeastWork(t *testing.T) {
 	assert.Equal(t, uint64(2), r.Stats().RoutingDecisions.LeastWork)
 }
 
+// A prompt shorter than one block has no block keys: nothing to look up, and the backend with
+// the least prefill work takes it, not the ring; its tokens count on that backend's backlog.
+func TestKVShortPromptLeastWork(t *testing.T) {
+	ix := newMemIndex(t)
+	r := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	ctx := context.Background()
+	backlog := func(name string) int64 { return r.set.Load().byName[name].backlog.Load() }
+	long, err := r.Route(ctx, tokReq("system L", promptTokens(3, 64*16)))
+	require.NoError(t, err)
+	defer long.Done(Outcome{})
+	seen := map[string]bool{long.Backend: true}
+	for i := range 2 {
+		d, err := r.Route(ctx, tokReq("system S", promptTokens(10+i, 9)))
+		require.NoError(t, err)
+		defer d.Done(Outcome{})
+		assert.Equal(t, ReasonLeastWork, d.Reason)
+		assert.False(t, seen[d.Backend], "short prompt %d went to %s, which already has prefill work", i, d.Backend)
+		seen[d.Backend] = true
+		assert.Equal(t, int64(9), backlog(d.Backend))
+	}
+	st, err := r.KVStats(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, uint64(1), st.Lookups, "short prompts are not looked up")
+	assert.Zero(t, st.NoTokens)
+
+	// RingFallback keeps the seeds' behaviour: the ring takes what tier 4 cannot look up.
+	r2 := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: newMemIndex(t), RingFallback: true}})
+	d, err := r2.Route(ctx, tokReq("system S", promptTokens(10, 9)))
+	require.NoError(t, err)
+	defer d.Done(Outcome{})
+	assert.Equal(t, ReasonPrefixHash, d.Reason)
+}
+
 func TestKVTierWeightsPreferGPU(t *testing.T) {
 	ix := newMemIndex(t)
 	r := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
