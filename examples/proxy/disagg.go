@@ -210,7 +210,7 @@ func (s *server) doPrefill(ctx context.Context, r *http.Request, pr *parsedReque
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Accept", "application/json")
 	req.Header.Set(headerRequestID, reqID)
-	resp, err := s.transport.RoundTrip(req)
+	resp, err := s.upstream.RoundTrip(req)
 	if err != nil {
 		if errors.Is(context.Cause(pctx), errPrefillTimeout) {
 			err = errPrefillTimeout

@@ -23,6 +23,10 @@
 // replaced once by another; health probes and a circuit breaker take failing backends out of
 // rotation. SIGINT or SIGTERM drains the requests in flight (server.shutdown_timeout) and exits.
 //
+// -upstream-client selects how requests reach plain-http backends: direct (the default) does each
+// exchange in the request's goroutine over its own keep-alive pool (upstream.go), net/http uses
+// http.Transport, which hands each request to a connection's read and write goroutines.
+//
 // With disaggregated_serving enabled, backends have roles (prefill, decode, unified) and
 // Router.RouteDisagg chooses each request's path: fast_decode, unified and fallback forward it
 // as above; prefill_then_decode first sends a one-token prefill to a prefill backend and then the
@@ -77,6 +81,7 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 		logFormat = fs.String("log-format", "text", "log format: text or json")
 		pprofAddr = fs.String("pprof", "", "serve net/http/pprof on this address (e.g. 127.0.0.1:6060); off when empty")
 		gcPercent = fs.Int("gc-percent", defaultGCPercent, "garbage-collection target percentage (debug.SetGCPercent), unless GOGC is set")
+		upClient  = fs.String("upstream-client", upstreamDirect, "how requests reach http backends: direct (in the request's goroutine) or net/http (http.Transport)")
 	)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: proxy [-config FILE] [-addr HOST:PORT] [flags]\n\n")
@@ -84,6 +89,9 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 	}
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if *upClient != upstreamDirect && *upClient != upstreamNetHTTP {
+		return fmt.Errorf("-upstream-client %q: want direct or net/http", *upClient)
 	}
 	if _, set := os.LookupEnv("GOGC"); !set {
 		debug.SetGCPercent(*gcPercent)
@@ -165,7 +173,7 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 		defer stopPprof()
 	}
 	printBanner(stdout, cfg, ln.Addr(), fleet != nil)
-	return run(ctx, cfg, ln, log)
+	return run(ctx, cfg, ln, log, withUpstreamClient(*upClient))
 }
 
 // setAddr sets the server's bind address and port from host:port.
@@ -272,8 +280,8 @@ func printBanner(w io.Writer, cfg *Config, addr net.Addr, demo bool) {
 
 // run serves the proxy for cfg on ln until ctx ends, then drains the requests in flight (up to
 // server.shutdown_timeout) and releases everything. It closes ln.
-func run(ctx context.Context, cfg *Config, ln net.Listener, log *slog.Logger) error {
-	srv, err := newServer(cfg, log)
+func run(ctx context.Context, cfg *Config, ln net.Listener, log *slog.Logger, opts ...serverOption) error {
+	srv, err := newServer(cfg, log, opts...)
 	if err != nil {
 		ln.Close()
 		return err

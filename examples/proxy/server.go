@@ -42,9 +42,13 @@ type server struct {
 
 	backends  map[string]*url.URL
 	transport *http.Transport
-	rp        *httputil.ReverseProxy
-	handler   http.Handler
-	draining  atomic.Bool
+	// upstream carries the proxied requests: an upstreamTransport over transport, or transport
+	// itself when upstreamClient is upstreamNetHTTP.
+	upstream       http.RoundTripper
+	upstreamClient string
+	rp             *httputil.ReverseProxy
+	handler        http.Handler
+	draining       atomic.Bool
 
 	closers []func() error // run in reverse order by Close
 	started atomic.Bool
@@ -70,12 +74,15 @@ func parseStrategy(s string) (kvroute.Strategy, bool) {
 	return "", false
 }
 
-// newServer builds the proxy from a validated configuration.
-func newServer(cfg *Config, log *slog.Logger) (s *server, err error) {
+// newServer builds the proxy from a validated configuration and the flags' options.
+func newServer(cfg *Config, log *slog.Logger, opts ...serverOption) (s *server, err error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
 	s = &server{cfg: cfg, log: log, backends: map[string]*url.URL{}}
+	for _, o := range opts {
+		o(s)
+	}
 	defer func() {
 		if err != nil {
 			_ = s.Close()
@@ -108,6 +115,13 @@ func newServer(cfg *Config, log *slog.Logger) (s *server, err error) {
 		DisableCompression: true,
 	}
 	s.closers = append(s.closers, func() error { s.transport.CloseIdleConnections(); return nil })
+	s.upstream = s.transport
+	if s.upstreamClient != upstreamNetHTTP {
+		ut := newUpstreamTransport(upstreamConfig{Dial: dialer.DialContext, Fallback: s.transport,
+			MaxIdlePerHost: s.transport.MaxIdleConnsPerHost, IdleTimeout: s.transport.IdleConnTimeout})
+		s.upstream = ut
+		s.closers = append(s.closers, func() error { ut.CloseIdleConnections(); return nil })
+	}
 
 	strategy, _ := parseStrategy(cfg.SelectionStrategy)
 	rcfg := kvroute.Config{
