@@ -48,7 +48,10 @@
 //     [topic, seq (8-byte big-endian), payload]; the topic kv@<pod>@<model> names the model. A
 //     jump in seq means lost batches: the consumer asks the engine's replay (ROUTER) endpoint for
 //     the missing ones when it has one, and otherwise calls Sink.ClearBackend so that the index
-//     forgets that backend's possibly stale state instead of over-reporting it.
+//     forgets that backend's possibly stale state instead of over-reporting it. On each new
+//     connection it also catches up: before the first batch it asks the replay endpoint for the
+//     batches the engine still keeps from before (ZMQConfig.CatchUpBatches, vLLM keeps
+//     10,000), so that the index learns what the engine cached before the subscription.
 //   - SSE: an HTTP client reads GET <engine>/v1/kv_events with a 1 MiB line cap and reconnects
 //     with exponential backoff from 1 s to 60 s.
 //

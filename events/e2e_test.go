@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/internal/enginesim"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 )
@@ -129,6 +130,106 @@ func TestE2EZMQToMemoryIndex(t *testing.T) {
 				assert.Zero(t, s.Events.Dropped, s.Backend)
 				assert.Zero(t, s.Events.Malformed, s.Backend)
 			}
+		})
+	}
+}
+
+// TestE2ECatchUp: an engine (internal/enginesim, with vLLM's replay ROUTER socket) serves
+// requests, evicting some blocks, before the router subscribes; the consumer's catch-up on the
+// first live batch replays that history from the engine's buffer into a MemoryIndex, which then
+// shows exactly what the engine holds. A window shorter than the history starts in the middle
+// of it: blocks whose parents came before the window are left out (the index drops a stored
+// block with an unknown parent), so the index under-reports and never over-reports.
+func TestE2ECatchUp(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		batches int // ZMQConfig.CatchUpBatches
+	}{
+		{"whole history", 0},
+		{"window of 3 batches", 3},
+		{"disabled", -1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			const model = "llama"
+			e, err := enginesim.New(enginesim.Config{Model: model, CapacityBlocks: 12, HashSeed: 3,
+				Events: enginesim.EventsConfig{ZMQEndpoint: "tcp://127.0.0.1:0", ZMQBind: true, ReplayEndpoint: "tcp://127.0.0.1:0"}})
+			require.NoError(t, err)
+			defer e.Close()
+			require.NoError(t, e.Start(context.Background()))
+			bs := e.Config().BlockSize
+			prompt := func(sys, user int) []uint32 { // 3 blocks of system prompt, 2 of user turn
+				tok := make([]uint32, 0, 5*bs)
+				for i := range 3 * bs {
+					tok = append(tok, uint32(1000*(sys+1)+i))
+				}
+				for i := range 2 * bs {
+					tok = append(tok, uint32(100000+100*user+i))
+				}
+				return tok
+			}
+			generate := func(tok []uint32) {
+				_, err := e.Generate(context.Background(), enginesim.Input{Tokens: tok, OutputTokens: bs})
+				require.NoError(t, err)
+			}
+			var history [][]uint32
+			for i := range 8 { // 3 system prompts reused, in 12 blocks: hits and evictions
+				history = append(history, prompt(i%3, i))
+				generate(history[i])
+			}
+			require.Positive(t, e.Stats().Evictions)
+			published := e.Stats().Batches
+
+			idx, err := kvindex.NewMemory(kvindex.MemoryConfig{BlockSize: bs, SweepInterval: -1})
+			require.NoError(t, err)
+			defer idx.Close()
+			c, err := events.NewZMQConsumer(events.ZMQConfig{Sink: idx, CatchUpBatches: tc.batches,
+				Endpoints: []events.ZMQEndpoint{{Backend: "e", Endpoint: e.ZMQEndpoint(), ReplayEndpoint: e.ReplayEndpoint(), Model: model}}})
+			require.NoError(t, err)
+			require.NoError(t, c.Start(context.Background()))
+			defer c.Close()
+			require.Eventually(t, func() bool { return e.Stats().ZMQSubscribers == 1 }, 10*time.Second, 5*time.Millisecond)
+			live := prompt(7, 99) // shares no block with the history
+			generate(live)
+
+			indexed := func(tok []uint32) int {
+				keys := prefixkey.AppendBlockKeys(nil, prefixkey.BlockRoot(model, ""), tok, bs, nil)
+				out, err := idx.Lookup(context.Background(), keys, []string{"e"}, make([]kvindex.Match, 1))
+				require.NoError(t, err)
+				return out[0].Blocks
+			}
+			_, want := e.Lookup(live)
+			require.Eventually(t, func() bool { return indexed(live) == want }, 10*time.Second, 5*time.Millisecond)
+			known, total := 0, 0
+			for i, tok := range history {
+				_, cached := e.Lookup(tok)
+				got := indexed(tok)
+				total += cached
+				switch tc.batches {
+				case 0:
+					assert.Equal(t, cached, got, "request %d", i)
+				case -1:
+					assert.Zero(t, got, "request %d", i)
+				default:
+					assert.LessOrEqual(t, got, cached, "request %d", i)
+				}
+				known += got
+			}
+			st := c.Status()[0].Sequence
+			switch tc.batches {
+			case 0:
+				assert.Positive(t, known)
+				assert.Equal(t, total, known)
+				assert.Equal(t, uint64(1), st.CatchUps)
+				assert.Equal(t, published, st.CaughtUpBatches)
+			case -1:
+				assert.Zero(t, st.CatchUps)
+			default:
+				assert.Less(t, known, total, "the window left out blocks whose parents came before it")
+				assert.Equal(t, uint64(1), st.CatchUps)
+				assert.Equal(t, uint64(tc.batches), st.CaughtUpBatches)
+			}
+			assert.Zero(t, st.CatchUpFailures)
+			assert.Zero(t, st.Resets)
 		})
 	}
 }

@@ -15,7 +15,8 @@ import (
 )
 
 // Pod-discovery mode: one SUB connection per engine (and per data-parallel rank), with the
-// engines' replay endpoints to fill sequence gaps. The in-memory index is the Sink.
+// engines' replay endpoints to fill sequence gaps and to catch up, on each connection, on what
+// the engines cached before it. The in-memory index is the Sink.
 func ExampleNewZMQConsumer() {
 	index, err := kvindex.NewMemory(kvindex.MemoryConfig{})
 	if err != nil {

@@ -126,8 +126,15 @@ type SequenceStats struct {
 	Gaps           uint64 `json:"gaps"`     // jumps forward in a publisher's sequence (queue overflows included)
 	Replays        uint64 `json:"replays"`  // gaps filled by replay
 	ReplayFailures uint64 `json:"replay_failures"`
+	// CatchUps counts catch-ups that completed: on a publisher's first batch, the batches its
+	// replay endpoint kept from before it were applied (ZMQConfig.CatchUpBatches).
+	CatchUps        uint64 `json:"catch_ups"`
+	CatchUpFailures uint64 `json:"catch_up_failures"`
+	// CaughtUpBatches counts the batches the completed catch-ups applied.
+	CaughtUpBatches uint64 `json:"caught_up_batches"`
 	// Resets counts Sink.ClearBackend calls made for this source: publisher restarts (sequence
-	// went back), gaps that could not be replayed, and recovery after a sink error.
+	// went back), gaps that could not be replayed, catch-ups that failed part-way, and recovery
+	// after a sink error.
 	Resets uint64 `json:"resets"`
 	// QueueOverflows counts batches dropped because the backend's queue was full.
 	QueueOverflows uint64 `json:"queue_overflows"`
@@ -145,6 +152,7 @@ type source struct {
 
 	received, processed, dropped, malformed, oversized atomic.Uint64
 	batches, lastSeq, gaps, replays, replayFailures    atomic.Uint64
+	catchUps, catchUpFailures, caughtUpBatches         atomic.Uint64
 	resets, overflows, reconnects                      atomic.Uint64
 	state                                              atomic.Uint32 // stateAt index
 	lastEventAt, connectedSince                        atomic.Int64  // unix nanoseconds, 0 = never
@@ -220,13 +228,16 @@ func (s *source) status() SourceStatus {
 			Oversized: s.oversized.Load(),
 		},
 		Sequence: SequenceStats{
-			Batches:        s.batches.Load(),
-			LastSeq:        s.lastSeq.Load(),
-			Gaps:           s.gaps.Load(),
-			Replays:        s.replays.Load(),
-			ReplayFailures: s.replayFailures.Load(),
-			Resets:         s.resets.Load(),
-			QueueOverflows: s.overflows.Load(),
+			Batches:         s.batches.Load(),
+			LastSeq:         s.lastSeq.Load(),
+			Gaps:            s.gaps.Load(),
+			Replays:         s.replays.Load(),
+			ReplayFailures:  s.replayFailures.Load(),
+			CatchUps:        s.catchUps.Load(),
+			CatchUpFailures: s.catchUpFailures.Load(),
+			CaughtUpBatches: s.caughtUpBatches.Load(),
+			Resets:          s.resets.Load(),
+			QueueOverflows:  s.overflows.Load(),
 		},
 	}
 	s.mu.Lock()

@@ -38,6 +38,12 @@ type FakePublisherConfig struct {
 	Replay     bool
 	ReplayPort int
 	ReplayKeep int
+	// ReplayFault, when set, breaks every replay answer at the batch of sequence number
+	// ReplayFaultAt: "hole" leaves the batch out, "corrupt" sends a payload that is not msgpack
+	// in its place, "end" sends the end marker instead (and nothing more), "stall" sends nothing
+	// more (no end marker either), "close" closes the replay socket instead of sending it.
+	ReplayFault   string
+	ReplayFaultAt uint64
 	// FirstSeq is the first sequence number (vLLM starts at 0, some publishers at 1).
 	FirstSeq uint64
 	// Rank, when set, is sent as the batch's data_parallel_rank.
@@ -116,9 +122,10 @@ func listenRetry(s zmq4.Socket, ep string) error {
 }
 
 // serveReplay answers replay requests ["", start] with every kept batch ≥ start, then the end
-// marker.
+// marker (ReplayFault aside).
 func (p *FakePublisher) serveReplay(router zmq4.Socket) {
 	defer p.routerWG.Done()
+serve:
 	for {
 		msg, err := router.Recv()
 		if err != nil {
@@ -133,10 +140,30 @@ func (p *FakePublisher) serveReplay(router zmq4.Socket) {
 		kept := slices.Clone(p.buf)
 		p.mu.Unlock()
 		for _, b := range kept {
-			if b.seq >= start {
-				if router.Send(zmq4.NewMsgFrom(id, []byte{}, seqFrame(b.seq), b.payload)) != nil {
+			if b.seq < start {
+				continue
+			}
+			payload := b.payload
+			if p.cfg.ReplayFault != "" && b.seq == p.cfg.ReplayFaultAt {
+				switch p.cfg.ReplayFault {
+				case "hole":
+					continue
+				case "corrupt":
+					payload = []byte{0xc1}
+				case "end":
+					if router.Send(zmq4.NewMsgFrom(id, []byte{}, seqFrame(ReplayEndSeq), []byte{})) != nil {
+						return
+					}
+					continue serve
+				case "stall":
+					continue serve
+				case "close":
+					router.Close()
 					return
 				}
+			}
+			if router.Send(zmq4.NewMsgFrom(id, []byte{}, seqFrame(b.seq), payload)) != nil {
+				return
 			}
 		}
 		if router.Send(zmq4.NewMsgFrom(id, []byte{}, seqFrame(ReplayEndSeq), []byte{})) != nil {
@@ -186,6 +213,12 @@ func (p *FakePublisher) PublishRaw(payload []byte) uint64 {
 func (p *FakePublisher) Lose(events ...any) uint64 {
 	p.t.Helper()
 	return p.send(EncodeFakeBatch(p.cfg.Rank, events...), false)
+}
+
+// LoseRaw is Lose with an arbitrary payload.
+func (p *FakePublisher) LoseRaw(payload []byte) uint64 {
+	p.t.Helper()
+	return p.send(payload, false)
 }
 
 // SendFrames sends arbitrary frames (malformed-framing tests); no sequence number is taken.

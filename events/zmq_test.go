@@ -120,6 +120,8 @@ func TestNewZMQConsumerConfig(t *testing.T) {
 		{"bind options in connect mode", ZMQConfig{Sink: sink, Endpoints: ep, DefaultBackend: "a"}, false},
 		{"empty topic backend", ZMQConfig{Sink: sink, Bind: "tcp://*:1", TopicBackend: map[string]string{"t": ""}}, false},
 		{"negative queue", ZMQConfig{Sink: sink, Endpoints: ep, QueueSize: -1}, false},
+		{"catch-up disabled", ZMQConfig{Sink: sink, Endpoints: ep, CatchUpBatches: -1}, true},
+		{"negative catch-up timeout", ZMQConfig{Sink: sink, Endpoints: ep, CatchUpTimeout: -time.Second}, false},
 		{"backoff inverted", ZMQConfig{Sink: sink, Endpoints: ep, InitialBackoff: time.Second, MaxBackoff: time.Millisecond}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -382,7 +384,9 @@ func TestZMQPublisherRestart(t *testing.T) {
 func TestZMQReconnectResets(t *testing.T) {
 	// An engine that comes back lost what it published while we were away, and a restarted one
 	// lost its cache: the backend is cleared when the connection is lost, whatever the sequence
-	// says next. The first batch on the new connection starts a new chain (no gap, no replay).
+	// says next. The first batch on the new connection starts a new chain (no gap): with
+	// catch-up, what the engine published since it came back is requested from its replay
+	// buffer first; without, the chain simply starts there.
 	for _, tc := range []struct {
 		name string
 		lose int // batches published (and lost) before the first one we see
@@ -391,32 +395,245 @@ func TestZMQReconnectResets(t *testing.T) {
 		{"sequence ahead", 2, 2},
 		{"sequence continues ours by chance", 0, 0},
 	} {
+		for _, catchUp := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/catch-up=%v", tc.name, catchUp), func(t *testing.T) {
+				pub := NewFakePublisher(t, FakePublisherConfig{Replay: true})
+				sink := NewRecordingSink()
+				cfg := ZMQConfig{Sink: sink,
+					Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}}
+				if !catchUp {
+					cfg.CatchUpBatches = -1
+				}
+				c := startZMQ(t, cfg)
+				pub.WaitSubscribed()
+				pub.Publish(stored(0))
+				require.Eventually(t, func() bool { return len(sink.Applied("a")) == 1 }, waitFor, tick)
+				pub.Restart()
+				require.Eventually(t, func() bool { return sink.Clears("a") == 1 }, waitFor, tick, "cleared when the connection is lost")
+				pub.WaitSubscribed()
+				for range tc.lose {
+					pub.Lose(stored(9))
+				}
+				if tc.seq == 0 {
+					pub.ResetSeq(1) // the new life continues the old sequence: 1 = last+1
+				}
+				live := pub.Publish(stored(3))
+				want := []int64{0, -1, int64(live)}
+				if catchUp {
+					want = []int64{0, -1}
+					for s := range tc.lose {
+						want = append(want, int64(s))
+					}
+					want = append(want, int64(live))
+				}
+				require.Eventually(t, func() bool { return len(sink.Seqs("a")) == len(want) }, waitFor, tick)
+				assert.Equal(t, want, sink.Seqs("a"))
+				assert.Equal(t, btoi(catchUp), pub.Replays(), "one catch-up request, no gap replay")
+				st := statusOf(t, c, "a")
+				assert.Zero(t, st.Sequence.Gaps)
+				assert.Equal(t, uint64(1), st.Sequence.Resets)
+				assert.Equal(t, uint64(btoi(catchUp)), st.Sequence.CatchUps)
+				assert.Equal(t, uint64(btoi(catchUp)*tc.lose), st.Sequence.CaughtUpBatches)
+			})
+		}
+	}
+}
+
+// publishHistory publishes n batches, storing hashes 100, 101, …, that no subscriber receives
+// (as those a PUB drops before any subscription reaches it) and the replay responder keeps; it
+// returns their sequence numbers. (Publishing them before the consumer starts would not do: the
+// zmq4 PUB may still deliver what it queued before the subscription arrived.)
+func publishHistory(pub *FakePublisher, n int) []int64 {
+	var seqs []int64
+	for i := range n {
+		seqs = append(seqs, int64(pub.Lose(stored(uint64(100+i)))))
+	}
+	return seqs
+}
+
+func TestZMQCatchUp(t *testing.T) {
+	// A router that subscribes to an engine that has been publishing for a while (a router
+	// restart, a new engine, the PUB's slow-joiner loss) learns from the engine's replay buffer
+	// what it cached before: the batches before the first live one are applied first, in order,
+	// each once.
+	for _, tc := range []struct {
+		name     string
+		history  int    // batches published before the subscription
+		first    uint64 // the publisher's first sequence number
+		keep     int    // FakePublisherConfig.ReplayKeep (0: 10,000)
+		batches  int    // ZMQConfig.CatchUpBatches (0: the default)
+		wantFrom int    // index in the history of the first batch caught up
+	}{
+		{name: "whole history", history: 30},
+		{name: "from seq 1", history: 30, first: 1},
+		{name: "window shorter than the history", history: 30, batches: 8, wantFrom: 22},
+		// The buffer holds 26..30 (30 is the live batch): the replay starts later than asked.
+		{name: "replay buffer shorter than the window", history: 30, keep: 5, wantFrom: 26},
+		{name: "nothing before the first batch", history: 0, first: 1},
+	} {
 		t.Run(tc.name, func(t *testing.T) {
-			pub := NewFakePublisher(t, FakePublisherConfig{Replay: true})
+			pub := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@p@m", Replay: true, ReplayKeep: tc.keep, FirstSeq: tc.first})
+			history := publishHistory(pub, tc.history)
 			sink := NewRecordingSink()
-			c := startZMQ(t, ZMQConfig{Sink: sink,
+			c := startZMQ(t, ZMQConfig{Sink: sink, CatchUpBatches: tc.batches,
 				Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}})
 			pub.WaitSubscribed()
-			pub.Publish(stored(0))
-			require.Eventually(t, func() bool { return len(sink.Applied("a")) == 1 }, waitFor, tick)
-			pub.Restart()
-			require.Eventually(t, func() bool { return sink.Clears("a") == 1 }, waitFor, tick, "cleared when the connection is lost")
-			pub.WaitSubscribed()
-			for range tc.lose {
-				pub.Lose(stored(9))
+			live := pub.Publish(stored(1))
+			want := append(history[tc.wantFrom:], int64(live))
+			require.Eventually(t, func() bool { return len(sink.Seqs("a")) >= len(want) }, waitFor, tick)
+			assert.Equal(t, want, sink.Seqs("a"), "caught up in order, each batch once, then the live batch")
+			for i, b := range sink.Applied("a")[:len(want)-1] {
+				assert.Equal(t, [][]uint64{{uint64(100 + tc.wantFrom + i)}}, b.Hashes)
+				assert.Equal(t, "m", b.Model)
 			}
-			if tc.seq == 0 {
-				pub.ResetSeq(1) // the new life continues the old sequence: 1 = last+1
-			}
-			pub.Publish(stored(3))
-			require.Eventually(t, func() bool { return len(sink.Applied("a")) == 2 }, waitFor, tick)
-			assert.Equal(t, 1, sink.Clears("a"))
-			assert.Zero(t, pub.Replays())
 			st := statusOf(t, c, "a")
+			assert.Equal(t, uint64(1), st.Sequence.CatchUps)
+			assert.Equal(t, uint64(len(want)-1), st.Sequence.CaughtUpBatches)
+			assert.Zero(t, st.Sequence.CatchUpFailures)
 			assert.Zero(t, st.Sequence.Gaps)
-			assert.Equal(t, uint64(1), st.Sequence.Resets)
+			assert.Zero(t, st.Sequence.Replays, "a catch-up is not a gap replay")
+			assert.Zero(t, sink.Clears("a"))
+			assert.Equal(t, EventStats{Received: uint64(len(want)), Processed: uint64(len(want))}, st.Events)
+
+			// The chain goes on from the live batch: no second request.
+			next := pub.Publish(stored(2))
+			require.Eventually(t, func() bool { return len(sink.Seqs("a")) == len(want)+1 }, waitFor, tick)
+			assert.Equal(t, int64(next), sink.Seqs("a")[len(want)])
+			assert.Equal(t, 1, pub.Replays())
+			assert.Equal(t, uint64(1), statusOf(t, c, "a").Sequence.CatchUps)
 		})
 	}
+}
+
+func TestZMQCatchUpFails(t *testing.T) {
+	// A catch-up that breaks after applying some batches may have applied stores whose later
+	// removals it never saw: the backend is reset and the live batch is the baseline. One that
+	// applied nothing leaves nothing stale: the live batch is the baseline, without a reset.
+	const history = 20
+	for _, tc := range []struct {
+		name    string
+		fault   string
+		at      uint64
+		down    bool // nothing listens on the replay endpoint
+		applied int  // batches caught up before the failure
+		err     string
+	}{
+		{name: "hole", fault: "hole", at: 10, applied: 10, err: "no longer holds batch 10"},
+		{name: "malformed batch", fault: "corrupt", at: 10, applied: 10, err: "replayed batch 10"},
+		{name: "answer ends early", fault: "end", at: 10, applied: 10, err: "no longer holds batch 10"},
+		{name: "replay socket closes", fault: "close", at: 10, applied: 10, err: "catch-up"},
+		{name: "replay stalls", fault: "stall", at: 10, applied: 10, err: "no answer in"},
+		{name: "first batch malformed", fault: "corrupt", at: 0, err: "replayed batch 0"},
+		{name: "replay endpoint down", down: true, err: "catch-up 0..19"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pub := NewFakePublisher(t, FakePublisherConfig{Replay: true, ReplayFault: tc.fault, ReplayFaultAt: tc.at})
+			seqs := publishHistory(pub, history)
+			ep := ZMQEndpoint{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}
+			if tc.down {
+				ep.ReplayEndpoint = fmt.Sprintf("tcp://127.0.0.1:%d", freePort(t))
+			}
+			sink := NewRecordingSink()
+			c := startZMQ(t, ZMQConfig{Sink: sink, Endpoints: []ZMQEndpoint{ep}, CatchUpTimeout: 300 * time.Millisecond})
+			pub.WaitSubscribed()
+			live := pub.Publish(stored(1))
+			want := []int64{int64(live)}
+			if tc.applied > 0 {
+				want = append(append(seqs[:tc.applied:tc.applied], -1), int64(live))
+			}
+			require.Eventually(t, func() bool { return len(sink.Seqs("a")) >= len(want) }, waitFor, tick)
+			assert.Equal(t, want, sink.Seqs("a"))
+			st := statusOf(t, c, "a")
+			assert.Equal(t, uint64(1), st.Sequence.CatchUpFailures)
+			assert.Zero(t, st.Sequence.CatchUps)
+			assert.Zero(t, st.Sequence.CaughtUpBatches)
+			assert.Equal(t, uint64(btoi(tc.applied > 0)), st.Sequence.Resets)
+			assert.Contains(t, st.LastError, "catch-up")
+			assert.Contains(t, st.LastError, tc.err)
+
+			// The live batch is the chain's baseline: the next batch is in order.
+			next := pub.Publish(stored(2))
+			require.Eventually(t, func() bool { return len(sink.Seqs("a")) == len(want)+1 }, waitFor, tick)
+			assert.Equal(t, int64(next), sink.Seqs("a")[len(want)])
+			assert.Equal(t, btoi(tc.applied > 0), sink.Clears("a"))
+			assert.Zero(t, statusOf(t, c, "a").Sequence.Gaps)
+		})
+	}
+}
+
+func TestZMQCatchUpDisabled(t *testing.T) {
+	// Without a replay endpoint, with CatchUpBatches < 0, and in bind mode (publishers have no
+	// replay endpoint there), the first batch is the baseline, as before catch-up existed.
+	for _, tc := range []struct {
+		name   string
+		replay bool
+		bind   bool
+	}{
+		{name: "no replay endpoint"},
+		{name: "CatchUpBatches < 0", replay: true},
+		{name: "bind mode", bind: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sink := NewRecordingSink()
+			var pub *FakePublisher
+			var c *ZMQConsumer
+			if tc.bind {
+				c = startZMQ(t, ZMQConfig{Sink: sink, Bind: "tcp://127.0.0.1:0", DefaultBackend: "a"})
+				pub = NewFakePublisher(t, FakePublisherConfig{Connect: "tcp://" + c.Addr().String(), Replay: true, FirstSeq: 5})
+			} else {
+				pub = NewFakePublisher(t, FakePublisherConfig{Replay: true})
+				publishHistory(pub, 5)
+				cfg := ZMQConfig{Sink: sink, Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: pub.Endpoint}}}
+				if tc.replay {
+					cfg.Endpoints[0].ReplayEndpoint, cfg.CatchUpBatches = pub.ReplayEndpoint, -1
+				}
+				c = startZMQ(t, cfg)
+			}
+			pub.WaitSubscribed()
+			pub.Publish(stored(1))
+			pub.Publish(stored(2))
+			require.Eventually(t, func() bool { return len(sink.Seqs("a")) == 2 }, waitFor, tick)
+			assert.Equal(t, []int64{5, 6}, sink.Seqs("a"))
+			assert.Zero(t, pub.Replays())
+			st := statusOf(t, c, "a")
+			assert.Zero(t, st.Sequence.CatchUps)
+			assert.Zero(t, st.Sequence.CatchUpFailures)
+			assert.Zero(t, st.Sequence.Resets)
+		})
+	}
+}
+
+func TestZMQCatchUpDPRanks(t *testing.T) {
+	// Two data-parallel ranks share a connection and topic (a relay in between), each with its
+	// own sequence, but one replay endpoint, which belongs to rank 0 (vLLM: one replay socket
+	// per rank; its answer names no topic, only each batch its rank). Each rank's chain catches
+	// up on its own first batch; rank 1's request is answered with rank 0's batches, which the
+	// consumer refuses before applying any: rank 1 starts from its live batch, without a reset.
+	r0, r1 := 0, 1
+	pub := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@p@m", Replay: true, Rank: &r0})
+	history := publishHistory(pub, 6)
+	sink := NewRecordingSink()
+	c := startZMQ(t, ZMQConfig{Sink: sink,
+		Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}})
+	pub.WaitSubscribed()
+	live0 := pub.Publish(stored(1))
+	require.Eventually(t, func() bool { return len(sink.Seqs("a")) == 7 }, waitFor, tick)
+	assert.Equal(t, append(history, int64(live0)), sink.Seqs("a"))
+
+	pub.SendFrames([]byte("kv@p@m"), seqFrame(3), EncodeFakeBatch(&r1, stored(1003))) // rank 1's first batch
+	pub.SendFrames([]byte("kv@p@m"), seqFrame(4), EncodeFakeBatch(&r1, stored(1004)))
+	live1 := pub.Publish(stored(2)) // rank 0 goes on
+	require.Eventually(t, func() bool { return len(sink.Seqs("a")) == 10 }, waitFor, tick)
+	assert.Equal(t, append(history, int64(live0), 3, 4, int64(live1)), sink.Seqs("a"))
+	assert.Equal(t, [][]uint64{{1003}}, sink.Applied("a")[7].Hashes)
+	assert.Zero(t, sink.Clears("a"))
+	st := statusOf(t, c, "a")
+	assert.Equal(t, uint64(1), st.Sequence.CatchUps)
+	assert.Equal(t, uint64(6), st.Sequence.CaughtUpBatches)
+	assert.Equal(t, uint64(1), st.Sequence.CatchUpFailures)
+	assert.Contains(t, st.LastError, "data-parallel rank 0, not 1")
+	assert.Zero(t, st.Sequence.Gaps)
+	assert.Equal(t, 2, pub.Replays())
 }
 
 func TestZMQSequenceWentBack(t *testing.T) {
@@ -831,4 +1048,17 @@ func TestSourceStatusJSON(t *testing.T) {
 	assert.Equal(t, float64(0), ev["dropped"])
 	assert.NotContains(t, got, "sequence", "all-zero sequence stats are left out")
 	assert.NotContains(t, got, "last_error_at")
+
+	s.replays.Add(1)
+	s.catchUps.Add(2)
+	s.catchUpFailures.Add(3)
+	s.caughtUpBatches.Add(4)
+	raw, err = json.Marshal(s.status())
+	require.NoError(t, err)
+	got = nil
+	require.NoError(t, json.Unmarshal(raw, &got))
+	seq := got["sequence"].(map[string]any)
+	for key, want := range map[string]float64{"replays": 1, "replay_failures": 0, "catch_ups": 2, "catch_up_failures": 3, "caught_up_batches": 4} {
+		assert.Equal(t, want, seq[key], key)
+	}
 }

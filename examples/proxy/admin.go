@@ -280,6 +280,8 @@ type sourceRef struct {
 	Endpoint  string `json:"endpoint"`
 	Status    string `json:"status"`
 	LastError string `json:"last_error,omitempty"`
+	// Sequence: gaps, replays, catch-ups and resets of a ZMQ source (absent for SSE).
+	Sequence events.SequenceStats `json:"sequence,omitzero"`
 }
 
 // GET /admin/kv-index/backends: per backend, its event sources' connection and event counts and
@@ -322,7 +324,7 @@ func (s *server) kvIndexBackends(w http.ResponseWriter, r *http.Request) {
 		e.Malformed += ss.Events.Malformed
 		e.Resets += ss.Sequence.Resets
 		b.Sources = append(b.Sources, sourceRef{Transport: ss.Transport, Endpoint: ss.Endpoint,
-			Status: string(ss.Connection.State), LastError: ss.LastError})
+			Status: string(ss.Connection.State), LastError: ss.LastError, Sequence: ss.Sequence})
 	}
 	for name, c := range counts {
 		b := get(name)

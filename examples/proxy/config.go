@@ -255,7 +255,9 @@ type EventSourceConfig struct {
 	// (tcp://vllm-1:5557 to connect to an engine's PUB socket; with Bind, the address engines
 	// connect to, e.g. tcp://0.0.0.0:5557).
 	Endpoint string `yaml:"endpoint"`
-	// ReplayEndpoint is the engine's ZMQ replay socket, used to fill sequence gaps (connect mode).
+	// ReplayEndpoint is the engine's ZMQ replay socket (connect mode), used to fill sequence gaps
+	// and, on each new connection, to catch up on the engine's last 10,000 batches, so the index
+	// learns what the engine cached before the proxy subscribed.
 	ReplayEndpoint string `yaml:"replay_endpoint"`
 	// Bind makes the proxy bind Endpoint (centralized mode): engines connect to it and their
 	// messages are placed by topic (kv@<pod>@<model>: <pod> is the backend name, or TopicBackends).
