@@ -552,6 +552,7 @@ type backendWriter struct {
 	sink      Sink
 	backend   string
 	needClear bool
+	clears    uint64 // successful ClearBackend calls
 }
 
 // requestReset makes the next apply clear the backend first.
@@ -568,6 +569,7 @@ func (w *backendWriter) apply(ctx context.Context, src *source, b *Batch) bool {
 			return false
 		}
 		w.needClear = false
+		w.clears++
 		src.resets.Add(1)
 	}
 	if n == 0 {

@@ -158,7 +158,10 @@ type ZMQConfig struct {
 // it (replay, else reset) as soon as it has applied what the same connection queued before the
 // lost batch, without waiting for the publisher's next batch to reveal it (a publisher that
 // goes quiet after a burst would otherwise leave the sink with the hole indefinitely). A failed
-// Sink.Apply clears the backend before the next batch.
+// Sink.Apply clears the backend before the next batch. A clear whose cause is not the chain's
+// own batch (a sink outage, another chain's reset or lost connection) makes the chain catch up
+// again on its next batch, once the clear has succeeded, so that a reset heals from the replay
+// buffer; a chain whose catch-up failed does not try again before a new connection.
 //
 // Lost connections: a PUB socket drops what it publishes while a subscriber is away, and an
 // engine that restarts comes back with an empty cache (and a sequence that may by chance
@@ -278,6 +281,13 @@ func chainKeyOf(conn uint64, topic string, b *Batch) chainKey {
 
 type chain struct {
 	last uint64
+	// clears is the backend's clear count (backendWriter.clears) after the chain's last batch:
+	// when another cause has cleared the backend since, the chain catches up again.
+	clears uint64
+	// catchUpFailed: the chain's last catch-up failed; it does not try again before a new
+	// connection (a replay buffer that keeps failing would otherwise reset the backend again and
+	// again).
+	catchUpFailed bool
 }
 
 // zmqItem is a decoded batch on its way from a reader to a worker, or (reset) the news that a
@@ -892,6 +902,25 @@ func (c *ZMQConsumer) handle(ctx context.Context, be *zmqBackend, it *zmqItem) {
 	}
 	key := chainKeyOf(it.conn, it.topic, &it.b)
 	ch := be.chains[key]
+	if ch != nil && !ch.catchUpFailed && (be.w.needClear || ch.clears != be.w.clears) {
+		// The backend was cleared, or is to be, since this chain's last batch, for a cause not its
+		// own (a sink failure, a reset on another of the backend's chains): once the clear has
+		// been done, the chain catches up again, so that the sink relearns what the engine still
+		// holds in its replay buffer instead of waiting for the blocks to be stored again. While
+		// the sink cannot even be cleared (it is down) nothing is replayed.
+		var empty Batch
+		if be.w.apply(ctx, src, &empty) {
+			ok, applied, failed := c.catchUp(ctx, be, src, it.pub, it.b.Model, key.rank, seq)
+			if !ok {
+				return
+			}
+			ch.catchUpFailed = failed
+			if applied > 0 && !failed && seq > ch.last {
+				ch.last = seq - 1
+			}
+			ch.clears = be.w.clears
+		}
+	}
 	switch {
 	case ch == nil: // first batch of this publisher: catch up on what came before, then the baseline
 		if len(be.chains) >= maxChainsPerPipe {
@@ -899,9 +928,11 @@ func (c *ZMQConsumer) handle(ctx context.Context, be *zmqBackend, it *zmqItem) {
 		}
 		ch = &chain{}
 		be.chains[key] = ch
-		if !c.catchUp(ctx, be, src, it.pub, it.b.Model, key.rank, seq) {
+		ok, _, failed := c.catchUp(ctx, be, src, it.pub, it.b.Model, key.rank, seq)
+		if !ok {
 			return
 		}
+		ch.catchUpFailed = failed
 	case seq == ch.last+1:
 	case seq > ch.last+1:
 		if !c.fillGap(ctx, be, src, it.pub, replayRange{model: it.b.Model, rank: key.rank, from: ch.last + 1, until: seq}) {
@@ -913,6 +944,7 @@ func (c *ZMQConsumer) handle(ctx context.Context, be *zmqBackend, it *zmqItem) {
 	}
 	ch.last = seq
 	be.w.apply(ctx, src, &it.b)
+	ch.clears = be.w.clears // a reset this batch's own handling caused is no cause to catch up
 }
 
 // handleLost repairs the holes of the lost batches whose connection's earlier items have all
@@ -971,6 +1003,7 @@ func (c *ZMQConsumer) repairLost(ctx context.Context, be *zmqBackend, k lostKey,
 	}
 	ch.last = l.seq
 	be.w.apply(ctx, l.src, &empty) // a reset fillGap requested happens now
+	ch.clears = be.w.clears
 }
 
 // replayRange is a request to a publisher's replay endpoint: the batches [from, until) of the
@@ -1025,16 +1058,16 @@ func (c *ZMQConsumer) fillGap(ctx context.Context, be *zmqBackend, src *source, 
 // connection) may have applied stores whose later removals are missing: the backend is reset
 // before seq is applied. One that fails before applying any (typically: nothing listens on the
 // replay endpoint) added nothing stale, and seq is simply the baseline. It reports false when
-// ctx ended.
-func (c *ZMQConsumer) catchUp(ctx context.Context, be *zmqBackend, src *source, p *zmqPublisher, model string, rank int, seq uint64) bool {
+// ctx ended (ok false), how many batches it applied, and whether it failed.
+func (c *ZMQConsumer) catchUp(ctx context.Context, be *zmqBackend, src *source, p *zmqPublisher, model string, rank int, seq uint64) (ok bool, applied int, failed bool) {
 	if seq == 0 || c.cfg.CatchUpBatches < 0 || p == nil || p.replayAddr == "" {
-		return true
+		return true, 0, false
 	}
 	r := replayRange{model: model, rank: rank, from: seq - min(seq, uint64(c.cfg.CatchUpBatches)), until: seq, catchUp: true}
 	n, err := c.replay(ctx, be, src, p, r)
 	if err != nil {
 		if ctx.Err() != nil {
-			return false
+			return false, n, true
 		}
 		src.catchUpFailures.Add(1)
 		src.setError(fmt.Errorf("catch-up %d..%d: %w", r.from, r.until-1, err))
@@ -1044,12 +1077,12 @@ func (c *ZMQConsumer) catchUp(ctx context.Context, be *zmqBackend, src *source, 
 		} else {
 			c.log.Warn("kvroute events: catch-up failed, starting from the live batch", "backend", be.w.backend, "seq", seq, "err", err)
 		}
-		return true
+		return true, n, true
 	}
 	src.catchUps.Add(1)
 	src.caughtUpBatches.Add(uint64(n))
 	c.log.Info("kvroute events: caught up", "backend", be.w.backend, "endpoint", p.cfg.Endpoint, "batches", n, "seq", seq)
-	return true
+	return true, n, false
 }
 
 // replay requests the batches [r.from, r.until) from the publisher's replay endpoint and applies

@@ -823,6 +823,72 @@ func TestZMQSinkFailureResetsBackend(t *testing.T) {
 	assert.Equal(t, []int64{0, -1, 2}, sink.Seqs("a"), "the backend is cleared before the next batch")
 }
 
+// TestZMQSinkFailureCatchesUp: after a sink outage the backend is cleared, and the chain then
+// catches up again from the replay buffer, so the sink relearns what the engine holds instead of
+// starting from the next batch; while the sink is still down nothing is replayed.
+func TestZMQSinkFailureCatchesUp(t *testing.T) {
+	pub := NewFakePublisher(t, FakePublisherConfig{Replay: true})
+	sink := NewRecordingSink()
+	c := startZMQ(t, ZMQConfig{Sink: sink,
+		Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}})
+	pub.WaitSubscribed()
+	pub.Publish(stored(0))
+	pub.Publish(stored(1))
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 2 }, waitFor, tick)
+	replays := pub.Replays()
+	sink.SetFail(errSinkDown)
+	pub.Publish(stored(2))
+	pub.Publish(stored(3)) // the clear before it fails too: no replay yet
+	require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Dropped == 2 }, waitFor, tick)
+	assert.Equal(t, replays, pub.Replays(), "nothing is replayed into a sink that is down")
+	sink.SetFail(nil)
+	pub.Publish(stored(4))
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 7 }, waitFor, tick)
+	assert.Equal(t, []int64{0, 1, -1, 0, 1, 2, 3, 4}, sink.Seqs("a"), "cleared, caught up, then the live batch")
+	st := statusOf(t, c, "a")
+	assert.Equal(t, uint64(1), st.Sequence.CatchUps)
+	assert.Equal(t, uint64(4), st.Sequence.CaughtUpBatches)
+	assert.Equal(t, uint64(1), st.Sequence.Resets)
+
+	pub.Publish(stored(5)) // in order: no further catch-up
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 8 }, waitFor, tick)
+	assert.Equal(t, uint64(1), statusOf(t, c, "a").Sequence.CatchUps)
+}
+
+// TestZMQResetCatchesUpOtherChains: two publishers feed one backend (two data-parallel ranks,
+// each on its own connection); when one connection is lost the backend is cleared, and the
+// other publisher's chain catches up from its replay buffer on its next batch, so the sink does
+// not stay blind to what that rank holds.
+func TestZMQResetCatchesUpOtherChains(t *testing.T) {
+	r0, r1 := 0, 1
+	p0 := NewFakePublisher(t, FakePublisherConfig{Replay: true, Rank: &r0})
+	p1 := NewFakePublisher(t, FakePublisherConfig{Replay: true, Rank: &r1})
+	sink := NewRecordingSink()
+	c := startZMQ(t, ZMQConfig{Sink: sink, Endpoints: []ZMQEndpoint{
+		{Backend: "a", Endpoint: p0.Endpoint, ReplayEndpoint: p0.ReplayEndpoint},
+		{Backend: "a", Endpoint: p1.Endpoint, ReplayEndpoint: p1.ReplayEndpoint}}})
+	p0.WaitSubscribed()
+	p1.WaitSubscribed()
+	p0.Publish(stored(0))
+	p1.Publish(stored(1000))
+	p1.Publish(stored(1001))
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 3 }, waitFor, tick)
+	p0.Restart()
+	require.Eventually(t, func() bool { return sink.Clears("a") == 1 }, waitFor, tick, "cleared when p0's connection is lost")
+	p1.Publish(stored(1002))
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 6 }, waitFor, tick)
+	var hashes []uint64
+	for _, b := range sink.Applied("a")[3:] {
+		hashes = append(hashes, b.Hashes[0]...)
+	}
+	assert.Equal(t, []uint64{1000, 1001, 1002}, hashes, "p1 caught up after the clear, then its live batch")
+	var catchUps uint64
+	for _, st := range c.Status() {
+		catchUps += st.Sequence.CatchUps
+	}
+	assert.Equal(t, uint64(1), catchUps)
+}
+
 func TestZMQCloseStopsEverything(t *testing.T) {
 	for _, mode := range []string{"connect", "bind"} {
 		t.Run(mode, func(t *testing.T) {
