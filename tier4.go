@@ -64,7 +64,7 @@ type KVConfig struct {
 	// ring's 0.25 because its choice is worth more than an even spread: the backend that holds
 	// the prompt's KV cache saves its prefill, and sending the request elsewhere computes (and
 	// caches) the prefix a second time. In the trace replay (BENCHMARKS.md, routing quality) the
-	// ring's 0.25 turned a quarter of the fleet's cache hits away; 1.0 keeps the hit ratio within
+	// ring's 0.25 turned a fifth of the reachable cache hits away; 1.0 keeps the hit ratio within
 	// 7 % of one pooled cache's, and a prefix everyone wants still spreads once its holder
 	// carries twice the mean. Set it to Config.Epsilon for the ring's bound.
 	LoadFactorEpsilon float64

@@ -456,16 +456,13 @@ func TestUpstreamCancel(t *testing.T) {
 			ctx, cancel := context.WithCancelCause(context.Background())
 			defer cancel(nil)
 			time.AfterFunc(20*time.Millisecond, func() { cancel(cause) })
-			start := time.Now()
+			// Without the cancellation the handler answers after 2 s and err is nil.
 			_, err := tr.RoundTrip(upRequest(t, ctx, srv.URL+"/headers", "x"))
 			if !errors.Is(err, cause) {
 				t.Fatalf("err %v, want %v", err, cause)
 			}
 			if cause == errKVTransferTimeout && errKind(err) != "timeout" {
 				t.Errorf("errKind %q, want timeout", errKind(err))
-			}
-			if d := time.Since(start); d > 500*time.Millisecond {
-				t.Errorf("took %v", d)
 			}
 		})
 	}
