@@ -82,6 +82,7 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 		pprofAddr = fs.String("pprof", "", "serve net/http/pprof on this address (e.g. 127.0.0.1:6060); off when empty")
 		gcPercent = fs.Int("gc-percent", defaultGCPercent, "garbage-collection target percentage (debug.SetGCPercent), unless GOGC is set")
 		upClient  = fs.String("upstream-client", upstreamDirect, "how requests reach http backends: direct (in the request's goroutine) or net/http (http.Transport)")
+		srvKind   = fs.String("server", serverLoop, "what serves client connections: loop (the proxy's HTTP/1.1 loop, net/http for the rest) or net/http (http.Server)")
 	)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: proxy [-config FILE] [-addr HOST:PORT] [flags]\n\n")
@@ -92,6 +93,9 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 	}
 	if *upClient != upstreamDirect && *upClient != upstreamNetHTTP {
 		return fmt.Errorf("-upstream-client %q: want direct or net/http", *upClient)
+	}
+	if *srvKind != serverLoop && *srvKind != serverNetHTTP {
+		return fmt.Errorf("-server %q: want loop or net/http", *srvKind)
 	}
 	if _, set := os.LookupEnv("GOGC"); !set {
 		debug.SetGCPercent(*gcPercent)
@@ -173,7 +177,7 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 		defer stopPprof()
 	}
 	printBanner(stdout, cfg, ln.Addr(), fleet != nil)
-	return run(ctx, cfg, ln, log, withUpstreamClient(*upClient))
+	return run(ctx, cfg, ln, log, withUpstreamClient(*upClient), withHTTPServer(*srvKind))
 }
 
 // setAddr sets the server's bind address and port from host:port.
@@ -292,11 +296,25 @@ func run(ctx context.Context, cfg *Config, ln net.Listener, log *slog.Logger, op
 		ln.Close()
 		return err
 	}
-	hs := &http.Server{
-		Handler:           srv.Handler(),
-		ReadHeaderTimeout: time.Duration(cfg.Server.ReadHeaderTimeout),
-		IdleTimeout:       2 * time.Minute,
-		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	var hs interface {
+		Serve(net.Listener) error
+		Shutdown(context.Context) error
+		Close() error
+	}
+	if srv.httpServerKind == serverNetHTTP {
+		hs = &http.Server{
+			Handler:           srv.Handler(),
+			ReadHeaderTimeout: time.Duration(cfg.Server.ReadHeaderTimeout),
+			IdleTimeout:       serverIdleTimeout,
+			ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+		}
+	} else {
+		hs = newHTTPServer(httpServerConfig{
+			Handler:           srv.Handler(),
+			ReadHeaderTimeout: time.Duration(cfg.Server.ReadHeaderTimeout),
+			IdleTimeout:       serverIdleTimeout,
+			Log:               log,
+		})
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(ln) }()
@@ -322,6 +340,9 @@ func run(ctx context.Context, cfg *Config, ln net.Listener, log *slog.Logger, op
 	log.Info("stopped")
 	return nil
 }
+
+// serverIdleTimeout closes client connections idle for longer.
+const serverIdleTimeout = 2 * time.Minute
 
 // defaultGCPercent is -gc-percent's default. The proxy's live heap is small (its caches aside), and
 // most of its garbage is per-request buffers: collecting at 4× the live heap instead of 2× cut

@@ -5,6 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -40,7 +43,15 @@ type telemetry struct {
 	retries        metric.Int64Counter
 	duration       metric.Float64Histogram
 	reg            metric.Registration
+
+	// The attribute sets of the upstream error and retry counters, by backend (and kind), built
+	// on first use: the backends and the kinds are few.
+	mu          sync.Mutex
+	errorOpts   map[upstreamErrorKey][]metric.AddOption
+	retriesOpts map[string][]metric.AddOption
 }
+
+type upstreamErrorKey struct{ backend, kind string }
 
 func newTelemetry() (*telemetry, error) {
 	reg := prometheus.NewRegistry()
@@ -72,6 +83,76 @@ func newTelemetry() (*telemetry, error) {
 		return nil, err
 	}
 	return t, nil
+}
+
+// endpointMetrics records the requests of one LLM endpoint. Its attribute sets are built once
+// rather than per request: metric.WithAttributes copies its attributes, sorts them into a new set
+// and boxes the option, a dozen allocations per request for two measurements. Safe for
+// concurrent use.
+type endpointMetrics struct {
+	t        *telemetry
+	endpoint attribute.KeyValue
+	duration []metric.RecordOption
+	// byCode holds the request counter's options by status code, each built when the code first
+	// occurs; codes outside it get a set per request.
+	byCode [600]atomic.Pointer[[]metric.AddOption]
+}
+
+// forEndpoint returns the recorder of endpoint's requests.
+func (t *telemetry) forEndpoint(endpoint string) *endpointMetrics {
+	kv := attribute.String("endpoint", endpoint)
+	return &endpointMetrics{t: t, endpoint: kv,
+		duration: []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(kv))}}
+}
+
+// record counts one answered request and its duration. The context only carries what exemplars
+// may use (a span); the SDK records the measurement whether or not it is done.
+func (m *endpointMetrics) record(ctx context.Context, code int, d time.Duration) {
+	m.t.requests.Add(ctx, 1, m.codeOpts(code)...)
+	m.t.duration.Record(ctx, d.Seconds(), m.duration...)
+}
+
+func (m *endpointMetrics) codeOpts(code int) []metric.AddOption {
+	if code < 0 || code >= len(m.byCode) {
+		return []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(m.endpoint, attribute.Int("code", code)))}
+	}
+	if p := m.byCode[code].Load(); p != nil {
+		return *p
+	}
+	opts := []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(m.endpoint, attribute.Int("code", code)))}
+	m.byCode[code].Store(&opts)
+	return opts
+}
+
+// upstreamError counts a failure of backend of the given kind (errKind's labels, or aborted).
+func (t *telemetry) upstreamError(ctx context.Context, backend, kind string) {
+	k := upstreamErrorKey{backend, kind}
+	t.mu.Lock()
+	opts, ok := t.errorOpts[k]
+	if !ok {
+		if t.errorOpts == nil {
+			t.errorOpts = map[upstreamErrorKey][]metric.AddOption{}
+		}
+		opts = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("backend", backend), attribute.String("kind", kind)))}
+		t.errorOpts[k] = opts
+	}
+	t.mu.Unlock()
+	t.upstreamErrors.Add(ctx, 1, opts...)
+}
+
+// retry counts a request retried after backend failed.
+func (t *telemetry) retry(ctx context.Context, backend string) {
+	t.mu.Lock()
+	opts, ok := t.retriesOpts[backend]
+	if !ok {
+		if t.retriesOpts == nil {
+			t.retriesOpts = map[string][]metric.AddOption{}
+		}
+		opts = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("backend", backend)))}
+		t.retriesOpts[backend] = opts
+	}
+	t.mu.Unlock()
+	t.retries.Add(ctx, 1, opts...)
 }
 
 // observeHealth registers the gauges of the backends' rotation and circuit states.

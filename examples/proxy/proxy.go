@@ -8,15 +8,13 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/http/httptrace"
 	"net/http/httputil"
 	"net/url"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/metric"
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/disagg"
@@ -68,8 +66,16 @@ type upstream struct {
 	requestID     string // X-Request-Id to send, when set (the two phases share one)
 }
 
-// attempt is one forwarding of a request to one backend.
+// attempt is one forwarding of a request to one backend. It is also the context of the upstream
+// call: the client's values and, for attemptKey, the attempt itself, with a cancellation of its
+// own (cancel), so that the call can outlive the client's context (see proxyTo). The attempt's
+// parts live in one allocation: its ResponseWriter, its body reader, its response header values.
 type attempt struct {
+	// Context is a cancelCtx parented on nothing: it answers Done, Err and context.Cause.
+	context.Context
+	client context.Context // the client request's: values, and the cancellation that cancel follows
+	cancel context.CancelCauseFunc
+
 	lease     lease
 	target    *url.URL
 	stream    bool
@@ -81,6 +87,40 @@ type attempt struct {
 	// headers is headersWaiting until the response headers arrive (headersArrived) or the header
 	// timeout fires (headersTimedOut), whichever comes first.
 	headers atomic.Int32
+
+	w       attemptWriter
+	grace   atomic.Pointer[time.Timer] // the stream-end grace timer, once the client has left
+	bodyR   bytes.Reader
+	reqBody io.ReadCloser // bodyR, as net/http recognises an in-memory body
+	hdrs    [2]string     // the values of X-Kvroute-Backend and X-Kvroute-Route
+	trace   httptrace.ClientTrace
+}
+
+// Value returns the attempt for attemptKey, and the client context's values otherwise (but for
+// the attempt's own cancellation, which its embedded context answers).
+func (a *attempt) Value(key any) any {
+	if key == attemptKey {
+		return a
+	}
+	if v := a.Context.Value(key); v != nil {
+		return v
+	}
+	return a.client.Value(key)
+}
+
+// clientGone runs when the client's context ends: it cancels the upstream call, at once or, when
+// a stream's terminal event has already gone out, after streamEndGrace.
+func (a *attempt) clientGone() {
+	if a.w.ended.Load() {
+		a.grace.Store(time.AfterFunc(streamEndGrace, func() { a.cancel(context.Canceled) }))
+		return
+	}
+	a.cancel(context.Cause(a.client))
+}
+
+// getBody returns a new reader of the request body (http.Request.GetBody).
+func (a *attempt) getBody() (io.ReadCloser, error) {
+	return io.NopCloser(bytes.NewReader(a.body)), nil
 }
 
 // States of attempt.headers.
@@ -117,24 +157,27 @@ var errUpstreamAborted = errors.New("upstream response aborted")
 // copyBuffers lends ReverseProxy the buffers it copies response bodies through.
 var copyBuffers httputil.BufferPool = &bufferPool{}
 
-// bufferPool is an httputil.BufferPool of 32 KiB buffers (ReverseProxy's own size).
+// bufferPool is an httputil.BufferPool of 32 KiB buffers (ReverseProxy's own size). It pools
+// pointers to the buffers' arrays: a pointer to a slice would be an allocation per Put.
 type bufferPool struct{ p sync.Pool }
+
+// copyBufferSize is the size of bufferPool's buffers.
+const copyBufferSize = 32 << 10
 
 // Get returns a buffer of 32 KiB.
 func (b *bufferPool) Get() []byte {
-	if v, ok := b.p.Get().(*[]byte); ok {
-		return *v
+	if v, ok := b.p.Get().(*[copyBufferSize]byte); ok {
+		return v[:]
 	}
-	return make([]byte, 32<<10)
+	return make([]byte, copyBufferSize)
 }
 
 // Put takes a buffer back for another response.
 func (b *bufferPool) Put(buf []byte) {
-	if cap(buf) < 32<<10 {
+	if cap(buf) < copyBufferSize {
 		return
 	}
-	buf = buf[:32<<10]
-	b.p.Put(&buf)
+	b.p.Put((*[copyBufferSize]byte)(buf[:copyBufferSize]))
 }
 
 // newReverseProxy returns the ReverseProxy every request goes through: its target comes from the
@@ -150,7 +193,8 @@ func (s *server) newReverseProxy() *httputil.ReverseProxy {
 			// makes the transport send the headers and the body in two writes; the body is ours and
 			// in memory, so hand the transport a reader it recognises: one write per request.
 			if pr.Out.Body != nil {
-				setBody(pr.Out, a.body)
+				a.bodyR.Reset(a.body)
+				pr.Out.Body, pr.Out.ContentLength, pr.Out.GetBody = a.reqBody, int64(len(a.body)), a.getBody
 			}
 			// Identity bodies: cacheable and streamed as they come.
 			pr.Out.Header.Del("Accept-Encoding")
@@ -187,11 +231,15 @@ func (s *server) newReverseProxy() *httputil.ReverseProxy {
 // llmHandler serves one LLM API endpoint: body checks (413, 400), then the response cache, then
 // forward.
 func (s *server) llmHandler(format prefixkey.Format, endpoint string) http.Handler {
-	var inner http.Handler = http.HandlerFunc(s.forward)
+	// The response cache sits between the checks and forward: the parsed request reaches forward
+	// through the request's context then. Without it the checks call forward themselves.
+	var cached http.Handler
 	if s.cache != nil {
-		inner = s.cache.Middleware(inner)
+		cached = s.cache.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			s.forward(w, r, r.Context().Value(parsedKey).(*parsedRequest))
+		}))
 	}
-	endpointAttr := attribute.String("endpoint", endpoint)
+	m := s.tel.forEndpoint(endpoint)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		start := time.Now()
 		sw := &statusWriter{ResponseWriter: w}
@@ -200,9 +248,7 @@ func (s *server) llmHandler(format prefixkey.Format, endpoint string) http.Handl
 			if code == 0 {
 				code = http.StatusOK
 			}
-			ctx := context.WithoutCancel(r.Context())
-			s.tel.requests.Add(ctx, 1, metric.WithAttributes(endpointAttr, attribute.Int("code", code)))
-			s.tel.duration.Record(ctx, time.Since(start).Seconds(), metric.WithAttributes(endpointAttr))
+			m.record(r.Context(), code, time.Since(start))
 		}()
 
 		limit := s.cfg.Server.MaxBodyBytes
@@ -211,9 +257,9 @@ func (s *server) llmHandler(format prefixkey.Format, endpoint string) http.Handl
 				"request body is "+strconv.FormatInt(r.ContentLength, 10)+" bytes; the limit is "+strconv.FormatInt(limit, 10))
 			return
 		}
-		body, err := io.ReadAll(http.MaxBytesReader(sw, r.Body, limit))
+		body, err := readBody(r.Body, r.ContentLength, limit)
 		if err != nil {
-			if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
+			if err == errBodyTooLarge {
 				writeAPIError(sw, format, http.StatusRequestEntityTooLarge, "request_too_large", "",
 					"request body exceeds the limit of "+strconv.FormatInt(limit, 10)+" bytes")
 				return
@@ -240,10 +286,50 @@ func (s *server) llmHandler(format prefixkey.Format, endpoint string) http.Handl
 			}
 		}
 		pr := &parsedRequest{format: format, req: req, body: body}
+		if cached == nil {
+			s.forward(sw, r, pr)
+			return
+		}
 		r = r.WithContext(context.WithValue(r.Context(), parsedKey, pr))
 		setBody(r, body)
-		inner.ServeHTTP(sw, r)
+		cached.ServeHTTP(sw, r)
 	})
+}
+
+// errBodyTooLarge is readBody's error for a body beyond its limit.
+var errBodyTooLarge = errors.New("request body too large")
+
+// maxPresizedBody bounds the buffer readBody makes for the size a body announces, before any of
+// it arrives: a client must send more to make the proxy hold more.
+const maxPresizedBody = 64 << 10
+
+// readBody reads r to its end, a request body that announced size bytes (-1: unknown): it returns
+// errBodyTooLarge as soon as more than limit bytes come, and any other read error as it is. A
+// body of announced size (up to maxPresizedBody) is read into one buffer of that size; io.ReadAll
+// grows its own from 512 bytes, several allocations and copies for a prompt of a few KiB.
+func readBody(r io.Reader, size, limit int64) ([]byte, error) {
+	n := 512
+	if size > 0 && size <= min(limit, maxPresizedBody) {
+		n = int(size) + 1 // room for the read that meets the end
+	}
+	lr := io.LimitedReader{R: r, N: limit + 1}
+	b := make([]byte, 0, n)
+	for {
+		m, err := lr.Read(b[len(b):cap(b)])
+		b = b[:len(b)+m]
+		if int64(len(b)) > limit {
+			return nil, errBodyTooLarge
+		}
+		if err != nil {
+			if err == io.EOF {
+				return b, nil
+			}
+			return b, err
+		}
+		if len(b) == cap(b) {
+			b = append(b, 0)[:len(b)]
+		}
+	}
 }
 
 // setBody makes r's body (and GetBody) yield body.
@@ -253,10 +339,9 @@ func setBody(r *http.Request, body []byte) {
 	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
 }
 
-// forward tokenizes, routes and proxies one request; a backend that fails before answering is
-// replaced once by another. With disaggregation on, forwardDisagg runs the request instead.
-func (s *server) forward(w http.ResponseWriter, r *http.Request) {
-	pr := r.Context().Value(parsedKey).(*parsedRequest)
+// forward tokenizes, routes and proxies one request, pr; a backend that fails before answering
+// is replaced once by another. With disaggregation on, forwardDisagg runs the request instead.
+func (s *server) forward(w http.ResponseWriter, r *http.Request, pr *parsedRequest) {
 	if s.cfg.DisaggregatedServing.Enabled {
 		s.forwardDisagg(w, r, pr)
 		return
@@ -286,9 +371,8 @@ func (s *server) forward(w http.ResponseWriter, r *http.Request) {
 func (s *server) failedBeforeAnswer(ctx context.Context, up *upstream, err error) {
 	up.lease.Done(kvroute.Outcome{Err: err})
 	s.health.observeRequest(up.backend, true, err)
-	ctx = context.WithoutCancel(ctx)
-	s.tel.upstreamErrors.Add(ctx, 1, metric.WithAttributes(attribute.String("backend", up.backend), attribute.String("kind", errKind(err))))
-	s.tel.retries.Add(ctx, 1, metric.WithAttributes(attribute.String("backend", up.backend)))
+	s.tel.upstreamError(ctx, up.backend, errKind(err))
+	s.tel.retry(ctx, up.backend)
 	s.log.Warn("upstream failed before answering; retrying on another backend", "backend", up.backend, "err", err)
 }
 
@@ -355,34 +439,31 @@ func (s *server) routeAvoiding(ctx context.Context, req *prefixkey.Request, fail
 // owns up.lease. Otherwise it has answered the client and released up.lease.
 func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedRequest, up *upstream, retriedFrom string, canRetry bool) (retry bool, err error) {
 	d := up.lease
-	a := &attempt{lease: d, target: s.backends[up.backend], stream: pr.req.Params.Stream, canRetry: canRetry, requestID: up.requestID}
-	aw := &attemptWriter{ResponseWriter: w, a: a}
+	// The upstream call follows the client's cancellation, except that a stream whose terminal
+	// event has already gone out is let finish: SDK clients close the connection as soon as they
+	// read "data: [DONE]", and cancelling the upstream read then would abort a complete response
+	// (which the response cache would then not store). Its context is the attempt, with a
+	// cancellation of its own that follows the client's (clientGone).
+	ctx, cancel := context.WithCancelCause(context.Background())
+	defer cancel(nil)
+	a := &attempt{Context: ctx, client: r.Context(), cancel: cancel, lease: d, target: s.backends[up.backend],
+		stream: pr.req.Params.Stream, canRetry: canRetry, requestID: up.requestID, body: up.body}
+	a.w = attemptWriter{ResponseWriter: w, a: a}
+	aw := &a.w
 	h := w.Header()
-	h.Set(HeaderBackend, up.backend)
-	h.Set(HeaderRoute, up.route)
+	a.hdrs = [2]string{up.backend, up.route}
+	h[HeaderBackend] = a.hdrs[0:1:1]
+	h[HeaderRoute] = a.hdrs[1:2:2]
 	if up.plan != nil {
 		up.plan.SetHeaders(h)
 	}
 	if retriedFrom != "" {
 		h.Set(HeaderRetriedFrom, retriedFrom)
 	}
-	// The upstream call follows the client's cancellation, except that a stream whose terminal
-	// event has already gone out is let finish: SDK clients close the connection as soon as they
-	// read "data: [DONE]", and cancelling the upstream read then would abort a complete response
-	// (which the response cache would then not store).
-	upCtx, cancelUp := context.WithCancelCause(context.WithoutCancel(r.Context()))
-	defer cancelUp(nil)
-	var grace atomic.Pointer[time.Timer]
-	stopAfter := context.AfterFunc(r.Context(), func() {
-		if aw.ended.Load() {
-			grace.Store(time.AfterFunc(streamEndGrace, func() { cancelUp(context.Canceled) }))
-			return
-		}
-		cancelUp(context.Cause(r.Context()))
-	})
+	stopAfter := context.AfterFunc(r.Context(), a.clientGone)
 	defer func() {
 		if !stopAfter() {
-			if t := grace.Load(); t != nil {
+			if t := a.grace.Load(); t != nil {
 				t.Stop()
 			}
 		}
@@ -390,14 +471,17 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 	if up.headerTimeout > 0 {
 		t := time.AfterFunc(up.headerTimeout, func() {
 			if a.headers.CompareAndSwap(headersWaiting, headersTimedOut) {
-				cancelUp(errKVTransferTimeout)
+				a.cancel(errKVTransferTimeout)
 			}
 		})
 		defer t.Stop()
 	}
-	out := r.WithContext(context.WithValue(upCtx, attemptKey, a))
-	a.body = up.body
-	setBody(out, up.body)
+	// ReverseProxy copies the request; Rewrite gives the copy the body again, in a reader that
+	// net/http knows to be in memory.
+	out := r.WithContext(a)
+	a.bodyR.Reset(up.body)
+	a.reqBody = io.NopCloser(&a.bodyR)
+	out.Body, out.ContentLength, out.GetBody = a.reqBody, int64(len(up.body)), nil
 
 	completed := false
 	defer func() {
@@ -412,9 +496,13 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 		}
 		d.Done(kvroute.Outcome{Err: errUpstreamAborted})
 		s.health.observeRequest(up.backend, true, errUpstreamAborted)
-		s.tel.upstreamErrors.Add(context.WithoutCancel(r.Context()), 1, metric.WithAttributes(attribute.String("backend", up.backend), attribute.String("kind", "aborted")))
+		s.tel.upstreamError(r.Context(), up.backend, "aborted")
 	}()
-	s.rp.ServeHTTP(aw, out)
+	if s.upstreamClient == upstreamNetHTTP {
+		s.rp.ServeHTTP(aw, out)
+	} else {
+		s.forwardAttempt(aw, out, a)
+	}
 	completed = true
 	if a.err != nil && a.headers.Load() == headersTimedOut {
 		a.err = errKVTransferTimeout
@@ -430,7 +518,7 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 		}
 		d.Done(kvroute.Outcome{Err: a.err})
 		s.health.observeRequest(up.backend, true, a.err)
-		s.tel.upstreamErrors.Add(context.WithoutCancel(r.Context()), 1, metric.WithAttributes(attribute.String("backend", up.backend), attribute.String("kind", errKind(a.err))))
+		s.tel.upstreamError(r.Context(), up.backend, errKind(a.err))
 		msg := "backend " + up.backend + " failed: " + a.err.Error()
 		if retriedFrom != "" {
 			msg = "backends " + retriedFrom + " and " + up.backend + " failed: " + a.err.Error()
@@ -441,7 +529,7 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 	var outcome error
 	if a.status >= 500 {
 		outcome = &statusError{code: a.status}
-		s.tel.upstreamErrors.Add(context.WithoutCancel(r.Context()), 1, metric.WithAttributes(attribute.String("backend", up.backend), attribute.String("kind", "status_5xx")))
+		s.tel.upstreamError(r.Context(), up.backend, "status_5xx")
 	}
 	d.Done(kvroute.Outcome{Err: outcome})
 	s.health.observeRequest(up.backend, outcome != nil, outcome)
@@ -471,7 +559,8 @@ type attemptWriter struct {
 	wroteHeader bool
 	firstByte   bool
 	writeErr    error
-	tail        []byte      // the last bytes written, to spot a stream's terminal event
+	tail        [streamTail]byte // the last bytes written (ntail of them), to spot a terminal event
+	ntail       int
 	ended       atomic.Bool // a stream's terminal event was written
 }
 
@@ -485,18 +574,33 @@ var (
 	anthropicFinal = []byte("event: message_stop")
 )
 
-// noteStream keeps the tail of a stream and marks it ended at its terminal event.
+// streamTail is the most bytes of a terminal event that can precede the write that ends it.
+const streamTail = len("event: message_stop") - 1
+
+// noteStream marks the stream ended at its terminal event, which p holds, or which begins in the
+// previous writes' last bytes and ends in p.
 func (w *attemptWriter) noteStream(p []byte) {
 	if w.ended.Load() {
 		return
 	}
-	w.tail = append(w.tail, p...)
-	if bytes.Contains(w.tail, openAIDone) || bytes.Contains(w.tail, anthropicFinal) {
+	var buf [2 * streamTail]byte
+	seam := append(append(buf[:0], w.tail[:w.ntail]...), p[:min(len(p), streamTail)]...)
+	if terminal(p) || terminal(seam) {
 		w.ended.Store(true)
+		return
 	}
-	if keep := len(anthropicFinal); len(w.tail) > keep {
-		w.tail = append(w.tail[:0], w.tail[len(w.tail)-keep:]...)
+	if len(p) >= streamTail {
+		w.ntail = copy(w.tail[:], p[len(p)-streamTail:])
+		return
 	}
+	keep := min(w.ntail, streamTail-len(p))
+	copy(w.tail[:], w.tail[w.ntail-keep:w.ntail])
+	w.ntail = keep + copy(w.tail[keep:], p)
+}
+
+// terminal reports whether b holds a terminal event.
+func terminal(b []byte) bool {
+	return bytes.Contains(b, openAIDone) || bytes.Contains(b, anthropicFinal)
 }
 
 // WriteHeader implements http.ResponseWriter.

@@ -3,11 +3,13 @@ package main
 import (
 	"bufio"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -438,5 +440,94 @@ func TestSingleBackendStatusPassesThrough(t *testing.T) {
 	r, b = post(t, p2.URL+"/v1/messages", `{"model":"m","max_tokens":1,"messages":[{"role":"user","content":"hi"}]}`)
 	if r.StatusCode != 502 || !strings.Contains(string(b), `"type":"api_error"`) {
 		t.Errorf("dead single backend: %d %s", r.StatusCode, b)
+	}
+}
+
+// noteStream spots a terminal event however the writes cut it, and only a terminal event.
+func TestNoteStream(t *testing.T) {
+	streams := []struct {
+		text  string
+		ended bool
+	}{
+		{"data: {\"choices\":[]}\n\ndata: [DONE]\n\n", true},
+		{"event: content_block_delta\ndata: {}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n", true},
+		{"data: {\"choices\":[]}\n\ndata: [DON", false},
+		{"event: message_sto", false},
+		{"data: {\"content\":\"data: [DONE\"}\n\n", false},
+	}
+	for _, s := range streams {
+		// Every way of cutting the stream in three writes.
+		for i := 0; i <= len(s.text); i++ {
+			for j := i; j <= len(s.text); j++ {
+				w := &attemptWriter{}
+				for _, p := range []string{s.text[:i], s.text[i:j], s.text[j:]} {
+					w.noteStream([]byte(p))
+				}
+				if w.ended.Load() != s.ended {
+					t.Fatalf("%q cut at %d and %d: ended %v, want %v", s.text, i, j, w.ended.Load(), s.ended)
+				}
+			}
+		}
+		// One byte at a time.
+		w := &attemptWriter{}
+		for k := range len(s.text) {
+			w.noteStream([]byte{s.text[k]})
+		}
+		if w.ended.Load() != s.ended {
+			t.Errorf("%q byte by byte: ended %v, want %v", s.text, w.ended.Load(), s.ended)
+		}
+	}
+}
+
+// chunkReader yields its chunks, one Read each, then err.
+type chunkReader struct {
+	chunks []string
+	err    error
+}
+
+func (r *chunkReader) Read(p []byte) (int, error) {
+	if len(r.chunks) == 0 {
+		return 0, r.err
+	}
+	n := copy(p, r.chunks[0])
+	if r.chunks[0] = r.chunks[0][n:]; r.chunks[0] == "" {
+		r.chunks = r.chunks[1:]
+	}
+	return n, nil
+}
+
+// readBody reads what io.ReadAll over http.MaxBytesReader reads, and fails where it fails.
+func TestReadBody(t *testing.T) {
+	const limit = 10
+	tests := []struct {
+		name   string
+		chunks []string
+		err    error
+		size   int64
+	}{
+		{"announced", []string{"0123", "45"}, io.EOF, 6},
+		{"unknown size", []string{"0123", "45"}, io.EOF, -1},
+		{"at the limit", []string{"0123456789"}, io.EOF, 10},
+		{"beyond the limit", []string{"0123456789", "x"}, io.EOF, -1},
+		{"beyond the limit at once", []string{"0123456789x"}, io.EOF, -1},
+		{"longer than announced", []string{"0123456789x"}, io.EOF, 4},
+		{"shorter than announced", []string{"01"}, io.EOF, 8},
+		{"read error", []string{"01"}, io.ErrUnexpectedEOF, 8},
+		{"empty", nil, io.EOF, 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := readBody(&chunkReader{chunks: slices.Clone(tt.chunks), err: tt.err}, tt.size, limit)
+			want, wantErr := io.ReadAll(http.MaxBytesReader(httptest.NewRecorder(), io.NopCloser(&chunkReader{chunks: slices.Clone(tt.chunks), err: tt.err}), limit))
+			if _, ok := errors.AsType[*http.MaxBytesError](wantErr); ok {
+				if err != errBodyTooLarge {
+					t.Errorf("%q, %v; want errBodyTooLarge", got, err)
+				}
+				return
+			}
+			if string(got) != string(want) || errString(err) != errString(wantErr) {
+				t.Errorf("%q, %v; io.ReadAll reads %q, %v", got, err, want, wantErr)
+			}
+		})
 	}
 }

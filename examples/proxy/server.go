@@ -46,6 +46,7 @@ type server struct {
 	// itself when upstreamClient is upstreamNetHTTP.
 	upstream       http.RoundTripper
 	upstreamClient string
+	httpServerKind string // serverLoop (also when empty) or serverNetHTTP: what run serves with
 	rp             *httputil.ReverseProxy
 	handler        http.Handler
 	draining       atomic.Bool

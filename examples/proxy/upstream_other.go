@@ -4,6 +4,13 @@ package main
 
 import "net"
 
-// peerClosed reports false: without a non-blocking read, an idle connection's peer close shows
+// peerProbe reports false: without a non-blocking read, an idle connection's peer close shows
 // when the connection is used, and upstreamTransport.RoundTrip retries the request once then.
+type peerProbe struct{}
+
+func (*peerProbe) init(net.Conn) {}
+
+func (*peerProbe) closed() bool { return false }
+
+// peerClosed is a peerProbe's verdict on c, for a single check.
 func peerClosed(net.Conn) bool { return false }

@@ -836,3 +836,274 @@ func BenchmarkUpstream(b *testing.B) {
 		}
 	}
 }
+
+// writeBoth writes mk's request with writeRequest and with req.Write, each on a request of its
+// own, and returns the bytes and errors of each.
+func writeBoth(mk func() *http.Request) (fast, std []byte, fastErr, stdErr error) {
+	var b1, b2 bytes.Buffer
+	bw := bufio.NewWriterSize(&b1, upstreamWriteBufferSize)
+	var lr io.LimitedReader
+	fastErr = writeRequest(bw, &lr, mk())
+	_ = bw.Flush()
+	stdErr = mk().Write(&b2)
+	return b1.Bytes(), b2.Bytes(), fastErr, stdErr
+}
+
+// errString is err's message, "" for nil.
+func errString(err error) string {
+	if err == nil {
+		return ""
+	}
+	return err.Error()
+}
+
+// failingBody is a request body whose Read fails after n bytes.
+type failingBody struct{ n int }
+
+func (b *failingBody) Read(p []byte) (int, error) {
+	if b.n == 0 {
+		return 0, errors.New("disk on fire")
+	}
+	n := min(b.n, len(p))
+	for i := range n {
+		p[i] = 'x'
+	}
+	b.n -= n
+	return n, nil
+}
+
+func (*failingBody) Close() error { return nil }
+
+// writeRequest writes what req.Write writes, whichever way it takes.
+func TestWriteRequest(t *testing.T) {
+	chat := []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)
+	proxied := func(edit func(*http.Request)) func() *http.Request {
+		return func() *http.Request {
+			req, _ := http.NewRequest(http.MethodPost, "http://127.0.0.1:8001/v1/chat/completions", nil)
+			setBody(req, chat)
+			req.Header = http.Header{"Content-Type": {"application/json"}, "Accept": {"text/event-stream"},
+				"User-Agent": {""}, "X-Forwarded-For": {"10.0.0.1"}, "X-Forwarded-Host": {"proxy:8080"},
+				"X-Forwarded-Proto": {"http"}, "Authorization": {"Bearer k"}}
+			if edit != nil {
+				edit(req)
+			}
+			return req
+		}
+	}
+	tests := []struct {
+		name string
+		mk   func() *http.Request
+		fast bool // writeRequest takes its own path
+	}{
+		{"proxied", proxied(nil), true},
+		{"default user agent", proxied(func(r *http.Request) { delete(r.Header, "User-Agent") }), true},
+		{"user agent trimmed", proxied(func(r *http.Request) { r.Header.Set("User-Agent", " sdk/1.0\t") }), true},
+		{"values trimmed", proxied(func(r *http.Request) { r.Header["X-Pad"] = []string{"  a b ", "\tc"} }), true},
+		{"non-canonical names", proxied(func(r *http.Request) { r.Header["x-lower"] = []string{"1"}; r.Header["X-EMPTY"] = nil }), true},
+		{"host and query", proxied(func(r *http.Request) { r.Host = "engine.local:9000"; r.URL.RawQuery = "a=1&b=%20" }), true},
+		{"escaped path", proxied(func(r *http.Request) { r.URL.Path = "/v1/a b"; r.URL.RawPath = "" }), true},
+		{"excluded headers", proxied(func(r *http.Request) {
+			r.Header["Content-Length"] = []string{"999"}
+			r.Header["Host"] = []string{"other"}
+			r.Header["Trailer"] = []string{"X"}
+		}), true},
+		{"body shorter than its length", proxied(func(r *http.Request) { r.ContentLength += 5 }), true},
+		{"body longer than its length", proxied(func(r *http.Request) { r.ContentLength -= 5 }), true},
+		{"body read error", proxied(func(r *http.Request) { r.Body, r.ContentLength = &failingBody{n: 3}, 10 }), true},
+		{"no GetBody", proxied(func(r *http.Request) { r.GetBody = nil }), false},
+		{"chunked", proxied(func(r *http.Request) { r.TransferEncoding = []string{"chunked"} }), false},
+		{"close", proxied(func(r *http.Request) { r.Close = true }), false},
+		{"line break in a value", proxied(func(r *http.Request) { r.Header.Set("X-Bad", "a\r\nInjected: 1") }), false},
+		{"line break in the user agent", proxied(func(r *http.Request) { r.Header.Set("User-Agent", "a\nb") }), false},
+		{"invalid name", proxied(func(r *http.Request) { r.Header["Bad Name"] = []string{"1"} }), false},
+		{"zone in the host", proxied(func(r *http.Request) { r.Host = "[fe80::1%en0]:8001" }), false},
+		{"non-ASCII host", proxied(func(r *http.Request) { r.Host = "bücher.example:80" }), false},
+		{"control byte in the target", proxied(func(r *http.Request) { r.URL.RawQuery = "a=\x01" }), false},
+		{"many headers", proxied(func(r *http.Request) {
+			for i := range maxFastHeaderKeys {
+				r.Header.Set(fmt.Sprintf("X-H%d", i), "v")
+			}
+		}), false},
+		{"body larger than the buffer", proxied(func(r *http.Request) {
+			setBody(r, bytes.Repeat([]byte("x"), upstreamWriteBufferSize))
+		}), false},
+		{"write trace", proxied(func(r *http.Request) {
+			*r = *r.WithContext(httptrace.WithClientTrace(r.Context(), &httptrace.ClientTrace{WroteHeaders: func() {}}))
+		}), false},
+		{"no body", func() *http.Request {
+			req, _ := http.NewRequest(http.MethodGet, "http://127.0.0.1:8001/health", nil)
+			return req
+		}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			req := tt.mk()
+			head, fast := appendRequestHead(nil, req)
+			fast = fast && int64(len(head)) < upstreamWriteBufferSize-req.ContentLength
+			if fast != tt.fast {
+				t.Errorf("own path %v, want %v", fast, tt.fast)
+			}
+			got, want, gotErr, wantErr := writeBoth(tt.mk)
+			if !bytes.Equal(got, want) {
+				t.Errorf("wrote\n%q\nreq.Write writes\n%q", got, want)
+			}
+			if errString(gotErr) != errString(wantErr) {
+				t.Errorf("error %v, req.Write's %v", gotErr, wantErr)
+			}
+		})
+	}
+}
+
+// The proxy's request costs writeRequest no allocation.
+func TestWriteRequestAllocs(t *testing.T) {
+	body := []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)
+	br := bytes.NewReader(body)
+	req, _ := http.NewRequest(http.MethodPost, "http://127.0.0.1:8001/v1/chat/completions", nil)
+	req.Body, req.ContentLength = io.NopCloser(br), int64(len(body))
+	req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+	req.Header = http.Header{"Content-Type": {"application/json"}, "User-Agent": {""}, "X-Forwarded-For": {"10.0.0.1"}}
+	bw := bufio.NewWriterSize(io.Discard, upstreamWriteBufferSize)
+	var lr io.LimitedReader
+	allocs := testing.AllocsPerRun(100, func() {
+		br.Reset(body)
+		if err := writeRequest(bw, &lr, req); err != nil {
+			t.Fatal(err)
+		}
+		_ = bw.Flush()
+	})
+	if allocs != 0 {
+		t.Errorf("%v allocations per request, want 0", allocs)
+	}
+}
+
+// bufferedReader returns a reader of raw whose buffer holds what one read gave, as exchange has
+// it when it reads the response.
+func bufferedReader(raw []byte) *bufio.Reader {
+	br := bufio.NewReaderSize(bytes.NewReader(raw), upstreamReadBufferSize)
+	_, _ = br.Peek(1)
+	return br
+}
+
+// compareResponse checks that parseResponseHead reads raw, the answer to a method request, as
+// http.ReadResponse does: the same head, then the same body, error, trailer and rest of the
+// stream. It reports whether parseResponseHead took the response.
+func compareResponse(t *testing.T, raw []byte, method string) bool {
+	t.Helper()
+	req := &http.Request{Method: method}
+	br := bufferedReader(raw)
+	got := parseResponseHead(br, req)
+	if got == nil {
+		return false
+	}
+	wbr := bufferedReader(raw)
+	want, err := http.ReadResponse(wbr, req)
+	if err != nil {
+		t.Fatalf("parseResponseHead took %q, which http.ReadResponse rejects: %v", raw, err)
+	}
+	head := func(r *http.Response) string {
+		return fmt.Sprintf("%q %d %q %d.%d %v len=%d te=%q close=%v trailer=%v nobody=%v", r.Status, r.StatusCode, r.Proto,
+			r.ProtoMajor, r.ProtoMinor, r.Header, r.ContentLength, r.TransferEncoding, r.Close, r.Trailer, r.Body == http.NoBody)
+	}
+	if g, w := head(got), head(want); g != w {
+		t.Fatalf("%q:\nhead %s\nReadResponse's %s", raw, g, w)
+	}
+	gb, gerr := io.ReadAll(got.Body)
+	wb, werr := io.ReadAll(want.Body)
+	if !bytes.Equal(gb, wb) || errString(gerr) != errString(werr) {
+		t.Fatalf("%q:\nbody %q, %v\nReadResponse's %q, %v", raw, gb, gerr, wb, werr)
+	}
+	if g, w := fmt.Sprint(got.Trailer), fmt.Sprint(want.Trailer); g != w {
+		t.Fatalf("%q: trailer %s, ReadResponse's %s", raw, g, w)
+	}
+	if werr == nil {
+		grest, _ := io.ReadAll(br)
+		wrest, _ := io.ReadAll(wbr)
+		if !bytes.Equal(grest, wrest) {
+			t.Fatalf("%q: left %q, ReadResponse leaves %q", raw, grest, wrest)
+		}
+	}
+	return true
+}
+
+var responseHeadSeeds = []struct {
+	name string
+	raw  string
+	fast bool // parseResponseHead takes it
+}{
+	{"net/http", "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\nDate: Mon, 01 Jan 2024 00:00:00 GMT\r\n\r\n{}", true},
+	{"uvicorn", "HTTP/1.1 200 OK\r\ndate: Mon, 01 Jan 2024 00:00:00 GMT\r\nserver: uvicorn\r\ncontent-length: 2\r\ncontent-type: application/json\r\nx-request-id: abc\r\n\r\n{}", true},
+	{"stream", "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n6\r\ndata: \r\n5\r\nhello\r\n0\r\n\r\nHTTP/1.1", true},
+	{"trailer", "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\nX-Tokens: 7\r\n\r\n", true},
+	{"empty", "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\nnext", true},
+	{"error", "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 5\r\nRetry-After: 1\r\n\r\nbusy.", true},
+	{"no reason", "HTTP/1.1 200\r\nContent-Length: 1\r\n\r\nx", true},
+	{"repeated and padded", "HTTP/1.1 200 OK\r\nSet-Cookie: a=1\r\nset-cookie:b=2 \t\r\nX-Empty:\r\nContent-Length: 1\r\n\r\nx", true},
+	{"obs-text", "HTTP/1.1 200 \xe2\x9c\x93\r\nX-Name: caf\xc3\xa9\r\nContent-Length: 1\r\n\r\nx", true},
+	{"cut short", "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc", true},
+	{"bad chunk", "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", true},
+	{"HTTP/1.0", "HTTP/1.0 200 OK\r\nContent-Length: 1\r\n\r\nx", false},
+	{"no length", "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil close", false},
+	{"connection close", "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 1\r\n\r\nx", false},
+	{"pragma", "HTTP/1.1 200 OK\r\nPragma: no-cache\r\nContent-Length: 1\r\n\r\nx", false},
+	{"announced trailer", "HTTP/1.1 200 OK\r\nTrailer: X-T\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX-T: 1\r\n\r\n", false},
+	{"two lengths", "HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\nx", false},
+	{"bad length", "HTTP/1.1 200 OK\r\nContent-Length: +1\r\n\r\nx", false},
+	{"length and chunked", "HTTP/1.1 200 OK\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", false},
+	{"gzip", "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", false},
+	{"no content", "HTTP/1.1 204 No Content\r\n\r\n", false},
+	{"informational", "HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", false},
+	{"folded", "HTTP/1.1 200 OK\r\nX-A: 1\r\n  2\r\nContent-Length: 1\r\n\r\nx", false},
+	{"bare LF", "HTTP/1.1 200 OK\nContent-Length: 1\n\nx", false},
+	{"bare LF in a header", "HTTP/1.1 200 OK\r\nX-A: 1\nContent-Length: 1\r\n\r\nx", false},
+	{"space before colon", "HTTP/1.1 200 OK\r\nX-A : 1\r\nContent-Length: 1\r\n\r\nx", false},
+	{"control byte", "HTTP/1.1 200 OK\r\nX-A: \x01\r\nContent-Length: 1\r\n\r\nx", false},
+	{"head not buffered", "HTTP/1.1 200 OK\r\nContent-Length: 1\r\n", false},
+	{"two spaces", "HTTP/1.1  200 OK\r\nContent-Length: 1\r\n\r\nx", false},
+}
+
+// parseResponseHead takes the usual answers, and reads them as http.ReadResponse does.
+func TestParseResponseHead(t *testing.T) {
+	for _, tt := range responseHeadSeeds {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := compareResponse(t, []byte(tt.raw), http.MethodPost); got != tt.fast {
+				t.Errorf("taken %v, want %v", got, tt.fast)
+			}
+		})
+	}
+	if compareResponse(t, []byte(responseHeadSeeds[0].raw), http.MethodHead) {
+		t.Error("the answer to a HEAD request taken")
+	}
+}
+
+func FuzzParseResponseHead(f *testing.F) {
+	for _, s := range responseHeadSeeds {
+		f.Add([]byte(s.raw), false)
+	}
+	f.Fuzz(func(t *testing.T, raw []byte, head bool) {
+		method := http.MethodPost
+		if head {
+			method = http.MethodHead
+		}
+		compareResponse(t, raw, method)
+	})
+}
+
+// A usual answer's head costs parseResponseHead a few allocations: the head's string, the
+// header, its values, the response and the body.
+func TestParseResponseHeadAllocs(t *testing.T) {
+	raw := []byte(responseHeadSeeds[1].raw)
+	req := &http.Request{Method: http.MethodPost}
+	r := bytes.NewReader(raw)
+	br := bufio.NewReaderSize(r, upstreamReadBufferSize)
+	allocs := testing.AllocsPerRun(100, func() {
+		r.Reset(raw)
+		br.Reset(r)
+		_, _ = br.Peek(1)
+		if parseResponseHead(br, req) == nil {
+			t.Fatal("not taken")
+		}
+	})
+	if allocs > 6 {
+		t.Errorf("%v allocations per response, want at most 6", allocs)
+	}
+}
