@@ -1,6 +1,6 @@
 // Command proxy is kvroute's reference proxy: a thin OpenAI- and Anthropic-compatible HTTP proxy
 // that composes the library — response cache, tokenization, KV-cache-aware routing, and
-// httputil.ReverseProxy to the chosen backend — configured by YAML in the seeds' schema.
+// forwarding to the chosen backend — configured by YAML in the seeds' schema.
 //
 // With no configuration it starts four simulated vLLM engines in-process (internal/enginesim,
 // KV events over ZMQ) and serves in front of them, so that the first run needs nothing else:
@@ -18,14 +18,18 @@
 //
 // Request flow: body checks (413 over server.max_body_bytes, 400 with an OpenAI- or
 // Anthropic-style error for a malformed body) → response cache → tokenization (the engines'
-// /tokenize, an estimate, or none) → Router.Route → ReverseProxy → Decision.Done. A backend that
+// /tokenize, an estimate, or none) → Router.Route → forward → Decision.Done. A backend that
 // fails before anything was sent to the client (connection refused or reset, or a 502/503/504) is
 // replaced once by another; health probes and a circuit breaker take failing backends out of
 // rotation. SIGINT or SIGTERM drains the requests in flight (server.shutdown_timeout) and exits.
 //
 // -upstream-client selects how requests reach plain-http backends: direct (the default) does each
-// exchange in the request's goroutine over its own keep-alive pool (upstream.go), net/http uses
-// http.Transport, which hands each request to a connection's read and write goroutines.
+// exchange in the request's goroutine over its own keep-alive pool (upstream.go) and relays the
+// answer with forwardAttempt (forward.go); net/http uses httputil.ReverseProxy over
+// http.Transport, which hands each request to a connection's read and write goroutines. -server
+// selects what serves the clients: loop (the default, httpserve.go) runs each connection's
+// requests in its goroutine and hands what it does not serve to net/http; net/http is
+// http.Server alone.
 //
 // With disaggregated_serving enabled, backends have roles (prefill, decode, unified) and
 // Router.RouteDisagg chooses each request's path: fast_decode, unified and fallback forward it
