@@ -6,6 +6,7 @@ import (
 	"net/http/httptrace"
 	"net/http/httputil"
 	"net/textproto"
+	"net/url"
 	"strings"
 )
 
@@ -25,7 +26,7 @@ func connectionTokens(h http.Header) []string {
 	var names []string
 	for _, v := range h["Connection"] {
 		for tok := range strings.SplitSeq(v, ",") {
-			if tok = strings.TrimSpace(tok); tok != "" {
+			if tok = textproto.TrimString(tok); tok != "" {
 				names = append(names, textproto.CanonicalMIMEHeaderKey(tok))
 			}
 		}
@@ -41,10 +42,17 @@ func connectionTokens(h http.Header) []string {
 // context. As ReverseProxy does, it panics with http.ErrAbortHandler when copying the body fails
 // after the response started.
 func (s *server) forwardAttempt(w http.ResponseWriter, in *http.Request, a *attempt) {
+	// A protocol upgrade goes through ReverseProxy, which forwards it and tunnels a 101 (in is
+	// the attempt's request, which its Rewrite and ModifyResponse read).
+	if hasToken(in.Header["Connection"], "upgrade") {
+		s.rp.ServeHTTP(w, in)
+		return
+	}
 	// Informational answers (103 Early Hints) go to the client as they come.
 	a.trace.Got1xxResponse = a.got1xx
 	out := in.WithContext(httptrace.WithClientTrace(in.Context(), &a.trace)) // shallow: method, body
 	u := *in.URL
+	u.RawQuery = cleanQueryParams(u.RawQuery)
 	out.URL = &u
 	out.Header = forwardHeader(in.Header)
 	out.RequestURI = ""
@@ -98,10 +106,17 @@ func (s *server) forwardAttempt(w http.ResponseWriter, in *http.Request, a *atte
 	}
 	w.WriteHeader(res.StatusCode)
 
-	// Streams (server-sent events, or bodies of unknown length) are flushed after every write;
-	// a body of known length is written as it comes and flushed when the handler returns.
+	// Streams (server-sent events, or bodies of unknown length) are flushed after every write,
+	// and their head at once, as ReverseProxy's flush timer does: the first event may be a
+	// prefill away. A body of known length is written as it comes and flushed when the handler
+	// returns.
 	ct, _, _ := strings.Cut(res.Header.Get("Content-Type"), ";")
 	flush := res.ContentLength < 0 || strings.EqualFold(strings.TrimSpace(ct), "text/event-stream")
+	if flush {
+		if f, ok := w.(http.Flusher); ok {
+			f.Flush()
+		}
+	}
 	if err := copyBody(w, res.Body, flush); err != nil {
 		_ = res.Body.Close()
 		panic(http.ErrAbortHandler)
@@ -139,7 +154,7 @@ func forwardHeader(in http.Header) http.Header {
 	out := make(http.Header, len(in)+3)
 	for k, vs := range in {
 		switch {
-		case isHopHeader(k) && !(k == "Te" && hasToken(vs, "trailers")), contains(hop, k):
+		case isHopHeader(k), contains(hop, k):
 			continue
 		case k == "Forwarded", k == "X-Forwarded-For", k == "X-Forwarded-Host", k == "X-Forwarded-Proto",
 			k == "Accept-Encoding":
@@ -147,7 +162,8 @@ func forwardHeader(in http.Header) http.Header {
 		}
 		out[k] = vs // read-only for the transport; the client's request is not reused
 	}
-	if _, ok := out["Te"]; ok {
+	// Te: trailers goes on whatever Connection names (Go issue 21096), as ReverseProxy does.
+	if hasToken(in["Te"], "trailers") {
 		out["Te"] = []string{"trailers"}
 	}
 	if _, ok := out["User-Agent"]; !ok {
@@ -156,11 +172,12 @@ func forwardHeader(in http.Header) http.Header {
 	return out
 }
 
-// hasToken reports whether the comma-separated values vs hold tok (case-insensitively).
+// hasToken reports whether the comma-separated values vs hold tok, a lower-case token (ASCII
+// case-insensitively, as httpguts.HeaderValuesContainsToken).
 func hasToken(vs []string, tok string) bool {
 	for _, v := range vs {
 		for t := range strings.SplitSeq(v, ",") {
-			if strings.EqualFold(strings.TrimSpace(t), tok) {
+			if asciiEqualFold(textproto.TrimString(t), tok) {
 				return true
 			}
 		}
@@ -200,4 +217,34 @@ func copyBody(w http.ResponseWriter, body io.Reader, flush bool) error {
 			return rerr
 		}
 	}
+}
+
+// cleanQueryParams is ReverseProxy's (Rewrite mode): a query with a semicolon or a malformed
+// escape, or of more than 10000 parameters, is re-encoded from what url.ParseQuery keeps of it.
+func cleanQueryParams(s string) string {
+	reencode := func(s string) string {
+		v, _ := url.ParseQuery(s)
+		return v.Encode()
+	}
+	if strings.Count(s, "&") >= 10000 {
+		return reencode(s)
+	}
+	for i := 0; i < len(s); {
+		switch s[i] {
+		case ';':
+			return reencode(s)
+		case '%':
+			if i+2 >= len(s) || !isHex(s[i+1]) || !isHex(s[i+2]) {
+				return reencode(s)
+			}
+			i += 3
+		default:
+			i++
+		}
+	}
+	return s
+}
+
+func isHex(c byte) bool {
+	return '0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F'
 }

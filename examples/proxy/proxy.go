@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptrace"
 	"net/http/httputil"
+	"net/textproto"
 	"net/url"
 	"strconv"
 	"sync"
@@ -93,7 +94,12 @@ type attempt struct {
 	bodyR   bytes.Reader
 	reqBody io.ReadCloser // bodyR, as net/http recognises an in-memory body
 	hdrs    [2]string     // the values of X-Kvroute-Backend and X-Kvroute-Route
-	trace   httptrace.ClientTrace
+	plan    *disagg.Plan  // the routing-path headers, when set
+	retried string        // X-Kvroute-Retried-From, when set
+	// rtMu guards rtDone, set when ReverseProxy's round trip has returned (restoreHeaders).
+	rtMu   sync.Mutex
+	rtDone bool
+	trace  httptrace.ClientTrace
 }
 
 // Value returns the attempt for attemptKey, and the client context's values otherwise (but for
@@ -116,6 +122,38 @@ func (a *attempt) clientGone() {
 		return
 	}
 	a.cancel(context.Cause(a.client))
+}
+
+// setHeaders sets the proxy's own response headers in h.
+func (a *attempt) setHeaders(h http.Header) {
+	h[HeaderBackend] = a.hdrs[0:1:1]
+	h[HeaderRoute] = a.hdrs[1:2:2]
+	if a.plan != nil {
+		a.plan.SetHeaders(h)
+	}
+	if a.retried != "" {
+		h.Set(HeaderRetriedFrom, a.retried)
+	}
+}
+
+// restoreHeaders is the attempt's Got1xxResponse hook under ReverseProxy, which calls it after
+// its own: that one relays the informational answer and then clears the header map; this one
+// sets the proxy's headers again, for the answers that follow. Once the round trip has returned
+// (a late 1xx), neither touches the map.
+func (a *attempt) restoreHeaders(int, textproto.MIMEHeader) error {
+	a.rtMu.Lock()
+	defer a.rtMu.Unlock()
+	if !a.rtDone {
+		a.setHeaders(a.w.Header())
+	}
+	return nil
+}
+
+// roundTripped notes that ReverseProxy's round trip returned (ModifyResponse, ErrorHandler).
+func (a *attempt) roundTripped() {
+	a.rtMu.Lock()
+	a.rtDone = true
+	a.rtMu.Unlock()
 }
 
 // getBody returns a new reader of the request body (http.Request.GetBody).
@@ -213,6 +251,7 @@ func (s *server) newReverseProxy() *httputil.ReverseProxy {
 		ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
 		ModifyResponse: func(res *http.Response) error {
 			a := res.Request.Context().Value(attemptKey).(*attempt)
+			a.roundTripped()
 			if !a.headers.CompareAndSwap(headersWaiting, headersArrived) && a.headers.Load() == headersTimedOut {
 				return errKVTransferTimeout
 			}
@@ -223,7 +262,9 @@ func (s *server) newReverseProxy() *httputil.ReverseProxy {
 			return nil
 		},
 		ErrorHandler: func(_ http.ResponseWriter, r *http.Request, err error) {
-			r.Context().Value(attemptKey).(*attempt).err = err
+			a := r.Context().Value(attemptKey).(*attempt)
+			a.roundTripped()
+			a.err = err
 		},
 	}
 }
@@ -450,16 +491,8 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 		stream: pr.req.Params.Stream, canRetry: canRetry, requestID: up.requestID, body: up.body}
 	a.w = attemptWriter{ResponseWriter: w, a: a}
 	aw := &a.w
-	h := w.Header()
-	a.hdrs = [2]string{up.backend, up.route}
-	h[HeaderBackend] = a.hdrs[0:1:1]
-	h[HeaderRoute] = a.hdrs[1:2:2]
-	if up.plan != nil {
-		up.plan.SetHeaders(h)
-	}
-	if retriedFrom != "" {
-		h.Set(HeaderRetriedFrom, retriedFrom)
-	}
+	a.hdrs, a.plan, a.retried = [2]string{up.backend, up.route}, up.plan, retriedFrom
+	a.setHeaders(w.Header())
 	stopAfter := context.AfterFunc(r.Context(), a.clientGone)
 	defer func() {
 		if !stopAfter() {
@@ -478,7 +511,12 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 	}
 	// ReverseProxy copies the request; Rewrite gives the copy the body again, in a reader that
 	// net/http knows to be in memory.
-	out := r.WithContext(a)
+	var octx context.Context = a
+	if s.upstreamClient == upstreamNetHTTP {
+		a.trace.Got1xxResponse = a.restoreHeaders
+		octx = httptrace.WithClientTrace(a, &a.trace)
+	}
+	out := r.WithContext(octx)
 	a.bodyR.Reset(up.body)
 	a.reqBody = io.NopCloser(&a.bodyR)
 	out.Body, out.ContentLength, out.GetBody = a.reqBody, int64(len(up.body)), nil

@@ -56,7 +56,8 @@ const (
 // without a byte of response.
 var errClosedBeforeResponse = fmt.Errorf("upstream closed the connection before responding: %w", io.EOF)
 
-// max1xxResponses bounds the informational responses skipped before the final one.
+// max1xxResponses bounds the informational responses skipped before the final one, when no
+// Got1xxResponse hook relays them.
 const max1xxResponses = 8
 
 // upstreamConfig configures an upstreamTransport.
@@ -263,11 +264,14 @@ func (t *upstreamTransport) exchange(ctx context.Context, pc *upConn, req *http.
 		if resp.StatusCode >= 200 {
 			break
 		}
-		if resp.StatusCode == http.StatusSwitchingProtocols || n1xx == max1xxResponses {
+		// Informational: ReverseProxy relays them to its client through this hook. As with
+		// http.Transport, their number is bounded only when nobody relays them.
+		trace := httptrace.ContextClientTrace(ctx)
+		relayed := trace != nil && trace.Got1xxResponse != nil
+		if resp.StatusCode == http.StatusSwitchingProtocols || !relayed && n1xx == max1xxResponses {
 			return fail(fmt.Errorf("upstream: unexpected %s", resp.Status), false)
 		}
-		// Informational: ReverseProxy relays them to its client through this hook.
-		if trace := httptrace.ContextClientTrace(ctx); trace != nil && trace.Got1xxResponse != nil {
+		if relayed {
 			if err := trace.Got1xxResponse(resp.StatusCode, textproto.MIMEHeader(resp.Header)); err != nil {
 				return fail(err, false)
 			}
