@@ -927,15 +927,7 @@ func (w *response) Write(p []byte) (int, error) {
 		return 0, http.ErrContentLength
 	}
 	w.written += int64(len(p))
-	n, err := w.writeBody(p)
-	if err == nil && !w.chunked && w.written == w.declared {
-		// The body is whole: it leaves now rather than after the handler's bookkeeping (a
-		// proxy's lease release, metrics), which then no longer delays the client.
-		if err = w.c.bw.Flush(); err != nil {
-			w.failed(err)
-		}
-	}
-	return n, err
+	return w.writeBody(p)
 }
 
 // writeBody writes p as it goes on the wire: a chunk, or as is.
