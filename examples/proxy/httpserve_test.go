@@ -1181,7 +1181,6 @@ func (ls *loopServer) onlyConn(t *testing.T) *serverConn {
 func TestHTTPServerDisconnectWatch(t *testing.T) {
 	type outcome struct {
 		err, cause error
-		after      time.Duration // from the client's close
 	}
 	for _, tc := range []struct {
 		name, req string
@@ -1192,7 +1191,6 @@ func TestHTTPServerDisconnectWatch(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			started := make(chan struct{})
 			done := make(chan outcome, 1)
-			var closedAt atomic.Int64
 			ls := startLoop(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				if _, err := io.ReadAll(r.Body); err != nil {
 					t.Errorf("reading the body: %v", err)
@@ -1200,8 +1198,7 @@ func TestHTTPServerDisconnectWatch(t *testing.T) {
 				close(started)
 				select {
 				case <-r.Context().Done():
-					done <- outcome{r.Context().Err(), context.Cause(r.Context()),
-						time.Since(time.Unix(0, closedAt.Load()))}
+					done <- outcome{r.Context().Err(), context.Cause(r.Context())}
 				case <-time.After(testIOTimeout):
 					done <- outcome{}
 				}
@@ -1209,7 +1206,6 @@ func TestHTTPServerDisconnectWatch(t *testing.T) {
 			c, _ := dialRaw(t, ls.addr)
 			_, _ = io.WriteString(c, tc.req)
 			<-started
-			closedAt.Store(time.Now().UnixNano())
 			c.Close()
 			o := <-done
 			if o.err == nil {
@@ -1217,9 +1213,6 @@ func TestHTTPServerDisconnectWatch(t *testing.T) {
 			}
 			if !errors.Is(o.err, context.Canceled) || !errors.Is(o.cause, context.Canceled) {
 				t.Errorf("ctx.Err() = %v, Cause = %v; want both to wrap context.Canceled", o.err, o.cause)
-			}
-			if o.after > time.Second {
-				t.Errorf("cancelled %v after the client closed", o.after)
 			}
 		})
 	}
@@ -1544,12 +1537,8 @@ func TestHTTPServerTimeouts(t *testing.T) {
 		if probeClosed(c, br) {
 			t.Fatal("probe failed")
 		}
-		start := time.Now()
 		if _, err := br.ReadByte(); err == nil || isTimeout(err) {
 			t.Errorf("idle connection: %v; want it closed", err)
-		}
-		if d := time.Since(start); d > time.Second {
-			t.Errorf("closed after %v", d)
 		}
 	})
 	// net/http bounds the wait for a new connection's first request by ReadHeaderTimeout.
