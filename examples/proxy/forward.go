@@ -34,13 +34,13 @@ func connectionTokens(h http.Header) []string {
 	return names
 }
 
-// forwardAttempt forwards one attempt the way httputil.ReverseProxy with the proxy's Rewrite, Transport,
-// ModifyResponse and ErrorHandler does (newReverseProxy), in fewer steps: the outbound headers
-// are built once instead of cloned and pruned, the response headers are moved instead of copied
-// value by value, and no flush timer is set up. It is the -upstream-client direct path;
-// net/http keeps ReverseProxy, so the two can be compared. in carries the attempt in its
-// context. As ReverseProxy does, it panics with http.ErrAbortHandler when copying the body fails
-// after the response started.
+// forwardAttempt forwards one attempt the way httputil.ReverseProxy with the proxy's Rewrite,
+// Transport, ModifyResponse and ErrorHandler does (newReverseProxy), in fewer steps: the
+// outbound headers are built once instead of cloned and pruned, the response headers are moved
+// instead of copied value by value, and no flush timer is set up. It is the -upstream-client
+// direct path; net/http keeps ReverseProxy, so the two can be compared (forward_test.go does).
+// in carries the attempt in its context. As ReverseProxy does, it panics with
+// http.ErrAbortHandler when copying the body fails after the response started.
 func (s *server) forwardAttempt(w http.ResponseWriter, in *http.Request, a *attempt) {
 	// A protocol upgrade goes through ReverseProxy, which forwards it and tunnels a 101 (in is
 	// the attempt's request, which its Rewrite and ModifyResponse read).
