@@ -551,7 +551,7 @@ func parseRequestHead(head []byte) (requestHead, error) {
 			return rh, errHandoff // obsolete folding
 		}
 		name, value, ok := strings.Cut(line, ":")
-		if !ok || !validHeaderName(name) {
+		if !ok || !validFieldName(name) {
 			return rh, errHandoff
 		}
 		value = strings.Trim(value, " \t")
@@ -560,7 +560,7 @@ func parseRequestHead(head []byte) (requestHead, error) {
 		}
 		key := name
 		if !isCanonicalKey(name) {
-			key = textproto.CanonicalMIMEHeaderKey(name)
+			key = textproto.CanonicalMIMEHeaderKey(name) // interns the common names
 		}
 		switch key {
 		case "Host":
@@ -626,19 +626,6 @@ func validHost(h string) bool {
 	return true
 }
 
-// validHeaderName reports whether s is a non-empty token (RFC 9110, section 5.1).
-func validHeaderName(s string) bool {
-	if s == "" {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		if !isTokenByte(s[i]) {
-			return false
-		}
-	}
-	return true
-}
-
 // validHeaderValue reports whether s holds no control bytes but HTAB.
 func validHeaderValue(s string) bool {
 	for i := 0; i < len(s); i++ {
@@ -647,14 +634,6 @@ func validHeaderValue(s string) bool {
 		}
 	}
 	return true
-}
-
-func isTokenByte(b byte) bool {
-	switch {
-	case 'a' <= b && b <= 'z', 'A' <= b && b <= 'Z', '0' <= b && b <= '9':
-		return true
-	}
-	return strings.IndexByte("!#$%&'*+-.^_`|~", b) >= 0
 }
 
 // isCanonicalKey reports whether a valid header name is in textproto's canonical form already:
@@ -1100,7 +1079,7 @@ func hasCloseToken(vs []string) bool {
 // invalid names and turning line breaks in values into spaces.
 func (w *response) writeFields(bw *bufio.Writer, h http.Header) {
 	for k, vs := range h {
-		if !validHeaderName(k) || strings.HasPrefix(k, http.TrailerPrefix) {
+		if !validFieldName(k) || strings.HasPrefix(k, http.TrailerPrefix) {
 			continue
 		}
 		for _, v := range vs {
@@ -1133,7 +1112,7 @@ func (w *response) finish() bool {
 			}
 		}
 		for k, vs := range w.header {
-			if name, ok := strings.CutPrefix(k, http.TrailerPrefix); ok && validHeaderName(name) {
+			if name, ok := strings.CutPrefix(k, http.TrailerPrefix); ok && validFieldName(name) {
 				for _, v := range vs {
 					_, _ = bw.WriteString(name + ": " + strings.TrimSpace(v) + "\r\n")
 				}
