@@ -66,33 +66,11 @@ func startFwdProxies(t *testing.T, backends []BackendConfig, edit func(*Config))
 
 func startFwdProxy(t *testing.T, mode string, backends []BackendConfig, edit func(*Config)) *fwdProxy {
 	t.Helper()
-	log := testLogger(t)
-	srv, err := newServer(fakeConfig(t, backends, edit), log, withUpstreamClient(mode))
-	if err != nil {
-		t.Fatalf("newServer: %v", err)
-	}
-	if err := srv.start(context.Background()); err != nil {
-		_ = srv.Close()
-		t.Fatalf("start: %v", err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		_ = srv.Close()
-		t.Fatal(err)
-	}
-	hs := newHTTPServer(httpServerConfig{Handler: srv.Handler(), ReadHeaderTimeout: testIOTimeout, Log: log})
-	served := make(chan error, 1)
-	go func() { served <- hs.Serve(ln) }()
+	p := startProxy(t, fakeConfig(t, backends, edit), withUpstreamClient(mode))
 	tr := &http.Transport{DisableCompression: true}
-	t.Cleanup(func() {
-		tr.CloseIdleConnections()
-		_ = hs.Close()
-		<-served
-		if err := srv.Close(); err != nil {
-			t.Errorf("%s: server Close: %v", mode, err)
-		}
-	})
-	return &fwdProxy{mode: mode, srv: srv, addr: ln.Addr().String(), client: &http.Client{Transport: tr, Timeout: 5 * time.Second}}
+	t.Cleanup(tr.CloseIdleConnections)
+	return &fwdProxy{mode: mode, srv: p.server, addr: strings.TrimPrefix(p.URL, "http://"),
+		client: &http.Client{Transport: tr, Timeout: 5 * time.Second}}
 }
 
 // fwdSeen is one request as a backend received it.

@@ -94,12 +94,13 @@ type testProxy struct {
 	URL string
 }
 
-// startProxy builds, starts and serves the proxy for cfg on a free loopback port; everything
+// startProxy builds, starts and serves the proxy for cfg on a free loopback port, with the
+// front server run serves with (the proxy's loop unless an option says otherwise); everything
 // stops at the end of the test.
-func startProxy(t *testing.T, cfg *Config) *testProxy {
+func startProxy(t *testing.T, cfg *Config, opts ...serverOption) *testProxy {
 	t.Helper()
 	log := testLogger(t)
-	srv, err := newServer(cfg, log)
+	srv, err := newServer(cfg, log, opts...)
 	if err != nil {
 		t.Fatalf("newServer: %v", err)
 	}
@@ -114,7 +115,7 @@ func startProxy(t *testing.T, cfg *Config) *testProxy {
 		_ = srv.Close()
 		t.Fatal(err)
 	}
-	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	hs := srv.frontServer()
 	done := make(chan struct{})
 	go func() { defer close(done); _ = hs.Serve(ln) }()
 	t.Cleanup(func() {

@@ -300,26 +300,7 @@ func run(ctx context.Context, cfg *Config, ln net.Listener, log *slog.Logger, op
 		ln.Close()
 		return err
 	}
-	var hs interface {
-		Serve(net.Listener) error
-		Shutdown(context.Context) error
-		Close() error
-	}
-	if srv.httpServerKind == serverNetHTTP {
-		hs = &http.Server{
-			Handler:           srv.Handler(),
-			ReadHeaderTimeout: time.Duration(cfg.Server.ReadHeaderTimeout),
-			IdleTimeout:       serverIdleTimeout,
-			ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
-		}
-	} else {
-		hs = newHTTPServer(httpServerConfig{
-			Handler:           srv.Handler(),
-			ReadHeaderTimeout: time.Duration(cfg.Server.ReadHeaderTimeout),
-			IdleTimeout:       serverIdleTimeout,
-			Log:               log,
-		})
-	}
+	hs := srv.frontServer()
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(ln) }()
 	log.Info("serving", "addr", ln.Addr().String())
@@ -343,6 +324,29 @@ func run(ctx context.Context, cfg *Config, ln net.Listener, log *slog.Logger, op
 	}
 	log.Info("stopped")
 	return nil
+}
+
+// frontServer returns what serves the proxy's clients, as -server selects: the proxy's loop
+// (httpServer) or http.Server.
+func (s *server) frontServer() interface {
+	Serve(net.Listener) error
+	Shutdown(context.Context) error
+	Close() error
+} {
+	if s.httpServerKind == serverNetHTTP {
+		return &http.Server{
+			Handler:           s.Handler(),
+			ReadHeaderTimeout: time.Duration(s.cfg.Server.ReadHeaderTimeout),
+			IdleTimeout:       serverIdleTimeout,
+			ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+		}
+	}
+	return newHTTPServer(httpServerConfig{
+		Handler:           s.Handler(),
+		ReadHeaderTimeout: time.Duration(s.cfg.Server.ReadHeaderTimeout),
+		IdleTimeout:       serverIdleTimeout,
+		Log:               s.log,
+	})
 }
 
 // serverIdleTimeout closes client connections idle for longer.
