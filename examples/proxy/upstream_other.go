@@ -11,6 +11,3 @@ type peerProbe struct{}
 func (*peerProbe) init(net.Conn) {}
 
 func (*peerProbe) closed() bool { return false }
-
-// peerClosed is a peerProbe's verdict on c, for a single check.
-func peerClosed(net.Conn) bool { return false }

@@ -1107,3 +1107,10 @@ func TestParseResponseHeadAllocs(t *testing.T) {
 		t.Errorf("%v allocations per response, want at most 6", allocs)
 	}
 }
+
+// peerClosed is a new peerProbe's verdict on c.
+func peerClosed(c net.Conn) bool {
+	var p peerProbe
+	p.init(c)
+	return p.closed()
+}

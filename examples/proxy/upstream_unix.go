@@ -51,10 +51,3 @@ func (p *peerProbe) closed() bool {
 	err := p.rc.Read(p.read)
 	return err != nil || !p.alive
 }
-
-// peerClosed is a peerProbe's verdict on c, for a single check.
-func peerClosed(c net.Conn) bool {
-	var p peerProbe
-	p.init(c)
-	return p.closed()
-}
