@@ -680,7 +680,7 @@ func (c *serverConn) serveRequest(rh requestHead) (keep bool) {
 	} else {
 		req.Body = http.NoBody
 	}
-	w := &response{c: c, req: req, body: body, header: make(http.Header, 16), closeAfter: rh.close}
+	w := &response{c: c, req: req, body: body, header: make(http.Header, 8), closeAfter: rh.close}
 
 	c.watchMu.Lock()
 	c.cancelReq = cancel
