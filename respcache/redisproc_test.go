@@ -11,7 +11,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 )
@@ -141,7 +140,7 @@ func (p *redisProc) Kill() {
 	if p.cmd == nil {
 		return
 	}
-	_ = p.cmd.Process.Signal(syscall.SIGCONT) // a stopped process must run to die promptly
+	resumeProcess(p.cmd.Process) // a stopped process must run to die promptly
 	_ = p.cmd.Process.Kill()
 	_ = p.cmd.Wait()
 	p.cmd = nil
