@@ -23,6 +23,15 @@ import (
 // it as "no KV information" and routes by consistent hashing alone.
 var ErrUnavailable = errors.New("kvindex: redis unavailable")
 
+// ErrBackendLost is returned by RedisIndex.Apply when the batch's block writes went to an id that
+// Redis no longer holds for the backend: the id registry was lost (Redis restarted without
+// persistence, or failed over to a replica that had not seen it) or, after the backend was idle
+// longer than EntryTTL, another replica took the id. Readers ignore those writes, and the entries
+// the backend had before are gone with the registry; the next Apply takes a new id. The events
+// package's consumers answer it as any failed Apply: they clear the backend and, where the engine
+// has a replay socket, replay what it still holds.
+var ErrBackendLost = errors.New("kvindex: redis no longer holds the backend's id (its entries were lost)")
+
 // Defaults of RedisConfig.
 const (
 	DefaultRedisConnectTimeout = 3 * time.Second

@@ -76,8 +76,10 @@ const redisZeroSlot = "\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00"
 // cache; an AllBlocksCleared splits the batch. Each round trip is bounded by WriteTimeout.
 //
 // It returns nil when every round trip succeeded (dropped events included), ErrClosed after
-// Close, or an error wrapping ErrUnavailable: some of the batch's writes may then have been
-// applied, and the backend's in-process cache is reset so that later events re-read the map.
+// Close, ErrBackendLost when Redis no longer held the backend's id (its registry was lost: the
+// batch's block writes are ignored and the next call takes a new id), or an error wrapping
+// ErrUnavailable: some of the batch's writes may then have been applied. After an error the
+// backend's in-process cache is reset so that later events re-read the map.
 // Safe for concurrent use; calls for one backend are serialised. b is not retained.
 func (x *RedisIndex) Apply(ctx context.Context, backend string, b *events.Batch) error {
 	if x.closed.Load() {
@@ -163,17 +165,19 @@ func (x *RedisIndex) assignCall(st *redisBackend, now time.Time) redisScriptCall
 
 // checkID compares the id Redis holds for st (the reply of an HGET pipelined after writes made
 // with id) with id: when they agree the cached id is confirmed until the next reuse deadline;
-// otherwise (the registry was lost or the id reassigned) it is dropped, and the next call asks for
-// an id again. The writes just made under a stale id are ignored by readers (the slot's tag).
-func (x *RedisIndex) checkID(st *redisBackend, id int64, r rueidis.RedisResult, now time.Time) {
+// otherwise (the registry was lost or the id reassigned) it is dropped, the next call asks for an
+// id again, and checkID reports false. The writes just made under a stale id are ignored by
+// readers (the slot's tag).
+func (x *RedisIndex) checkID(st *redisBackend, id int64, r rueidis.RedisResult, now time.Time) bool {
 	s, err := r.ToString()
 	if err == nil {
 		if got, err := strconv.ParseInt(s, 10, 64); err == nil && got == id {
 			st.idAt.Store(now.UnixMilli())
-			return
+			return true
 		}
 	}
 	st.id.CompareAndSwap(id, -1)
+	return false
 }
 
 // setID records the reply of an assign call (-1: every id is taken).
@@ -668,21 +672,25 @@ func (x *RedisIndex) flush(ctx context.Context, st *redisBackend, w *redisWriter
 			return redisUnavailable("apply", err)
 		}
 	}
+	lost := false
 	if prune >= 0 {
 		for _, i := range []int{prune, prune + 1} {
 			if n, err := res[i].AsInt64(); err == nil {
 				x.counters.expired.Add(uint64(n))
 			}
 		}
-		x.checkID(st, w.off/redisSlotSize, res[prune+6], time.UnixMilli(w.now))
+		lost = !x.checkID(st, w.off/redisSlotSize, res[prune+6], time.UnixMilli(w.now))
 	}
 	for i := range w.mutations {
-		if w.mutations[i] > 0 {
+		if w.mutations[i] > 0 && !lost {
 			x.counters.mutations[i].Add(w.mutations[i])
-			w.mutations[i] = 0
 		}
+		w.mutations[i] = 0
 	}
 	w.blocks, w.prefixes = false, false
+	if lost {
+		return ErrBackendLost
+	}
 	return nil
 }
 
@@ -842,7 +850,7 @@ func (x *RedisIndex) Speculate(ctx context.Context, backend string, keys []uint6
 			return redisUnavailable("speculate", err)
 		}
 	}
-	x.checkID(st, int64(id), res[len(res)-1], now)
+	_ = x.checkID(st, int64(id), res[len(res)-1], now) // a lost speculation needs no answer
 	x.counters.mutations[redisMutSpeculated].Add(uint64(len(keys)))
 	return nil
 }

@@ -1189,8 +1189,11 @@ func TestRedisLostIDRegistry(t *testing.T) {
 	if out := redisLookup(t, f.idx, keysA, "a", "b"); out[0].Blocks != 0 || out[1].Blocks != 1 {
 		t.Fatalf("after the registry loss: %+v, want a unknown and b on the shared block only", out)
 	}
-	// a's next write goes to the stale id once, notices, and the one after gets a new id.
-	redisApply(t, f.idx, "a", evA)
+	// a's next write goes to the stale id once, notices and says so (its entries are gone: the
+	// caller should replay them), and the one after gets a new id.
+	if err := f.idx.Apply(ctx, "a", redisBatch(evA)); !errors.Is(err, ErrBackendLost) {
+		t.Fatalf("Apply(a) with a stale id: %v, want ErrBackendLost", err)
+	}
 	if id := f.idx.backend("a").id.Load(); id != -1 {
 		t.Fatalf("a's stale id %d was kept", id)
 	}

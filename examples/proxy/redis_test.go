@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -24,6 +25,24 @@ func skipOrFail(t *testing.T, why string) {
 // its address and a function that kills it (also run at cleanup).
 func startRedis(t *testing.T) (addr string, kill func()) {
 	t.Helper()
+	rs := newRedisServer(t)
+	return rs.addr, rs.kill
+}
+
+// redisServer is a private redis-server (no persistence) on a loopback port of its own, which it
+// keeps across restarts.
+type redisServer struct {
+	t    *testing.T
+	bin  string
+	port int
+	addr string
+	mu   sync.Mutex
+	stop func() // kills the running process; nil when none runs
+}
+
+// newRedisServer starts a redisServer, killed at the end of the test.
+func newRedisServer(t *testing.T) *redisServer {
+	t.Helper()
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
 		skipOrFail(t, "redis-server not on PATH")
@@ -34,34 +53,54 @@ func startRedis(t *testing.T) (addr string, kill func()) {
 	}
 	port := ln.Addr().(*net.TCPAddr).Port
 	ln.Close()
-	cmd := exec.Command(bin, "--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-		"--dir", t.TempDir())
+	rs := &redisServer{t: t, bin: bin, port: port, addr: fmt.Sprintf("127.0.0.1:%d", port)}
+	t.Cleanup(rs.kill)
+	rs.start()
+	return rs
+}
+
+// start runs redis-server, empty, and waits until it answers PING.
+func (rs *redisServer) start() {
+	rs.t.Helper()
+	cmd := exec.Command(rs.bin, "--port", fmt.Sprint(rs.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+		"--dir", rs.t.TempDir())
 	if err := cmd.Start(); err != nil {
-		t.Fatalf("redis-server: %v", err)
+		rs.t.Fatalf("redis-server: %v", err)
 	}
 	done := make(chan struct{})
 	go func() { _ = cmd.Wait(); close(done) }()
-	kill = func() {
+	rs.mu.Lock()
+	rs.stop = func() {
 		_ = cmd.Process.Kill()
 		<-done
 	}
-	t.Cleanup(kill)
-	addr = fmt.Sprintf("127.0.0.1:%d", port)
+	rs.mu.Unlock()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		if c, err := net.DialTimeout("tcp", addr, 200*time.Millisecond); err == nil {
+		if c, err := net.DialTimeout("tcp", rs.addr, 200*time.Millisecond); err == nil {
 			fmt.Fprint(c, "PING\r\n")
 			_ = c.SetReadDeadline(time.Now().Add(time.Second))
 			line, _ := bufio.NewReader(c).ReadString('\n')
 			c.Close()
 			if strings.HasPrefix(line, "+PONG") {
-				return addr, kill
+				return
 			}
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("redis-server on %s did not answer", addr)
+			rs.t.Fatalf("redis-server on %s did not answer", rs.addr)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// kill stops the running redis-server, if any; what it held is lost.
+func (rs *redisServer) kill() {
+	rs.mu.Lock()
+	stop := rs.stop
+	rs.stop = nil
+	rs.mu.Unlock()
+	if stop != nil {
+		stop()
 	}
 }
 
@@ -113,4 +152,87 @@ func TestE2ERedisDown(t *testing.T) {
 	if ks.IndexError == "" {
 		t.Errorf("kv stats should report the index error: %+v", ks)
 	}
+}
+
+// A Redis-backed KV index outlives a Redis restart that lost its data, whether the engines
+// published during the outage (those batches cannot be written, so their consumer marks the
+// backend to be cleared) or Redis came back between two batches (the next write finds the
+// backend's id gone, kvindex.ErrBackendLost). Either way the engine's next batch clears the
+// backend and first replays what the engine's replay buffer still holds, so the index knows again
+// which engine holds a prefix without waiting for those blocks to be stored again.
+func TestE2ERedisIndexHealsAfterRestart(t *testing.T) {
+	for _, tt := range []struct {
+		name         string
+		batchesWhile bool // the holder publishes while Redis is down
+	}{{"batches dropped while down", true}, {"restart between two batches", false}} {
+		t.Run(tt.name, func(t *testing.T) {
+			rs := newRedisServer(t)
+			f := startFleet(t, 3, true)
+			cfg := fleetConfig(t, f, func(c *Config) {
+				c.KVCacheIndex.Backend = "redis"
+				c.KVCacheIndex.Redis.URL = Secret("redis://" + rs.addr)
+				c.KVCacheIndex.Redis.KeyPrefix = "kvroute-proxy-test:heal:"
+			})
+			p := startProxy(t, cfg)
+			sys := longSystemPrompt("heal", 100)
+			body := chatBody(sys, "A question.", `"temperature":0.5,"max_tokens":2`)
+			holder := warmNonOwner(t, p, f, body, chatBody(sys, "Warm-up.", `"max_tokens":1`))
+			holderURL := ""
+			for _, in := range f.Info() {
+				if in.Name == holder {
+					holderURL = in.URL
+				}
+			}
+			// live has the holder store new blocks, so that it publishes a batch.
+			n := 0
+			live := func() {
+				t.Helper()
+				n++
+				if r, b := post(t, holderURL+"/v1/chat/completions", chatBody(longSystemPrompt(fmt.Sprint("live ", n), 40), "Hi.", `"max_tokens":1`)); r.StatusCode != 200 {
+					t.Fatalf("live request %d: %d %s", n, r.StatusCode, b)
+				}
+			}
+
+			catchUps := kvBackend(t, p, holder).Sources[0].Sequence.CatchUps
+			rs.kill()
+			if tt.batchesWhile {
+				waitFor(t, 10*time.Second, "a batch dropped for the outage", func() bool {
+					live()
+					return kvBackend(t, p, holder).Events.Dropped > 0
+				})
+				live()
+			}
+			rs.start() // empty: everything the index held is gone
+			waitFor(t, 10*time.Second, "the index to take batches again", func() bool {
+				live()
+				return kvBackend(t, p, holder).IndexEntries > 0
+			})
+			r, b := post(t, p.URL+"/v1/chat/completions", body)
+			if r.StatusCode != 200 {
+				t.Fatalf("%d %s", r.StatusCode, b)
+			}
+			if got, route := r.Header.Get(HeaderBackend), r.Header.Get(HeaderRoute); got != holder || route != "kv_aware" {
+				t.Errorf("after the restart: routed to %s (%s), want %s (kv_aware): the index did not relearn the warm-up", got, route, holder)
+			}
+			if st := kvBackend(t, p, holder).Sources[0].Sequence; st.CatchUps <= catchUps {
+				t.Errorf("no catch-up after the restart: %+v", st)
+			}
+		})
+	}
+}
+
+// kvBackend is what /admin/kv-index/backends reports of backend.
+func kvBackend(t *testing.T, p *testProxy, backend string) backendKV {
+	t.Helper()
+	var body struct {
+		Backends []backendKV `json:"backends"`
+	}
+	getJSON(t, p.URL+"/admin/kv-index/backends", &body)
+	for _, b := range body.Backends {
+		if b.BackendName == backend {
+			return b
+		}
+	}
+	t.Fatalf("no backend %s in /admin/kv-index/backends", backend)
+	return backendKV{}
 }
