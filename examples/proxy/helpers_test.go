@@ -236,7 +236,14 @@ func awaitEvents(t *testing.T, p *testProxy, engineURL, backend string, timeout 
 	}
 }
 
+// indexCreated is the number of index entries backend's events created.
 func indexCreated(t *testing.T, p *testProxy, backend string) uint64 {
+	t.Helper()
+	return kvBackend(t, p, backend).Events.IndexCreated
+}
+
+// kvBackend is what /admin/kv-index/backends reports of backend; zero when it is not listed.
+func kvBackend(t *testing.T, p *testProxy, backend string) backendKV {
 	t.Helper()
 	var body struct {
 		Backends []backendKV `json:"backends"`
@@ -244,10 +251,10 @@ func indexCreated(t *testing.T, p *testProxy, backend string) uint64 {
 	getJSON(t, p.URL+"/admin/kv-index/backends", &body)
 	for _, b := range body.Backends {
 		if b.BackendName == backend {
-			return b.Events.IndexCreated
+			return b
 		}
 	}
-	return 0
+	return backendKV{}
 }
 
 // errorBody is the OpenAI error shape.
