@@ -163,12 +163,10 @@ serve:
 				}
 			}
 			if router.Send(zmq4.NewMsgFrom(id, []byte{}, seqFrame(b.seq), payload)) != nil {
-				return
+				continue serve // the requester left (a consumer may stop reading a replay): drop the rest, as a ROUTER socket does
 			}
 		}
-		if router.Send(zmq4.NewMsgFrom(id, []byte{}, seqFrame(ReplayEndSeq), []byte{})) != nil {
-			return
-		}
+		_ = router.Send(zmq4.NewMsgFrom(id, []byte{}, seqFrame(ReplayEndSeq), []byte{}))
 	}
 }
 
@@ -342,14 +340,17 @@ func EncodeFakeBatch(rank *int, events ...any) []byte {
 }
 
 // RecordingSink is a Sink that records what it receives. Block makes Apply wait until Unblock;
-// Fail makes Apply and ClearBackend fail. Safe for concurrent use.
+// Fail makes Apply and ClearBackend fail, FailApplies only the next Applies. Safe for concurrent
+// use.
 type RecordingSink struct {
-	mu      sync.Mutex
-	applied []RecordedBatch
-	clears  map[string]int
-	fail    error
-	block   chan struct{}
-	entered chan struct{}
+	mu        sync.Mutex
+	applied   []RecordedBatch
+	clears    map[string]int
+	fail      error
+	failNext  int // Applies still to fail with failApply
+	failApply error
+	block     chan struct{}
+	entered   chan struct{}
 }
 
 // RecordedBatch is a copy of an applied batch.
@@ -371,6 +372,10 @@ func NewRecordingSink() *RecordingSink {
 func (s *RecordingSink) Apply(ctx context.Context, backend string, b *Batch) error {
 	s.mu.Lock()
 	block, entered, fail := s.block, s.entered, s.fail
+	if fail == nil && s.failNext > 0 {
+		s.failNext--
+		fail = s.failApply
+	}
 	s.mu.Unlock()
 	if block != nil {
 		select {
@@ -398,6 +403,14 @@ func (s *RecordingSink) Apply(ctx context.Context, backend string, b *Batch) err
 	s.applied = append(s.applied, rb)
 	s.mu.Unlock()
 	return nil
+}
+
+// FailApplies makes the next n Applies fail with err (ClearBackend still succeeds), as a store
+// that lost what it held and says so on the next write.
+func (s *RecordingSink) FailApplies(n int, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.failNext, s.failApply = n, err
 }
 
 // ClearBackend records a clear.

@@ -161,7 +161,9 @@ type ZMQConfig struct {
 // Sink.Apply clears the backend before the next batch. A clear whose cause is not the chain's
 // own batch (a sink outage, another chain's reset or lost connection) makes the chain catch up
 // again on its next batch, once the clear has succeeded, so that a reset heals from the replay
-// buffer; a chain whose catch-up failed does not try again before a new connection.
+// buffer; a chain whose catch-up failed does not try again before a new connection. A replay or
+// catch-up stops at a batch the sink fails (the rest would fail too); the backend is cleared
+// before the next batch, and a stopped catch-up is tried again on the chain's next batch.
 //
 // Lost connections: a PUB socket drops what it publishes while a subscriber is away, and an
 // engine that restarts comes back with an empty cache (and a sequence that may by chance
@@ -288,6 +290,9 @@ type chain struct {
 	// connection (a replay buffer that keeps failing would otherwise reset the backend again and
 	// again).
 	catchUpFailed bool
+	// catchUpStopped: the chain's last catch-up stopped at a batch the sink did not take (the
+	// backend is cleared before the next batch); the chain catches up again on its next batch.
+	catchUpStopped bool
 }
 
 // zmqItem is a decoded batch on its way from a reader to a worker, or (reset) the news that a
@@ -902,19 +907,20 @@ func (c *ZMQConsumer) handle(ctx context.Context, be *zmqBackend, it *zmqItem) {
 	}
 	key := chainKeyOf(it.conn, it.topic, &it.b)
 	ch := be.chains[key]
-	if ch != nil && !ch.catchUpFailed && (be.w.needClear || ch.clears != be.w.clears) {
+	if ch != nil && !ch.catchUpFailed && (be.w.needClear || ch.clears != be.w.clears || ch.catchUpStopped) {
 		// The backend was cleared, or is to be, since this chain's last batch, for a cause not its
 		// own (a sink failure, a reset on another of the backend's chains): once the clear has
 		// been done, the chain catches up again, so that the sink relearns what the engine still
 		// holds in its replay buffer instead of waiting for the blocks to be stored again. While
-		// the sink cannot even be cleared (it is down) nothing is replayed.
+		// the sink cannot even be cleared (it is down) nothing is replayed. A catch-up that the
+		// sink stopped is tried again.
 		var empty Batch
 		if be.w.apply(ctx, src, &empty) {
-			ok, applied, failed := c.catchUp(ctx, be, src, it.pub, it.b.Model, key.rank, seq)
+			ok, applied, failed, stopped := c.catchUp(ctx, be, src, it.pub, it.b.Model, key.rank, seq)
 			if !ok {
 				return
 			}
-			ch.catchUpFailed = failed
+			ch.catchUpFailed, ch.catchUpStopped = failed, stopped
 			if applied > 0 && !failed && seq > ch.last {
 				ch.last = seq - 1
 			}
@@ -928,11 +934,11 @@ func (c *ZMQConsumer) handle(ctx context.Context, be *zmqBackend, it *zmqItem) {
 		}
 		ch = &chain{}
 		be.chains[key] = ch
-		ok, _, failed := c.catchUp(ctx, be, src, it.pub, it.b.Model, key.rank, seq)
+		ok, _, failed, stopped := c.catchUp(ctx, be, src, it.pub, it.b.Model, key.rank, seq)
 		if !ok {
 			return
 		}
-		ch.catchUpFailed = failed
+		ch.catchUpFailed, ch.catchUpStopped = failed, stopped
 	case seq == ch.last+1:
 	case seq > ch.last+1:
 		if !c.fillGap(ctx, be, src, it.pub, replayRange{model: it.b.Model, rank: key.rank, from: ch.last + 1, until: seq}) {
@@ -1031,6 +1037,9 @@ func (c *ZMQConsumer) fillGap(ctx context.Context, be *zmqBackend, src *source, 
 		if ctx.Err() != nil {
 			return false
 		}
+		if errors.Is(err, errSinkFailed) {
+			return true // the backend is cleared before the next batch
+		}
 		src.replayFailures.Add(1)
 		src.setError(fmt.Errorf("replay %d..%d: %w", r.from, r.until-1, err))
 		c.log.Warn("kvroute events: replay failed, resetting backend", "backend", be.w.backend, "err", err)
@@ -1057,17 +1066,22 @@ func (c *ZMQConsumer) fillGap(ctx context.Context, be *zmqBackend, src *source, 
 // A catch-up that fails after applying some batches (timeout, a hole, a malformed batch, a lost
 // connection) may have applied stores whose later removals are missing: the backend is reset
 // before seq is applied. One that fails before applying any (typically: nothing listens on the
-// replay endpoint) added nothing stale, and seq is simply the baseline. It reports false when
-// ctx ended (ok false), how many batches it applied, and whether it failed.
-func (c *ZMQConsumer) catchUp(ctx context.Context, be *zmqBackend, src *source, p *zmqPublisher, model string, rank int, seq uint64) (ok bool, applied int, failed bool) {
+// replay endpoint) added nothing stale, and seq is simply the baseline. One that the sink
+// stopped (an Apply failed: the backend is cleared before the next batch) is neither: it is
+// tried again on the chain's next batch. It reports false when ctx ended (ok false), how many
+// batches it applied, and whether it failed or the sink stopped it.
+func (c *ZMQConsumer) catchUp(ctx context.Context, be *zmqBackend, src *source, p *zmqPublisher, model string, rank int, seq uint64) (ok bool, applied int, failed, stopped bool) {
 	if seq == 0 || c.cfg.CatchUpBatches < 0 || p == nil || p.replayAddr == "" {
-		return true, 0, false
+		return true, 0, false, false
 	}
 	r := replayRange{model: model, rank: rank, from: seq - min(seq, uint64(c.cfg.CatchUpBatches)), until: seq, catchUp: true}
 	n, err := c.replay(ctx, be, src, p, r)
+	if errors.Is(err, errSinkFailed) {
+		return true, n, false, true
+	}
 	if err != nil {
 		if ctx.Err() != nil {
-			return false, n, true
+			return false, n, true, false
 		}
 		src.catchUpFailures.Add(1)
 		src.setError(fmt.Errorf("catch-up %d..%d: %w", r.from, r.until-1, err))
@@ -1077,12 +1091,12 @@ func (c *ZMQConsumer) catchUp(ctx context.Context, be *zmqBackend, src *source, 
 		} else {
 			c.log.Warn("kvroute events: catch-up failed, starting from the live batch", "backend", be.w.backend, "seq", seq, "err", err)
 		}
-		return true, n, true
+		return true, n, true, false
 	}
 	src.catchUps.Add(1)
 	src.caughtUpBatches.Add(uint64(n))
 	c.log.Info("kvroute events: caught up", "backend", be.w.backend, "endpoint", p.cfg.Endpoint, "batches", n, "seq", seq)
-	return true, n, false
+	return true, n, false, false
 }
 
 // replay requests the batches [r.from, r.until) from the publisher's replay endpoint and applies
@@ -1160,12 +1174,20 @@ func (c *ZMQConsumer) replay(ctx context.Context, be *zmqBackend, src *source, p
 			return applied, fmt.Errorf("replayed batch %d is of data-parallel rank %d, not %d: the replay endpoint serves another publisher", seq, b.DPRank, r.rank)
 		}
 		b.Seq, b.Model = seq, r.model
-		be.w.apply(ctx, src, b)
+		if !be.w.apply(ctx, src, b) {
+			// The sink failed, and the backend is to be cleared before its next batch: the rest
+			// would be dropped as well.
+			return applied, errSinkFailed
+		}
 		applied++
 		next++
 	}
 	return applied, nil
 }
+
+// errSinkFailed ends a replay whose batch the sink did not take. It is not the publisher's
+// failure: the backend is cleared before its next batch, and the chain catches up then.
+var errSinkFailed = errors.New("the sink failed")
 
 // dialZMTP connects to addr and performs the ZMTP handshake as typ.
 func (c *ZMQConsumer) dialZMTP(ctx context.Context, network, addr string, typ zmq4.SocketType) (net.Conn, *zmq4.Conn, error) {

@@ -855,6 +855,36 @@ func TestZMQSinkFailureCatchesUp(t *testing.T) {
 	assert.Equal(t, uint64(1), statusOf(t, c, "a").Sequence.CatchUps)
 }
 
+// TestZMQCatchUpIntoFailingSink: the sink takes the clear but fails the first replayed batch (a
+// store that lost its state and says so on the next write). The catch-up stops there and is not
+// counted; the backend is cleared before the next batch, which catches up again.
+func TestZMQCatchUpIntoFailingSink(t *testing.T) {
+	pub := NewFakePublisher(t, FakePublisherConfig{Replay: true})
+	sink := NewRecordingSink()
+	c := startZMQ(t, ZMQConfig{Sink: sink,
+		Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}})
+	pub.WaitSubscribed()
+	pub.Publish(stored(0))
+	pub.Publish(stored(1))
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 2 }, waitFor, tick)
+	sink.SetFail(errSinkDown)
+	pub.Publish(stored(2))
+	require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Dropped == 1 }, waitFor, tick)
+	sink.SetFail(nil)
+	sink.FailApplies(1, errSinkDown)
+	pub.Publish(stored(3)) // cleared, then the catch-up's first batch fails: it stops
+	require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Dropped == 2 }, waitFor, tick)
+	st := statusOf(t, c, "a")
+	assert.Zero(t, st.Sequence.CatchUps, "a catch-up the sink did not take is not counted")
+	assert.Zero(t, st.Sequence.CatchUpFailures, "nor is it the publisher's failure")
+	pub.Publish(stored(4))
+	require.Eventually(t, func() bool { return statusOf(t, c, "a").Sequence.CatchUps == 1 }, waitFor, tick)
+	require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Processed >= 7 }, waitFor, tick)
+	seqs := sink.Seqs("a")
+	assert.Equal(t, []int64{-1, 3, 0, 1, 2, 3, 4}, seqs[len(seqs)-7:],
+		"batch 3 after the clear its stopped catch-up left to do, then a whole catch-up before batch 4")
+}
+
 // TestZMQResetCatchesUpOtherChains: two publishers feed one backend (two data-parallel ranks,
 // each on its own connection); when one connection is lost the backend is cleared, and the
 // other publisher's chain catches up from its replay buffer on its next batch, so the sink does

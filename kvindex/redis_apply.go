@@ -695,7 +695,9 @@ func (x *RedisIndex) flush(ctx context.Context, st *redisBackend, w *redisWriter
 }
 
 // ClearBackend implements events.Sink: it removes every entry of backend (all tiers, speculative
-// and prefix entries included) and its engine-hash map; the backend keeps its id. It pops the
+// and prefix entries included) and its engine-hash map; the backend keeps the id the registry
+// holds for it (a cached id the registry no longer holds is dropped, and the next Apply takes a
+// new one). It pops the
 // backend's membership sets 512 entries per round trip (ZPOPMIN, pipelined with the zeroing of the
 // previous page's slots): the cost is proportional to the backend's entries, never a keyspace
 // scan. Round trips are bounded by WriteTimeout; errors wrap ErrUnavailable and leave the entries
@@ -720,20 +722,23 @@ const redisClearPage = 512
 // clearBackendLocked removes st's entries. st.mu is held.
 func (x *RedisIndex) clearBackendLocked(ctx context.Context, st *redisBackend) error {
 	st.cache.reset()
-	off := int64(-1)
-	if id := st.id.Load(); id >= 0 {
-		off = id * redisSlotSize
-	} else {
-		// Never written by this process: read the id without assigning one.
-		r, err := x.do(ctx, x.writeTimeout, x.client.B().Hget().Key(x.idsKey).Field(st.name).Build())
-		if err != nil && !rueidis.IsRedisNil(err) {
-			return redisUnavailable("clear backend", err)
+	// The id the registry holds, read without assigning one, rather than the cached id: a clear
+	// often follows an outage, and the registry may have been lost since (a restart) or the id
+	// given to another backend. A stale cached id is dropped, so that what is applied after the
+	// clear (a catch-up, typically) does not go under it, and another backend's slots are not
+	// zeroed.
+	r, err := x.do(ctx, x.writeTimeout, x.client.B().Hget().Key(x.idsKey).Field(st.name).Build())
+	if err != nil && !rueidis.IsRedisNil(err) {
+		return redisUnavailable("clear backend", err)
+	}
+	off, registered := int64(-1), int64(-1)
+	if s, err := r.ToString(); err == nil {
+		if id, err := strconv.ParseInt(s, 10, 64); err == nil && id >= 0 {
+			off, registered = id*redisSlotSize, id
 		}
-		if s, err := r.ToString(); err == nil {
-			if id, err := strconv.Atoi(s); err == nil && id >= 0 {
-				off = int64(id) * redisSlotSize
-			}
-		}
+	}
+	if cached := st.id.Load(); cached >= 0 && cached != registered {
+		st.id.CompareAndSwap(cached, -1)
 	}
 	ttl := x.entryTTL.Milliseconds()
 	var pending []rueidis.Completed  // deletions of the last page's entries

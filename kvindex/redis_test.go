@@ -1168,6 +1168,31 @@ func TestRedisBreaker(t *testing.T) {
 	}
 }
 
+// Redis lost the index (a restart without persistence, say) and the events consumer clears the
+// backend before it replays the engine's buffer: the clear drops the stale cached id, so that
+// the replayed batches are written under a new one and are readable at once.
+func TestRedisClearAfterLostRegistry(t *testing.T) {
+	f := newRedisFixture(t, RedisConfig{})
+	ctx := context.Background()
+	tok := redisTokens(50, 32)
+	keys := redisReqKeys(tok, 16)
+	ev := redisStored([]uint64{1, 2}, 0, false, tok, 16, events.TierGPU)
+	redisApply(t, f.idx, "a", ev)
+	if _, err := f.idx.Clear(ctx); err != nil { // the entries…
+		t.Fatal(err)
+	}
+	if err := f.client.Do(ctx, f.client.B().Del().Key(f.prefix+"ids", f.prefix+"seen", f.prefix+"idseq").Build()).Error(); err != nil {
+		t.Fatal(err) // …and the id registry
+	}
+	if err := f.idx.ClearBackend(ctx, "a"); err != nil {
+		t.Fatal(err)
+	}
+	redisApply(t, f.idx, "a", ev) // the replay
+	if out := redisLookup(t, f.idx, keys, "a"); out[0].Blocks != 2 {
+		t.Fatalf("after the clear and the replay: %+v, want a on both blocks", out)
+	}
+}
+
 func TestRedisLostIDRegistry(t *testing.T) {
 	f := newRedisFixture(t, RedisConfig{})
 	ctx := context.Background()

@@ -180,3 +180,38 @@ func TestCloseStopsEverything(t *testing.T) {
 	}
 	waitFor(t, 5*time.Second, "goroutines to end", func() bool { return runtime.NumGoroutine() <= base })
 }
+
+// An engine that crashes comes back with an empty cache. The proxy forgets what the engine held
+// as soon as its event connection drops, so that after the restart a prompt it used to hold is
+// not sent to it for a cache it no longer has; its new events are indexed again.
+func TestE2EEngineRestartForgetsItsCache(t *testing.T) {
+	f := startFleet(t, 3, true)
+	p := startProxy(t, fleetConfig(t, f, nil))
+	sys := longSystemPrompt("restart", 100)
+	body := chatBody(sys, "A question.", `"temperature":0.5,"max_tokens":2`)
+	holder := warmNonOwner(t, p, f, body, chatBody(sys, "Warm-up.", `"max_tokens":1`))
+	var eng *enginesim.Engine
+	for _, e := range f.Engines() {
+		if e.Name() == holder {
+			eng = e
+		}
+	}
+	if n := kvBackend(t, p, holder).IndexEntries; n == 0 {
+		t.Fatalf("%s has no index entries after its warm-up", holder)
+	}
+
+	eng.Kill()
+	waitFor(t, 10*time.Second, "the killed engine's entries dropped", func() bool { return kvBackend(t, p, holder).IndexEntries == 0 })
+	if err := eng.Restart(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the restarted engine back in rotation", func() bool { return p.health.inRotation(holder) })
+	r, b := post(t, p.URL+"/v1/chat/completions", body)
+	if r.StatusCode != 200 {
+		t.Fatalf("%d %s", r.StatusCode, b)
+	}
+	if got, route := r.Header.Get(HeaderBackend), r.Header.Get(HeaderRoute); got == holder && route == "kv_aware" {
+		t.Errorf("routed to %s (kv_aware) for a cache it lost in its restart", got)
+	}
+	awaitEvents(t, p, eng.URL(), holder, 10*time.Second)
+}
