@@ -823,10 +823,10 @@ func TestZMQSinkFailureResetsBackend(t *testing.T) {
 	assert.Equal(t, []int64{0, -1, 2}, sink.Seqs("a"), "the backend is cleared before the next batch")
 }
 
-// TestZMQSinkFailureCatchesUp: after a sink outage the backend is cleared, and the chain then
-// catches up again from the replay buffer, so the sink relearns what the engine holds instead of
-// starting from the next batch; while the sink is still down nothing is replayed.
-func TestZMQSinkFailureCatchesUp(t *testing.T) {
+// startWithTwoBatches starts a consumer of one publisher with a replay endpoint (backend "a")
+// and waits until the publisher's batches 0 and 1 are applied.
+func startWithTwoBatches(t *testing.T) (*FakePublisher, *RecordingSink, *ZMQConsumer) {
+	t.Helper()
 	pub := NewFakePublisher(t, FakePublisherConfig{Replay: true})
 	sink := NewRecordingSink()
 	c := startZMQ(t, ZMQConfig{Sink: sink,
@@ -835,6 +835,14 @@ func TestZMQSinkFailureCatchesUp(t *testing.T) {
 	pub.Publish(stored(0))
 	pub.Publish(stored(1))
 	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 2 }, waitFor, tick)
+	return pub, sink, c
+}
+
+// TestZMQSinkFailureCatchesUp: after a sink outage the backend is cleared, and the chain then
+// catches up again from the replay buffer, so the sink relearns what the engine holds instead of
+// starting from the next batch; while the sink is still down nothing is replayed.
+func TestZMQSinkFailureCatchesUp(t *testing.T) {
+	pub, sink, c := startWithTwoBatches(t)
 	replays := pub.Replays()
 	sink.SetFail(errSinkDown)
 	pub.Publish(stored(2))
@@ -859,14 +867,7 @@ func TestZMQSinkFailureCatchesUp(t *testing.T) {
 // store that lost its state and says so on the next write). The catch-up stops there and is not
 // counted; the backend is cleared before the next batch, which catches up again.
 func TestZMQCatchUpIntoFailingSink(t *testing.T) {
-	pub := NewFakePublisher(t, FakePublisherConfig{Replay: true})
-	sink := NewRecordingSink()
-	c := startZMQ(t, ZMQConfig{Sink: sink,
-		Endpoints: []ZMQEndpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}})
-	pub.WaitSubscribed()
-	pub.Publish(stored(0))
-	pub.Publish(stored(1))
-	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 2 }, waitFor, tick)
+	pub, sink, c := startWithTwoBatches(t)
 	sink.SetFail(errSinkDown)
 	pub.Publish(stored(2))
 	require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Dropped == 1 }, waitFor, tick)
