@@ -223,6 +223,57 @@ func TestE2ERedisIndexHealsAfterRestart(t *testing.T) {
 	}
 }
 
+// Two proxies share one Redis index, as router replicas do: what one learns the other routes by,
+// and after a Redis restart that lost the index both heal (each clears the backend and catches
+// up from the engine; the last catch-up leaves the index whole).
+func TestE2ERedisIndexSharedByReplicas(t *testing.T) {
+	rs := newRedisServer(t)
+	f := startFleet(t, 3, true)
+	replica := func() *testProxy {
+		return startProxy(t, fleetConfig(t, f, func(c *Config) {
+			c.KVCacheIndex.Backend = "redis"
+			c.KVCacheIndex.Redis.URL = Secret("redis://" + rs.addr)
+			c.KVCacheIndex.Redis.KeyPrefix = "kvroute-proxy-test:replicas:"
+		}))
+	}
+	a, b := replica(), replica()
+	sys := longSystemPrompt("replicas", 100)
+	body := chatBody(sys, "A question.", `"temperature":0.5,"max_tokens":2`)
+	awaitEvents(t, b, f.Info()[0].URL, f.Info()[0].Name, 10*time.Second) // b subscribed too
+	holder := warmNonOwner(t, a, f, body, chatBody(sys, "Warm-up.", `"max_tokens":1`))
+	holderURL := ""
+	for _, in := range f.Info() {
+		if in.Name == holder {
+			holderURL = in.URL
+		}
+	}
+	routesToHolder := func(p *testProxy, when string) {
+		t.Helper()
+		r, out := post(t, p.URL+"/v1/chat/completions", body)
+		if r.StatusCode != 200 {
+			t.Fatalf("%s: %d %s", when, r.StatusCode, out)
+		}
+		if got, route := r.Header.Get(HeaderBackend), r.Header.Get(HeaderRoute); got != holder || route != "kv_aware" {
+			t.Errorf("%s: routed to %s (%s), want %s (kv_aware)", when, got, route, holder)
+		}
+	}
+	routesToHolder(b, "the other replica")
+
+	before := [2]uint64{catchUpsOf(t, a, holder), catchUpsOf(t, b, holder)}
+	rs.kill()
+	rs.start()
+	n := 0
+	waitFor(t, 10*time.Second, "both replicas to catch up after the restart", func() bool {
+		n++
+		if r, out := post(t, holderURL+"/v1/chat/completions", chatBody(longSystemPrompt(fmt.Sprint("live ", n), 40), "Hi.", `"max_tokens":1`)); r.StatusCode != 200 {
+			t.Fatalf("live request %d: %d %s", n, r.StatusCode, out)
+		}
+		return catchUpsOf(t, a, holder) > before[0] && catchUpsOf(t, b, holder) > before[1]
+	})
+	routesToHolder(a, "after the restart, replica a")
+	routesToHolder(b, "after the restart, replica b")
+}
+
 // catchUpsOf is the number of catch-ups of backend's event source.
 func catchUpsOf(t *testing.T, p *testProxy, backend string) uint64 {
 	t.Helper()
