@@ -17,6 +17,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"golang.org/x/net/http/httpguts"
 )
 
 // Values of the -server flag.
@@ -555,7 +557,7 @@ func parseRequestHead(head []byte) (requestHead, error) {
 			return rh, errHandoff
 		}
 		value = strings.Trim(value, " \t")
-		if !validHeaderValue(value) {
+		if !httpguts.ValidHeaderFieldValue(value) {
 			return rh, errHandoff
 		}
 		key := name
@@ -564,7 +566,7 @@ func parseRequestHead(head []byte) (requestHead, error) {
 		}
 		switch key {
 		case "Host":
-			if !validHost(value) {
+			if !httpguts.ValidHostHeader(value) {
 				return rh, errHandoff // net/http answers 400
 			}
 			hosts++
@@ -606,30 +608,6 @@ func parseRequestHead(head []byte) (requestHead, error) {
 func validTarget(t string) bool {
 	for i := 0; i < len(t); i++ {
 		if t[i] <= ' ' || t[i] >= 0x7f {
-			return false
-		}
-	}
-	return true
-}
-
-// validHost reports whether a Host header value holds only the bytes net/http accepts
-// (golang.org/x/net/http/httpguts.ValidHostHeader).
-func validHost(h string) bool {
-	for i := 0; i < len(h); i++ {
-		b := h[i]
-		if 'a' <= b && b <= 'z' || 'A' <= b && b <= 'Z' || '0' <= b && b <= '9' ||
-			strings.IndexByte("!$%&'()*+,-.:;=[]_~", b) >= 0 {
-			continue
-		}
-		return false
-	}
-	return true
-}
-
-// validHeaderValue reports whether s holds no control bytes but HTAB.
-func validHeaderValue(s string) bool {
-	for i := 0; i < len(s); i++ {
-		if b := s[i]; (b < ' ' && b != '\t') || b == 0x7f {
 			return false
 		}
 	}

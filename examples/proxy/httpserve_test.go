@@ -20,6 +20,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"golang.org/x/net/http/httpguts"
 )
 
 // Tests of httpServer (httpserve.go): the loop's answers are compared with http.Server's for the
@@ -1755,19 +1757,6 @@ func TestHeadEnd(t *testing.T) {
 	}
 }
 
-// netHTTPValidHost is net/http's test of a Host header (golang.org/x/net/http/httpguts.ValidHostHeader).
-func netHTTPValidHost(h string) bool {
-	for i := 0; i < len(h); i++ {
-		b := h[i]
-		if 'a' <= b && b <= 'z' || 'A' <= b && b <= 'Z' || '0' <= b && b <= '9' ||
-			strings.IndexByte("!$%&()*+,-.:;=[]'_~", b) >= 0 {
-			continue
-		}
-		return false
-	}
-	return true
-}
-
 func FuzzParseRequestHead(f *testing.F) {
 	for _, s := range []string{
 		"GET / HTTP/1.1\r\nHost: h\r\n\r\n",
@@ -1819,7 +1808,7 @@ func FuzzParseRequestHead(f *testing.F) {
 				t.Fatalf("header key %q with %q", k, vs)
 			}
 			for _, v := range vs {
-				if v != strings.Trim(v, " \t") || !validHeaderValue(v) {
+				if v != strings.Trim(v, " \t") || !httpguts.ValidHeaderFieldValue(v) {
 					t.Fatalf("header value %q", v)
 				}
 			}
@@ -1833,7 +1822,7 @@ func FuzzParseRequestHead(f *testing.F) {
 		if err != nil {
 			t.Fatalf("the loop serves a head net/http rejects (%v): %q", err, head)
 		}
-		if !netHTTPValidHost(rh.host) {
+		if !httpguts.ValidHostHeader(rh.host) {
 			t.Fatalf("the loop serves a Host net/http rejects with 400: %q", rh.host)
 		}
 		delete(req.Header, "Host")
