@@ -286,14 +286,24 @@ type chain struct {
 	// clears is the backend's clear count (backendWriter.clears) after the chain's last batch:
 	// when another cause has cleared the backend since, the chain catches up again.
 	clears uint64
-	// catchUpFailed: the chain's last catch-up failed; it does not try again before a new
-	// connection (a replay buffer that keeps failing would otherwise reset the backend again and
-	// again).
-	catchUpFailed bool
-	// catchUpStopped: the chain's last catch-up stopped at a batch the sink did not take (the
-	// backend is cleared before the next batch); the chain catches up again on its next batch.
-	catchUpStopped bool
+	// caught is how the chain's last catch-up ended.
+	caught catchUpOutcome
 }
+
+// catchUpOutcome is how a catch-up ended.
+type catchUpOutcome uint8
+
+const (
+	// caughtUp: done, or nothing to do.
+	caughtUp catchUpOutcome = iota
+	// catchUpFailed: the publisher's replay failed; the chain does not try again before a new
+	// connection (a replay buffer that keeps failing would otherwise reset the backend again
+	// and again).
+	catchUpFailed
+	// catchUpStopped: stopped at a batch the sink did not take (the backend is cleared before
+	// the next batch); the chain catches up again on its next batch.
+	catchUpStopped
+)
 
 // zmqItem is a decoded batch on its way from a reader to a worker, or (reset) the news that a
 // connection was lost.
@@ -907,7 +917,7 @@ func (c *ZMQConsumer) handle(ctx context.Context, be *zmqBackend, it *zmqItem) {
 	}
 	key := chainKeyOf(it.conn, it.topic, &it.b)
 	ch := be.chains[key]
-	if ch != nil && !ch.catchUpFailed && (be.w.needClear || ch.clears != be.w.clears || ch.catchUpStopped) {
+	if ch != nil && ch.caught != catchUpFailed && (be.w.needClear || ch.clears != be.w.clears || ch.caught == catchUpStopped) {
 		// The backend was cleared, or is to be, since this chain's last batch, for a cause not its
 		// own (a sink failure, a reset on another of the backend's chains): once the clear has
 		// been done, the chain catches up again, so that the sink relearns what the engine still
@@ -916,12 +926,12 @@ func (c *ZMQConsumer) handle(ctx context.Context, be *zmqBackend, it *zmqItem) {
 		// sink stopped is tried again.
 		var empty Batch
 		if be.w.apply(ctx, src, &empty) {
-			ok, applied, failed, stopped := c.catchUp(ctx, be, src, it.pub, it.b.Model, key.rank, seq)
+			ok, applied, caught := c.catchUp(ctx, be, src, it.pub, it.b.Model, key.rank, seq)
 			if !ok {
 				return
 			}
-			ch.catchUpFailed, ch.catchUpStopped = failed, stopped
-			if applied > 0 && !failed && seq > ch.last {
+			ch.caught = caught
+			if applied > 0 && caught != catchUpFailed && seq > ch.last {
 				ch.last = seq - 1
 			}
 			ch.clears = be.w.clears
@@ -934,11 +944,11 @@ func (c *ZMQConsumer) handle(ctx context.Context, be *zmqBackend, it *zmqItem) {
 		}
 		ch = &chain{}
 		be.chains[key] = ch
-		ok, _, failed, stopped := c.catchUp(ctx, be, src, it.pub, it.b.Model, key.rank, seq)
+		ok, _, caught := c.catchUp(ctx, be, src, it.pub, it.b.Model, key.rank, seq)
 		if !ok {
 			return
 		}
-		ch.catchUpFailed, ch.catchUpStopped = failed, stopped
+		ch.caught = caught
 	case seq == ch.last+1:
 	case seq > ch.last+1:
 		if !c.fillGap(ctx, be, src, it.pub, replayRange{model: it.b.Model, rank: key.rank, from: ch.last + 1, until: seq}) {
@@ -1069,19 +1079,19 @@ func (c *ZMQConsumer) fillGap(ctx context.Context, be *zmqBackend, src *source, 
 // replay endpoint) added nothing stale, and seq is simply the baseline. One that the sink
 // stopped (an Apply failed: the backend is cleared before the next batch) is neither: it is
 // tried again on the chain's next batch. It reports false when ctx ended (ok false), how many
-// batches it applied, and whether it failed or the sink stopped it.
-func (c *ZMQConsumer) catchUp(ctx context.Context, be *zmqBackend, src *source, p *zmqPublisher, model string, rank int, seq uint64) (ok bool, applied int, failed, stopped bool) {
+// batches it applied, and how it ended.
+func (c *ZMQConsumer) catchUp(ctx context.Context, be *zmqBackend, src *source, p *zmqPublisher, model string, rank int, seq uint64) (ok bool, applied int, caught catchUpOutcome) {
 	if seq == 0 || c.cfg.CatchUpBatches < 0 || p == nil || p.replayAddr == "" {
-		return true, 0, false, false
+		return true, 0, caughtUp
 	}
 	r := replayRange{model: model, rank: rank, from: seq - min(seq, uint64(c.cfg.CatchUpBatches)), until: seq, catchUp: true}
 	n, err := c.replay(ctx, be, src, p, r)
 	if errors.Is(err, errSinkFailed) {
-		return true, n, false, true
+		return true, n, catchUpStopped
 	}
 	if err != nil {
 		if ctx.Err() != nil {
-			return false, n, true, false
+			return false, n, catchUpFailed
 		}
 		src.catchUpFailures.Add(1)
 		src.setError(fmt.Errorf("catch-up %d..%d: %w", r.from, r.until-1, err))
@@ -1091,12 +1101,12 @@ func (c *ZMQConsumer) catchUp(ctx context.Context, be *zmqBackend, src *source, 
 		} else {
 			c.log.Warn("kvroute events: catch-up failed, starting from the live batch", "backend", be.w.backend, "seq", seq, "err", err)
 		}
-		return true, n, true, false
+		return true, n, catchUpFailed
 	}
 	src.catchUps.Add(1)
 	src.caughtUpBatches.Add(uint64(n))
 	c.log.Info("kvroute events: caught up", "backend", be.w.backend, "endpoint", p.cfg.Endpoint, "batches", n, "seq", seq)
-	return true, n, false, false
+	return true, n, caughtUp
 }
 
 // replay requests the batches [r.from, r.until) from the publisher's replay endpoint and applies
