@@ -557,6 +557,30 @@ func (v fwdView) String() string {
 	return b.String()
 }
 
+// fwdEachMode sends the test request through each proxy and checks what the client got, after
+// adjust (nil: as is), against want; after (nil: nothing) runs for each proxy once its request
+// is done. The modes must agree.
+func fwdEachMode(t *testing.T, proxies []*fwdProxy, want fwdView, adjust func(*fwdProxy, fwdView) fwdView, after func(*fwdProxy)) {
+	t.Helper()
+	got := map[string]fwdView{}
+	for _, p := range proxies {
+		v := fwdDo(t, p)
+		if adjust != nil {
+			v = adjust(p, v)
+		}
+		got[p.mode] = v
+		if !reflect.DeepEqual(v, want) {
+			t.Errorf("%s: the client got\n%v\nwant\n%v", p.mode, v, want)
+		}
+		if after != nil {
+			after(p)
+		}
+	}
+	if d, n := got[upstreamDirect], got[upstreamNetHTTP]; !reflect.DeepEqual(d, n) {
+		t.Errorf("the modes differ:\n--- direct\n%v\n--- net/http\n%v", d, n)
+	}
+}
+
 // fwdDo sends the chat request to p and returns what the client sees.
 func fwdDo(t *testing.T, p *fwdProxy) fwdView {
 	t.Helper()
@@ -724,17 +748,7 @@ func TestForwardResponse(t *testing.T) {
 				return err == nil && !tc.close
 			})
 			proxies := startFwdProxies(t, []BackendConfig{{Name: "a", URL: be.url}}, nil)
-			got := map[string]fwdView{}
-			for _, p := range proxies {
-				v := fwdDo(t, p)
-				got[p.mode] = v
-				if !reflect.DeepEqual(v, tc.want) {
-					t.Errorf("%s: the client got\n%v\nwant\n%v", p.mode, v, tc.want)
-				}
-			}
-			if d, n := got[upstreamDirect], got[upstreamNetHTTP]; !reflect.DeepEqual(d, n) {
-				t.Errorf("the modes differ:\n--- direct\n%v\n--- net/http\n%v", d, n)
-			}
+			fwdEachMode(t, proxies, tc.want, nil, nil)
 		})
 	}
 }
@@ -975,24 +989,18 @@ func TestForwardFailures(t *testing.T) {
 	t.Run("one backend closes before answering", func(t *testing.T) {
 		be := startFwdBackend(t, "a", closeConn)
 		proxies := startFwdProxies(t, []BackendConfig{{Name: "a", URL: be.url}}, nil)
-		got, details := map[string]fwdView{}, map[string]string{}
-		for _, p := range proxies {
-			v := fwdDo(t, p)
+		details := map[string]string{}
+		want := fwdView{Status: 502, Header: fwdKV("Content-Type", "application/json", "X-Content-Type-Options", "nosniff"),
+			Body: `{"error":{"code":"upstream_error","message":"backend a failed: …","param":null,"type":"server_error"}}`}
+		fwdEachMode(t, proxies, want, func(p *fwdProxy, v fwdView) fwdView {
 			v.Body, details[p.mode] = fwdErrorView(t, p.mode, v.Body)
 			v.Header.Del("Content-Length") // the length of the transport's error text
-			want := fwdView{Status: 502, Header: fwdKV("Content-Type", "application/json", "X-Content-Type-Options", "nosniff"),
-				Body: `{"error":{"code":"upstream_error","message":"backend a failed: …","param":null,"type":"server_error"}}`}
-			if !reflect.DeepEqual(v, want) {
-				t.Errorf("%s: the client got\n%v\nwant\n%v", p.mode, v, want)
-			}
-			got[p.mode] = v
+			return v
+		}, func(p *fwdProxy) {
 			if st := fwdState(p, "a"); st.InFlight != 0 || st.BreakerFailures != 1 || !st.RouterFailed {
 				t.Errorf("%s: backend a %+v; want the failure counted", p.mode, st)
 			}
-		}
-		if d, n := got[upstreamDirect], got[upstreamNetHTTP]; !reflect.DeepEqual(d, n) {
-			t.Errorf("the modes differ:\n--- direct\n%v\n--- net/http\n%v", d, n)
-		}
+		})
 		if d, n := details[upstreamDirect], details[upstreamNetHTTP]; d != n {
 			t.Logf("the error texts differ (the transports' own): direct %q, net/http %q", d, n)
 		}
@@ -1025,21 +1033,12 @@ func TestForwardFailures(t *testing.T) {
 					return false
 				})
 				proxies := startFwdProxies(t, []BackendConfig{{Name: "a", URL: be.url}}, nil)
-				got := map[string]fwdView{}
-				for _, p := range proxies {
-					v := fwdDo(t, p)
-					got[p.mode] = v
-					if !reflect.DeepEqual(v, tc.want) {
-						t.Errorf("%s: the client got\n%v\nwant\n%v", p.mode, v, tc.want)
-					}
+				fwdEachMode(t, proxies, tc.want, nil, func(p *fwdProxy) {
 					waitFor(t, 2*time.Second, "the lease released", func() bool { return fwdState(p, "a").InFlight == 0 })
 					if st := fwdState(p, "a"); st.BreakerFailures != 1 || !st.RouterFailed {
 						t.Errorf("%s: backend a %+v; want the abort counted", p.mode, st)
 					}
-				}
-				if d, n := got[upstreamDirect], got[upstreamNetHTTP]; !reflect.DeepEqual(d, n) {
-					t.Errorf("the modes differ:\n--- direct\n%v\n--- net/http\n%v", d, n)
-				}
+				})
 			})
 		}
 	})
