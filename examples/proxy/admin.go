@@ -27,6 +27,11 @@ func (s *server) routes() http.Handler {
 	mux.Handle("POST /v1/chat/completions", s.llmHandler(prefixkey.FormatOpenAIChat, "/v1/chat/completions"))
 	mux.Handle("POST /v1/completions", s.llmHandler(prefixkey.FormatOpenAICompletion, "/v1/completions"))
 	mux.Handle("POST /v1/messages", s.llmHandler(prefixkey.FormatAnthropicMessages, "/v1/messages"))
+	for _, path := range []string{"/v1/chat/completions", "/v1/completions", "/v1/messages"} {
+		mux.HandleFunc(path, methodNotAllowed)
+	}
+	mux.HandleFunc("GET /v1/models", s.models)
+	mux.HandleFunc("/v1/", s.passthrough)
 	mux.HandleFunc("GET /healthz", s.healthz)
 	mux.Handle("GET /metrics", s.tel.handler)
 
@@ -40,7 +45,7 @@ func (s *server) routes() http.Handler {
 	mux.Handle("/admin/", s.admin(func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusNotFound, map[string]any{"error": "no such admin endpoint"})
 	}))
-	return mux
+	return framingGuard(mux)
 }
 
 // admin wraps an admin handler with the bearer-token check (when admin.auth_token is set).
@@ -79,6 +84,7 @@ func (s *server) healthz(w http.ResponseWriter, _ *http.Request) {
 		status, code = "draining", http.StatusServiceUnavailable
 	case n == 0:
 		status, code = "no_healthy_backend", http.StatusServiceUnavailable
+		w.Header().Set("Retry-After", s.retryAfter())
 	}
 	writeJSON(w, code, map[string]any{
 		"status":           status,

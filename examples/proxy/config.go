@@ -65,6 +65,9 @@ type ServerConfig struct {
 	ShutdownTimeout Duration `yaml:"shutdown_timeout"`
 	// ReadHeaderTimeout bounds reading a request's headers (default 10s).
 	ReadHeaderTimeout Duration `yaml:"read_header_timeout"`
+	// ReadTimeout bounds reading a whole request, headers and body (default 60s): a client that
+	// trickles its body is cut off.
+	ReadTimeout Duration `yaml:"read_timeout"`
 	// UpstreamDialTimeout bounds connecting to a backend (default 5s).
 	UpstreamDialTimeout Duration `yaml:"upstream_dial_timeout"`
 }
@@ -377,6 +380,7 @@ const (
 	DefaultMaxBodyBytes        = 8 << 20
 	DefaultShutdownTimeout     = 30 * time.Second
 	DefaultReadHeaderTimeout   = 10 * time.Second
+	DefaultReadTimeout         = 60 * time.Second
 	DefaultUpstreamDialTimeout = 5 * time.Second
 	DefaultTokenizeTimeout     = 100 * time.Millisecond
 	DefaultHealthInterval      = 10 * time.Second
@@ -445,6 +449,9 @@ func (c *Config) applyDefaults() {
 	}
 	if s.ReadHeaderTimeout == 0 {
 		s.ReadHeaderTimeout = Duration(DefaultReadHeaderTimeout)
+	}
+	if s.ReadTimeout == 0 {
+		s.ReadTimeout = Duration(DefaultReadTimeout)
 	}
 	if s.UpstreamDialTimeout == 0 {
 		s.UpstreamDialTimeout = Duration(DefaultUpstreamDialTimeout)
@@ -655,7 +662,7 @@ func (c *Config) validate() error {
 		fe.add("server.max_body_bytes", "%d must be positive", s.MaxBodyBytes)
 	}
 	for path, d := range map[string]Duration{"server.shutdown_timeout": s.ShutdownTimeout,
-		"server.read_header_timeout": s.ReadHeaderTimeout, "server.upstream_dial_timeout": s.UpstreamDialTimeout} {
+		"server.read_header_timeout": s.ReadHeaderTimeout, "server.read_timeout": s.ReadTimeout, "server.upstream_dial_timeout": s.UpstreamDialTimeout} {
 		if d < 0 {
 			fe.add(path, "must not be negative")
 		}

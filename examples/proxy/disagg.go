@@ -16,6 +16,9 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
+	"github.com/tidwall/gjson"
+	"github.com/tidwall/sjson"
+
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/prefixkey"
@@ -41,7 +44,7 @@ import (
 const headerRequestID = "X-Request-Id"
 
 // prefillTransferParams asks the prefill engine to compute the prompt's KV for a remote decode.
-var prefillTransferParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":false}`)
+const prefillTransferParams = `{"do_remote_decode":true,"do_remote_prefill":false}`
 
 // maxPrefillResponse caps the prefill answer read (one generated token and the transfer
 // parameters: a few KiB).
@@ -101,7 +104,7 @@ func (s *server) forwardDisagg(w http.ResponseWriter, r *http.Request, pr *parse
 			nd, err := d.PrefillFailed(ctx, res.err)
 			if err != nil {
 				if errors.Is(err, kvroute.ErrNoBackend) {
-					writeAPIError(w, pr.format, http.StatusServiceUnavailable, "no_healthy_backend", "",
+					s.unavailable(w, pr.format,
 						"the prefill on "+prefillBackend+" failed ("+res.err.Error()+") and no unified backend can serve the request")
 					return
 				}
@@ -111,7 +114,7 @@ func (s *server) forwardDisagg(w http.ResponseWriter, r *http.Request, pr *parse
 			d, up = nd, disaggUpstream(nd, pr.body)
 		default:
 			d.PrefillDone(kvroute.Outcome{})
-			body, err := editTopLevel(pr.body, jsonEdit{"kv_transfer_params", res.params})
+			body, err := sjson.SetRawBytes(pr.body, "kv_transfer_params", res.params)
 			if err != nil { // the body parsed as an object: not reached
 				d.Done(kvroute.Outcome{})
 				s.log.Error("cannot add kv_transfer_params to the request", "err", err)
@@ -210,7 +213,7 @@ func (s *server) doPrefill(ctx context.Context, r *http.Request, pr *parsedReque
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Accept", "application/json")
 	req.Header.Set(headerRequestID, reqID)
-	resp, err := s.upstream.RoundTrip(req)
+	resp, err := s.transport.RoundTrip(req)
 	if err != nil {
 		if errors.Is(context.Cause(pctx), errPrefillTimeout) {
 			err = errPrefillTimeout
@@ -236,11 +239,14 @@ func (s *server) doPrefill(ctx context.Context, r *http.Request, pr *parsedReque
 	case len(b) > maxPrefillResponse:
 		return prefillResult{err: fmt.Errorf("the prefill answer exceeds %d bytes", maxPrefillResponse)}
 	}
-	params, ok, err := topLevelValue(b, "kv_transfer_params")
-	if err != nil || !ok || len(params) == 0 || params[0] != '{' {
+	if !gjson.ValidBytes(b) {
 		return prefillResult{err: errNoTransferParams}
 	}
-	return prefillResult{params: params}
+	params := gjson.GetBytes(b, "kv_transfer_params")
+	if !params.IsObject() {
+		return prefillResult{err: errNoTransferParams}
+	}
+	return prefillResult{params: []byte(params.Raw)}
 }
 
 // prefillErrKind classifies a prefill failure for metrics.
@@ -259,20 +265,34 @@ func prefillErrKind(err error) string {
 // min_tokens, and kv_transfer_params asking for a remote decode. Every other member is kept as it
 // came.
 func prefillBody(pr *parsedRequest) ([]byte, error) {
-	one := []byte("1")
-	edits := make([]jsonEdit, 0, 6)
-	edits = append(edits, jsonEdit{"stream", []byte("false")}, jsonEdit{"stream_options", nil},
-		jsonEdit{"min_tokens", nil}, jsonEdit{"kv_transfer_params", prefillTransferParams})
+	type edit struct {
+		key   string
+		value string // raw JSON; "" deletes the member
+	}
+	edits := []edit{{"stream", "false"}, {"stream_options", ""}, {"min_tokens", ""},
+		{"kv_transfer_params", prefillTransferParams}}
 	p := pr.req.Params
 	if pr.format == prefixkey.FormatOpenAIChat && p.MaxCompletionTokens.Set {
-		edits = append(edits, jsonEdit{"max_completion_tokens", one})
+		edits = append(edits, edit{"max_completion_tokens", "1"})
 		if p.MaxTokens.Set {
-			edits = append(edits, jsonEdit{"max_tokens", one})
+			edits = append(edits, edit{"max_tokens", "1"})
 		}
 	} else {
-		edits = append(edits, jsonEdit{"max_tokens", one})
+		edits = append(edits, edit{"max_tokens", "1"})
 	}
-	return editTopLevel(pr.body, edits...)
+	body := pr.body
+	for _, e := range edits {
+		var err error
+		if e.value == "" {
+			body, err = sjson.DeleteBytes(body, e.key)
+		} else {
+			body, err = sjson.SetRawBytes(body, e.key, []byte(e.value))
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	return body, nil
 }
 
 // relay answers the client with a prefill backend's refusal of the request.

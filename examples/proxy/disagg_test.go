@@ -1,9 +1,11 @@
 package main
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -19,6 +21,7 @@ import (
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/internal/enginesim"
+	"github.com/kvroute/kvroute/prefixkey"
 )
 
 // longPrompt is a chat body whose prompt is about words tokens (the engines' tokenizer makes a
@@ -325,5 +328,60 @@ func TestDisaggSDKs(t *testing.T) {
 	}
 	if handoffs != 4 {
 		t.Errorf("decode engines: %d handoffs, want 4", handoffs)
+	}
+}
+
+// The prefill request is the client's body with max_tokens 1, not streamed, and the remote-decode
+// transfer parameters; every other member is unchanged.
+func TestPrefillBody(t *testing.T) {
+	tests := []struct {
+		name   string
+		format prefixkey.Format
+		in     string
+		want   map[string]any
+	}{
+		{"chat with max_tokens, streamed", prefixkey.FormatOpenAIChat,
+			`{"model":"m","messages":[{"role":"user","content":"hi <b>"}],"max_tokens":50,"stream":true,"stream_options":{"include_usage":true},"min_tokens":5,"vendor_x":{"k":[1]}}`,
+			map[string]any{"model": "m", "messages": []any{map[string]any{"role": "user", "content": "hi <b>"}}, "max_tokens": 1.0,
+				"stream": false, "vendor_x": map[string]any{"k": []any{1.0}},
+				"kv_transfer_params": map[string]any{"do_remote_decode": true, "do_remote_prefill": false}}},
+		{"chat with max_completion_tokens", prefixkey.FormatOpenAIChat,
+			`{"model":"m","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":50}`,
+			map[string]any{"model": "m", "messages": []any{map[string]any{"role": "user", "content": "hi"}}, "max_completion_tokens": 1.0,
+				"stream": false, "kv_transfer_params": map[string]any{"do_remote_decode": true, "do_remote_prefill": false}}},
+		{"chat without a limit", prefixkey.FormatOpenAIChat,
+			`{"model":"m","messages":[{"role":"user","content":"hi"}]}`,
+			map[string]any{"model": "m", "messages": []any{map[string]any{"role": "user", "content": "hi"}}, "max_tokens": 1.0,
+				"stream": false, "kv_transfer_params": map[string]any{"do_remote_decode": true, "do_remote_prefill": false}}},
+		{"anthropic messages, client's own transfer params replaced", prefixkey.FormatAnthropicMessages,
+			`{"model":"m","system":"s","max_tokens":64,"stream":true,"messages":[{"role":"user","content":"hi"}],"kv_transfer_params":{"x":1}}`,
+			map[string]any{"model": "m", "system": "s", "max_tokens": 1.0, "stream": false,
+				"messages":           []any{map[string]any{"role": "user", "content": "hi"}},
+				"kv_transfer_params": map[string]any{"do_remote_decode": true, "do_remote_prefill": false}}},
+		{"completions", prefixkey.FormatOpenAICompletion, `{"model":"m","prompt":"once","max_tokens":9}`,
+			map[string]any{"model": "m", "prompt": "once", "max_tokens": 1.0, "stream": false,
+				"kv_transfer_params": map[string]any{"do_remote_decode": true, "do_remote_prefill": false}}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			req, err := prefixkey.Parse(tc.format, []byte(tc.in))
+			if err != nil {
+				t.Fatal(err)
+			}
+			out, err := prefillBody(&parsedRequest{format: tc.format, req: req, body: []byte(tc.in)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got map[string]any
+			if err := json.Unmarshal(out, &got); err != nil {
+				t.Fatalf("%v in %s", err, out)
+			}
+			if !reflect.DeepEqual(got, tc.want) {
+				t.Errorf("got  %v\nwant %v", got, tc.want)
+			}
+			if strings.Contains(tc.in, "<b>") && !bytes.Contains(out, []byte(`"hi <b>"`)) {
+				t.Errorf("untouched members re-encoded: %s", out)
+			}
+		})
 	}
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -97,10 +98,10 @@ type testProxy struct {
 // startProxy builds, starts and serves the proxy for cfg on a free loopback port, with the
 // front server run serves with (the proxy's loop unless an option says otherwise); everything
 // stops at the end of the test.
-func startProxy(t *testing.T, cfg *Config, opts ...serverOption) *testProxy {
+func startProxy(t *testing.T, cfg *Config) *testProxy {
 	t.Helper()
 	log := testLogger(t)
-	srv, err := newServer(cfg, log, opts...)
+	srv, err := newServer(cfg, log)
 	if err != nil {
 		t.Fatalf("newServer: %v", err)
 	}
@@ -115,7 +116,7 @@ func startProxy(t *testing.T, cfg *Config, opts ...serverOption) *testProxy {
 		_ = srv.Close()
 		t.Fatal(err)
 	}
-	hs := srv.frontServer()
+	hs := srv.newHTTPServer()
 	done := make(chan struct{})
 	go func() { defer close(done); _ = hs.Serve(ln) }()
 	t.Cleanup(func() {
@@ -274,4 +275,20 @@ func compactJSON(b []byte) string {
 		return string(b)
 	}
 	return buf.String()
+}
+
+// testIOTimeout bounds every read and write of a raw test connection.
+const testIOTimeout = 3 * time.Second
+
+// dialRaw opens a TCP connection to addr, with testIOTimeout as its deadline, closed at the end of
+// the test.
+func dialRaw(t *testing.T, addr string) (net.Conn, *bufio.Reader) {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetDeadline(time.Now().Add(testIOTimeout))
+	t.Cleanup(func() { c.Close() })
+	return c, bufio.NewReader(c)
 }

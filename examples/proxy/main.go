@@ -23,13 +23,11 @@
 // replaced once by another; health probes and a circuit breaker take failing backends out of
 // rotation. SIGINT or SIGTERM drains the requests in flight (server.shutdown_timeout) and exits.
 //
-// -upstream-client selects how requests reach plain-http backends: direct (the default) does each
-// exchange in the request's goroutine over its own keep-alive pool (upstream.go) and relays the
-// answer with forwardAttempt (forward.go); net/http uses httputil.ReverseProxy over
-// http.Transport, which hands each request to a connection's read and write goroutines. -server
-// selects what serves the clients: loop (the default, httpserve.go) runs each connection's
-// requests in its goroutine and hands what it does not serve to net/http; net/http is
-// http.Server alone.
+// The proxy is made of the standard pieces a Go gateway already runs: http.Server serves the
+// clients (with read-header, idle and write-free timeouts suited to long streams) and
+// httputil.ReverseProxy over a tuned http.Transport forwards each attempt. kvroute adds the
+// parsing, caching and routing around ReverseProxy, which is what a gateway that embeds the
+// library would add to its own handler.
 //
 // With disaggregated_serving enabled, backends have roles (prefill, decode, unified) and
 // Router.RouteDisagg chooses each request's path: fast_decode, unified and fallback forward it
@@ -53,7 +51,6 @@ import (
 	"net/http/pprof"
 	"os"
 	"os/signal"
-	"runtime/debug"
 	"strconv"
 	"strings"
 	"syscall"
@@ -84,9 +81,6 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 		verbose   = fs.Bool("v", false, "debug logging")
 		logFormat = fs.String("log-format", "text", "log format: text or json")
 		pprofAddr = fs.String("pprof", "", "serve net/http/pprof on this address (e.g. 127.0.0.1:6060); off when empty")
-		gcPercent = fs.Int("gc-percent", defaultGCPercent, "garbage-collection target percentage (debug.SetGCPercent), unless GOGC is set")
-		upClient  = fs.String("upstream-client", upstreamDirect, "how requests reach http backends: direct (in the request's goroutine) or net/http (http.Transport)")
-		srvKind   = fs.String("server", serverLoop, "what serves client connections: loop (the proxy's HTTP/1.1 loop, net/http for the rest) or net/http (http.Server)")
 	)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: proxy [-config FILE] [-addr HOST:PORT] [flags]\n\n")
@@ -94,15 +88,6 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 	}
 	if err := fs.Parse(args); err != nil {
 		return err
-	}
-	if *upClient != upstreamDirect && *upClient != upstreamNetHTTP {
-		return fmt.Errorf("-upstream-client %q: want direct or net/http", *upClient)
-	}
-	if *srvKind != serverLoop && *srvKind != serverNetHTTP {
-		return fmt.Errorf("-server %q: want loop or net/http", *srvKind)
-	}
-	if _, set := os.LookupEnv("GOGC"); !set {
-		debug.SetGCPercent(*gcPercent)
 	}
 	addrSet := false
 	fs.Visit(func(f *flag.Flag) { addrSet = addrSet || f.Name == "addr" })
@@ -181,7 +166,7 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 		defer stopPprof()
 	}
 	printBanner(stdout, cfg, ln.Addr(), fleet != nil)
-	return run(ctx, cfg, ln, log, withUpstreamClient(*upClient), withHTTPServer(*srvKind))
+	return run(ctx, cfg, ln, log)
 }
 
 // setAddr sets the server's bind address and port from host:port.
@@ -288,8 +273,8 @@ func printBanner(w io.Writer, cfg *Config, addr net.Addr, demo bool) {
 
 // run serves the proxy for cfg on ln until ctx ends, then drains the requests in flight (up to
 // server.shutdown_timeout) and releases everything. It closes ln.
-func run(ctx context.Context, cfg *Config, ln net.Listener, log *slog.Logger, opts ...serverOption) error {
-	srv, err := newServer(cfg, log, opts...)
+func run(ctx context.Context, cfg *Config, ln net.Listener, log *slog.Logger) error {
+	srv, err := newServer(cfg, log)
 	if err != nil {
 		ln.Close()
 		return err
@@ -300,7 +285,7 @@ func run(ctx context.Context, cfg *Config, ln net.Listener, log *slog.Logger, op
 		ln.Close()
 		return err
 	}
-	hs := srv.frontServer()
+	hs := srv.newHTTPServer()
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(ln) }()
 	log.Info("serving", "addr", ln.Addr().String())
@@ -326,36 +311,28 @@ func run(ctx context.Context, cfg *Config, ln net.Listener, log *slog.Logger, op
 	return nil
 }
 
-// frontServer returns what serves the proxy's clients, as -server selects: the proxy's loop
-// (httpServer) or http.Server.
-func (s *server) frontServer() interface {
-	Serve(net.Listener) error
-	Shutdown(context.Context) error
-	Close() error
-} {
-	if s.httpServerKind == serverNetHTTP {
-		return &http.Server{
-			Handler:           s.Handler(),
-			ReadHeaderTimeout: time.Duration(s.cfg.Server.ReadHeaderTimeout),
-			IdleTimeout:       serverIdleTimeout,
-			ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
-		}
-	}
-	return newHTTPServer(httpServerConfig{
+// newHTTPServer returns the http.Server that serves the proxy's clients. Reading a request's
+// headers is bounded by server.read_header_timeout and its body by server.read_timeout; idle
+// keep-alive connections close after serverIdleTimeout. There is no write timeout: a stream may
+// last as long as the model generates, and a client that stops reading is cut off by the
+// backend's own limits and the upstream call's cancellation.
+func (s *server) newHTTPServer() *http.Server {
+	return &http.Server{
 		Handler:           s.Handler(),
 		ReadHeaderTimeout: time.Duration(s.cfg.Server.ReadHeaderTimeout),
+		ReadTimeout:       time.Duration(s.cfg.Server.ReadTimeout),
 		IdleTimeout:       serverIdleTimeout,
-		Log:               s.log,
-	})
+		MaxHeaderBytes:    maxHeaderBytes,
+		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+	}
 }
 
 // serverIdleTimeout closes client connections idle for longer.
 const serverIdleTimeout = 2 * time.Minute
 
-// defaultGCPercent is -gc-percent's default. The proxy's live heap is small (its caches aside), and
-// most of its garbage is per-request buffers: collecting at 4× the live heap instead of 2× cut
-// its CPU per request enough for about 30 % more requests per second under wrk (BENCHMARKS.md).
-const defaultGCPercent = 400
+// maxHeaderBytes caps a request's header block (net/http's default is 1 MiB; an API request's
+// headers are a few hundred bytes).
+const maxHeaderBytes = 64 << 10
 
 // servePprof serves the runtime profiles of net/http/pprof on their own listener, apart from the
 // proxy's mux so that they are never exposed on the serving address. The returned func stops it.

@@ -240,7 +240,7 @@ func (s *server) newReverseProxy() *httputil.ReverseProxy {
 				pr.Out.Header.Set(headerRequestID, a.requestID)
 			}
 		},
-		Transport: s.upstream,
+		Transport: s.transport,
 		// Without a pool ReverseProxy allocates a 32 KiB copy buffer per response: 73 % of the
 		// bytes the proxy allocated under load, and with them a share of its GC work.
 		BufferPool: copyBuffers,
@@ -292,20 +292,9 @@ func (s *server) llmHandler(format prefixkey.Format, endpoint string) http.Handl
 			m.record(r.Context(), code, time.Since(start))
 		}()
 
-		limit := s.cfg.Server.MaxBodyBytes
-		if r.ContentLength > limit {
-			writeAPIError(sw, format, http.StatusRequestEntityTooLarge, "request_too_large", "",
-				"request body is "+strconv.FormatInt(r.ContentLength, 10)+" bytes; the limit is "+strconv.FormatInt(limit, 10))
-			return
-		}
-		body, err := readBody(r.Body, r.ContentLength, limit)
+		body, err := readBody(sw, r, s.cfg.Server.MaxBodyBytes)
 		if err != nil {
-			if err == errBodyTooLarge {
-				writeAPIError(sw, format, http.StatusRequestEntityTooLarge, "request_too_large", "",
-					"request body exceeds the limit of "+strconv.FormatInt(limit, 10)+" bytes")
-				return
-			}
-			writeAPIError(sw, format, http.StatusBadRequest, "invalid_request_error", "", "cannot read the request body: "+err.Error())
+			s.bodyError(sw, format, err)
 			return
 		}
 		req, err := prefixkey.Parse(format, body)
@@ -337,40 +326,33 @@ func (s *server) llmHandler(format prefixkey.Format, endpoint string) http.Handl
 	})
 }
 
-// errBodyTooLarge is readBody's error for a body beyond its limit.
-var errBodyTooLarge = errors.New("request body too large")
-
 // maxPresizedBody bounds the buffer readBody makes for the size a body announces, before any of
 // it arrives: a client must send more to make the proxy hold more.
 const maxPresizedBody = 64 << 10
 
-// readBody reads r to its end, a request body that announced size bytes (-1: unknown): it returns
-// errBodyTooLarge as soon as more than limit bytes come, and any other read error as it is. A
-// body of announced size (up to maxPresizedBody) is read into one buffer of that size; io.ReadAll
-// grows its own from 512 bytes, several allocations and copies for a prompt of a few KiB.
-func readBody(r io.Reader, size, limit int64) ([]byte, error) {
-	n := 512
-	if size > 0 && size <= min(limit, maxPresizedBody) {
-		n = int(size) + 1 // room for the read that meets the end
+// readBody reads r's body, at most limit bytes (http.MaxBytesReader: beyond it, the error is an
+// *http.MaxBytesError and the server closes the connection after the answer). A body that
+// announces more is refused before any of it is read.
+func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, error) {
+	if r.ContentLength > limit {
+		return nil, &http.MaxBytesError{Limit: limit}
 	}
-	lr := io.LimitedReader{R: r, N: limit + 1}
-	b := make([]byte, 0, n)
-	for {
-		m, err := lr.Read(b[len(b):cap(b)])
-		b = b[:len(b)+m]
-		if int64(len(b)) > limit {
-			return nil, errBodyTooLarge
-		}
-		if err != nil {
-			if err == io.EOF {
-				return b, nil
-			}
-			return b, err
-		}
-		if len(b) == cap(b) {
-			b = append(b, 0)[:len(b)]
-		}
+	var buf bytes.Buffer
+	if n := r.ContentLength; n > 0 && n <= maxPresizedBody {
+		buf.Grow(int(n) + bytes.MinRead)
 	}
+	_, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, limit))
+	return buf.Bytes(), err
+}
+
+// bodyError answers a readBody error: 413 over the limit, 400 otherwise.
+func (s *server) bodyError(w http.ResponseWriter, format prefixkey.Format, err error) {
+	if mb, ok := errors.AsType[*http.MaxBytesError](err); ok {
+		writeAPIError(w, format, http.StatusRequestEntityTooLarge, "request_too_large", "",
+			"request body exceeds the limit of "+strconv.FormatInt(mb.Limit, 10)+" bytes")
+		return
+	}
+	writeAPIError(w, format, http.StatusBadRequest, "invalid_request_error", "", "cannot read the request body: "+err.Error())
 }
 
 // setBody makes r's body (and GetBody) yield body.
@@ -442,7 +424,7 @@ func (s *server) retryOn(w http.ResponseWriter, r *http.Request, pr *parsedReque
 func (s *server) routeError(w http.ResponseWriter, pr *parsedRequest, err error) {
 	switch {
 	case errors.Is(err, kvroute.ErrNoBackend):
-		writeAPIError(w, pr.format, http.StatusServiceUnavailable, "no_healthy_backend", "", "no healthy backend is available")
+		s.unavailable(w, pr.format, "no healthy backend is available")
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		// The client is gone; nobody reads an answer.
 	default:
@@ -511,12 +493,8 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 	}
 	// ReverseProxy copies the request; Rewrite gives the copy the body again, in a reader that
 	// net/http knows to be in memory.
-	var octx context.Context = a
-	if s.upstreamClient == upstreamNetHTTP {
-		a.trace.Got1xxResponse = a.restoreHeaders
-		octx = httptrace.WithClientTrace(a, &a.trace)
-	}
-	out := r.WithContext(octx)
+	a.trace.Got1xxResponse = a.restoreHeaders
+	out := r.WithContext(httptrace.WithClientTrace(a, &a.trace))
 	a.bodyR.Reset(up.body)
 	a.reqBody = io.NopCloser(&a.bodyR)
 	out.Body, out.ContentLength, out.GetBody = a.reqBody, int64(len(up.body)), nil
@@ -536,11 +514,7 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 		s.health.observeRequest(up.backend, true, errUpstreamAborted)
 		s.tel.upstreamError(r.Context(), up.backend, "aborted")
 	}()
-	if s.upstreamClient == upstreamNetHTTP {
-		s.rp.ServeHTTP(aw, out)
-	} else {
-		s.forwardAttempt(aw, out, a)
-	}
+	s.rp.ServeHTTP(aw, out)
 	completed = true
 	if a.err != nil && a.headers.Load() == headersTimedOut {
 		a.err = errKVTransferTimeout

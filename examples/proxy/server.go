@@ -41,15 +41,11 @@ type server struct {
 	tokMode string
 
 	backends  map[string]*url.URL
-	transport *http.Transport
-	// upstream carries the proxied requests: an upstreamTransport over transport, or transport
-	// itself when upstreamClient is upstreamNetHTTP.
-	upstream       http.RoundTripper
-	upstreamClient string
-	httpServerKind string // serverLoop (also when empty) or serverNetHTTP: what run serves with
-	rp             *httputil.ReverseProxy
-	handler        http.Handler
-	draining       atomic.Bool
+	transport *http.Transport // carries every request to the backends
+	rp        *httputil.ReverseProxy
+	handler   http.Handler
+	draining  atomic.Bool
+	passNext  atomic.Uint64 // turns of the passed-through requests over the backends
 
 	closers []func() error // run in reverse order by Close
 	started atomic.Bool
@@ -75,15 +71,12 @@ func parseStrategy(s string) (kvroute.Strategy, bool) {
 	return "", false
 }
 
-// newServer builds the proxy from a validated configuration and the flags' options.
-func newServer(cfg *Config, log *slog.Logger, opts ...serverOption) (s *server, err error) {
+// newServer builds the proxy from a validated configuration.
+func newServer(cfg *Config, log *slog.Logger) (s *server, err error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
 	s = &server{cfg: cfg, log: log, backends: map[string]*url.URL{}}
-	for _, o := range opts {
-		o(s)
-	}
 	defer func() {
 		if err != nil {
 			_ = s.Close()
@@ -116,13 +109,6 @@ func newServer(cfg *Config, log *slog.Logger, opts ...serverOption) (s *server, 
 		DisableCompression: true,
 	}
 	s.closers = append(s.closers, func() error { s.transport.CloseIdleConnections(); return nil })
-	s.upstream = s.transport
-	if s.upstreamClient != upstreamNetHTTP {
-		ut := newUpstreamTransport(upstreamConfig{Dial: dialer.DialContext, Fallback: s.transport,
-			MaxIdlePerHost: s.transport.MaxIdleConnsPerHost, IdleTimeout: s.transport.IdleConnTimeout})
-		s.upstream = ut
-		s.closers = append(s.closers, func() error { ut.CloseIdleConnections(); return nil })
-	}
 
 	strategy, _ := parseStrategy(cfg.SelectionStrategy)
 	rcfg := kvroute.Config{

@@ -1,0 +1,201 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"math"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/tidwall/gjson"
+
+	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/disagg"
+	"github.com/kvroute/kvroute/prefixkey"
+)
+
+// What a gateway does besides routing the LLM endpoints: refuse ambiguous framing, list the
+// fleet's models, pass the rest of the OpenAI-compatible API (embeddings, tokenize, …) to a
+// backend that serves the request's model, and tell clients when to come back.
+
+// RoutePassthrough is X-Kvroute-Route on a request the proxy passed to a backend without routing
+// it by its prompt (the /v1 endpoints other than the three LLM ones).
+const RoutePassthrough = "passthrough"
+
+// modelsTimeout bounds GET /v1/models: the backends asked in parallel, each answer at most
+// maxModelsResponse bytes.
+const (
+	modelsTimeout     = 3 * time.Second
+	maxModelsResponse = 1 << 20
+)
+
+// framingGuard refuses a request whose body is framed by Transfer-Encoding, with 400 and a closed
+// connection. net/http lets Transfer-Encoding override a Content-Length sent beside it (RFC 9112,
+// section 6.3) and keeps the connection; a front proxy that trusted the Content-Length would then
+// see the bytes past it as the next request, which is how requests are smuggled. net/http drops the
+// Content-Length before a handler runs, so the two cannot be told apart here: every
+// Transfer-Encoding body is refused, and clients send Content-Length, as the OpenAI and Anthropic
+// SDKs do.
+func framingGuard(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if len(r.TransferEncoding) == 0 {
+			next.ServeHTTP(w, r)
+			return
+		}
+		w.Header().Set("Connection", "close")
+		format := prefixkey.FormatOpenAIChat
+		if r.URL.Path == "/v1/messages" {
+			format = prefixkey.FormatAnthropicMessages
+		}
+		writeAPIError(w, format, http.StatusBadRequest, "invalid_request_error", "",
+			"request bodies must be sent with Content-Length: Transfer-Encoding is not accepted")
+	})
+}
+
+// methodNotAllowed answers a request to an LLM endpoint with another method than POST.
+func methodNotAllowed(w http.ResponseWriter, r *http.Request) {
+	format := prefixkey.FormatOpenAIChat
+	if r.URL.Path == "/v1/messages" {
+		format = prefixkey.FormatAnthropicMessages
+	}
+	w.Header().Set("Allow", http.MethodPost)
+	writeAPIError(w, format, http.StatusMethodNotAllowed, "invalid_request_error", "", r.Method+" "+r.URL.Path+": use POST")
+}
+
+// unavailable answers 503 with Retry-After: the time until the next health probe may bring a
+// backend back (at least a second).
+func (s *server) unavailable(w http.ResponseWriter, format prefixkey.Format, msg string) {
+	w.Header().Set("Retry-After", s.retryAfter())
+	writeAPIError(w, format, http.StatusServiceUnavailable, "no_healthy_backend", "", msg)
+}
+
+// retryAfter is Retry-After in seconds: the health-check interval, or the circuit breaker's
+// recovery timeout when probes are off, between 1 and 60.
+func (s *server) retryAfter() string {
+	d := time.Duration(s.cfg.CircuitBreaker.RecoveryTimeout)
+	if *s.cfg.HealthChecks.Enabled {
+		d = time.Duration(s.cfg.HealthChecks.Interval)
+	}
+	return strconv.Itoa(int(min(max(math.Ceil(d.Seconds()), 1), 60)))
+}
+
+// models serves GET /v1/models: the union, by id, of what the backends in rotation list, in
+// configuration order; a backend that does not answer contributes the models its configuration
+// declares.
+func (s *server) models(w http.ResponseWriter, r *http.Request) {
+	ctx, cancel := context.WithTimeout(r.Context(), modelsTimeout)
+	defer cancel()
+	lists := make([][]json.RawMessage, len(s.cfg.Backends))
+	var wg sync.WaitGroup
+	for i := range s.cfg.Backends {
+		b := &s.cfg.Backends[i]
+		if !s.health.inRotation(b.Name) {
+			continue
+		}
+		wg.Go(func() {
+			got, err := s.backendModels(ctx, b.Name)
+			if err != nil {
+				s.log.Debug("GET /v1/models failed", "backend", b.Name, "err", err)
+				for _, m := range append([]string{b.Model}, b.Models...) {
+					if m != "" {
+						e, _ := json.Marshal(map[string]any{"id": m, "object": "model", "created": 0, "owned_by": "kvroute"})
+						got = append(got, e)
+					}
+				}
+			}
+			lists[i] = got
+		})
+	}
+	wg.Wait()
+	data := []json.RawMessage{}
+	seen := map[string]bool{}
+	for _, l := range lists {
+		for _, m := range l {
+			id := gjson.GetBytes(m, "id").String()
+			if id != "" && !seen[id] {
+				seen[id] = true
+				data = append(data, m)
+			}
+		}
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": data})
+}
+
+// backendModels returns the entries of one backend's GET /v1/models.
+func (s *server) backendModels(ctx context.Context, backend string) ([]json.RawMessage, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.backends[backend].JoinPath("/v1/models").String(), nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := s.transport.RoundTrip(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, &statusError{code: resp.StatusCode}
+	}
+	var list struct {
+		Data []json.RawMessage `json:"data"`
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, maxModelsResponse)).Decode(&list); err != nil {
+		return nil, err
+	}
+	return list.Data, nil
+}
+
+// noLease is the lease of a passed-through request: the Router did not choose its backend.
+type noLease struct{}
+
+func (noLease) FirstToken()          {}
+func (noLease) Done(kvroute.Outcome) {}
+
+// passthrough forwards a /v1 request the proxy does not route by its prompt (embeddings,
+// tokenize, audio, …) to a backend in rotation that serves its model ("model" of a JSON body or of
+// the query; any backend when it names none), in turn; one that fails before answering is
+// replaced once by the next. No such backend: 404 when none is configured for the model, 503
+// when none is in rotation.
+func (s *server) passthrough(w http.ResponseWriter, r *http.Request) {
+	const format = prefixkey.FormatOpenAIChat // OpenAI's error shape
+	body, err := readBody(w, r, s.cfg.Server.MaxBodyBytes)
+	if err != nil {
+		s.bodyError(w, format, err)
+		return
+	}
+	model := r.URL.Query().Get("model")
+	if m := gjson.GetBytes(body, "model"); m.Type == gjson.String {
+		model = m.Str
+	}
+	var configured, cands []string
+	for _, b := range s.cfg.Backends {
+		if !b.serves(model) || (s.cfg.DisaggregatedServing.Enabled && b.role() == disagg.RolePrefill) {
+			continue
+		}
+		configured = append(configured, b.Name)
+		if s.health.inRotation(b.Name) {
+			cands = append(cands, b.Name)
+		}
+	}
+	switch {
+	case len(configured) == 0:
+		writeAPIError(w, format, http.StatusNotFound, "model_not_found", "model", "no backend serves the model "+strconv.Quote(model))
+		return
+	case len(cands) == 0:
+		s.unavailable(w, format, "no healthy backend is available")
+		return
+	}
+	next := int(s.passNext.Add(1))
+	pr := &parsedRequest{format: format, req: &prefixkey.Request{Model: model}, body: body}
+	up := &upstream{backend: cands[next%len(cands)], route: RoutePassthrough, lease: noLease{}, body: body}
+	retry, err := s.proxyTo(w, r, pr, up, "", len(cands) > 1)
+	if !retry {
+		return
+	}
+	s.failedBeforeAnswer(r.Context(), up, err)
+	failed := up.backend
+	up = &upstream{backend: cands[(next+1)%len(cands)], route: RoutePassthrough, lease: noLease{}, body: body}
+	_, _ = s.proxyTo(w, r, pr, up, failed, false)
+}
