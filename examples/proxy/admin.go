@@ -77,7 +77,7 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 // healthz reports whether the proxy can serve: 200 with at least one backend in rotation, 503
 // otherwise or while draining.
 func (s *server) healthz(w http.ResponseWriter, _ *http.Request) {
-	n := s.health.healthyCount()
+	n := s.health.HealthyCount()
 	status, code := "ok", http.StatusOK
 	switch {
 	case s.draining.Load():
@@ -89,7 +89,7 @@ func (s *server) healthz(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, code, map[string]any{
 		"status":           status,
 		"healthy_backends": n,
-		"backends":         s.health.statuses(),
+		"backends":         s.health.Statuses(),
 	})
 }
 

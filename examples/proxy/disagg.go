@@ -173,7 +173,7 @@ func (s *server) canFallback(d *kvroute.DisaggDecision) bool {
 	}
 	n := 0
 	for _, b := range s.cfg.Backends {
-		if b.role() == disagg.RoleUnified && b.Name != d.Decode && s.health.inRotation(b.Name) {
+		if b.role() == disagg.RoleUnified && b.Name != d.Decode && s.health.InRotation(b.Name) {
 			n++
 		}
 	}
@@ -183,15 +183,20 @@ func (s *server) canFallback(d *kvroute.DisaggDecision) bool {
 // prefill runs the remote prefill of the request on backend, under prefill_timeout (and the
 // client's context), and records its outcome in the backend's circuit breaker.
 func (s *server) prefill(ctx context.Context, r *http.Request, pr *parsedRequest, backend, reqID string) prefillResult {
+	tk, ok := s.health.Admit(backend)
+	if !ok {
+		return prefillResult{err: errCircuitOpen}
+	}
 	res := s.doPrefill(ctx, r, pr, backend, reqID)
 	switch {
 	case ctx.Err() != nil:
+		tk.Cancel()
 	case res.err != nil:
-		s.health.observeRequest(backend, true, res.err)
+		tk.Done(res.err)
 		s.tel.upstreamErrors.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("backend", backend),
 			attribute.String("kind", prefillErrKind(res.err))))
 	default:
-		s.health.observeRequest(backend, false, nil)
+		tk.Done(nil)
 	}
 	return res
 }

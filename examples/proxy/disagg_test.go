@@ -213,7 +213,7 @@ func TestDisaggPrefillKilled(t *testing.T) {
 		t.Errorf("requests: %+v", st.Requests)
 	}
 	waitFor(t, 10*time.Second, "the health checks to take the killed prefill engine out of rotation", func() bool {
-		return !p.health.inRotation(prefill.Name())
+		return !p.health.InRotation(prefill.Name())
 	})
 	r := postPD(t, p, longPrompt("after-health", 700, `"max_tokens":4`))
 	if r.status != 200 || r.path != "fallback" || r.decode != unified {

@@ -337,7 +337,7 @@ func TestE2EEngineKilled(t *testing.T) {
 			t.Fatalf("request %d answered by the killed engine", i)
 		}
 	}
-	waitFor(t, 5*time.Second, "the killed engine out of rotation", func() bool { return !p.health.inRotation(victim.Name()) })
+	waitFor(t, 5*time.Second, "the killed engine out of rotation", func() bool { return !p.health.InRotation(victim.Name()) })
 	var hz struct {
 		Status          string `json:"status"`
 		HealthyBackends int    `json:"healthy_backends"`

@@ -205,7 +205,7 @@ func TestE2EEngineRestartForgetsItsCache(t *testing.T) {
 	if err := eng.Restart(t.Context()); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 10*time.Second, "the restarted engine back in rotation", func() bool { return p.health.inRotation(holder) })
+	waitFor(t, 10*time.Second, "the restarted engine back in rotation", func() bool { return p.health.InRotation(holder) })
 	r, b := post(t, p.URL+"/v1/chat/completions", body)
 	if r.StatusCode != 200 {
 		t.Fatalf("%d %s", r.StatusCode, b)

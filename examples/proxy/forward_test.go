@@ -1050,10 +1050,10 @@ func fwdState(p *fwdProxy, name string) fwdBackendState {
 			st.InFlight, st.RouterFailed = l.InFlightRequests, l.SuccessRate < 1
 		}
 	}
-	if b := p.srv.health.byName[name]; b != nil {
-		b.mu.Lock()
-		st.BreakerFailures = b.failures
-		b.mu.Unlock()
+	for _, h := range p.srv.health.Statuses() {
+		if h.Name == name {
+			st.BreakerFailures = h.Failures
+		}
 	}
 	return st
 }

@@ -92,7 +92,7 @@ func (s *server) models(w http.ResponseWriter, r *http.Request) {
 	var wg sync.WaitGroup
 	for i := range s.cfg.Backends {
 		b := &s.cfg.Backends[i]
-		if !s.health.inRotation(b.Name) {
+		if !s.health.InRotation(b.Name) {
 			continue
 		}
 		wg.Go(func() {
@@ -175,7 +175,7 @@ func (s *server) passthrough(w http.ResponseWriter, r *http.Request) {
 			continue
 		}
 		configured = append(configured, b.Name)
-		if s.health.inRotation(b.Name) {
+		if s.health.InRotation(b.Name) {
 			cands = append(cands, b.Name)
 		}
 	}

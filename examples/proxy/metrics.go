@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvroute/kvroute/health"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -156,7 +157,7 @@ func (t *telemetry) retry(ctx context.Context, backend string) {
 }
 
 // observeHealth registers the gauges of the backends' rotation and circuit states.
-func (t *telemetry) observeHealth(h *healthManager) error {
+func (t *telemetry) observeHealth(h *health.Monitor) error {
 	m := t.provider.Meter(proxyScope)
 	healthy, err := m.Int64ObservableGauge(metricBackendHealthy, metric.WithDescription("1 when the backend is in rotation (probes healthy and circuit not open)."))
 	if err != nil {
@@ -167,10 +168,10 @@ func (t *telemetry) observeHealth(h *healthManager) error {
 		return err
 	}
 	t.reg, err = m.RegisterCallback(func(_ context.Context, o metric.Observer) error {
-		for _, s := range h.statuses() {
+		for _, s := range h.Statuses() {
 			attrs := metric.WithAttributes(attribute.String("backend", s.Name))
 			o.ObserveInt64(healthy, b2i(s.InRotation), attrs)
-			o.ObserveInt64(open, b2i(s.Circuit == breakerOpen.String()), attrs)
+			o.ObserveInt64(open, b2i(s.Circuit == health.CircuitOpen), attrs)
 		}
 		return nil
 	}, healthy, open)

@@ -189,6 +189,10 @@ func retryableStatus(code int) bool {
 	return code == http.StatusBadGateway || code == http.StatusServiceUnavailable || code == http.StatusGatewayTimeout
 }
 
+// errCircuitOpen is the failure of an attempt whose backend's circuit breaker refused it: open, or
+// half-open with its trial requests taken.
+var errCircuitOpen = errors.New("circuit breaker open")
+
 // errUpstreamAborted is the outcome of a response whose upstream failed mid-body.
 var errUpstreamAborted = errors.New("upstream response aborted")
 
@@ -380,7 +384,7 @@ func (s *server) forward(w http.ResponseWriter, r *http.Request, pr *parsedReque
 	// Only a first attempt is retried, and only when another backend could take it: with one
 	// backend in rotation its own answer (a 503, say) is more useful to the client than ours.
 	up := &upstream{backend: d.Backend, route: d.Reason.String(), lease: d, body: pr.body}
-	retry, err := s.proxyTo(w, r, pr, up, "", s.health.healthyCount() > 1)
+	retry, err := s.proxyTo(w, r, pr, up, "", s.health.HealthyCount() > 1)
 	if !retry {
 		return
 	}
@@ -389,12 +393,16 @@ func (s *server) forward(w http.ResponseWriter, r *http.Request, pr *parsedReque
 	s.retryOn(w, r, pr, up.backend, err, d2, err2, nil)
 }
 
-// failedBeforeAnswer records the failure of an attempt that the proxy is about to retry: it
-// releases its lease with the error and feeds the backend's circuit breaker and the metrics.
+// failedBeforeAnswer records the failure of an attempt that the proxy is about to retry (its
+// circuit breaker already has it): it releases its lease with the error and counts it in the
+// metrics. A backend whose circuit refused the attempt is not blamed.
 func (s *server) failedBeforeAnswer(ctx context.Context, up *upstream, err error) {
-	up.lease.Done(kvroute.Outcome{Err: err})
-	s.health.observeRequest(up.backend, true, err)
-	s.tel.upstreamError(ctx, up.backend, errKind(err))
+	if errors.Is(err, errCircuitOpen) {
+		up.lease.Done(kvroute.Outcome{})
+	} else {
+		up.lease.Done(kvroute.Outcome{Err: err})
+		s.tel.upstreamError(ctx, up.backend, errKind(err))
+	}
 	s.tel.retry(ctx, up.backend)
 	s.log.Warn("upstream failed before answering; retrying on another backend", "backend", up.backend, "err", err)
 }
@@ -462,6 +470,16 @@ func (s *server) routeAvoiding(ctx context.Context, req *prefixkey.Request, fail
 // owns up.lease. Otherwise it has answered the client and released up.lease.
 func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedRequest, up *upstream, retriedFrom string, canRetry bool) (retry bool, err error) {
 	d := up.lease
+	// The circuit breaker admits the attempt, or the backend takes no requests now.
+	tk, admitted := s.health.Admit(up.backend)
+	if !admitted {
+		if canRetry {
+			return true, errCircuitOpen
+		}
+		d.Done(kvroute.Outcome{})
+		s.unavailable(w, pr.format, "backend "+up.backend+" is not taking requests (circuit breaker)")
+		return false, errCircuitOpen
+	}
 	// The upstream call follows the client's cancellation, except that a stream whose terminal
 	// event has already gone out is let finish: SDK clients close the connection as soon as they
 	// read "data: [DONE]", and cancelling the upstream read then would abort a complete response
@@ -508,10 +526,11 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 		// the upstream died mid-response, or the client left.
 		if aw.writeErr != nil || r.Context().Err() != nil {
 			d.Done(kvroute.Outcome{})
+			tk.Cancel()
 			return
 		}
 		d.Done(kvroute.Outcome{Err: errUpstreamAborted})
-		s.health.observeRequest(up.backend, true, errUpstreamAborted)
+		tk.Done(errUpstreamAborted)
 		s.tel.upstreamError(r.Context(), up.backend, "aborted")
 	}()
 	s.rp.ServeHTTP(aw, out)
@@ -523,13 +542,14 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 	if a.err != nil && !aw.wroteHeader {
 		if r.Context().Err() != nil { // the client left before the answer
 			d.Done(kvroute.Outcome{})
+			tk.Cancel()
 			return false, a.err
 		}
+		tk.Done(a.err)
 		if a.canRetry {
 			return true, a.err
 		}
 		d.Done(kvroute.Outcome{Err: a.err})
-		s.health.observeRequest(up.backend, true, a.err)
 		s.tel.upstreamError(r.Context(), up.backend, errKind(a.err))
 		msg := "backend " + up.backend + " failed: " + a.err.Error()
 		if retriedFrom != "" {
@@ -544,7 +564,7 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 		s.tel.upstreamError(r.Context(), up.backend, "status_5xx")
 	}
 	d.Done(kvroute.Outcome{Err: outcome})
-	s.health.observeRequest(up.backend, outcome != nil, outcome)
+	tk.Done(outcome)
 	return false, nil
 }
 
@@ -685,6 +705,14 @@ func (w *statusWriter) FlushError() error {
 
 // Unwrap returns the wrapped ResponseWriter.
 func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// statusError is a non-2xx HTTP answer.
+type statusError struct{ code int }
+
+// Error returns "HTTP <code> <text>".
+func (e *statusError) Error() string {
+	return "HTTP " + strconv.Itoa(e.code) + " " + http.StatusText(e.code)
+}
 
 // writeAPIError answers with an error body in the endpoint's API style: OpenAI's
 // {"error":{"message","type","param","code"}} or Anthropic's {"type":"error","error":{"type",

@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/kvroute/kvroute/health"
 )
 
 // fakeUpstream is a minimal OpenAI-compatible backend whose behaviour a test controls.
@@ -287,14 +289,14 @@ func TestCircuitBreaker(t *testing.T) {
 		t.Errorf("backend saw %d requests, want 3", n)
 	}
 	var hz struct {
-		Backends []backendStatus `json:"backends"`
+		Backends []health.Status `json:"backends"`
 	}
 	getJSON(t, p.URL+"/healthz", &hz)
 	if hz.Backends[0].Circuit != "open" || hz.Backends[0].InRotation {
 		t.Errorf("healthz: %+v", hz.Backends)
 	}
 	up.status.Store(200)
-	waitFor(t, 5*time.Second, "half-open", func() bool { return p.health.inRotation("a") })
+	waitFor(t, 5*time.Second, "half-open", func() bool { return p.health.InRotation("a") })
 	if r, _ := post(t, p.URL+"/v1/chat/completions", chatBody("s", "trial", "")); r.StatusCode != 200 {
 		t.Errorf("trial: %d", r.StatusCode)
 	}
@@ -313,7 +315,7 @@ func TestHealthChecks(t *testing.T) {
 			Timeout: Duration(time.Second), UnhealthyThreshold: 2, HealthyThreshold: 2}
 	}))
 	a.health.Store(503)
-	waitFor(t, 5*time.Second, "a out of rotation", func() bool { return !p.health.inRotation("a") })
+	waitFor(t, 5*time.Second, "a out of rotation", func() bool { return !p.health.InRotation("a") })
 	for i := range 10 {
 		r, _ := post(t, p.URL+"/v1/chat/completions", chatBody(fmt.Sprint("s", i), "u", ""))
 		if r.Header.Get(HeaderBackend) != "b" {
@@ -322,18 +324,18 @@ func TestHealthChecks(t *testing.T) {
 	}
 	var hz struct {
 		Status   string          `json:"status"`
-		Backends []backendStatus `json:"backends"`
+		Backends []health.Status `json:"backends"`
 	}
 	if code := getJSON(t, p.URL+"/healthz", &hz); code != 200 || hz.Backends[0].ProbeOK || !strings.Contains(hz.Backends[0].LastError, "503") {
 		t.Errorf("healthz %d %+v", code, hz)
 	}
 	b.health.Store(500)
-	waitFor(t, 5*time.Second, "b out of rotation", func() bool { return !p.health.inRotation("b") })
+	waitFor(t, 5*time.Second, "b out of rotation", func() bool { return !p.health.InRotation("b") })
 	if code := getJSON(t, p.URL+"/healthz", &hz); code != 503 || hz.Status != "no_healthy_backend" {
 		t.Errorf("all down: healthz %d %+v", code, hz.Status)
 	}
 	a.health.Store(0)
-	waitFor(t, 5*time.Second, "a back in rotation", func() bool { return p.health.inRotation("a") })
+	waitFor(t, 5*time.Second, "a back in rotation", func() bool { return p.health.InRotation("a") })
 }
 
 func TestAnthropicCacheControlInjection(t *testing.T) {

@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/disagg"
+	"github.com/kvroute/kvroute/health"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
@@ -36,7 +37,7 @@ type server struct {
 	sink    *countingSink        // nil when tier 4 is off
 	cons    []eventConsumer
 	cache   *respcache.Cache // nil when the response cache is off
-	health  *healthManager
+	health  *health.Monitor
 	tok     prefixkey.Tokenizer // nil: requests are routed without block keys
 	tokMode string
 
@@ -149,7 +150,9 @@ func newServer(cfg *Config, log *slog.Logger) (s *server, err error) {
 		}
 	}
 
-	s.health = newHealthManager(s.router, cfg, &http.Client{Transport: s.transport}, log.With("component", "health"))
+	if s.health, err = newHealth(cfg, s.router, s.transport, log.With("component", "health")); err != nil {
+		return nil, err
+	}
 	s.closers = append(s.closers, func() error { s.health.Close(); return nil })
 	if err := s.tel.observeHealth(s.health); err != nil {
 		return nil, err
@@ -363,6 +366,29 @@ func (s *server) newRedisStore(mp metric.MeterProvider) (*respcache.RedisStore, 
 	}
 	s.closers = append(s.closers, st.Close)
 	return st, nil
+}
+
+// newHealth builds the health probes and circuit breakers of health_checks and circuit_breaker,
+// which take backends in and out of the Router's rotation.
+func newHealth(cfg *Config, router health.Target, tr http.RoundTripper, log *slog.Logger) (*health.Monitor, error) {
+	hc, cb := cfg.HealthChecks, cfg.CircuitBreaker
+	hcfg := health.Config{
+		Target: router,
+		Client: &http.Client{Transport: tr},
+		Probe: health.ProbeConfig{Disabled: !*hc.Enabled, Interval: time.Duration(hc.Interval), Timeout: time.Duration(hc.Timeout),
+			UnhealthyThreshold: hc.UnhealthyThreshold, HealthyThreshold: hc.HealthyThreshold, Path: hc.Path},
+		Breaker: health.BreakerConfig{Disabled: !*cb.Enabled, FailureThreshold: cb.FailureThreshold,
+			RecoveryTimeout: time.Duration(cb.RecoveryTimeout)},
+		Logger: log,
+	}
+	for _, b := range cfg.Backends {
+		hcfg.Backends = append(hcfg.Backends, health.Backend{Name: b.Name, URL: b.URL})
+	}
+	m, err := health.New(hcfg)
+	if err != nil {
+		return nil, fmt.Errorf("health_checks: %w", err)
+	}
+	return m, nil
 }
 
 // start starts the KV-event consumers and the health probes. ctx bounds the consumers' binds.

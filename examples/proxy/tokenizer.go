@@ -21,7 +21,7 @@ type engineTokenizer struct {
 	names  []string
 	byName map[string]*prefixkey.EngineTokenizer
 	cfg    *Config
-	health interface{ inRotation(string) bool }
+	health interface{ InRotation(string) bool }
 }
 
 func newEngineTokenizer(cfg *Config, s *server, timeout time.Duration) (*engineTokenizer, error) {
@@ -42,14 +42,14 @@ func newEngineTokenizer(cfg *Config, s *server, timeout time.Duration) (*engineT
 // healthLate reads the server's health manager when asked: the tokenizer is built before it.
 type healthLate struct{ s *server }
 
-func (h healthLate) inRotation(name string) bool {
-	return h.s.health == nil || h.s.health.inRotation(name)
+func (h healthLate) InRotation(name string) bool {
+	return h.s.health == nil || h.s.health.InRotation(name)
 }
 
 // Tokenize implements prefixkey.Tokenizer.
 func (t *engineTokenizer) Tokenize(ctx context.Context, r *prefixkey.Request) ([]uint32, error) {
 	for _, name := range t.names {
-		if !t.cfg.backend(name).serves(r.Model) || !t.health.inRotation(name) {
+		if !t.cfg.backend(name).serves(r.Model) || !t.health.InRotation(name) {
 			continue
 		}
 		return t.byName[name].Tokenize(ctx, r)
