@@ -239,14 +239,14 @@ func TestTargetErrorIsRetried(t *testing.T) {
 // Status's JSON is the reference proxy's /healthz entry; its field names do not change.
 func TestStatusJSON(t *testing.T) {
 	st := health.Status{Name: "a", URL: "http://a", InRotation: true, ProbeOK: false, Circuit: health.CircuitHalfOpen,
-		LastProbe: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC), LastError: "HTTP 503 Service Unavailable", Opens: 2}
+		LastProbe: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC), LastError: "HTTP 503 Service Unavailable", Opens: 2, Failures: 1}
 	got, err := json.Marshal(st)
 	require.NoError(t, err)
 	assert.JSONEq(t, `{"name":"a","url":"http://a","in_rotation":true,"probe_ok":false,"circuit":"half_open",
-		"last_probe":"2026-01-02T03:04:05Z","last_error":"HTTP 503 Service Unavailable","circuit_opens":2}`, string(got))
+		"last_probe":"2026-01-02T03:04:05Z","last_error":"HTTP 503 Service Unavailable","circuit_opens":2,"consecutive_failures":1}`, string(got))
 	got, err = json.Marshal(health.Status{Name: "b", Circuit: health.CircuitClosed})
 	require.NoError(t, err)
-	assert.JSONEq(t, `{"name":"b","url":"","in_rotation":false,"probe_ok":false,"circuit":"closed","circuit_opens":0}`, string(got))
+	assert.JSONEq(t, `{"name":"b","url":"","in_rotation":false,"probe_ok":false,"circuit":"closed","circuit_opens":0,"consecutive_failures":0}`, string(got))
 }
 
 func TestNewRejects(t *testing.T) {
