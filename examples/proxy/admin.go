@@ -256,92 +256,22 @@ func (s *server) kvIndexStats(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, body)
 }
 
-// backendKV is one entry of GET /admin/kv-index/backends.
-type backendKV struct {
-	BackendName  string            `json:"backend_name"`
-	Connection   backendConnection `json:"connection"`
-	Events       backendEvents     `json:"events"`
-	IndexEntries int               `json:"index_entries"`
-	Sources      []sourceRef       `json:"sources,omitempty"`
-}
-
-type backendConnection struct {
-	Connected      bool      `json:"connected"`
-	ReconnectCount uint64    `json:"reconnect_count"`
-	LastEventAt    time.Time `json:"last_event_at,omitzero"`
-}
-
-type backendEvents struct {
-	Received     uint64 `json:"received"`
-	Processed    uint64 `json:"processed"`
-	Dropped      uint64 `json:"dropped"`
-	Malformed    uint64 `json:"malformed"`
-	IndexCreated uint64 `json:"index_created"`
-	IndexEvicted uint64 `json:"index_evicted"`
-	Resets       uint64 `json:"resets"`
-}
-
-type sourceRef struct {
-	Transport string `json:"transport"`
-	Endpoint  string `json:"endpoint"`
-	Status    string `json:"status"`
-	LastError string `json:"last_error,omitempty"`
-	// Sequence: gaps, replays, catch-ups and resets of a ZMQ source (absent for SSE).
-	Sequence events.SequenceStats `json:"sequence,omitzero"`
-}
-
 // GET /admin/kv-index/backends: per backend, its event sources' connection and event counts and
 // the index mutations its events caused.
 func (s *server) kvIndexBackends(w http.ResponseWriter, r *http.Request) {
 	if s.index == nil {
-		writeJSON(w, http.StatusOK, map[string]any{"enabled": false, "backends": []backendKV{}})
+		writeJSON(w, http.StatusOK, map[string]any{"enabled": false, "backends": []events.BackendSummary{}})
 		return
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), adminTimeout)
 	defer cancel()
 	ist, _ := s.index.Stats(ctx)
-	counts := s.sink.snapshot()
-	byName := map[string]*backendKV{}
-	var order []string
-	get := func(name string) *backendKV {
-		b := byName[name]
-		if b == nil {
-			b = &backendKV{BackendName: name, IndexEntries: ist.PerBackend[name]}
-			byName[name] = b
-			order = append(order, name)
-		}
-		return b
+	names := make([]string, 0, len(s.cfg.Backends))
+	for _, b := range s.cfg.Backends {
+		names = append(names, b.Name)
 	}
-	for _, bc := range s.cfg.Backends {
-		get(bc.Name)
-	}
-	for _, ss := range s.statuses() {
-		b := get(ss.Backend)
-		c := &b.Connection
-		c.Connected = c.Connected || ss.Connection.Connected
-		c.ReconnectCount += ss.Connection.ReconnectCount
-		if ss.Connection.LastEventAt.After(c.LastEventAt) {
-			c.LastEventAt = ss.Connection.LastEventAt
-		}
-		e := &b.Events
-		e.Received += ss.Events.Received
-		e.Processed += ss.Events.Processed
-		e.Dropped += ss.Events.Dropped
-		e.Malformed += ss.Events.Malformed
-		e.Resets += ss.Sequence.Resets
-		b.Sources = append(b.Sources, sourceRef{Transport: ss.Transport, Endpoint: ss.Endpoint,
-			Status: string(ss.Connection.State), LastError: ss.LastError, Sequence: ss.Sequence})
-	}
-	for name, c := range counts {
-		b := get(name)
-		b.Events.IndexCreated = c.created.Load()
-		b.Events.IndexEvicted = c.evicted.Load()
-	}
-	out := make([]backendKV, 0, len(order))
-	for _, name := range order {
-		out = append(out, *byName[name])
-	}
-	writeJSON(w, http.StatusOK, map[string]any{"enabled": true, "backends": out})
+	writeJSON(w, http.StatusOK, map[string]any{"enabled": true,
+		"backends": events.SummarizeBackends(names, s.statuses(), s.sink.Counts(), ist.PerBackend)})
 }
 
 // POST /admin/kv-index/clear.

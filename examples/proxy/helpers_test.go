@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/internal/enginesim"
 )
 
@@ -244,18 +245,18 @@ func indexCreated(t *testing.T, p *testProxy, backend string) uint64 {
 }
 
 // kvBackend is what /admin/kv-index/backends reports of backend; zero when it is not listed.
-func kvBackend(t *testing.T, p *testProxy, backend string) backendKV {
+func kvBackend(t *testing.T, p *testProxy, backend string) events.BackendSummary {
 	t.Helper()
 	var body struct {
-		Backends []backendKV `json:"backends"`
+		Backends []events.BackendSummary `json:"backends"`
 	}
 	getJSON(t, p.URL+"/admin/kv-index/backends", &body)
 	for _, b := range body.Backends {
-		if b.BackendName == backend {
+		if b.Backend == backend {
 			return b
 		}
 	}
-	return backendKV{}
+	return events.BackendSummary{}
 }
 
 // errorBody is the OpenAI error shape.

@@ -4,11 +4,8 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"sync"
-	"sync/atomic"
 	"time"
 
-	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/kvroute/kvroute/events"
@@ -19,99 +16,6 @@ type eventConsumer interface {
 	Start(ctx context.Context) error
 	Status() []events.SourceStatus
 	Close() error
-}
-
-// indexCounts are the index mutations one backend's events caused (the seeds' index_created and
-// index_evicted per backend).
-type indexCounts struct {
-	created, evicted, cleared, applyErrors atomic.Uint64
-}
-
-// countingSink forwards every batch to the index and counts, per backend, the blocks (or prefix
-// entries) its events created and evicted. Safe for concurrent use.
-type countingSink struct {
-	next events.Sink
-	mu   sync.Mutex
-	m    map[string]*indexCounts
-}
-
-func newCountingSink(next events.Sink) *countingSink {
-	return &countingSink{next: next, m: map[string]*indexCounts{}}
-}
-
-func (s *countingSink) counts(backend string) *indexCounts {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	c := s.m[backend]
-	if c == nil {
-		c = &indexCounts{}
-		s.m[backend] = c
-	}
-	return c
-}
-
-// Apply implements events.Sink.
-func (s *countingSink) Apply(ctx context.Context, backend string, b *events.Batch) error {
-	err := s.next.Apply(ctx, backend, b)
-	c := s.counts(backend)
-	if err != nil {
-		c.applyErrors.Add(1)
-		return err
-	}
-	for i := range b.Events {
-		ev := &b.Events[i]
-		switch ev.Kind {
-		case events.KindBlockStored:
-			c.created.Add(uint64(len(ev.BlockHashes)))
-		case events.KindBlockRemoved:
-			c.evicted.Add(uint64(len(ev.BlockHashes)))
-		case events.KindAllBlocksCleared:
-			c.cleared.Add(1)
-		case events.KindPrefix:
-			switch ev.PrefixOp {
-			case events.PrefixCreated, events.PrefixReloaded:
-				c.created.Add(1)
-			default:
-				c.evicted.Add(1)
-			}
-		}
-	}
-	return nil
-}
-
-// ClearBackend implements events.Sink.
-func (s *countingSink) ClearBackend(ctx context.Context, backend string) error {
-	s.counts(backend).cleared.Add(1)
-	return s.next.ClearBackend(ctx, backend)
-}
-
-// snapshot returns the counts of every backend seen.
-func (s *countingSink) snapshot() map[string]*indexCounts {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := make(map[string]*indexCounts, len(s.m))
-	for k, v := range s.m {
-		out[k] = v
-	}
-	return out
-}
-
-// observe registers the seeds' kv_index_events_total{backend, type} counter.
-func (s *countingSink) observe(mp metric.MeterProvider) (metric.Registration, error) {
-	m := mp.Meter(proxyScope)
-	ctr, err := m.Int64ObservableCounter(metricIndexMutations,
-		metric.WithDescription("Index mutations caused by KV events, by backend and type (created, evicted)."),
-		metric.WithUnit("{event}"))
-	if err != nil {
-		return nil, err
-	}
-	return m.RegisterCallback(func(_ context.Context, o metric.Observer) error {
-		for b, c := range s.snapshot() {
-			o.ObserveInt64(ctr, int64(c.created.Load()), metric.WithAttributes(attribute.String("backend", b), attribute.String("type", "created")))
-			o.ObserveInt64(ctr, int64(c.evicted.Load()), metric.WithAttributes(attribute.String("backend", b), attribute.String("type", "evicted")))
-		}
-		return nil
-	}, ctr)
 }
 
 // newEventConsumers builds the consumers of kv_cache_index.event_sources: one SSE consumer for

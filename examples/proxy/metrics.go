@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/health"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -154,6 +155,25 @@ func (t *telemetry) retry(ctx context.Context, backend string) {
 	}
 	t.mu.Unlock()
 	t.retries.Add(ctx, 1, opts...)
+}
+
+// observeIndexMutations registers kv_index_events_total{backend, type}: the index mutations the
+// KV events caused (created, evicted).
+func (t *telemetry) observeIndexMutations(sink *events.CountingSink) (metric.Registration, error) {
+	m := t.provider.Meter(proxyScope)
+	ctr, err := m.Int64ObservableCounter(metricIndexMutations,
+		metric.WithDescription("Index mutations caused by KV events, by backend and type (created, evicted)."),
+		metric.WithUnit("{event}"))
+	if err != nil {
+		return nil, err
+	}
+	return m.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		for b, c := range sink.Counts() {
+			o.ObserveInt64(ctr, int64(c.Created), metric.WithAttributes(attribute.String("backend", b), attribute.String("type", "created")))
+			o.ObserveInt64(ctr, int64(c.Evicted), metric.WithAttributes(attribute.String("backend", b), attribute.String("type", "evicted")))
+		}
+		return nil
+	}, ctr)
 }
 
 // observeHealth registers the gauges of the backends' rotation and circuit states.

@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/disagg"
+	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/health"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
@@ -34,7 +35,7 @@ type server struct {
 	tel     *telemetry
 	router  *kvroute.DefaultRouter
 	index   kvindex.KvCacheIndex // nil when tier 4 is off
-	sink    *countingSink        // nil when tier 4 is off
+	sink    *events.CountingSink // nil when tier 4 is off
 	cons    []eventConsumer
 	cache   *respcache.Cache // nil when the response cache is off
 	health  *health.Monitor
@@ -235,8 +236,8 @@ func (s *server) buildKV(mp metric.MeterProvider) (*kvroute.KVConfig, error) {
 		s.index = ix
 		s.closers = append(s.closers, ix.Close)
 	}
-	s.sink = newCountingSink(s.index)
-	if reg, err := s.sink.observe(mp); err != nil {
+	s.sink = events.NewCountingSink(s.index)
+	if reg, err := s.tel.observeIndexMutations(s.sink); err != nil {
 		return nil, err
 	} else {
 		s.closers = append(s.closers, reg.Unregister)
