@@ -93,7 +93,7 @@ func (s *server) healthz(w http.ResponseWriter, _ *http.Request) {
 	})
 }
 
-// GET /admin/prefix-routing/stats: the Router's tier-1 stats, as the seeds show them.
+// GET /admin/prefix-routing/stats: the Router's tier-1 stats.
 func (s *server) prefixRoutingStats(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, s.router.Stats())
 }
@@ -148,7 +148,7 @@ func (s *server) responseCacheInvalidate(w http.ResponseWriter, r *http.Request)
 	writeJSON(w, http.StatusOK, res)
 }
 
-// kvStatsConfig is the "config" section of GET /admin/kv-index/stats: the seeds' fields plus the
+// kvStatsConfig is the "config" section of GET /admin/kv-index/stats: the index's settings plus the
 // Router's.
 type kvStatsConfig struct {
 	kvroute.KVIndexStatsConfig
@@ -170,8 +170,8 @@ type scoringConfig struct {
 	StorageTierWeight   float64 `json:"storage_tier_weight"`
 }
 
-// eventSourceSummary is one entry of "event_sources" in GET /admin/kv-index/stats, in the seeds'
-// flat form plus the transport details.
+// eventSourceSummary is one entry of "event_sources" in GET /admin/kv-index/stats: a source's
+// status in a flat form, with its transport details.
 type eventSourceSummary struct {
 	BackendName    string    `json:"backend_name"`
 	Transport      string    `json:"transport"`
@@ -225,7 +225,7 @@ func (s *server) kvIndexStats(w http.ResponseWriter, r *http.Request) {
 	body := kvStatsBody{
 		Enabled: st.Enabled,
 		Config: kvStatsConfig{KVIndexStatsConfig: st.Config, MaxEntries: kc.MaxEntries, EntryTTLSeconds: kc.EntryTTLSeconds,
-			EventSourcesCount: len(kc.EventSources), Tokenizer: s.tokMode,
+			EventSourcesCount: len(kc.EventSources), Tokenizer: kc.Tokenizer,
 			Scoring: scoringConfig{OverlapWeight: *sc.OverlapWeight, LoadWeight: *sc.LoadWeight, HealthWeight: *sc.HealthWeight,
 				MinOverlapThreshold: sc.MinOverlapThreshold, LoadFactorEpsilon: sc.LoadFactorEpsilon, GPUTierWeight: *sc.GPUTierWeight, CPUTierWeight: *sc.CPUTierWeight,
 				StorageTierWeight: *sc.StorageTierWeight}},

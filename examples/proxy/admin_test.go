@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
 )
@@ -54,7 +55,7 @@ func hasKeys(t *testing.T, what string, doc map[string]any, path string, keys ..
 func TestAdminEndpoints(t *testing.T) {
 	f := startFleet(t, 2, true)
 	const token = "admin-secret"
-	p := startProxy(t, fleetConfig(t, f, func(c *Config) { c.Admin.AuthToken = token }))
+	p := startProxy(t, fleetConfig(t, f, func(c *config.Config) { c.Admin.AuthToken = token }))
 
 	sys := longSystemPrompt("admin", 60)
 	body := chatBody(sys, "hello", `"temperature":0,"max_tokens":4`)
@@ -226,7 +227,7 @@ func TestAdminEndpoints(t *testing.T) {
 // Tiers that are off answer {"enabled": false}; their write endpoints 404.
 func TestAdminDisabledTiers(t *testing.T) {
 	up := newFakeUpstream(t, "a")
-	p := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "a", URL: up.URL}}, nil))
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, nil))
 	for _, path := range []string{"/admin/response-cache/stats", "/admin/kv-index/stats", "/admin/kv-index/backends"} {
 		var doc map[string]any
 		if code := getJSON(t, p.URL+path, &doc); code != 200 || doc["enabled"] != false {

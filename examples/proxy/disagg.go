@@ -173,7 +173,7 @@ func (s *server) canFallback(d *kvroute.DisaggDecision) bool {
 	}
 	n := 0
 	for _, b := range s.cfg.Backends {
-		if b.role() == disagg.RoleUnified && b.Name != d.Decode && s.health.InRotation(b.Name) {
+		if b.ParsedRole() == disagg.RoleUnified && b.Name != d.Decode && s.health.InRotation(b.Name) {
 			n++
 		}
 	}

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/internal/enginesim"
 )
 
@@ -21,9 +22,9 @@ func TestDisaggTimeouts(t *testing.T) {
 	f := startPDFleet(t, 1, 1, 1, func(c *enginesim.Config) {
 		c.Latency = enginesim.Latency{Base: time.Millisecond, PerToken: time.Microsecond, PerOutputToken: 150 * time.Millisecond, SpeedFactor: 1}
 	})
-	p := startProxy(t, pdConfig(t, f, func(c *Config) {
-		c.DisaggregatedServing.PrefillTimeout = Duration(time.Second)
-		c.DisaggregatedServing.KVTransferTimeout = Duration(time.Second)
+	p := startProxy(t, pdConfig(t, f, func(c *config.Config) {
+		c.DisaggregatedServing.PrefillTimeout = config.Duration(time.Second)
+		c.DisaggregatedServing.KVTransferTimeout = config.Duration(time.Second)
 	}))
 	prefill, decode, unified := f.engine(t, f.prefill[0]), f.engine(t, f.decode[0]), f.unified[0]
 
@@ -77,7 +78,7 @@ func TestDisaggTimeouts(t *testing.T) {
 // endpoint's API style, never a hang or a 500.
 func TestDisaggNoFallback(t *testing.T) {
 	f := startPDFleet(t, 1, 1, 0, nil)
-	p := startProxy(t, pdConfig(t, f, func(c *Config) {
+	p := startProxy(t, pdConfig(t, f, func(c *config.Config) {
 		c.DisaggregatedServing.FallbackToUnified = ptr(false)
 		c.HealthChecks.Enabled = ptr(false) // the killed engine stays in rotation: its prefill fails
 		c.CircuitBreaker.Enabled = ptr(false)
@@ -112,7 +113,7 @@ func TestDisaggNoFallback(t *testing.T) {
 func TestDisaggAdminStats(t *testing.T) {
 	f := startPDFleet(t, 1, 2, 1, nil)
 	const token, credential = "pd-admin", "kv-credential-do-not-print"
-	p := startProxy(t, pdConfig(t, f, func(c *Config) {
+	p := startProxy(t, pdConfig(t, f, func(c *config.Config) {
 		c.Admin.AuthToken = token
 		c.DisaggregatedServing.DefaultExternalStorage.Credentials = credential
 	}))
@@ -163,7 +164,7 @@ func TestDisaggShippedConfig(t *testing.T) {
 	}
 	vars := map[string]string{"S3_ENDPOINT": f.s3.endpoint, "S3_BUCKET": f.s3.bucket, "S3_ACCESS_KEY": f.s3.accessKey,
 		"S3_SECRET_KEY": f.s3.secretKey}
-	cfg, err := parseConfig(data, env(vars))
+	cfg, err := config.Parse(data, env(vars))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -174,7 +175,7 @@ func TestDisaggShippedConfig(t *testing.T) {
 	// only the addresses, and the test's S3 namespace, change.
 	for i, in := range f.Info() {
 		b := &cfg.Backends[i]
-		if b.role().String() != in.Role.String() {
+		if b.ParsedRole().String() != in.Role.String() {
 			t.Fatalf("backends[%d] %s is %s, engine %s is %s", i, b.Name, b.Role, in.Name, in.Role)
 		}
 		es := &cfg.KVCacheIndex.EventSources[i]
@@ -185,8 +186,8 @@ func TestDisaggShippedConfig(t *testing.T) {
 	}
 	cfg.DisaggregatedServing.DefaultExternalStorage.KVNamespace = f.s3.namespace
 	cfg.Server.Port = ptr(0)
-	cfg.KVCacheIndex.TokenizeTimeout = Duration(5 * time.Second)
-	if err := cfg.validate(); err != nil {
+	cfg.KVCacheIndex.TokenizeTimeout = config.Duration(5 * time.Second)
+	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
 	p := startProxy(t, cfg)

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/internal/enginesim"
 	"github.com/kvroute/kvroute/kvindex"
@@ -99,22 +100,22 @@ func (f *pdFleet) engine(t *testing.T, name string) *enginesim.Engine {
 }
 
 // storage is the fleet's S3 location as the proxy's configuration names it.
-func (f *pdFleet) storage() *ExternalStorageConfig {
-	return &ExternalStorageConfig{Endpoint: f.s3.endpoint, Bucket: f.s3.bucket, KVNamespace: f.s3.namespace,
-		AccessKey: Secret(f.s3.accessKey), SecretKey: Secret(f.s3.secretKey)}
+func (f *pdFleet) storage() *config.ExternalStorageConfig {
+	return &config.ExternalStorageConfig{Endpoint: f.s3.endpoint, Bucket: f.s3.bucket, KVNamespace: f.s3.namespace,
+		AccessKey: config.Secret(f.s3.accessKey), SecretKey: config.Secret(f.s3.secretKey)}
 }
 
 // pdConfig is fleetConfig for a prefill/decode fleet: every engine a backend with its role, KV
 // events over ZMQ, tokenization by the engines, no response cache (every request reaches the
 // engines), disaggregated serving on with the fleet's S3 as the default storage.
-func pdConfig(t *testing.T, f *pdFleet, edit func(*Config)) *Config {
+func pdConfig(t *testing.T, f *pdFleet, edit func(*config.Config)) *config.Config {
 	t.Helper()
-	return fleetConfig(t, f.Fleet, func(c *Config) {
+	return fleetConfig(t, f.Fleet, func(c *config.Config) {
 		c.ResponseCache.Enabled = false
 		for i, in := range f.Info() {
 			c.Backends[i].Role = in.Role.String()
 		}
-		c.DisaggregatedServing = DisaggregatedConfig{Enabled: true, DefaultExternalStorage: f.storage()}
+		c.DisaggregatedServing = config.DisaggregatedConfig{Enabled: true, DefaultExternalStorage: f.storage()}
 		if edit != nil {
 			edit(c)
 		}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/internal/enginesim"
 	"github.com/kvroute/kvroute/prefixkey"
 )
@@ -67,15 +68,15 @@ func warmNonOwner(t *testing.T, p *testProxy, f *enginesim.Fleet, body, warm str
 // The seeds' form: SSE event sources (prefix-granular events) and no tokenizer.
 func TestE2ESSEEventSources(t *testing.T) {
 	f := startFleet(t, 3, false)
-	cfg := fleetConfig(t, f, func(c *Config) {
+	cfg := fleetConfig(t, f, func(c *config.Config) {
 		c.KVCacheIndex.Tokenizer = ""
 		c.KVCacheIndex.EventSources = nil
 		for _, in := range f.Info() {
 			c.KVCacheIndex.EventSources = append(c.KVCacheIndex.EventSources,
-				EventSourceConfig{BackendName: in.Name, Endpoint: in.KVEventsURL, ReconnectIntervalMS: 100})
+				config.EventSourceConfig{BackendName: in.Name, Endpoint: in.KVEventsURL, ReconnectIntervalMS: 100})
 		}
 	})
-	if cfg.KVCacheIndex.Tokenizer != tokenizerNone {
+	if cfg.KVCacheIndex.Tokenizer != config.TokenizerNone {
 		t.Fatalf("tokenizer %q, want none for SSE sources", cfg.KVCacheIndex.Tokenizer)
 	}
 	p := startProxy(t, cfg)
@@ -113,8 +114,8 @@ func TestE2EZMQBind(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = f.Close() })
-	cfg := fleetConfig(t, f, func(c *Config) {
-		c.KVCacheIndex.EventSources = []EventSourceConfig{{Endpoint: bind, Bind: true}}
+	cfg := fleetConfig(t, f, func(c *config.Config) {
+		c.KVCacheIndex.EventSources = []config.EventSourceConfig{{Endpoint: bind, Bind: true}}
 	})
 	p := startProxy(t, cfg)
 	waitFor(t, 10*time.Second, "the engines to connect", func() bool {
@@ -148,13 +149,13 @@ func TestCloseStopsEverything(t *testing.T) {
 	up := newFakeUpstream(t, "a")
 	time.Sleep(50 * time.Millisecond)
 	base := runtime.NumGoroutine()
-	cfg := fakeConfig(t, []BackendConfig{{Name: "a", URL: up.URL}, {Name: "b", URL: deadURL(t)}}, func(c *Config) {
+	cfg := fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}, {Name: "b", URL: deadURL(t)}}, func(c *config.Config) {
 		c.HealthChecks.Enabled = ptr(true)
-		c.HealthChecks.Interval = Duration(10 * time.Millisecond)
+		c.HealthChecks.Interval = config.Duration(10 * time.Millisecond)
 		c.CircuitBreaker.FailureThreshold = 1
 		c.ResponseCache.Enabled = true
 		c.KVCacheIndex.Enabled = true
-		c.KVCacheIndex.EventSources = []EventSourceConfig{
+		c.KVCacheIndex.EventSources = []config.EventSourceConfig{
 			{BackendName: "a", Endpoint: up.URL + "/v1/kv_events"},
 			{BackendName: "b", Endpoint: "tcp://" + strings.TrimPrefix(deadURL(t), "http://")},
 		}

@@ -24,6 +24,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/disagg"
 )
 
@@ -53,7 +54,7 @@ type fwdProxy struct {
 
 // startFwdProxies starts one proxy per mode in front of backends (health checks off), with edit
 // applied to the configuration; everything stops at the end of the test.
-func startFwdProxies(t *testing.T, backends []BackendConfig, edit func(*Config)) []*fwdProxy {
+func startFwdProxies(t *testing.T, backends []config.BackendConfig, edit func(*config.Config)) []*fwdProxy {
 	t.Helper()
 	var ps []*fwdProxy
 	for _, mode := range forwardModes {
@@ -62,7 +63,7 @@ func startFwdProxies(t *testing.T, backends []BackendConfig, edit func(*Config))
 	return ps
 }
 
-func startFwdProxy(t *testing.T, mode string, backends []BackendConfig, edit func(*Config)) *fwdProxy {
+func startFwdProxy(t *testing.T, mode string, backends []config.BackendConfig, edit func(*config.Config)) *fwdProxy {
 	t.Helper()
 	p := startProxy(t, fakeConfig(t, backends, edit))
 	tr := &http.Transport{DisableCompression: true}
@@ -349,7 +350,7 @@ func TestForwardRequest(t *testing.T) {
 			name = "backend under " + base
 		}
 		t.Run(name, func(t *testing.T) {
-			proxies := startFwdProxies(t, []BackendConfig{{Name: "a", URL: be.url + base}}, nil)
+			proxies := startFwdProxies(t, []config.BackendConfig{{Name: "a", URL: be.url + base}}, nil)
 			for _, tc := range tests {
 				t.Run(tc.name, func(t *testing.T) {
 					tgt, body := cmp.Or(tc.target, target), cmp.Or(tc.body, fwdChat)
@@ -444,11 +445,11 @@ func TestForwardRequestIDDisagg(t *testing.T) {
 		_, err := io.WriteString(c, resp)
 		return err == nil
 	})
-	proxies := startFwdProxies(t, []BackendConfig{{Name: "p", URL: be.url, Role: "prefill"}, {Name: "d", URL: be.url, Role: "decode"}},
-		func(c *Config) {
-			c.DisaggregatedServing = DisaggregatedConfig{Enabled: true,
-				DefaultExternalStorage: &ExternalStorageConfig{Endpoint: "http://127.0.0.1:9"},
-				Conditional:            ConditionalConfig{Enabled: ptr(false)}} // always a remote prefill
+	proxies := startFwdProxies(t, []config.BackendConfig{{Name: "p", URL: be.url, Role: "prefill"}, {Name: "d", URL: be.url, Role: "decode"}},
+		func(c *config.Config) {
+			c.DisaggregatedServing = config.DisaggregatedConfig{Enabled: true,
+				DefaultExternalStorage: &config.ExternalStorageConfig{Endpoint: "http://127.0.0.1:9"},
+				Conditional:            config.ConditionalConfig{Enabled: ptr(false)}} // always a remote prefill
 		})
 	generated := regexp.MustCompile(`^[0-9a-f]{32}$`)
 	tests := []struct {
@@ -726,7 +727,7 @@ func TestForwardResponse(t *testing.T) {
 				_, err := io.WriteString(c, tc.answer)
 				return err == nil && !tc.close
 			})
-			proxies := startFwdProxies(t, []BackendConfig{{Name: "a", URL: be.url}}, nil)
+			proxies := startFwdProxies(t, []config.BackendConfig{{Name: "a", URL: be.url}}, nil)
 			fwdEachMode(t, proxies, tc.want, nil, nil)
 		})
 	}
@@ -799,7 +800,7 @@ func TestForwardStreaming(t *testing.T) {
 					release(i)
 				}
 			})
-			proxies := startFwdProxies(t, []BackendConfig{{Name: "a", URL: be.url}}, nil)
+			proxies := startFwdProxies(t, []config.BackendConfig{{Name: "a", URL: be.url}}, nil)
 			for i, p := range proxies {
 				t.Run(p.mode, func(t *testing.T) {
 					req, _ := http.NewRequest(http.MethodPost, "http://"+p.addr+"/v1/chat/completions", strings.NewReader(fwdChat))
@@ -924,7 +925,7 @@ func TestForwardFailures(t *testing.T) {
 				for _, mode := range forwardModes {
 					t.Run(mode, func(t *testing.T) {
 						failed.Store(false)
-						p := startFwdProxy(t, mode, []BackendConfig{{Name: "a", URL: a.url}, {Name: "b", URL: b.url}}, nil)
+						p := startFwdProxy(t, mode, []config.BackendConfig{{Name: "a", URL: a.url}, {Name: "b", URL: b.url}}, nil)
 						na, nb := len(a.requests()), len(b.requests())
 						v := fwdDo(t, p)
 						if da, db := len(a.requests())-na, len(b.requests())-nb; da != 1 || db != 1 || !failed.Load() {
@@ -967,7 +968,7 @@ func TestForwardFailures(t *testing.T) {
 
 	t.Run("one backend closes before answering", func(t *testing.T) {
 		be := startFwdBackend(t, "a", closeConn)
-		proxies := startFwdProxies(t, []BackendConfig{{Name: "a", URL: be.url}}, nil)
+		proxies := startFwdProxies(t, []config.BackendConfig{{Name: "a", URL: be.url}}, nil)
 		details := map[string]string{}
 		want := fwdView{Status: 502, Header: fwdKV("Content-Type", "application/json", "X-Content-Type-Options", "nosniff"),
 			Body: `{"error":{"code":"upstream_error","message":"backend a failed: …","param":null,"type":"server_error"}}`}
@@ -1003,7 +1004,7 @@ func TestForwardFailures(t *testing.T) {
 				_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"partial\":")
 				return false
 			})
-			p := startFwdProxies(t, []BackendConfig{{Name: "a", URL: be.url}}, nil)[0]
+			p := startFwdProxies(t, []config.BackendConfig{{Name: "a", URL: be.url}}, nil)[0]
 			req, _ := http.NewRequest(http.MethodPost, "http://"+p.addr+"/v1/chat/completions", strings.NewReader(fwdChat))
 			resp, err := p.client.Do(req)
 			if err == nil {
@@ -1024,7 +1025,7 @@ func TestForwardFailures(t *testing.T) {
 					_, _ = io.WriteString(c, tc.answer)
 					return false
 				})
-				proxies := startFwdProxies(t, []BackendConfig{{Name: "a", URL: be.url}}, nil)
+				proxies := startFwdProxies(t, []config.BackendConfig{{Name: "a", URL: be.url}}, nil)
 				fwdEachMode(t, proxies, tc.want, nil, func(p *fwdProxy) {
 					waitFor(t, 2*time.Second, "the lease released", func() bool { return fwdState(p, "a").InFlight == 0 })
 					if st := fwdState(p, "a"); st.BreakerFailures != 1 || !st.RouterFailed {
@@ -1077,7 +1078,7 @@ func TestForwardClientGone(t *testing.T) {
 		}
 	}))
 	t.Cleanup(up.Close)
-	for _, p := range startFwdProxies(t, []BackendConfig{{Name: "a", URL: up.URL}}, nil) {
+	for _, p := range startFwdProxies(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, nil) {
 		t.Run(p.mode, func(t *testing.T) {
 			req, _ := http.NewRequest(http.MethodPost, "http://"+p.addr+"/v1/chat/completions", strings.NewReader(fwdChat))
 			req.Host = fwdHost

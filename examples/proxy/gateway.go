@@ -171,7 +171,7 @@ func (s *server) passthrough(w http.ResponseWriter, r *http.Request) {
 	}
 	var configured, cands []string
 	for _, b := range s.cfg.Backends {
-		if !b.serves(model) || (s.cfg.DisaggregatedServing.Enabled && b.role() == disagg.RolePrefill) {
+		if !b.Serves(model) || (s.cfg.DisaggregatedServing.Enabled && b.ParsedRole() == disagg.RolePrefill) {
 			continue
 		}
 		configured = append(configured, b.Name)

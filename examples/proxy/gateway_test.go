@@ -9,13 +9,15 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvroute/kvroute/config"
 )
 
 // A request with both Content-Length and Transfer-Encoding is refused with 400 and the
 // connection closed: a request pipelined behind it is never served.
 func TestSmuggledRequestRefused(t *testing.T) {
 	up := newFakeUpstream(t, "a")
-	p := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "a", URL: up.URL}}, nil))
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, nil))
 	body := chatBody("system", "hi", "")
 	chunked := "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" +
 		"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n" + fwdChunk(body) + "0\r\n\r\n" +
@@ -60,7 +62,7 @@ func TestModels(t *testing.T) {
 	defer a.Close()
 	b := httptest.NewServer(list("llama", "qwen"))
 	defer b.Close()
-	p := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "a", URL: a.URL}, {Name: "b", URL: b.URL},
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: a.URL}, {Name: "b", URL: b.URL},
 		{Name: "dead", URL: deadURL(t), Model: "mistral"}}, nil))
 	var got struct {
 		Object string `json:"object"`
@@ -101,7 +103,7 @@ func TestPassthrough(t *testing.T) {
 	}
 	gotA, gotB := make(chan seen, 8), make(chan seen, 8)
 	a, b := rec("a", gotA), rec("b", gotB)
-	p := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "a", URL: a.URL, Model: "chat"},
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: a.URL, Model: "chat"},
 		{Name: "b", URL: b.URL, Model: "embed"}}, nil))
 
 	const body = `{"model":"embed","input":["hello"]}`
@@ -131,9 +133,9 @@ func TestPassthrough(t *testing.T) {
 
 // A 503 tells the client when to come back.
 func TestRetryAfterOn503(t *testing.T) {
-	p := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "a", URL: deadURL(t)}}, func(c *Config) {
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: deadURL(t)}}, func(c *config.Config) {
 		c.CircuitBreaker.FailureThreshold = 1
-		c.CircuitBreaker.RecoveryTimeout = Duration(7 * time.Second)
+		c.CircuitBreaker.RecoveryTimeout = config.Duration(7 * time.Second)
 	}))
 	// The first request fails (502) and opens the circuit; the next finds no backend.
 	resp, _ := post(t, p.URL+"/v1/chat/completions", chatBody("s", "u", ""))

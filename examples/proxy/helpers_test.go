@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/internal/enginesim"
 )
@@ -73,18 +74,18 @@ func startFleet(t *testing.T, n int, zmq bool) *enginesim.Fleet {
 
 // fleetConfig is demoConfig for f with test-friendly timings, defaults applied and validated
 // after edit.
-func fleetConfig(t *testing.T, f *enginesim.Fleet, edit func(*Config)) *Config {
+func fleetConfig(t *testing.T, f *enginesim.Fleet, edit func(*config.Config)) *config.Config {
 	t.Helper()
 	cfg := demoConfig(f.Info())
-	cfg.KVCacheIndex.TokenizeTimeout = Duration(5 * time.Second) // -race on shared cores
-	cfg.HealthChecks.Interval = Duration(100 * time.Millisecond)
-	cfg.HealthChecks.Timeout = Duration(2 * time.Second)
+	cfg.KVCacheIndex.TokenizeTimeout = config.Duration(5 * time.Second) // -race on shared cores
+	cfg.HealthChecks.Interval = config.Duration(100 * time.Millisecond)
+	cfg.HealthChecks.Timeout = config.Duration(2 * time.Second)
 	cfg.Server.Port = ptr(0)
 	if edit != nil {
 		edit(cfg)
 	}
-	cfg.applyDefaults()
-	if err := cfg.validate(); err != nil {
+	cfg.ApplyDefaults()
+	if err := cfg.Validate(); err != nil {
 		t.Fatalf("config: %v", err)
 	}
 	return cfg
@@ -99,7 +100,7 @@ type testProxy struct {
 // startProxy builds, starts and serves the proxy for cfg on a free loopback port, with the
 // front server run serves with (the proxy's loop unless an option says otherwise); everything
 // stops at the end of the test.
-func startProxy(t *testing.T, cfg *Config) *testProxy {
+func startProxy(t *testing.T, cfg *config.Config) *testProxy {
 	t.Helper()
 	log := testLogger(t)
 	srv, err := newServer(cfg, log)
@@ -292,4 +293,12 @@ func dialRaw(t *testing.T, addr string) (net.Conn, *bufio.Reader) {
 	_ = c.SetDeadline(time.Now().Add(testIOTimeout))
 	t.Cleanup(func() { c.Close() })
 	return c, bufio.NewReader(c)
+}
+
+// ptr returns a pointer to v.
+func ptr[T any](v T) *T { return &v }
+
+// env is a lookup of ${NAME} references in m, for config.Parse.
+func env(m map[string]string) func(string) (string, bool) {
+	return func(k string) (string, bool) { v, ok := m[k]; return v, ok }
 }

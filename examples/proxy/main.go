@@ -1,42 +1,17 @@
-// Command proxy is kvroute's reference proxy: a thin OpenAI- and Anthropic-compatible HTTP proxy
-// that composes the library — response cache, tokenization, KV-cache-aware routing, and
-// forwarding to the chosen backend — configured by YAML in the seeds' schema.
+// Command proxy is kvroute's reference proxy: an OpenAI- and Anthropic-compatible gateway that
+// shows how to compose the library into a net/http server. main.go reads top to bottom as the
+// composition: configuration (package config, YAML) → response cache and store → KV index and
+// the consumers of the engines' KV events → Router → health → handler (http.Server in front,
+// httputil.ReverseProxy to the backends).
 //
-// With no configuration it starts four simulated vLLM engines in-process (internal/enginesim,
-// KV events over ZMQ) and serves in front of them, so that the first run needs nothing else:
+//	go run ./examples/proxy                        # demo: simulated vLLM engines in-process
+//	go run ./examples/proxy -config fleet.yaml     # a real fleet (examples in configs/)
 //
-//	go run ./examples/proxy                        # demo fleet, http://127.0.0.1:8080
-//	go run ./examples/proxy -config fleet.yaml     # a real fleet
-//
-// Endpoints: POST /v1/chat/completions, /v1/completions and /v1/messages (streaming passed
-// through); GET /admin/prefix-routing/stats, /admin/response-cache/stats,
-// /admin/kv-index/stats, /admin/kv-index/backends, /admin/disaggregation/stats; POST
-// /admin/response-cache/invalidate and
-// /admin/kv-index/clear (bearer token when admin.auth_token is set); GET /metrics (Prometheus) and
-// GET /healthz. Every routed response carries X-Kvroute-Backend and X-Kvroute-Route, and X-Cache
-// when the response cache is on.
-//
-// Request flow: body checks (413 over server.max_body_bytes, 400 with an OpenAI- or
-// Anthropic-style error for a malformed body) → response cache → tokenization (the engines'
-// /tokenize, an estimate, or none) → Router.Route → forward → Decision.Done. A backend that
-// fails before anything was sent to the client (connection refused or reset, or a 502/503/504) is
-// replaced once by another; health probes and a circuit breaker take failing backends out of
-// rotation. SIGINT or SIGTERM drains the requests in flight (server.shutdown_timeout) and exits.
-//
-// The proxy is made of the standard pieces a Go gateway already runs: http.Server serves the
-// clients (with read-header, idle and write-free timeouts suited to long streams) and
-// httputil.ReverseProxy over a tuned http.Transport forwards each attempt. kvroute adds the
-// parsing, caching and routing around ReverseProxy, which is what a gateway that embeds the
-// library would add to its own handler.
-//
-// With disaggregated_serving enabled, backends have roles (prefill, decode, unified) and
-// Router.RouteDisagg chooses each request's path: fast_decode, unified and fallback forward it
-// as above; prefill_then_decode first sends a one-token prefill to a prefill backend and then the
-// request, with the prefill's kv_transfer_params, to a decode backend (see disagg.go). Responses
-// then also carry X-Kvroute-Routing-Path, X-Kvroute-Prefill-Backend and X-Kvroute-Decode-Backend.
-//
-// Example configurations are in configs/: tier1.yaml, all-tiers.yaml, zmq-events.yaml and
-// disaggregated.yaml.
+// Request flow (proxy.go): body checks → response cache → Router.Route (tokenization inside, when
+// tier 4 is on) → ReverseProxy → Decision.Done. A backend that fails before anything reached the
+// client is replaced once by another; with disaggregated_serving, Router.RouteDisagg may run a
+// one-token prefill on a prefill backend first (disagg.go). Admin, models and the other /v1
+// endpoints are in admin.go and gateway.go. README.md lists the endpoints, headers and errors.
 package main
 
 import (
@@ -48,14 +23,15 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"net/http/pprof"
+	"net/url"
 	"os"
 	"os/signal"
-	"strconv"
-	"strings"
 	"syscall"
 	"time"
 
+	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/config"
+	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/internal/enginesim"
 )
 
@@ -74,7 +50,7 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("proxy", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var (
-		cfgPath   = fs.String("config", "", "YAML configuration file (seeds' schema); none: demo fleet of simulated engines")
+		cfgPath   = fs.String("config", "", "YAML configuration file; none: a demo fleet of simulated engines")
 		addr      = fs.String("addr", "127.0.0.1:8080", "listen address host:port (overrides server.bind_address and server.port)")
 		engines   = fs.Int("engines", 4, "demo mode: number of simulated engines")
 		speed     = fs.Float64("engine-speed", 1, "demo mode: wall-clock seconds the engines sleep per simulated second (0: no latency)")
@@ -110,9 +86,9 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
-	var cfg *Config
+	var cfg *config.Config
 	if *cfgPath != "" {
-		c, err := loadConfig(*cfgPath)
+		c, err := config.Load(*cfgPath)
 		if err != nil {
 			return err
 		}
@@ -123,14 +99,14 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 			}
 		}
 	} else {
-		cfg = &Config{}
+		cfg = &config.Config{}
 		if err := setAddr(cfg, *addr); err != nil {
 			return err
 		}
 	}
 
 	// Listen before starting anything, so that a taken port fails fast and clearly.
-	ln, err := listen(ctx, cfg.addr())
+	ln, err := listen(ctx, cfg.Addr())
 	if err != nil {
 		return err
 	}
@@ -150,8 +126,8 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 		defer fleet.Close()
 		demo := demoConfig(fleet.Info())
 		demo.Server = cfg.Server
-		demo.applyDefaults()
-		if err := demo.validate(); err != nil {
+		demo.ApplyDefaults()
+		if err := demo.Validate(); err != nil {
 			ln.Close()
 			return fmt.Errorf("demo configuration: %w", err)
 		}
@@ -169,111 +145,94 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 	return run(ctx, cfg, ln, log)
 }
 
-// setAddr sets the server's bind address and port from host:port.
-func setAddr(cfg *Config, addr string) error {
-	host, port, err := net.SplitHostPort(addr)
-	if err != nil {
-		return fmt.Errorf("-addr %q: %w", addr, err)
+// newServer composes the proxy from a validated configuration: the transport to the backends,
+// the response cache and its store (tiers 2 and 3), the KV index with the event consumers that
+// feed it and the tokenizer (tier 4), the Router over them (tier 1 and its fallbacks), the health
+// probes and circuit breakers that drive the Router's rotation, and the handler. Nothing talks to
+// the network yet but the stores' own clients; start starts the consumers and the probes.
+func newServer(cfg *config.Config, log *slog.Logger) (s *server, err error) {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
 	}
-	p, err := strconv.Atoi(port)
-	if err != nil || p < 0 || p > 65535 {
-		return fmt.Errorf("-addr %q: bad port", addr)
-	}
-	cfg.Server.BindAddress, cfg.Server.Host, cfg.Server.Port = host, "", &p
-	cfg.applyDefaults()
-	return nil
-}
-
-// listen opens the proxy's listener, explaining an address already in use.
-func listen(ctx context.Context, addr string) (net.Listener, error) {
-	var lc net.ListenConfig
-	ln, err := lc.Listen(ctx, "tcp", addr)
-	if err != nil {
-		if errors.Is(err, syscall.EADDRINUSE) {
-			return nil, fmt.Errorf("cannot listen on %s: the address is already in use (is another proxy running?). "+
-				"Stop it, or pick another address: -addr 127.0.0.1:8081 (or -addr 127.0.0.1:0 for any free port)", addr)
+	s = &server{cfg: cfg, log: log, backends: map[string]*url.URL{}}
+	defer func() {
+		if err != nil {
+			_ = s.Close()
 		}
-		return nil, fmt.Errorf("cannot listen on %s: %w", addr, err)
+	}()
+	for _, b := range cfg.Backends {
+		if s.backends[b.Name], err = url.Parse(b.URL); err != nil {
+			return nil, fmt.Errorf("backend %s: %w", b.Name, err)
+		}
 	}
-	return ln, nil
-}
+	s.transport = newTransport(cfg)
+	s.closers = append(s.closers, func() error { s.transport.CloseIdleConnections(); return nil })
+	if s.tel, err = newTelemetry(); err != nil {
+		return nil, err
+	}
+	s.closers = append(s.closers, s.tel.Close)
+	opts := config.Options{MeterProvider: s.tel.provider, Logger: log}
 
-// startDemoFleet starts n simulated engines with KV events over ZMQ, block size 16 and a modest
-// cache (2,048 blocks: 32,768 tokens each).
-func startDemoFleet(ctx context.Context, n int, speed float64) (*enginesim.Fleet, error) {
-	return enginesim.StartFleet(ctx, enginesim.FleetConfig{
-		N:   n,
-		ZMQ: true,
-		Base: enginesim.Config{
-			BlockSize:      16,
-			CapacityBlocks: 2048,
-			Latency:        enginesim.Latency{SpeedFactor: speed},
-		},
-	})
-}
+	// Tiers 2 and 3: the response cache and its store (nil when off).
+	cache, closeCache, err := cfg.NewResponseCache(opts)
+	if err != nil {
+		return nil, err
+	}
+	s.cache = cache
+	s.closers = append(s.closers, closeCache)
 
-// demoConfig is the configuration of the demo: every tier on, in front of the simulated fleet —
-// an in-memory response cache, a memory KV index fed by one ZMQ subscription per engine (with
-// replay), tokenization by the engines' /tokenize, health checks every 2 s.
-func demoConfig(engines []enginesim.EngineInfo) *Config {
-	cfg := &Config{
-		ResponseCache: ResponseCacheConfig{Enabled: true, Backend: "memory", Capacity: 1000, TTL: Duration(5 * time.Minute)},
-		KVCacheIndex: KVCacheIndexConfig{Enabled: true, Backend: "memory", Tokenizer: tokenizerEngine,
-			BlockSize: 16},
-		HealthChecks:   HealthCheckConfig{Interval: Duration(2 * time.Second), Timeout: Duration(time.Second)},
-		CircuitBreaker: CircuitBreakerConfig{FailureThreshold: 3, RecoveryTimeout: Duration(10 * time.Second)},
+	// Tier 4: the KV index, the consumers of the engines' KV events, the tokenizer (nil when off).
+	index, closeIndex, err := cfg.NewKVIndex()
+	if err != nil {
+		return nil, err
 	}
-	for _, e := range engines {
-		cfg.Backends = append(cfg.Backends, BackendConfig{Name: e.Name, URL: e.URL, Model: e.Model})
-		cfg.KVCacheIndex.EventSources = append(cfg.KVCacheIndex.EventSources, EventSourceConfig{
-			BackendName: e.Name, Endpoint: e.ZMQEndpoint, ReplayEndpoint: e.ReplayEndpoint, Model: e.Model})
+	s.closers = append(s.closers, closeIndex)
+	if index != nil {
+		s.index, s.sink = index, events.NewCountingSink(index)
+		reg, err := s.tel.observeIndexMutations(s.sink)
+		if err != nil {
+			return nil, err
+		}
+		s.closers = append(s.closers, reg.Unregister)
+		if s.cons, err = cfg.NewEventConsumers(s.sink, opts); err != nil {
+			return nil, err
+		}
+		for _, c := range s.cons {
+			s.closers = append(s.closers, c.Close)
+		}
+		if cfg.KVCacheIndex.Tokenizer == config.TokenizerEngine {
+			if s.tok, err = newEngineTokenizer(cfg, s, time.Duration(cfg.KVCacheIndex.TokenizeTimeout)); err != nil {
+				return nil, err
+			}
+		}
 	}
-	return cfg
-}
 
-// printBanner tells a newcomer what is running, how to try it and where the stats are.
-func printBanner(w io.Writer, cfg *Config, addr net.Addr, demo bool) {
-	host, port, _ := net.SplitHostPort(addr.String())
-	if ip := net.ParseIP(host); ip == nil || ip.IsUnspecified() {
-		host = "127.0.0.1"
+	// The Router: tier 1, and tier 4 over the index.
+	rcfg, err := cfg.RouterConfig(opts)
+	if err != nil {
+		return nil, err
 	}
-	base := "http://" + net.JoinHostPort(host, port)
-	model := "<model>"
-	if len(cfg.Backends) > 0 && cfg.Backends[0].model() != "" {
-		model = cfg.Backends[0].model()
+	rcfg.KV = cfg.KVConfig(s.index, s.tok)
+	if s.router, err = kvroute.New(rcfg); err != nil {
+		return nil, fmt.Errorf("router: %w", err)
 	}
-	var b strings.Builder
-	fmt.Fprintf(&b, "\nkvroute proxy listening on %s\n", base)
-	if demo {
-		fmt.Fprintf(&b, "  backends: %d simulated vLLM engines in this process (KV events over ZMQ):", len(cfg.Backends))
-	} else {
-		fmt.Fprintf(&b, "  backends:")
+	s.closers = append(s.closers, s.router.Close)
+
+	// Health probes and circuit breakers take backends in and out of the Router's rotation.
+	if s.health, err = newHealth(cfg, s.router, s.transport, log.With("component", "health")); err != nil {
+		return nil, err
 	}
-	for _, be := range cfg.Backends {
-		fmt.Fprintf(&b, " %s", be.Name)
+	s.closers = append(s.closers, func() error { s.health.Close(); return nil })
+	if err := s.tel.observeHealth(s.health); err != nil {
+		return nil, err
 	}
-	fmt.Fprintf(&b, "\n\nTry it (run it twice: the second answer comes from the response cache, X-Cache: HIT):\n\n")
-	fmt.Fprintf(&b, "  curl -s -D - %s/v1/chat/completions -H 'Content-Type: application/json' \\\n", base)
-	fmt.Fprintf(&b, "    -d '{\"model\":\"%s\",\"temperature\":0,\"max_tokens\":16,\"messages\":[{\"role\":\"system\",\"content\":\"You are a helpful assistant.\"},{\"role\":\"user\",\"content\":\"Hello!\"}]}'\n\n", model)
-	auth := ""
-	if cfg.Admin.AuthToken != "" {
-		auth = "  (admin endpoints need -H 'Authorization: Bearer <admin.auth_token>')"
-	}
-	fmt.Fprintf(&b, "Stats:%s\n", auth)
-	paths := []string{"/admin/prefix-routing/stats", "/admin/response-cache/stats", "/admin/kv-index/stats", "/admin/kv-index/backends"}
-	if cfg.DisaggregatedServing.Enabled {
-		paths = append(paths, "/admin/disaggregation/stats")
-	}
-	for _, p := range paths {
-		fmt.Fprintf(&b, "  %s%s\n", base, p)
-	}
-	fmt.Fprintf(&b, "  %s/metrics   (Prometheus)\n  %s/healthz\n\nStop with Ctrl-C (requests in flight are drained).\n\n", base, base)
-	_, _ = io.WriteString(w, b.String())
+	s.handler = s.routes()
+	return s, nil
 }
 
 // run serves the proxy for cfg on ln until ctx ends, then drains the requests in flight (up to
 // server.shutdown_timeout) and releases everything. It closes ln.
-func run(ctx context.Context, cfg *Config, ln net.Listener, log *slog.Logger) error {
+func run(ctx context.Context, cfg *config.Config, ln net.Listener, log *slog.Logger) error {
 	srv, err := newServer(cfg, log)
 	if err != nil {
 		ln.Close()
@@ -333,26 +292,3 @@ const serverIdleTimeout = 2 * time.Minute
 // maxHeaderBytes caps a request's header block (net/http's default is 1 MiB; an API request's
 // headers are a few hundred bytes).
 const maxHeaderBytes = 64 << 10
-
-// servePprof serves the runtime profiles of net/http/pprof on their own listener, apart from the
-// proxy's mux so that they are never exposed on the serving address. The returned func stops it.
-func servePprof(ctx context.Context, addr string, log *slog.Logger) (func(), error) {
-	ln, err := listen(ctx, addr)
-	if err != nil {
-		return nil, fmt.Errorf("-pprof: %w", err)
-	}
-	mux := http.NewServeMux()
-	mux.HandleFunc("/debug/pprof/", pprof.Index)
-	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
-	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
-	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
-	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	go func() {
-		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			log.Error("pprof server", "err", err)
-		}
-	}()
-	log.Info("pprof", "addr", ln.Addr().String())
-	return func() { srv.Close() }, nil
-}

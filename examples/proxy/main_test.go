@@ -16,6 +16,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvroute/kvroute/config"
 )
 
 // The real entry point with no configuration: the demo fleet starts, the banner shows where to
@@ -142,8 +144,8 @@ func TestRunDrainsInFlightRequests(t *testing.T) {
 		fmt.Fprint(w, `{"ok":true}`)
 	}))
 	t.Cleanup(up.Close)
-	cfg := fakeConfig(t, []BackendConfig{{Name: "slow", URL: up.URL}}, func(c *Config) {
-		c.Server.ShutdownTimeout = Duration(10 * time.Second)
+	cfg := fakeConfig(t, []config.BackendConfig{{Name: "slow", URL: up.URL}}, func(c *config.Config) {
+		c.Server.ShutdownTimeout = config.Duration(10 * time.Second)
 	})
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -227,7 +229,7 @@ func TestMainBadConfig(t *testing.T) {
 // A server that is closed without being started (or whose start failed) closes at once.
 func TestCloseWithoutStart(t *testing.T) {
 	up := newFakeUpstream(t, "a")
-	cfg := fakeConfig(t, []BackendConfig{{Name: "a", URL: up.URL}}, func(c *Config) { c.HealthChecks.Enabled = ptr(true) })
+	cfg := fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, func(c *config.Config) { c.HealthChecks.Enabled = ptr(true) })
 	srv, err := newServer(cfg, testLogger(t))
 	if err != nil {
 		t.Fatal(err)
@@ -249,10 +251,10 @@ func TestCloseWithoutStart(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer busy.Close()
-	cfg = fakeConfig(t, []BackendConfig{{Name: "a", URL: up.URL}}, func(c *Config) {
+	cfg = fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, func(c *config.Config) {
 		c.HealthChecks.Enabled = ptr(true)
 		c.KVCacheIndex.Enabled = true
-		c.KVCacheIndex.EventSources = []EventSourceConfig{{Endpoint: "tcp://" + busy.Addr().String(), Bind: true}}
+		c.KVCacheIndex.EventSources = []config.EventSourceConfig{{Endpoint: "tcp://" + busy.Addr().String(), Bind: true}}
 	})
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/internal/enginesim"
 )
 
@@ -33,11 +34,11 @@ func BenchmarkProxyRequest(b *testing.B) {
 	e := f.Info()[0]
 	// Tier 1: prefix routing, no response cache, no KV index; the health probes are off so that
 	// nothing but the benchmark runs in the background.
-	cfg := &Config{Backends: []BackendConfig{{Name: e.Name, URL: e.URL, Model: e.Model}}}
+	cfg := &config.Config{Backends: []config.BackendConfig{{Name: e.Name, URL: e.URL, Model: e.Model}}}
 	cfg.Server.Port = ptr(0)
 	cfg.HealthChecks.Enabled = ptr(false)
-	cfg.applyDefaults()
-	if err := cfg.validate(); err != nil {
+	cfg.ApplyDefaults()
+	if err := cfg.Validate(); err != nil {
 		b.Fatal(err)
 	}
 	srv, err := newServer(cfg, nil)

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/health"
 )
 
@@ -79,16 +80,16 @@ func deadURL(t *testing.T) string {
 
 // fakeConfig configures the proxy in front of the given backends (name=url pairs) with health
 // checks off, then applies edit.
-func fakeConfig(t *testing.T, backends []BackendConfig, edit func(*Config)) *Config {
+func fakeConfig(t *testing.T, backends []config.BackendConfig, edit func(*config.Config)) *config.Config {
 	t.Helper()
-	cfg := &Config{Backends: backends}
+	cfg := &config.Config{Backends: backends}
 	cfg.Server.Port = ptr(0)
 	cfg.HealthChecks.Enabled = ptr(false)
 	if edit != nil {
 		edit(cfg)
 	}
-	cfg.applyDefaults()
-	if err := cfg.validate(); err != nil {
+	cfg.ApplyDefaults()
+	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
 	return cfg
@@ -96,7 +97,7 @@ func fakeConfig(t *testing.T, backends []BackendConfig, edit func(*Config)) *Con
 
 func TestMalformedJSON(t *testing.T) {
 	up := newFakeUpstream(t, "a")
-	p := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "a", URL: up.URL}}, nil))
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, nil))
 	tests := []struct {
 		path, body, param string
 	}{
@@ -160,7 +161,7 @@ func TestMalformedJSON(t *testing.T) {
 
 func TestOversizeBody(t *testing.T) {
 	up := newFakeUpstream(t, "a")
-	p := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "a", URL: up.URL}}, func(c *Config) {
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, func(c *config.Config) {
 		c.Server.MaxBodyBytes = 4096
 		c.ResponseCache.Enabled = true
 	}))
@@ -194,7 +195,7 @@ func TestOversizeBody(t *testing.T) {
 
 func TestNoHealthyBackend(t *testing.T) {
 	up := newFakeUpstream(t, "a")
-	p := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "a", URL: up.URL}}, nil))
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, nil))
 	if err := p.router.SetHealthy("a", false); err != nil {
 		t.Fatal(err)
 	}
@@ -212,8 +213,8 @@ func TestNoHealthyBackend(t *testing.T) {
 // A backend that refuses connections is replaced by another, once.
 func TestRetryOnConnectionRefused(t *testing.T) {
 	up := newFakeUpstream(t, "good")
-	p := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "dead", URL: deadURL(t)}, {Name: "good", URL: up.URL}},
-		func(c *Config) { c.CircuitBreaker.FailureThreshold = 1000 }))
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "dead", URL: deadURL(t)}, {Name: "good", URL: up.URL}},
+		func(c *config.Config) { c.CircuitBreaker.FailureThreshold = 1000 }))
 	retried := 0
 	for i := range 20 {
 		r, b := post(t, p.URL+"/v1/chat/completions", chatBody(fmt.Sprintf("system %d", i), "u", ""))
@@ -246,8 +247,8 @@ func TestRetryOnConnectionRefused(t *testing.T) {
 func TestRetryOnUnavailableStatus(t *testing.T) {
 	a, b := newFakeUpstream(t, "a"), newFakeUpstream(t, "b")
 	a.status.Store(503)
-	p := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "a", URL: a.URL}, {Name: "b", URL: b.URL}},
-		func(c *Config) { c.CircuitBreaker.FailureThreshold = 1000 }))
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: a.URL}, {Name: "b", URL: b.URL}},
+		func(c *config.Config) { c.CircuitBreaker.FailureThreshold = 1000 }))
 	for i := range 10 {
 		r, body := post(t, p.URL+"/v1/chat/completions", chatBody(fmt.Sprintf("s%d", i), "u", ""))
 		if r.StatusCode != 200 || r.Header.Get(HeaderBackend) != "b" {
@@ -273,9 +274,9 @@ func TestRetryOnUnavailableStatus(t *testing.T) {
 func TestCircuitBreaker(t *testing.T) {
 	up := newFakeUpstream(t, "a")
 	up.status.Store(500)
-	p := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "a", URL: up.URL}}, func(c *Config) {
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, func(c *config.Config) {
 		c.CircuitBreaker.FailureThreshold = 3
-		c.CircuitBreaker.RecoveryTimeout = Duration(300 * time.Millisecond)
+		c.CircuitBreaker.RecoveryTimeout = config.Duration(300 * time.Millisecond)
 	}))
 	for i := range 3 {
 		if r, _ := post(t, p.URL+"/v1/chat/completions", chatBody("s", fmt.Sprint(i), "")); r.StatusCode != 500 {
@@ -310,9 +311,9 @@ func TestCircuitBreaker(t *testing.T) {
 // healthy_threshold successes.
 func TestHealthChecks(t *testing.T) {
 	a, b := newFakeUpstream(t, "a"), newFakeUpstream(t, "b")
-	p := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "a", URL: a.URL}, {Name: "b", URL: b.URL}}, func(c *Config) {
-		c.HealthChecks = HealthCheckConfig{Enabled: ptr(true), Interval: Duration(20 * time.Millisecond),
-			Timeout: Duration(time.Second), UnhealthyThreshold: 2, HealthyThreshold: 2}
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: a.URL}, {Name: "b", URL: b.URL}}, func(c *config.Config) {
+		c.HealthChecks = config.HealthCheckConfig{Enabled: ptr(true), Interval: config.Duration(20 * time.Millisecond),
+			Timeout: config.Duration(time.Second), UnhealthyThreshold: 2, HealthyThreshold: 2}
 	}))
 	a.health.Store(503)
 	waitFor(t, 5*time.Second, "a out of rotation", func() bool { return !p.health.InRotation("a") })
@@ -342,7 +343,7 @@ func TestAnthropicCacheControlInjection(t *testing.T) {
 	body := `{"model":"m","max_tokens":5,"system":"You are terse.","messages":[{"role":"user","content":"hi"}]}`
 	for _, inject := range []bool{false, true} {
 		up := newFakeUpstream(t, "a")
-		p := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "a", URL: up.URL}}, func(c *Config) {
+		p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, func(c *config.Config) {
 			c.PrefixRouting.AnthropicCacheControlInjection = inject
 		}))
 		r, b := post(t, p.URL+"/v1/messages", body)
@@ -379,7 +380,7 @@ func TestStreamingIsFlushed(t *testing.T) {
 			close(release)
 		}
 	})
-	p := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "a", URL: up.URL}}, func(c *Config) { c.ResponseCache.Enabled = true }))
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, func(c *config.Config) { c.ResponseCache.Enabled = true }))
 	req, _ := http.NewRequest(http.MethodPost, p.URL+"/v1/chat/completions", strings.NewReader(chatBody("s", "u", `"stream":true,"temperature":0`)))
 	resp, err := httpClient.Do(req)
 	if err != nil {
@@ -407,7 +408,7 @@ func TestUpstreamAbortMidStream(t *testing.T) {
 		panic(http.ErrAbortHandler)
 	}))
 	t.Cleanup(up.Close)
-	p := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "a", URL: up.URL}}, func(c *Config) { c.CircuitBreaker.FailureThreshold = 1000 }))
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, func(c *config.Config) { c.CircuitBreaker.FailureThreshold = 1000 }))
 	req, _ := http.NewRequest(http.MethodPost, p.URL+"/v1/chat/completions", strings.NewReader(chatBody("s", "u", `"stream":true`)))
 	resp, err := httpClient.Do(req)
 	if err != nil {
@@ -430,13 +431,13 @@ func TestUpstreamAbortMidStream(t *testing.T) {
 func TestSingleBackendStatusPassesThrough(t *testing.T) {
 	up := newFakeUpstream(t, "a")
 	up.status.Store(503)
-	p := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "a", URL: up.URL}}, nil))
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, nil))
 	r, b := post(t, p.URL+"/v1/chat/completions", chatBody("s", "u", ""))
 	if r.StatusCode != 503 || !strings.Contains(string(b), "fake 503") || up.requests.Load() != 1 {
 		t.Errorf("%d %s (%d upstream requests)", r.StatusCode, b, up.requests.Load())
 	}
 	// A refused connection with nowhere else to go is a 502 in the endpoint's style.
-	p2 := startProxy(t, fakeConfig(t, []BackendConfig{{Name: "dead", URL: deadURL(t)}}, nil))
+	p2 := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "dead", URL: deadURL(t)}}, nil))
 	r, b = post(t, p2.URL+"/v1/messages", `{"model":"m","max_tokens":1,"messages":[{"role":"user","content":"hi"}]}`)
 	if r.StatusCode != 502 || !strings.Contains(string(b), `"type":"api_error"`) {
 		t.Errorf("dead single backend: %d %s", r.StatusCode, b)

@@ -10,6 +10,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvroute/kvroute/config"
 )
 
 // skipOrFail skips t, or fails it under KVROUTE_REQUIRE_INTEGRATION=1.
@@ -109,9 +111,9 @@ func (rs *redisServer) kill() {
 func TestE2ERedisDown(t *testing.T) {
 	addr, kill := startRedis(t)
 	f := startFleet(t, 2, true)
-	cfg := fleetConfig(t, f, func(c *Config) {
+	cfg := fleetConfig(t, f, func(c *config.Config) {
 		c.ResponseCache.Backend = "redis"
-		c.ResponseCache.Redis.URL = Secret("redis://" + addr)
+		c.ResponseCache.Redis.URL = config.Secret("redis://" + addr)
 		c.ResponseCache.Redis.KeyPrefix = "kvroute-proxy-test:resp:"
 		c.ResponseCache.Redis.CommandTimeoutMS = 500
 		c.KVCacheIndex.Backend = "redis"
@@ -168,9 +170,9 @@ func TestE2ERedisIndexHealsAfterRestart(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			rs := newRedisServer(t)
 			f := startFleet(t, 3, true)
-			cfg := fleetConfig(t, f, func(c *Config) {
+			cfg := fleetConfig(t, f, func(c *config.Config) {
 				c.KVCacheIndex.Backend = "redis"
-				c.KVCacheIndex.Redis.URL = Secret("redis://" + rs.addr)
+				c.KVCacheIndex.Redis.URL = config.Secret("redis://" + rs.addr)
 				c.KVCacheIndex.Redis.KeyPrefix = "kvroute-proxy-test:heal:"
 			})
 			p := startProxy(t, cfg)
@@ -230,9 +232,9 @@ func TestE2ERedisIndexSharedByReplicas(t *testing.T) {
 	rs := newRedisServer(t)
 	f := startFleet(t, 3, true)
 	replica := func() *testProxy {
-		return startProxy(t, fleetConfig(t, f, func(c *Config) {
+		return startProxy(t, fleetConfig(t, f, func(c *config.Config) {
 			c.KVCacheIndex.Backend = "redis"
-			c.KVCacheIndex.Redis.URL = Secret("redis://" + rs.addr)
+			c.KVCacheIndex.Redis.URL = config.Secret("redis://" + rs.addr)
 			c.KVCacheIndex.Redis.KeyPrefix = "kvroute-proxy-test:replicas:"
 		}))
 	}

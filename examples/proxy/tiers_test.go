@@ -3,6 +3,8 @@ package main
 import (
 	"os"
 	"testing"
+
+	"github.com/kvroute/kvroute/config"
 )
 
 // The shipped all-tiers.yaml, as is but for the addresses: Redis L1 (a private redis-server) in
@@ -19,7 +21,7 @@ func TestE2EAllTiers(t *testing.T) {
 		t.Fatal(err)
 	}
 	vars := map[string]string{"REDIS_URL": "redis://" + addr, "ADMIN_TOKEN": "tiers-token"}
-	cfg, err := parseConfig(data, func(k string) (string, bool) {
+	cfg, err := config.Parse(data, func(k string) (string, bool) {
 		if v, ok := vars[k]; ok {
 			return v, true
 		}
@@ -34,9 +36,9 @@ func TestE2EAllTiers(t *testing.T) {
 	cfg.Server.BindAddress, cfg.Server.Port = "127.0.0.1", ptr(0)
 	cfg.ResponseCache.Redis.KeyPrefix = "kvroute-proxy-test:" + t.Name() + ":"
 	cfg.ResponseCache.L2.KeyPrefix = "kvroute-proxy-test/" + t.Name() + "/"
-	cfg.KVCacheIndex.TokenizeTimeout = Duration(5e9)
-	cfg.applyDefaults()
-	if err := cfg.validate(); err != nil {
+	cfg.KVCacheIndex.TokenizeTimeout = config.Duration(5e9)
+	cfg.ApplyDefaults()
+	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
 	p := startProxy(t, cfg)

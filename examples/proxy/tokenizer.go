@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/prefixkey"
 )
 
@@ -20,11 +21,11 @@ var errNoTokenizer = errors.New("no healthy backend to tokenize with")
 type engineTokenizer struct {
 	names  []string
 	byName map[string]*prefixkey.EngineTokenizer
-	cfg    *Config
+	cfg    *config.Config
 	health interface{ InRotation(string) bool }
 }
 
-func newEngineTokenizer(cfg *Config, s *server, timeout time.Duration) (*engineTokenizer, error) {
+func newEngineTokenizer(cfg *config.Config, s *server, timeout time.Duration) (*engineTokenizer, error) {
 	t := &engineTokenizer{byName: map[string]*prefixkey.EngineTokenizer{}, cfg: cfg}
 	for _, b := range cfg.Backends {
 		et, err := prefixkey.NewEngineTokenizer(prefixkey.EngineTokenizerConfig{BaseURL: b.URL, Timeout: timeout,
@@ -49,7 +50,7 @@ func (h healthLate) InRotation(name string) bool {
 // Tokenize implements prefixkey.Tokenizer.
 func (t *engineTokenizer) Tokenize(ctx context.Context, r *prefixkey.Request) ([]uint32, error) {
 	for _, name := range t.names {
-		if !t.cfg.backend(name).serves(r.Model) || !t.health.InRotation(name) {
+		if !t.cfg.Backend(name).Serves(r.Model) || !t.health.InRotation(name) {
 			continue
 		}
 		return t.byName[name].Tokenize(ctx, r)

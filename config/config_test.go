@@ -1,8 +1,11 @@
-package main
+package config
 
 import (
 	"bytes"
+	"encoding/json"
+	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -24,13 +27,13 @@ backends:
     url: http://127.0.0.1:8001
 `
 
-func TestParseConfigDefaults(t *testing.T) {
-	cfg, err := parseConfig([]byte(minimalBackends), env(nil))
+func TestParseDefaults(t *testing.T) {
+	cfg, err := Parse([]byte(minimalBackends), env(nil))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cfg.addr() != "127.0.0.1:8080" {
-		t.Errorf("addr %s", cfg.addr())
+	if cfg.Addr() != "127.0.0.1:8080" {
+		t.Errorf("addr %s", cfg.Addr())
 	}
 	if !*cfg.PrefixRouting.Enabled || cfg.ResponseCache.Enabled || cfg.KVCacheIndex.Enabled {
 		t.Errorf("tiers: %+v", cfg)
@@ -208,7 +211,7 @@ disaggregated_serving:
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := parseConfig([]byte(tc.yaml), env(tc.env))
+			_, err := Parse([]byte(tc.yaml), env(tc.env))
 			if err == nil {
 				t.Fatal("no error")
 			}
@@ -222,7 +225,7 @@ disaggregated_serving:
 }
 
 func TestEnvExpansion(t *testing.T) {
-	cfg, err := parseConfig([]byte(minimalBackends+`
+	cfg, err := Parse([]byte(minimalBackends+`
 server:
   port: ${PORT}
 admin:
@@ -248,10 +251,10 @@ response_cache:
 // The shipped example configurations load (with their environment) and so do the seeds' own.
 func TestExampleConfigs(t *testing.T) {
 	vars := map[string]string{"ADMIN_TOKEN": "t0ken", "S3_ENDPOINT": "http://127.0.0.1:7070",
-		"S3_ACCESS_KEY": "AKIAEXAMPLE", "S3_SECRET_KEY": "wJalrXUtnFEMI/K7MDENG", "REDIS_URL": "redis://127.0.0.1:6379"}
-	files, _ := filepath.Glob("configs/*.yaml")
-	files = append(files, "testdata/seeds-all-tiers.yaml")
-	if len(files) < 4 {
+		"S3_ACCESS_KEY": "AKIAEXAMPLE", "S3_SECRET_KEY": "wJalrXUtnFEMI/K7MDENG", "REDIS_URL": "redis://127.0.0.1:6379",
+		"VAST_ACCESS_KEY": "a", "VAST_SECRET_KEY": "b"}
+	files, _ := filepath.Glob("testdata/*.yaml")
+	if len(files) < 6 {
 		t.Fatalf("configs: %v", files)
 	}
 	for _, f := range files {
@@ -260,7 +263,7 @@ func TestExampleConfigs(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			cfg, err := parseConfig(data, env(vars))
+			cfg, err := Parse(data, env(vars))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -270,15 +273,15 @@ func TestExampleConfigs(t *testing.T) {
 		})
 	}
 	t.Run("all-tiers needs its secrets", func(t *testing.T) {
-		data, _ := os.ReadFile("configs/all-tiers.yaml")
-		_, err := parseConfig(data, env(map[string]string{"ADMIN_TOKEN": "x"}))
+		data, _ := os.ReadFile("testdata/all-tiers.yaml")
+		_, err := Parse(data, env(map[string]string{"ADMIN_TOKEN": "x"}))
 		if err == nil || !strings.Contains(err.Error(), "response_cache.l2.endpoint: environment variable S3_ENDPOINT is not set") {
 			t.Errorf("err = %v", err)
 		}
 	})
 	t.Run("seeds production example", func(t *testing.T) {
 		data, _ := os.ReadFile("testdata/seeds-production.yaml")
-		cfg, err := parseConfig(data, env(map[string]string{"VAST_ACCESS_KEY": "a", "VAST_SECRET_KEY": "b"}))
+		cfg, err := Parse(data, env(map[string]string{"VAST_ACCESS_KEY": "a", "VAST_SECRET_KEY": "b"}))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -289,8 +292,8 @@ func TestExampleConfigs(t *testing.T) {
 		}
 		roles := map[disagg.Role]int{}
 		for _, b := range cfg.Backends {
-			roles[b.role()]++
-			if got := cfg.storageOf(&b); got.Endpoint != "http://vast-cluster.prod.example.com:8080" || got.Namespace != "prod/inference/kv-cache" {
+			roles[b.ParsedRole()]++
+			if got := cfg.StorageOf(&b); got.Endpoint != "http://vast-cluster.prod.example.com:8080" || got.Namespace != "prod/inference/kv-cache" {
 				t.Errorf("%s: storage %v", b.Name, got)
 			}
 		}
@@ -300,21 +303,39 @@ func TestExampleConfigs(t *testing.T) {
 	})
 }
 
+// logEverything writes cfg to buf in every form a gateway might log it: slog's JSON and text
+// handlers, fmt's verbs, and JSON.
+func logEverything(t *testing.T, buf *bytes.Buffer, cfg *Config) {
+	t.Helper()
+	slog.New(slog.NewJSONHandler(buf, nil)).Info("configuration", "config", cfg, "l2", cfg.ResponseCache.L2,
+		"redis", cfg.ResponseCache.Redis, "disaggregated_serving", cfg.DisaggregatedServing)
+	slog.New(slog.NewTextHandler(buf, nil)).Info("configuration", "config", cfg, "l2", cfg.ResponseCache.L2,
+		"redis", cfg.ResponseCache.Redis, "disaggregated_serving", cfg.DisaggregatedServing)
+	for _, b := range cfg.Backends {
+		slog.New(slog.NewTextHandler(buf, nil)).Info("backend", "name", b.Name, "url", RedactURL(b.URL),
+			"role", b.ParsedRole().String(), "external_storage", cfg.StorageOf(&b))
+	}
+	fmt.Fprintf(buf, "%v %+v %#v %s\n", cfg, cfg, cfg, cfg.Admin.AuthToken)
+	fmt.Fprintf(buf, "%v %+v %#v\n", cfg.ResponseCache.L2, cfg.ResponseCache.L2, cfg.ResponseCache.L2)
+	j, err := json.Marshal(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf.Write(j)
+	buf.WriteString("\n" + RedactURL(string(cfg.ResponseCache.Redis.URL)) + "\n")
+}
+
 // Secrets never reach the logs: not through slog, fmt or JSON.
 func TestSecretsRedacted(t *testing.T) {
-	data, _ := os.ReadFile("configs/all-tiers.yaml")
+	data, _ := os.ReadFile("testdata/all-tiers.yaml")
 	secret := "wJalrXUtnFEMI-K7MDENG-super-secret"
-	cfg, err := parseConfig(data, env(map[string]string{"ADMIN_TOKEN": "admin-" + secret, "S3_ENDPOINT": "http://127.0.0.1:1",
+	cfg, err := Parse(data, env(map[string]string{"ADMIN_TOKEN": "admin-" + secret, "S3_ENDPOINT": "http://127.0.0.1:1",
 		"S3_ACCESS_KEY": "AKIA-" + secret, "S3_SECRET_KEY": secret, "REDIS_URL": "redis://user:pw-" + secret + "@127.0.0.1:6379"}))
 	if err != nil {
 		t.Fatal(err)
 	}
 	var buf bytes.Buffer
-	s := &server{cfg: cfg, log: slog.New(slog.NewJSONHandler(&buf, nil)), tokMode: "engine"}
-	s.logConfig()
-	s.log = slog.New(slog.NewTextHandler(&buf, nil))
-	s.logConfig()
-	fmt.Fprintf(&buf, "%v %+v %#v %s", cfg.ResponseCache.L2, cfg.ResponseCache.L2, cfg.ResponseCache.L2, cfg.Admin.AuthToken)
+	logEverything(t, &buf, cfg)
 	if strings.Contains(buf.String(), secret) {
 		t.Errorf("secret leaked:\n%s", buf.String())
 	}
@@ -323,14 +344,15 @@ func TestSecretsRedacted(t *testing.T) {
 	}
 }
 
-// Storage credentials of disaggregated serving never reach the logs either.
+// Storage credentials of disaggregated serving never reach the logs either, nor the Router's
+// disaggregation config built from them.
 func TestDisaggSecretsRedacted(t *testing.T) {
-	data, err := os.ReadFile("configs/disaggregated.yaml")
+	data, err := os.ReadFile("testdata/disaggregated.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
 	secret := "kv-store-secret-9f3a"
-	cfg, err := parseConfig(data, env(map[string]string{"S3_ACCESS_KEY": "AKIA-" + secret, "S3_SECRET_KEY": secret}))
+	cfg, err := Parse(data, env(map[string]string{"S3_ACCESS_KEY": "AKIA-" + secret, "S3_SECRET_KEY": secret}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -338,26 +360,190 @@ func TestDisaggSecretsRedacted(t *testing.T) {
 	st := *cfg.DisaggregatedServing.DefaultExternalStorage
 	st.Credentials = Secret("cred-" + secret)
 	cfg.Backends[7].ExternalStorage = &st
-	if err := cfg.validate(); err != nil {
+	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
 	var buf bytes.Buffer
-	s := &server{cfg: cfg, log: slog.New(slog.NewJSONHandler(&buf, nil)), tokMode: "engine"}
-	s.logConfig()
-	s.log = slog.New(slog.NewTextHandler(&buf, nil))
-	s.logConfig()
-	dc, err := disaggConfig(cfg)
+	logEverything(t, &buf, cfg)
+	dc, err := cfg.DisaggConfig()
 	if err != nil {
 		t.Fatal(err)
 	}
 	fmt.Fprintf(&buf, "%v %+v %#v %v %+v %#v", st, st, st, dc.DefaultStorage, dc.DefaultStorage, dc.DefaultStorage)
+	j, err := json.Marshal(dc.DefaultStorage)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf.Write(j)
 	if strings.Contains(buf.String(), secret) {
 		t.Errorf("secret leaked:\n%s", buf.String())
 	}
-	for _, want := range []string{"[REDACTED]", `"disaggregated_serving.default_external_storage":{"endpoint":"http://127.0.0.1:7070/kv-cache"`,
-		"role=decode", "role=prefill"} {
+	for _, want := range []string{"[REDACTED]", `{"endpoint":"http://127.0.0.1:7070/kv-cache"`, "role=decode", "role=prefill"} {
 		if !strings.Contains(buf.String(), want) {
 			t.Errorf("log lacks %s:\n%s", want, buf.String())
 		}
+	}
+	// The library values still carry the credentials themselves.
+	if dc.DefaultStorage.SecretKey != secret || cfg.StorageOf(&cfg.Backends[7]).Credentials != "cred-"+secret {
+		t.Errorf("credentials lost: %q %q", dc.DefaultStorage.SecretKey, cfg.StorageOf(&cfg.Backends[7]).Credentials)
+	}
+}
+
+// Load prefixes every error but a read error with the file's path (the proxy's -config error).
+func TestLoad(t *testing.T) {
+	cfg, err := Load("testdata/tier1.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Addr() != "127.0.0.1:8080" || len(cfg.Backends) != 2 {
+		t.Errorf("addr %s, %d backends", cfg.Addr(), len(cfg.Backends))
+	}
+	path := filepath.Join(t.TempDir(), "bad.yaml")
+	bad := "backends:\n  - {name: d, url: \"http://127.0.0.1:1\", role: decode}\n"
+	if err := os.WriteFile(path, []byte(bad), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, err = Load(path)
+	if err == nil || !strings.HasPrefix(err.Error(), path+": ") || !strings.Contains(err.Error(), "disaggregated_serving.enabled") {
+		t.Errorf("err = %v", err)
+	}
+	if _, err := Load("testdata/does-not-exist.yaml"); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("missing file: %v", err)
+	}
+}
+
+// A nil lookup expands nothing: defaults apply, a reference without one is an error.
+func TestParseNilLookup(t *testing.T) {
+	cfg, err := Parse([]byte("server: {port: \"${PORT:-9000}\"}\n"+minimalBackends), nil)
+	if err != nil || *cfg.Server.Port != 9000 {
+		t.Fatalf("%v %v", cfg, err)
+	}
+	if _, err := Parse([]byte("admin: {auth_token: \"${T}\"}\n"+minimalBackends), nil); err == nil ||
+		!strings.Contains(err.Error(), "admin.auth_token: environment variable T is not set") {
+		t.Errorf("err = %v", err)
+	}
+}
+
+// Validate joins one error per problem, each starting with its field path.
+func TestValidateJoinsErrors(t *testing.T) {
+	_, err := Parse([]byte("server: {port: 70000, max_body_bytes: -1}\n"), env(nil))
+	u, ok := err.(interface{ Unwrap() []error })
+	if !ok {
+		t.Fatalf("%T %v", err, err)
+	}
+	var paths []string
+	for _, e := range u.Unwrap() {
+		p, _, _ := strings.Cut(e.Error(), ":")
+		paths = append(paths, p)
+	}
+	if got := strings.Join(paths, ","); got != "server.port,server.max_body_bytes,backends" {
+		t.Errorf("paths %s", got)
+	}
+}
+
+func TestBackendHelpers(t *testing.T) {
+	cfg, err := Parse([]byte(`
+server: {host: 0.0.0.0, port: 0}
+backends:
+  - {name: one, url: "http://a", model: m-1}
+  - {name: many, url: "http://b", models: [m-2, m-3]}
+  - {name: any, url: "http://c"}
+`), env(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Addr() != "0.0.0.0:0" {
+		t.Errorf("addr %s", cfg.Addr())
+	}
+	one, many, anyModel := cfg.Backend("one"), cfg.Backend("many"), cfg.Backend("any")
+	if one != &cfg.Backends[0] || many != &cfg.Backends[1] || anyModel != &cfg.Backends[2] || cfg.Backend("none") != nil {
+		t.Fatal("Backend")
+	}
+	for _, tc := range []struct {
+		b     *BackendConfig
+		model string
+		want  bool
+	}{
+		{one, "m-1", true}, {one, "m-2", false}, {many, "m-3", true}, {many, "m-1", false}, {anyModel, "whatever", true},
+	} {
+		if got := tc.b.Serves(tc.model); got != tc.want {
+			t.Errorf("%s.Serves(%s) = %v", tc.b.Name, tc.model, got)
+		}
+	}
+	if one.ModelName() != "m-1" || many.ModelName() != "m-2" || anyModel.ModelName() != "" {
+		t.Errorf("models %q %q %q", one.ModelName(), many.ModelName(), anyModel.ModelName())
+	}
+	if one.ParsedRole() != disagg.RoleUnified {
+		t.Errorf("role %v", one.ParsedRole())
+	}
+	var none *ExternalStorageConfig
+	if !none.Location().IsZero() || !cfg.StorageOf(one).IsZero() {
+		t.Error("no storage is not the zero location")
+	}
+	st := &ExternalStorageConfig{Endpoint: "http://s3:9000/", Bucket: "kv", KVNamespace: "ns"}
+	if l := st.Location(); l.Endpoint != "http://s3:9000/kv" || l.Namespace != "ns" {
+		t.Errorf("location %v", l)
+	}
+}
+
+// The tokenizer and speculation defaults follow the event sources; event sources take their
+// backend's model.
+func TestKVDefaults(t *testing.T) {
+	for _, tc := range []struct {
+		name, sources, tokenizer, want, speculation string
+	}{
+		{"no sources", "", "", TokenizerEstimate, "approximate"},
+		{"auto, no sources", "", "auto", TokenizerEstimate, "approximate"},
+		{"ZMQ", `[{backend_name: vllm-1, endpoint: "tcp://127.0.0.1:5557"}]`, "", TokenizerEngine, "speculate"},
+		{"SSE", `[{backend_name: vllm-1, endpoint: "http://127.0.0.1:8001/v1/kv_events"}]`, "", TokenizerNone, "speculate"},
+		{"mixed", `[{backend_name: vllm-1, endpoint: "http://127.0.0.1:8001/v1/kv_events"}, {endpoint: "tcp://127.0.0.1:5557", bind: true}]`,
+			"", TokenizerEngine, "speculate"},
+		{"explicit", `[{backend_name: vllm-1, endpoint: "tcp://127.0.0.1:5557"}]`, "estimate", TokenizerEstimate, "speculate"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			y := `
+backends:
+  - {name: vllm-1, url: "http://127.0.0.1:8001", model: llama}
+kv_cache_index:
+  enabled: true
+`
+			if tc.sources != "" {
+				y += "  event_sources: " + tc.sources + "\n"
+			}
+			if tc.tokenizer != "" {
+				y += "  tokenizer: " + tc.tokenizer + "\n"
+			}
+			cfg, err := Parse([]byte(y), env(nil))
+			if err != nil {
+				t.Fatal(err)
+			}
+			kv := cfg.KVCacheIndex
+			if kv.Tokenizer != tc.want || kv.Speculation != tc.speculation {
+				t.Errorf("tokenizer %q speculation %q, want %q %q", kv.Tokenizer, kv.Speculation, tc.want, tc.speculation)
+			}
+			for _, es := range kv.EventSources {
+				if es.BackendName == "vllm-1" && es.Model != "llama" {
+					t.Errorf("source model %q", es.Model)
+				}
+			}
+		})
+	}
+	if _, err := Parse([]byte(minimalBackends+"kv_cache_index: {enabled: true, tokenizer: bpe}\n"), env(nil)); err == nil ||
+		!strings.Contains(err.Error(), `kv_cache_index.tokenizer: "bpe" is not one of auto, engine, estimate, none`) {
+		t.Errorf("err = %v", err)
+	}
+}
+
+// ApplyDefaults is idempotent.
+func TestApplyDefaultsIdempotent(t *testing.T) {
+	cfg, err := Parse([]byte(minimalBackends), env(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	before, _ := json.Marshal(cfg)
+	cfg.ApplyDefaults()
+	after, _ := json.Marshal(cfg)
+	if !bytes.Equal(before, after) {
+		t.Errorf("before %s\nafter  %s", before, after)
 	}
 }

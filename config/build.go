@@ -1,0 +1,487 @@
+package config
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	"go.opentelemetry.io/otel/metric"
+
+	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/disagg"
+	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/kvindex"
+	"github.com/kvroute/kvroute/prefixkey"
+	"github.com/kvroute/kvroute/respcache"
+	"github.com/kvroute/kvroute/scorer"
+)
+
+// Options carries what the builders pass to the library values they build besides the
+// configuration itself. The zero value is valid.
+type Options struct {
+	// MeterProvider receives the metrics of the values built; nil means no metrics.
+	MeterProvider metric.MeterProvider
+	// Logger receives their logs, each value's with a "component" attribute (redis, s3,
+	// kv-events); nil discards them.
+	Logger *slog.Logger
+}
+
+func (o Options) logger() *slog.Logger {
+	if o.Logger == nil {
+		return slog.New(slog.DiscardHandler)
+	}
+	return o.Logger
+}
+
+// ParseStrategy maps a selection_strategy value (snake_case or the seeds' CamelCase) to the
+// Router's Strategy; "" and prefix_aware_hash give the default fallback (""). ok is false for
+// any other value. It is a pure function, safe for concurrent use.
+func ParseStrategy(s string) (strategy kvroute.Strategy, ok bool) {
+	norm := strings.ToLower(strings.NewReplacer("_", "", "-", "", " ", "").Replace(s))
+	switch norm {
+	case "", "prefixawarehash", "prefixaware":
+		return "", true
+	case "roundrobin":
+		return kvroute.StrategyRoundRobin, true
+	case "leastloaded", "leastconnections":
+		return kvroute.StrategyLeastLoaded, true
+	case "random":
+		return kvroute.StrategyRandom, true
+	case "leastlatency":
+		return kvroute.StrategyLeastLatency, true
+	}
+	return "", false
+}
+
+// RouterConfig maps the configuration onto the Router's: the backends (name, weight, role and
+// external storage), prefix_routing, selection_strategy and o.MeterProvider, and, when
+// disaggregated_serving is enabled, Disagg (see DisaggConfig). KV is left nil: tier 4 needs an
+// index and a tokenizer the caller builds and closes, so set it with KVConfig
+// (NewKVIndex builds the index). A selection_strategy Validate would reject maps to the default.
+//
+// The error is DisaggConfig's. c must be valid (Parse, Load, or ApplyDefaults then Validate);
+// RouterConfig panics when its defaults were not applied. It only reads c.
+func (c *Config) RouterConfig(o Options) (kvroute.Config, error) {
+	c.mustHaveDefaults("RouterConfig")
+	strategy, _ := ParseStrategy(c.SelectionStrategy)
+	rcfg := kvroute.Config{
+		DisablePrefixRouting:           !*c.PrefixRouting.Enabled,
+		MaxPrefixLength:                c.PrefixRouting.MaxPrefixLength,
+		Epsilon:                        c.PrefixRouting.LoadFactorEpsilon,
+		VirtualNodes:                   c.PrefixRouting.VirtualNodes,
+		Strategy:                       strategy,
+		AnthropicCacheControlInjection: c.PrefixRouting.AnthropicCacheControlInjection,
+		MeterProvider:                  o.MeterProvider,
+	}
+	for _, b := range c.Backends {
+		rb := kvroute.Backend{Name: b.Name, Weight: b.Weight, Role: b.ParsedRole()}
+		if b.ExternalStorage != nil {
+			st := b.ExternalStorage.Location()
+			rb.Storage = &st
+		}
+		rcfg.Backends = append(rcfg.Backends, rb)
+	}
+	dc, err := c.DisaggConfig()
+	if err != nil {
+		return kvroute.Config{}, err
+	}
+	rcfg.Disagg = dc
+	return rcfg, nil
+}
+
+// DisaggConfig maps disaggregated_serving onto the Router's disaggregation; it returns nil (and
+// no error) when disaggregated_serving is not enabled. Prefill and unified backends are scored
+// with kv_cache_index.scoring's weights when tier 4 is on. A conditional threshold of 0 (the
+// YAML's "test off") becomes the library's negative value, since the library's 0 means its
+// default.
+//
+// The error, prefixed "disaggregated_serving: ", is scorer.NewComposite's for weights it
+// rejects (Validate rejects them first). DisaggConfig panics when c's defaults were not applied.
+// It only reads c.
+func (c *Config) DisaggConfig() (*disagg.Config, error) {
+	c.mustHaveDefaults("DisaggConfig")
+	ds := c.DisaggregatedServing
+	if !ds.Enabled {
+		return nil, nil
+	}
+	cd := ds.Conditional
+	dc := &disagg.Config{
+		PrefillTimeout:     time.Duration(ds.PrefillTimeout),
+		KVTransferTimeout:  time.Duration(ds.KVTransferTimeout),
+		DisableFallback:    !*ds.FallbackToUnified,
+		DefaultStorage:     ds.DefaultExternalStorage.Location(),
+		DisableConditional: !*cd.Enabled,
+		// 0 turns a test off in the YAML; the library spells that with a negative value (its 0
+		// means the default).
+		MaxUncachedTokens: *cd.MaxUncachedTokens,
+		MaxUncachedRatio:  *cd.MaxUncachedRatio,
+	}
+	if dc.MaxUncachedTokens == 0 {
+		dc.MaxUncachedTokens = -1
+	}
+	if dc.MaxUncachedRatio == 0 {
+		dc.MaxUncachedRatio = -1
+	}
+	if c.KVCacheIndex.Enabled {
+		comp, err := scorer.NewComposite(c.compositeConfig())
+		if err != nil {
+			return nil, fmt.Errorf("disaggregated_serving: %w", err)
+		}
+		dc.Scorer = comp
+	}
+	return dc, nil
+}
+
+// compositeConfig is kv_cache_index.scoring as the composite scorer's configuration.
+func (c *Config) compositeConfig() scorer.CompositeConfig {
+	sc := c.KVCacheIndex.Scoring
+	return scorer.CompositeConfig{OverlapWeight: *sc.OverlapWeight, LoadWeight: *sc.LoadWeight,
+		HealthWeight: *sc.HealthWeight, MinOverlapThreshold: sc.MinOverlapThreshold}
+}
+
+// defaultModel is the model of the first backend: the model of KV events that name none.
+func (c *Config) defaultModel() string {
+	if len(c.Backends) > 0 {
+		return c.Backends[0].ModelName()
+	}
+	return ""
+}
+
+// NewResponseCache builds response_cache (tiers 2 and 3): its store (memory, redis, or tiered:
+// an L1 of memory or redis in front of an S3 L2) and the respcache.Cache over it, with
+// server.max_body_bytes as the cache's MaxBodyBytes.
+//
+// Return values:
+//   - (cache, closeAll, nil): closeAll closes everything built (the cache's metrics, then the S3
+//     and Redis stores), in the reverse order of construction, and joins their errors; call it
+//     once the cache is no longer used. It may be called more than once.
+//   - (nil, closeAll, nil): response_cache is not enabled; closeAll does nothing.
+//   - (nil, nil, err): building failed; whatever was built before the failure has been closed.
+//     The error names the section (response_cache, response_cache.redis with its URL redacted,
+//     response_cache.l1, response_cache.l2, response_cache.tiered) and wraps the library's
+//     (respcache.ErrInvalidConfig for values out of range).
+//
+// Building a Redis store dials it only within respcache.NewRedis's own limits (an unreachable
+// Redis starts in fallback unless fallback_to_memory is false); building the S3 L2 checks the
+// bucket. NewResponseCache starts no goroutine of its own; the stores' background work is
+// theirs and ends with closeAll. c must be valid; NewResponseCache panics when its defaults were
+// not applied. It only reads c.
+func (c *Config) NewResponseCache(o Options) (cache *respcache.Cache, closeAll func() error, err error) {
+	c.mustHaveDefaults("NewResponseCache")
+	if !c.ResponseCache.Enabled {
+		return nil, func() error { return nil }, nil
+	}
+	var closers []func() error
+	closeBuilt := func() error {
+		var errs []error
+		for i := len(closers) - 1; i >= 0; i-- {
+			if err := closers[i](); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		return errors.Join(errs...)
+	}
+	defer func() {
+		if err != nil {
+			_ = closeBuilt()
+		}
+	}()
+
+	rc := c.ResponseCache
+	ttl := time.Duration(rc.TTL)
+	var store respcache.CacheStore
+	switch rc.Backend {
+	case "memory":
+		m, err := respcache.NewMemory(respcache.MemoryConfig{Capacity: rc.Capacity, DefaultTTL: ttl})
+		if err != nil {
+			return nil, nil, fmt.Errorf("response_cache: %w", err)
+		}
+		store = m
+	case "redis":
+		r, err := c.newRedisStore(o)
+		if err != nil {
+			return nil, nil, err
+		}
+		closers = append(closers, r.Close)
+		store = r
+	case "tiered":
+		var l1 respcache.CacheStore
+		if rc.L1.Type == "redis" {
+			r, err := c.newRedisStore(o)
+			if err != nil {
+				return nil, nil, err
+			}
+			closers = append(closers, r.Close)
+			l1 = r
+		} else {
+			m, err := respcache.NewMemory(respcache.MemoryConfig{Capacity: rc.Capacity, DefaultTTL: ttl})
+			if err != nil {
+				return nil, nil, fmt.Errorf("response_cache.l1: %w", err)
+			}
+			l1 = m
+		}
+		l2c := rc.L2
+		s3, err := respcache.NewS3(respcache.S3Config{
+			Endpoint: l2c.Endpoint, Bucket: l2c.Bucket, KeyPrefix: l2c.KeyPrefix, Region: l2c.Region,
+			AccessKey: string(l2c.AccessKey), SecretKey: string(l2c.SecretKey), DefaultTTL: ttl,
+			TTLOverride: time.Duration(l2c.TTLOverride), MeterProvider: o.MeterProvider,
+			Logger: o.logger().With("component", "s3"),
+		})
+		if err != nil {
+			return nil, nil, fmt.Errorf("response_cache.l2: %w", err)
+		}
+		closers = append(closers, s3.Close)
+		t, err := respcache.NewTiered(respcache.TieredConfig{L1: l1, L2: s3, L1MaxValueSize: rc.L1.MaxValueSize,
+			DisablePromotion: !*rc.Tiered.PromoteOnHit, L1PromotionTTL: time.Duration(rc.Tiered.L1PromotionTTL),
+			L2TTL: time.Duration(l2c.TTLOverride)})
+		if err != nil {
+			return nil, nil, fmt.Errorf("response_cache.tiered: %w", err)
+		}
+		store = t
+	default:
+		return nil, nil, fmt.Errorf("response_cache.backend: %q is not one of memory, redis, tiered", rc.Backend)
+	}
+	cache, err = respcache.New(respcache.Config{
+		Store: store, TTL: ttl, MaxResponseSize: rc.MaxResponseSize, MaxStreamBufferSize: rc.MaxStreamBufferSize,
+		DisableStreaming: !*rc.CacheStreaming, MaxBodyBytes: c.Server.MaxBodyBytes, MeterProvider: o.MeterProvider,
+	})
+	if err != nil {
+		return nil, nil, fmt.Errorf("response_cache: %w", err)
+	}
+	closers = append(closers, cache.Close)
+	return cache, closeBuilt, nil
+}
+
+// newRedisStore builds the store of response_cache.redis; the caller closes it.
+func (c *Config) newRedisStore(o Options) (*respcache.RedisStore, error) {
+	r := c.ResponseCache.Redis
+	st, err := respcache.NewRedis(respcache.RedisConfig{
+		URL: string(r.URL), TLS: r.TLS, Username: r.Username, Password: string(r.Password), KeyPrefix: r.KeyPrefix,
+		PoolSize: r.PoolSize, ConnectTimeout: time.Duration(r.ConnectTimeoutMS) * time.Millisecond,
+		CommandTimeout: time.Duration(r.CommandTimeoutMS) * time.Millisecond, DefaultTTL: time.Duration(c.ResponseCache.TTL),
+		DisableFallback: !*r.FallbackToMemory, FallbackCapacity: r.FallbackCapacity,
+		FallbackTTL:   time.Duration(r.FallbackTTLSeconds) * time.Second,
+		MeterProvider: o.MeterProvider, Logger: o.logger().With("component", "redis"),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("response_cache.redis (%s): %w", RedactURL(string(r.URL)), err)
+	}
+	return st, nil
+}
+
+// NewKVIndex builds the index of kv_cache_index (tier 4): a kvindex.MemoryIndex (backend
+// memory) or a kvindex.RedisIndex (backend redis, on kv_cache_index.redis.url or, when that is
+// empty, response_cache.redis.url). Its block size, entry TTL, tier weights and storage
+// offloading come from kv_cache_index, and the model of events that name none is the first
+// backend's.
+//
+// Return values:
+//   - (index, closeIndex, nil): closeIndex closes the index (its sweeper or Redis client); call
+//     it once the Router and the event consumers that use the index are closed.
+//   - (nil, closeIndex, nil): kv_cache_index is not enabled; closeIndex does nothing.
+//   - (nil, nil, err): the library rejected the configuration; the error is prefixed
+//     "kv_cache_index: " or "kv_cache_index (redis <URL, password redacted>): ".
+//
+// NewKVIndex panics when c's defaults were not applied. It only reads c.
+func (c *Config) NewKVIndex() (index kvindex.KvCacheIndex, closeIndex func() error, err error) {
+	c.mustHaveDefaults("NewKVIndex")
+	kc := c.KVCacheIndex
+	if !kc.Enabled {
+		return nil, func() error { return nil }, nil
+	}
+	sc := kc.Scoring
+	tiers := kvindex.TierWeights{*sc.GPUTierWeight, *sc.CPUTierWeight, *sc.StorageTierWeight}
+	ttl := time.Duration(kc.EntryTTLSeconds) * time.Second
+	switch kc.Backend {
+	case "redis":
+		u := kc.Redis.URL
+		if u == "" {
+			u = c.ResponseCache.Redis.URL
+		}
+		ix, err := kvindex.NewRedis(kvindex.RedisConfig{
+			URL: string(u), KeyPrefix: kc.Redis.KeyPrefix, BlockSize: kc.BlockSize, DefaultModel: c.defaultModel(),
+			EntryTTL: ttl, TierWeights: tiers, StorageOffloading: kc.StorageOffloading.Enabled,
+			TreatEvictionAsOffload: *kc.StorageOffloading.TreatEvictionAsOffload,
+		})
+		if err != nil {
+			return nil, nil, fmt.Errorf("kv_cache_index (redis %s): %w", RedactURL(string(u)), err)
+		}
+		return ix, ix.Close, nil
+	default:
+		ix, err := kvindex.NewMemory(kvindex.MemoryConfig{
+			BlockSize: kc.BlockSize, DefaultModel: c.defaultModel(), MaxPrefixEntries: kc.MaxEntries, EntryTTL: ttl,
+			TierWeights: tiers, StorageOffloading: kc.StorageOffloading.Enabled,
+			TreatEvictionAsOffload:    *kc.StorageOffloading.TreatEvictionAsOffload,
+			ApproximateCapacityBlocks: kc.ApproximateCapacityBlocks,
+		})
+		if err != nil {
+			return nil, nil, fmt.Errorf("kv_cache_index: %w", err)
+		}
+		return ix, ix.Close, nil
+	}
+}
+
+// KVConfig maps kv_cache_index onto the Router's tier 4 over index (normally NewKVIndex's,
+// possibly wrapped) and tok: the scoring weights, min_overlap_threshold, load_factor_epsilon,
+// block_size, speculation, and UsePrefixEntries when some event source is SSE (prefix-granular
+// events). It returns nil when kv_cache_index is not enabled, so that
+//
+//	rcfg.KV = cfg.KVConfig(index, tok)
+//
+// is right either way.
+//
+// tok is the tokenizer of mode engine: the engines' /tokenize client is the gateway's (kvroute
+// ships none), and nil then means only requests that carry token IDs get block keys. With mode
+// estimate a nil tok means prefixkey.EstimateTokenizer; with mode none tok is ignored and
+// requests get no block keys.
+//
+// KVConfig panics when c's defaults were not applied. It only reads c.
+func (c *Config) KVConfig(index kvindex.KvCacheIndex, tok prefixkey.Tokenizer) *kvroute.KVConfig {
+	c.mustHaveDefaults("KVConfig")
+	kc := c.KVCacheIndex
+	if !kc.Enabled {
+		return nil
+	}
+	switch kc.Tokenizer {
+	case TokenizerEstimate:
+		if tok == nil {
+			tok = prefixkey.EstimateTokenizer{}
+		}
+	case TokenizerNone:
+		tok = nil
+	}
+	spec := kvroute.SpeculateShort
+	switch kc.Speculation {
+	case "approximate":
+		spec = kvroute.Approximate
+	case "off":
+		spec = kvroute.SpeculateOff
+	}
+	usePrefix := false
+	for _, es := range kc.EventSources {
+		if !IsZMQEndpoint(es.Endpoint) {
+			usePrefix = true
+		}
+	}
+	sc := kc.Scoring
+	return &kvroute.KVConfig{
+		Index:               index,
+		BlockSize:           kc.BlockSize,
+		Tokenizer:           tok,
+		Weights:             c.compositeConfig(),
+		MinOverlapThreshold: sc.MinOverlapThreshold,
+		LoadFactorEpsilon:   sc.LoadFactorEpsilon,
+		UsePrefixEntries:    usePrefix,
+		Speculation:         spec,
+	}
+}
+
+// EventConsumer is an events transport built by NewEventConsumers: an *events.SSEConsumer or an
+// *events.ZMQConsumer (type-assert for the latter's Addr, e.g. the address a bind to port 0 got).
+// Start starts its goroutines (a bound ZMQ consumer binds then; ctx bounds that); Status
+// reports each source; Close stops it and waits for its goroutines, and is idempotent. All
+// methods are safe for concurrent use.
+type EventConsumer interface {
+	Start(ctx context.Context) error
+	Status() []events.SourceStatus
+	Close() error
+}
+
+var (
+	_ EventConsumer = (*events.SSEConsumer)(nil)
+	_ EventConsumer = (*events.ZMQConsumer)(nil)
+)
+
+// NewEventConsumers builds the consumers of kv_cache_index.event_sources, all applying to sink:
+// one SSE consumer for the http(s) sources, one ZMQ consumer connecting to the tcp:// sources,
+// and one ZMQ consumer bound to the bind: true endpoint, in that order, each present only when
+// some source needs it. The first reconnection delay of each transport is the least
+// reconnect_interval_ms of its sources (the library's default when none is set), and its
+// largest delay is at least the library's default maximum. SSE streams clear their backend on
+// reconnection (events sent while a stream was down are lost); the bound endpoint's model
+// defaults to the first backend's.
+//
+// It returns nil and no error when kv_cache_index is not enabled or has no event sources.
+// Nothing is started: call Start on each consumer, and Close on each when done (before closing
+// the sink). The error names the transport (kv_cache_index.event_sources (SSE), (ZMQ) or (ZMQ
+// bind)) and wraps the library's; the consumers built before the failure have been closed.
+// NewEventConsumers only reads c.
+func (c *Config) NewEventConsumers(sink events.Sink, o Options) ([]EventConsumer, error) {
+	if !c.KVCacheIndex.Enabled {
+		return nil, nil
+	}
+	var (
+		sse          []events.SSESource
+		zmq          []events.ZMQEndpoint
+		sseBackoff   time.Duration
+		zmqBackoff   time.Duration
+		out          []EventConsumer
+		bindSource   *EventSourceConfig
+		minBackoffOf = func(cur time.Duration, ms int) time.Duration {
+			if ms <= 0 {
+				return cur
+			}
+			d := time.Duration(ms) * time.Millisecond
+			if cur == 0 || d < cur {
+				return d
+			}
+			return cur
+		}
+	)
+	for i := range c.KVCacheIndex.EventSources {
+		es := &c.KVCacheIndex.EventSources[i]
+		switch {
+		case es.Bind:
+			bindSource = es
+		case IsZMQEndpoint(es.Endpoint):
+			zmq = append(zmq, events.ZMQEndpoint{Backend: es.BackendName, Endpoint: es.Endpoint,
+				ReplayEndpoint: es.ReplayEndpoint, Model: es.Model})
+			zmqBackoff = minBackoffOf(zmqBackoff, es.ReconnectIntervalMS)
+		default:
+			sse = append(sse, events.SSESource{Backend: es.BackendName, URL: es.Endpoint, Model: es.Model})
+			sseBackoff = minBackoffOf(sseBackoff, es.ReconnectIntervalMS)
+		}
+	}
+	closeAll := func() {
+		for i := len(out) - 1; i >= 0; i-- {
+			_ = out[i].Close()
+		}
+	}
+	logger := o.logger().With("component", "kv-events")
+	if len(sse) > 0 {
+		sc, err := events.NewSSEConsumer(events.SSEConfig{Sink: sink, Sources: sse, InitialBackoff: sseBackoff,
+			MaxBackoff: max(sseBackoff, events.DefaultSSEMaxBackoff), ClearOnReconnect: true,
+			MeterProvider: o.MeterProvider, Logger: logger})
+		if err != nil {
+			return nil, fmt.Errorf("kv_cache_index.event_sources (SSE): %w", err)
+		}
+		out = append(out, sc)
+	}
+	if len(zmq) > 0 {
+		zc, err := events.NewZMQConsumer(events.ZMQConfig{Sink: sink, Endpoints: zmq, InitialBackoff: zmqBackoff,
+			MaxBackoff: max(zmqBackoff, events.DefaultZMQMaxBackoff), MeterProvider: o.MeterProvider, Logger: logger})
+		if err != nil {
+			closeAll()
+			return nil, fmt.Errorf("kv_cache_index.event_sources (ZMQ): %w", err)
+		}
+		out = append(out, zc)
+	}
+	if bindSource != nil {
+		model := bindSource.Model
+		if model == "" {
+			model = c.defaultModel()
+		}
+		zc, err := events.NewZMQConsumer(events.ZMQConfig{Sink: sink, Bind: bindSource.Endpoint,
+			TopicBackend: bindSource.TopicBackends, DefaultBackend: bindSource.BackendName, Model: model,
+			MeterProvider: o.MeterProvider, Logger: logger})
+		if err != nil {
+			closeAll()
+			return nil, fmt.Errorf("kv_cache_index.event_sources (ZMQ bind): %w", err)
+		}
+		out = append(out, zc)
+	}
+	return out, nil
+}

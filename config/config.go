@@ -1,0 +1,516 @@
+package config
+
+import (
+	"fmt"
+	"net"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvroute/kvroute/config/internal/yamlconf"
+	"github.com/kvroute/kvroute/disagg"
+)
+
+// Config is the proxy's YAML configuration (the reference gateway, examples/proxy), in the seeds'
+// configuration schema with a few additions that the seeds leave open: the server's limits,
+// admin authentication, ZMQ event sources and the tokenizer. Every section is optional; the zero
+// value of a field means its documented default (applied by ApplyDefaults). Values may reference
+// environment variables as ${NAME} or ${NAME:-default}; an unset variable without a default is an
+// error naming the field.
+//
+// A Config is plain data: Parse and Load return one with defaults applied and validated, and its
+// methods only read it, so a Config that nobody modifies is safe for concurrent use.
+type Config struct {
+	// Server is where the proxy listens and its request limits.
+	Server ServerConfig `yaml:"server"`
+	// Admin protects the /admin endpoints.
+	Admin AdminConfig `yaml:"admin"`
+	// SelectionStrategy chooses a backend for requests without a prefix key: round_robin (default),
+	// least_loaded, random or least_latency. The seeds' CamelCase names (RoundRobin, LeastLatency,
+	// …) are accepted, and PrefixAwareHash means prefix routing with the default fallback.
+	SelectionStrategy string `yaml:"selection_strategy"`
+	// PrefixRouting is tier 1: prefix-aware consistent hashing with bounded loads.
+	PrefixRouting PrefixRoutingConfig `yaml:"prefix_routing"`
+	// ResponseCache is tiers 2 and 3: the response cache and its store.
+	ResponseCache ResponseCacheConfig `yaml:"response_cache"`
+	// KVCacheIndex is tier 4: KV-cache-aware routing from the engines' KV events.
+	KVCacheIndex KVCacheIndexConfig `yaml:"kv_cache_index"`
+	// Backends are the model servers. At least one is required.
+	Backends []BackendConfig `yaml:"backends"`
+	// HealthChecks probe every backend's health endpoint.
+	HealthChecks HealthCheckConfig `yaml:"health_checks"`
+	// CircuitBreaker takes a backend out of rotation after consecutive upstream failures.
+	CircuitBreaker CircuitBreakerConfig `yaml:"circuit_breaker"`
+	// DisaggregatedServing runs prefill and decode on separate backends (roles prefill and
+	// decode), with unified backends as the fallback.
+	DisaggregatedServing DisaggregatedConfig `yaml:"disaggregated_serving"`
+}
+
+// ServerConfig is the server section.
+type ServerConfig struct {
+	// BindAddress is the listening address (default 127.0.0.1). Host is the seeds' name for it;
+	// set at most one of them.
+	BindAddress string `yaml:"bind_address"`
+	Host        string `yaml:"host"`
+	// Port is the listening port (default 8080; 0 picks a free port).
+	Port *int `yaml:"port"`
+	// MaxBodyBytes caps a request body; larger bodies get 413 (default 8 MiB).
+	MaxBodyBytes int64 `yaml:"max_body_bytes"`
+	// ShutdownTimeout bounds the drain of requests in flight on SIGTERM/SIGINT (default 30s).
+	ShutdownTimeout Duration `yaml:"shutdown_timeout"`
+	// ReadHeaderTimeout bounds reading a request's headers (default 10s).
+	ReadHeaderTimeout Duration `yaml:"read_header_timeout"`
+	// ReadTimeout bounds reading a whole request, headers and body (default 60s): a client that
+	// trickles its body is cut off.
+	ReadTimeout Duration `yaml:"read_timeout"`
+	// UpstreamDialTimeout bounds connecting to a backend (default 5s).
+	UpstreamDialTimeout Duration `yaml:"upstream_dial_timeout"`
+}
+
+// AdminConfig is the admin section.
+type AdminConfig struct {
+	// AuthToken, when set, is required as "Authorization: Bearer <token>" on every /admin
+	// endpoint (401 otherwise). It is never logged.
+	AuthToken Secret `yaml:"auth_token"`
+}
+
+// PrefixRoutingConfig is the prefix_routing section (tier 1).
+type PrefixRoutingConfig struct {
+	// Enabled turns prefix routing on (default true).
+	Enabled *bool `yaml:"enabled"`
+	// MaxPrefixLength is the number of prompt bytes hashed into the prefix key (default 1024).
+	MaxPrefixLength int `yaml:"max_prefix_length"`
+	// LoadFactorEpsilon is CHWBL's ε: a backend takes at most (1+ε)×average load (default 0.25,
+	// range 0.01 to 10).
+	LoadFactorEpsilon float64 `yaml:"load_factor_epsilon"`
+	// VirtualNodes per backend on the hash ring (default 150).
+	VirtualNodes int `yaml:"virtual_nodes"`
+	// AnthropicCacheControlInjection adds cache_control markers to Anthropic system prompts.
+	AnthropicCacheControlInjection bool `yaml:"anthropic_cache_control_injection"`
+}
+
+// ResponseCacheConfig is the response_cache section (tiers 2 and 3).
+type ResponseCacheConfig struct {
+	// Enabled turns the response cache on (default false).
+	Enabled bool `yaml:"enabled"`
+	// Backend is memory (default), redis or tiered.
+	Backend string `yaml:"backend"`
+	// Capacity is the in-memory store's entry capacity (default 1000).
+	Capacity int `yaml:"capacity"`
+	// TTL of a cached response (default 5m).
+	TTL Duration `yaml:"ttl"`
+	// MaxResponseSize is the largest cached response body (default 1 MiB).
+	MaxResponseSize int `yaml:"max_response_size"`
+	// MaxStreamBufferSize is the largest cached streamed response (default 10 MiB).
+	MaxStreamBufferSize int `yaml:"max_stream_buffer_size"`
+	// CacheStreaming caches streamed responses and replays them as SSE (default true).
+	CacheStreaming *bool `yaml:"cache_streaming"`
+	// Redis is the Redis/Valkey connection (backend redis, or l1.type redis).
+	Redis RedisConfig `yaml:"redis"`
+	// L1 and L2 are the tiers of backend tiered; Tiered their promotion settings.
+	L1     L1Config     `yaml:"l1"`
+	L2     L2Config     `yaml:"l2"`
+	Tiered TieredConfig `yaml:"tiered"`
+}
+
+// RedisConfig is response_cache.redis.
+type RedisConfig struct {
+	// URL is redis://[user:password@]host:port[/db] or rediss:// (default redis://127.0.0.1:6379).
+	URL Secret `yaml:"url"`
+	// TLS forces TLS with a redis:// URL.
+	TLS bool `yaml:"tls"`
+	// Username and Password override the URL's credentials.
+	Username string `yaml:"username"`
+	Password Secret `yaml:"password"`
+	// PoolSize is the connection pool size (default 8).
+	PoolSize int `yaml:"pool_size"`
+	// KeyPrefix namespaces the keys (default "kvroute:resp:"); no glob characters.
+	KeyPrefix string `yaml:"key_prefix"`
+	// ConnectTimeoutMS and CommandTimeoutMS bound a connection attempt (default 3000) and each
+	// command (default 1000).
+	ConnectTimeoutMS int `yaml:"connect_timeout_ms"`
+	CommandTimeoutMS int `yaml:"command_timeout_ms"`
+	// FallbackCapacity and FallbackTTLSeconds size the in-memory fallback used while Redis is
+	// unreachable (defaults 1000 and 300).
+	FallbackCapacity   int `yaml:"fallback_capacity"`
+	FallbackTTLSeconds int `yaml:"fallback_ttl_seconds"`
+	// FallbackToMemory serves from memory while Redis is unreachable (default true).
+	FallbackToMemory *bool `yaml:"fallback_to_memory"`
+}
+
+// L1Config is response_cache.l1.
+type L1Config struct {
+	// Type is memory (default) or redis (response_cache.redis).
+	Type string `yaml:"type"`
+	// MaxValueSize: larger values go to L2 only (default 1 MiB).
+	MaxValueSize int `yaml:"max_value_size"`
+}
+
+// L2Config is response_cache.l2: an S3-compatible bucket.
+type L2Config struct {
+	// Type must be s3.
+	Type string `yaml:"type"`
+	// Endpoint is the S3 URL (http or https); Bucket a pre-created bucket.
+	Endpoint string `yaml:"endpoint"`
+	Bucket   string `yaml:"bucket"`
+	// KeyPrefix within the bucket (default "response-cache/"); Region (default us-east-1).
+	KeyPrefix string `yaml:"key_prefix"`
+	Region    string `yaml:"region"`
+	// AccessKey and SecretKey are the credentials (use ${ENV}); redacted in logs.
+	AccessKey Secret `yaml:"access_key"`
+	SecretKey Secret `yaml:"secret_key"`
+	// TTLOverride, when set, is the TTL of every L2 entry (e.g. "7d").
+	TTLOverride Duration `yaml:"ttl_override"`
+}
+
+// TieredConfig is response_cache.tiered.
+type TieredConfig struct {
+	// PromoteOnHit copies L2 hits into L1 (default true).
+	PromoteOnHit *bool `yaml:"promote_on_hit"`
+	// L1PromotionTTL is the L1 TTL of a promoted entry (default 5m).
+	L1PromotionTTL Duration `yaml:"l1_promotion_ttl"`
+}
+
+// KVCacheIndexConfig is the kv_cache_index section (tier 4).
+type KVCacheIndexConfig struct {
+	// Enabled turns KV-aware routing on (default false).
+	Enabled bool `yaml:"enabled"`
+	// Backend is memory (default) or redis (shares response_cache.redis.url unless Redis.URL is
+	// set).
+	Backend string `yaml:"backend"`
+	// MaxEntries is the most prefix entries tracked (default 100000, range 100 to 10,000,000).
+	MaxEntries int `yaml:"max_entries"`
+	// EntryTTLSeconds is how long an entry lives after its last event (default 600, range 1 to
+	// 86400).
+	EntryTTLSeconds int `yaml:"entry_ttl_seconds"`
+	// BlockSize is the engines' KV block size in tokens (default 16).
+	BlockSize int `yaml:"block_size"`
+	// Tokenizer supplies token IDs for block keys: engine (the backends' /tokenize, precise),
+	// estimate (byte-based pseudo tokens, for approximate routing without events) or none. The
+	// default is engine when some event source is ZMQ, none when all are SSE (prefix-granular),
+	// and estimate when there are no event sources.
+	Tokenizer string `yaml:"tokenizer"`
+	// TokenizeTimeout bounds one /tokenize call (default 100ms).
+	TokenizeTimeout Duration `yaml:"tokenize_timeout"`
+	// Speculation records predicted entries after each decision: speculate (default with event
+	// sources), approximate (default without: routing decisions are the only source) or off.
+	Speculation string `yaml:"speculation"`
+	// ApproximateCapacityBlocks caps each backend's predicted blocks in approximate mode (the
+	// engines' KV cache size in blocks); 0 means no cap.
+	ApproximateCapacityBlocks int `yaml:"approximate_capacity_blocks"`
+	// Redis is the index's own Redis settings (backend redis).
+	Redis KVRedisConfig `yaml:"redis"`
+	// Scoring weighs overlap, load and health; they must sum to 1.0.
+	Scoring ScoringConfig `yaml:"scoring"`
+	// StorageOffloading tracks the storage tier of prefix entries.
+	StorageOffloading StorageOffloadingConfig `yaml:"storage_offloading"`
+	// EventSources are the engines' KV-event streams.
+	EventSources []EventSourceConfig `yaml:"event_sources"`
+}
+
+// KVRedisConfig is kv_cache_index.redis.
+type KVRedisConfig struct {
+	// URL of the index's Redis (default: response_cache.redis.url).
+	URL Secret `yaml:"url"`
+	// KeyPrefix of the index's keys (default "kvroute:kvidx:").
+	KeyPrefix string `yaml:"key_prefix"`
+}
+
+// ScoringConfig is kv_cache_index.scoring.
+type ScoringConfig struct {
+	// OverlapWeight, LoadWeight and HealthWeight (defaults 0.6, 0.3, 0.1) must sum to 1.0.
+	OverlapWeight *float64 `yaml:"overlap_weight"`
+	LoadWeight    *float64 `yaml:"load_weight"`
+	HealthWeight  *float64 `yaml:"health_weight"`
+	// MinOverlapThreshold is the fraction of a request a backend must hold for KV-aware routing
+	// to take over (default 0.3, range (0, 1]).
+	MinOverlapThreshold float64 `yaml:"min_overlap_threshold"`
+	// LoadFactorEpsilon bounds KV-aware choices as prefix_routing.load_factor_epsilon bounds the
+	// ring's: a backend tier 4 picks may carry up to (1+ε) times the mean in-flight requests
+	// (default 1.0, range [0.01, 10]; kvroute.KVConfig.LoadFactorEpsilon).
+	LoadFactorEpsilon float64 `yaml:"load_factor_epsilon"`
+	// GPUTierWeight, CPUTierWeight and StorageTierWeight multiply the overlap of blocks held on
+	// each tier (defaults 1.0, 0.8, 0.6; range [0, 1]).
+	GPUTierWeight     *float64 `yaml:"gpu_tier_weight"`
+	CPUTierWeight     *float64 `yaml:"cpu_tier_weight"`
+	StorageTierWeight *float64 `yaml:"storage_tier_weight"`
+}
+
+// StorageOffloadingConfig is kv_cache_index.storage_offloading.
+type StorageOffloadingConfig struct {
+	// Enabled tracks the storage tier (default false).
+	Enabled bool `yaml:"enabled"`
+	// TreatEvictionAsOffload moves evicted prefixes to the storage tier (default true).
+	TreatEvictionAsOffload *bool `yaml:"treat_eviction_as_offload"`
+}
+
+// EventSourceConfig is one entry of kv_cache_index.event_sources.
+type EventSourceConfig struct {
+	// BackendName is the backend the events belong to (required, except for a bound ZMQ
+	// endpoint, where it is the default for topics that name no known backend).
+	BackendName string `yaml:"backend_name"`
+	// Endpoint is an SSE URL (http://vllm-1:8000/v1/kv_events) or a ZMQ endpoint
+	// (tcp://vllm-1:5557 to connect to an engine's PUB socket; with Bind, the address engines
+	// connect to, e.g. tcp://0.0.0.0:5557).
+	Endpoint string `yaml:"endpoint"`
+	// ReplayEndpoint is the engine's ZMQ replay socket (connect mode), used to fill sequence gaps
+	// and, on each new connection, to catch up on the engine's last 10,000 batches, so the index
+	// learns what the engine cached before the proxy subscribed.
+	ReplayEndpoint string `yaml:"replay_endpoint"`
+	// Bind makes the proxy bind Endpoint (centralized mode): engines connect to it and their
+	// messages are placed by topic (kv@<pod>@<model>: <pod> is the backend name, or TopicBackends).
+	Bind bool `yaml:"bind"`
+	// TopicBackends maps exact topics to backend names (bind mode).
+	TopicBackends map[string]string `yaml:"topic_backends"`
+	// Model roots the events' block keys when they name none (default: the backend's model).
+	Model string `yaml:"model"`
+	// ReconnectIntervalMS is the first reconnection delay (default 1000 for SSE, 100 for ZMQ).
+	ReconnectIntervalMS int `yaml:"reconnect_interval_ms"`
+}
+
+// BackendConfig is one entry of backends.
+type BackendConfig struct {
+	// Name identifies the backend in routing, stats and event sources (required, unique).
+	Name string `yaml:"name"`
+	// URL is the backend's HTTP root, e.g. http://vllm-1:8000 (required).
+	URL string `yaml:"url"`
+	// Weight is the backend's relative capacity (default 1).
+	Weight float64 `yaml:"weight"`
+	// Model (or the seeds' Models list) names the model the backend serves: the default model of
+	// its KV events, and the backends the engine tokenizer may ask for a request's model.
+	Model  string   `yaml:"model"`
+	Models []string `yaml:"models"`
+	// Role is prefill, decode or unified (default): what the backend does in disaggregated
+	// serving. Prefill and decode need disaggregated_serving.enabled.
+	Role string `yaml:"role"`
+	// ExternalStorage is where the backend's KV tensors transit (default:
+	// disaggregated_serving.default_external_storage). A prefill and a decode backend are paired
+	// only when their storage is at the same location (endpoint, bucket and kv_namespace).
+	ExternalStorage *ExternalStorageConfig `yaml:"external_storage"`
+}
+
+// HealthCheckConfig is the health_checks section.
+type HealthCheckConfig struct {
+	// Enabled probes the backends (default true).
+	Enabled *bool `yaml:"enabled"`
+	// Interval between probes (default 10s) and Timeout of one probe (default 5s).
+	Interval Duration `yaml:"interval"`
+	Timeout  Duration `yaml:"timeout"`
+	// UnhealthyThreshold consecutive failed probes mark a backend down (default 3);
+	// HealthyThreshold consecutive good ones bring it back (default 2).
+	UnhealthyThreshold int `yaml:"unhealthy_threshold"`
+	HealthyThreshold   int `yaml:"healthy_threshold"`
+	// Path probed with GET (default /health); any 2xx is healthy.
+	Path string `yaml:"path"`
+}
+
+// CircuitBreakerConfig is the circuit_breaker section.
+type CircuitBreakerConfig struct {
+	// Enabled turns the breaker on (default true).
+	Enabled *bool `yaml:"enabled"`
+	// FailureThreshold consecutive upstream failures (connection errors and 5xx) open the
+	// circuit (default 5).
+	FailureThreshold int `yaml:"failure_threshold"`
+	// RecoveryTimeout after which an open circuit lets traffic through again, half-open: the next
+	// outcome closes or re-opens it (default 30s).
+	RecoveryTimeout Duration `yaml:"recovery_timeout"`
+}
+
+// DisaggregatedConfig is the disaggregated_serving section: prefill/decode disaggregation.
+type DisaggregatedConfig struct {
+	// Enabled turns disaggregation on (default false); backends with role prefill or decode need
+	// it.
+	Enabled bool `yaml:"enabled"`
+	// PrefillTimeout bounds the remote prefill request (default 60s).
+	PrefillTimeout Duration `yaml:"prefill_timeout"`
+	// KVTransferTimeout bounds the wait for a decode backend's response headers after a remote
+	// prefill: the decode engine loads the KV tensors before it answers (default 15s).
+	KVTransferTimeout Duration `yaml:"kv_transfer_timeout"`
+	// FallbackToUnified sends a request to a unified backend when the prefill or decode pool has
+	// no healthy backend or its prefill failed (default true).
+	FallbackToUnified *bool `yaml:"fallback_to_unified"`
+	// DefaultExternalStorage is the storage of every backend without external_storage.
+	DefaultExternalStorage *ExternalStorageConfig `yaml:"default_external_storage"`
+	// Conditional skips the remote prefill when the decode backend's uncached part of the prompt
+	// is short.
+	Conditional ConditionalConfig `yaml:"conditional"`
+}
+
+// ExternalStorageConfig is external_storage (per backend) and
+// disaggregated_serving.default_external_storage: where KV tensors transit between prefill and
+// decode backends. The proxy does not read the storage itself (the engines do); it uses the
+// location to pair backends and shows it, credentials redacted, in the stats.
+type ExternalStorageConfig struct {
+	// Endpoint is the storage's URL, e.g. http://kv-store:8080 (required).
+	Endpoint string `yaml:"endpoint"`
+	// KVNamespace is the key prefix of the KV tensors, e.g. inference/kv-cache.
+	KVNamespace string `yaml:"kv_namespace"`
+	// Credentials is an opaque credential (optional with anonymous access); redacted in logs.
+	Credentials Secret `yaml:"credentials"`
+	// Bucket, for S3-compatible storage, is part of the location: endpoint/bucket.
+	Bucket string `yaml:"bucket"`
+	// AccessKey and SecretKey are S3-style credentials; redacted in logs.
+	AccessKey Secret `yaml:"access_key"`
+	SecretKey Secret `yaml:"secret_key"`
+}
+
+// ConditionalConfig is disaggregated_serving.conditional: conditional disaggregation. The remote
+// prefill is skipped (the decode backend computes the rest itself) when the part of the prompt the
+// best decode backend cannot reuse is at most MaxUncachedTokens tokens or at most
+// MaxUncachedRatio of the prompt.
+type ConditionalConfig struct {
+	// Enabled turns conditional disaggregation on (default true). Off, any reusable prefix on a
+	// decode backend means fast_decode and none means a remote prefill.
+	Enabled *bool `yaml:"enabled"`
+	// MaxUncachedTokens (default 512) and MaxUncachedRatio (default 0.1, at most 1) are the
+	// thresholds; 0 turns that test off.
+	MaxUncachedTokens *int     `yaml:"max_uncached_tokens"`
+	MaxUncachedRatio  *float64 `yaml:"max_uncached_ratio"`
+}
+
+// Defaults of the gateway's own settings (the library packages' defaults apply to the rest).
+const (
+	DefaultBindAddress         = "127.0.0.1"
+	DefaultPort                = 8080
+	DefaultMaxBodyBytes        = 8 << 20
+	DefaultShutdownTimeout     = 30 * time.Second
+	DefaultReadHeaderTimeout   = 10 * time.Second
+	DefaultReadTimeout         = 60 * time.Second
+	DefaultUpstreamDialTimeout = 5 * time.Second
+	DefaultTokenizeTimeout     = 100 * time.Millisecond
+	DefaultHealthInterval      = 10 * time.Second
+	DefaultHealthTimeout       = 5 * time.Second
+	DefaultUnhealthyThreshold  = 3
+	DefaultHealthyThreshold    = 2
+	DefaultHealthPath          = "/health"
+	DefaultFailureThreshold    = 5
+	DefaultRecoveryTimeout     = 30 * time.Second
+)
+
+// Tokenizer modes of kv_cache_index.tokenizer. The YAML also accepts "auto" (and ""), which
+// ApplyDefaults replaces with the mode the event sources call for (see
+// KVCacheIndexConfig.Tokenizer).
+const (
+	// TokenizerEngine asks the backends' /tokenize for a request's token IDs (precise block keys).
+	TokenizerEngine = "engine"
+	// TokenizerEstimate derives pseudo tokens from the prompt bytes (prefixkey.EstimateTokenizer).
+	TokenizerEstimate = "estimate"
+	// TokenizerNone gives requests no block keys (prefix-granular SSE events need none).
+	TokenizerNone = "none"
+)
+
+// Load reads the YAML file at path, expands its ${NAME} references from the process environment
+// (os.LookupEnv), applies the defaults and validates it. Errors reading the file are returned as
+// is; the others are prefixed by path and name the field. Load is safe for concurrent use.
+func Load(path string) (*Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	cfg, err := Parse(data, os.LookupEnv)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return cfg, nil
+}
+
+// Parse decodes data strictly (unknown fields are errors), expanding ${ENV} references
+// with lookup, then applies defaults and validates. Every error names the field path.
+// A nil lookup expands nothing: every reference is then unset, and one without a default is an
+// error. The result is a fresh Config the caller owns. Parse never reads the environment itself
+// and is safe for concurrent use (provided lookup is).
+func Parse(data []byte, lookup func(string) (string, bool)) (*Config, error) {
+	if lookup == nil {
+		lookup = func(string) (string, bool) { return "", false }
+	}
+	cfg := &Config{}
+	if err := yamlconf.Decode(data, cfg, lookup); err != nil {
+		return nil, err
+	}
+	cfg.ApplyDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return cfg, nil
+}
+
+// ModelName returns the backend's model: Model, else the first of Models, else "".
+func (b *BackendConfig) ModelName() string {
+	if b.Model != "" {
+		return b.Model
+	}
+	if len(b.Models) > 0 {
+		return b.Models[0]
+	}
+	return ""
+}
+
+// Serves reports whether the backend serves model; a backend that declares no model serves any.
+func (b *BackendConfig) Serves(model string) bool {
+	if b.Model == "" && len(b.Models) == 0 {
+		return true
+	}
+	return b.Model == model || slices.Contains(b.Models, model)
+}
+
+// Backend returns the backend named name (a pointer into c.Backends), or nil.
+func (c *Config) Backend(name string) *BackendConfig {
+	for i := range c.Backends {
+		if c.Backends[i].Name == name {
+			return &c.Backends[i]
+		}
+	}
+	return nil
+}
+
+// Addr returns the listening address host:port (server.bind_address and server.port). It needs
+// the defaults applied (ApplyDefaults; Parse and Load do it).
+func (c *Config) Addr() string {
+	return net.JoinHostPort(c.Server.BindAddress, strconv.Itoa(*c.Server.Port))
+}
+
+// Location returns the storage as the Router sees it: the bucket, when set, joins the endpoint
+// (path-style, http://host:port/bucket) so that two buckets on one endpoint are two locations.
+// A nil s is the zero location (no storage).
+func (s *ExternalStorageConfig) Location() disagg.ExternalStorage {
+	if s == nil {
+		return disagg.ExternalStorage{}
+	}
+	ep := s.Endpoint
+	if s.Bucket != "" {
+		ep = strings.TrimRight(ep, "/") + "/" + s.Bucket
+	}
+	return disagg.ExternalStorage{Endpoint: ep, Namespace: s.KVNamespace, Credentials: string(s.Credentials),
+		AccessKey: string(s.AccessKey), SecretKey: string(s.SecretKey)}
+}
+
+// StorageOf returns b's storage location: its own, else the default (zero when neither is set).
+func (c *Config) StorageOf(b *BackendConfig) disagg.ExternalStorage {
+	if b.ExternalStorage != nil {
+		return b.ExternalStorage.Location()
+	}
+	return c.DisaggregatedServing.DefaultExternalStorage.Location()
+}
+
+// ParsedRole returns b's parsed role (unified for an invalid one: Validate reports it).
+func (b *BackendConfig) ParsedRole() disagg.Role {
+	r, _ := disagg.ParseRole(b.Role)
+	return r
+}
+
+// Secret is a configuration string that is never printed: String, GoString, LogValue and
+// MarshalText (hence fmt, slog and JSON) show "[REDACTED]" (or "" when empty). Use string(s) for
+// the value.
+type Secret = yamlconf.Secret
+
+// Duration is a time.Duration read from YAML as Go duration text ("90s", "5m", "1h30m") with a
+// days unit added ("7d", "1d12h"), or as a bare integer number of seconds. Its String is compact
+// ("5m", "24h", "7d").
+type Duration = yamlconf.Duration
+
+// ParseDuration parses the Duration text forms: Go duration text ("90s", "5m", "1h30m") with a
+// leading days unit ("7d", "1d12h", "0.5d"), or a bare number of seconds ("300"). Negative
+// durations are errors.
+func ParseDuration(s string) (Duration, error) { return yamlconf.ParseDuration(s) }

@@ -1,0 +1,444 @@
+package config
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvroute/kvroute/disagg"
+	"github.com/kvroute/kvroute/kvindex"
+)
+
+// fieldErrors collects validation errors, each prefixed by its field path.
+type fieldErrors []error
+
+func (fe *fieldErrors) add(path, format string, args ...any) {
+	*fe = append(*fe, fmt.Errorf("%s: %s", path, fmt.Sprintf(format, args...)))
+}
+
+// Validate checks ranges and cross-field rules; the error joins one line per problem, each
+// starting with the field path (errors.Join: unwrap it into the individual problems with
+// interface{ Unwrap() []error }). nil means c is valid. c must have its defaults applied
+// (ApplyDefaults). Validate only reads c.
+func (c *Config) Validate() error {
+	if p := c.undefaulted(); p != "" {
+		return fmt.Errorf("%s: unset: call ApplyDefaults before Validate", p)
+	}
+	var fe fieldErrors
+	s := c.Server
+	if s.Host != "" && s.BindAddress != s.Host {
+		fe.add("server", "set bind_address or host, not both")
+	}
+	if p := *s.Port; p < 0 || p > 65535 {
+		fe.add("server.port", "%d is not in [0, 65535]", p)
+	}
+	if s.MaxBodyBytes < 1 {
+		fe.add("server.max_body_bytes", "%d must be positive", s.MaxBodyBytes)
+	}
+	for path, d := range map[string]Duration{"server.shutdown_timeout": s.ShutdownTimeout,
+		"server.read_header_timeout": s.ReadHeaderTimeout, "server.read_timeout": s.ReadTimeout, "server.upstream_dial_timeout": s.UpstreamDialTimeout} {
+		if d < 0 {
+			fe.add(path, "must not be negative")
+		}
+	}
+	if s := c.SelectionStrategy; s != "" {
+		if _, ok := ParseStrategy(s); !ok {
+			fe.add("selection_strategy", "%q is not one of round_robin, least_loaded, random, least_latency, prefix_aware_hash", s)
+		}
+	}
+
+	pr := c.PrefixRouting
+	if pr.MaxPrefixLength != 0 && (pr.MaxPrefixLength < 1 || pr.MaxPrefixLength > 1<<20) {
+		fe.add("prefix_routing.max_prefix_length", "%d is not in [1, 1048576]", pr.MaxPrefixLength)
+	}
+	if e := pr.LoadFactorEpsilon; e != 0 && (math.IsNaN(e) || e < 0.01 || e > 10) {
+		fe.add("prefix_routing.load_factor_epsilon", "%v is not in [0.01, 10]", e)
+	}
+	if pr.VirtualNodes < 0 || pr.VirtualNodes > 10000 {
+		fe.add("prefix_routing.virtual_nodes", "%d is not in [1, 10000]", pr.VirtualNodes)
+	}
+
+	c.validateBackends(&fe)
+	if c.ResponseCache.Enabled {
+		c.validateResponseCache(&fe)
+	}
+	if c.KVCacheIndex.Enabled {
+		c.validateKV(&fe)
+	}
+
+	h := c.HealthChecks
+	if h.Interval < Duration(10*time.Millisecond) {
+		fe.add("health_checks.interval", "%v is shorter than 10ms", h.Interval)
+	}
+	if h.Timeout <= 0 {
+		fe.add("health_checks.timeout", "must be positive")
+	}
+	if h.UnhealthyThreshold < 1 {
+		fe.add("health_checks.unhealthy_threshold", "%d must be at least 1", h.UnhealthyThreshold)
+	}
+	if h.HealthyThreshold < 1 {
+		fe.add("health_checks.healthy_threshold", "%d must be at least 1", h.HealthyThreshold)
+	}
+	if !strings.HasPrefix(h.Path, "/") {
+		fe.add("health_checks.path", "%q must start with /", h.Path)
+	}
+	cb := c.CircuitBreaker
+	if cb.FailureThreshold < 1 {
+		fe.add("circuit_breaker.failure_threshold", "%d must be at least 1", cb.FailureThreshold)
+	}
+	if cb.RecoveryTimeout <= 0 {
+		fe.add("circuit_breaker.recovery_timeout", "must be positive")
+	}
+	c.validateDisagg(&fe)
+	return errors.Join(fe...)
+}
+
+func (c *Config) validateBackends(fe *fieldErrors) {
+	if len(c.Backends) == 0 {
+		fe.add("backends", "at least one backend is required")
+	}
+	seen := map[string]int{}
+	for i, b := range c.Backends {
+		p := fmt.Sprintf("backends[%d]", i)
+		if b.Name == "" {
+			fe.add(p+".name", "is required")
+		} else if j, dup := seen[b.Name]; dup {
+			fe.add(p+".name", "%q is already the name of backends[%d]", b.Name, j)
+		} else {
+			seen[b.Name] = i
+		}
+		if err := checkHTTPURL(b.URL); err != nil {
+			fe.add(p+".url", "%v", err)
+		}
+		if b.Weight < 0 || math.IsNaN(b.Weight) || math.IsInf(b.Weight, 0) {
+			fe.add(p+".weight", "%v must be positive", b.Weight)
+		}
+		if b.Model != "" && len(b.Models) > 0 {
+			fe.add(p, "set model or models, not both")
+		}
+	}
+}
+
+// validateDisagg checks disaggregated_serving and the backends' roles and storage.
+func (c *Config) validateDisagg(fe *fieldErrors) {
+	ds := c.DisaggregatedServing
+	if ds.DefaultExternalStorage != nil {
+		ds.DefaultExternalStorage.validate(fe, "disaggregated_serving.default_external_storage")
+	}
+	cd := ds.Conditional
+	if n := *cd.MaxUncachedTokens; n < 0 {
+		fe.add("disaggregated_serving.conditional.max_uncached_tokens", "%d must not be negative", n)
+	}
+	if r := *cd.MaxUncachedRatio; math.IsNaN(r) || r < 0 || r > 1 {
+		fe.add("disaggregated_serving.conditional.max_uncached_ratio", "%v is not in [0, 1]", r)
+	}
+	var prefill, decode []int
+	for i, b := range c.Backends {
+		p := fmt.Sprintf("backends[%d]", i)
+		if b.ExternalStorage != nil {
+			b.ExternalStorage.validate(fe, p+".external_storage")
+		}
+		role, err := disagg.ParseRole(b.Role)
+		if err != nil {
+			fe.add(p+".role", "%q is not one of prefill, decode, unified", b.Role)
+			continue
+		}
+		if role == disagg.RoleUnified {
+			continue
+		}
+		if !ds.Enabled {
+			fe.add(p+".role", "%q needs disaggregated_serving.enabled: true", b.Role)
+			continue
+		}
+		if role == disagg.RolePrefill {
+			prefill = append(prefill, i)
+		} else {
+			decode = append(decode, i)
+		}
+	}
+	if len(prefill) > 0 && len(decode) == 0 {
+		fe.add("backends", "%d backend(s) with role prefill but none with role decode: a prefill needs a decode backend to hand its KV to", len(prefill))
+		return
+	}
+	// A prefill backend that shares storage with no decode backend could never be chosen.
+	for _, i := range prefill {
+		ps := c.StorageOf(&c.Backends[i])
+		paired := false
+		for _, j := range decode {
+			if ps.SameLocation(c.StorageOf(&c.Backends[j])) {
+				paired = true
+				break
+			}
+		}
+		if !paired {
+			fe.add(fmt.Sprintf("backends[%d].external_storage", i), "prefill backend %q shares its storage (%s) with no decode backend",
+				c.Backends[i].Name, ps)
+		}
+	}
+}
+
+// validate checks one external storage section at path.
+func (s *ExternalStorageConfig) validate(fe *fieldErrors, path string) {
+	if err := checkHTTPURL(s.Endpoint); err != nil {
+		fe.add(path+".endpoint", "%v", err)
+	}
+	if strings.ContainsAny(s.Bucket, "/?#") {
+		fe.add(path+".bucket", "%q must be a bucket name (no /, ? or #)", s.Bucket)
+	}
+	if (s.AccessKey == "") != (s.SecretKey == "") {
+		fe.add(path, "set both access_key and secret_key, or neither")
+	}
+}
+
+func (c *Config) validateResponseCache(fe *fieldErrors) {
+	rc := c.ResponseCache
+	switch rc.Backend {
+	case "memory", "redis", "tiered":
+	default:
+		fe.add("response_cache.backend", "%q is not one of memory, redis, tiered", rc.Backend)
+	}
+	if rc.Capacity < 0 {
+		fe.add("response_cache.capacity", "%d must not be negative", rc.Capacity)
+	}
+	if rc.TTL < 0 {
+		fe.add("response_cache.ttl", "must not be negative")
+	}
+	if rc.MaxResponseSize < 0 {
+		fe.add("response_cache.max_response_size", "%d must not be negative", rc.MaxResponseSize)
+	}
+	if rc.MaxStreamBufferSize < 0 {
+		fe.add("response_cache.max_stream_buffer_size", "%d must not be negative", rc.MaxStreamBufferSize)
+	}
+	usesRedis := rc.Backend == "redis" || (rc.Backend == "tiered" && rc.L1.Type == "redis")
+	if usesRedis {
+		r := rc.Redis
+		if r.URL != "" {
+			if err := checkRedisURL(string(r.URL)); err != nil {
+				fe.add("response_cache.redis.url", "%v", err)
+			}
+		}
+		if strings.ContainsAny(r.KeyPrefix, `*?[]\`) {
+			fe.add("response_cache.redis.key_prefix", "%q must not contain glob characters", r.KeyPrefix)
+		}
+		for path, v := range map[string]int{"pool_size": r.PoolSize, "connect_timeout_ms": r.ConnectTimeoutMS,
+			"command_timeout_ms": r.CommandTimeoutMS, "fallback_capacity": r.FallbackCapacity,
+			"fallback_ttl_seconds": r.FallbackTTLSeconds} {
+			if v < 0 {
+				fe.add("response_cache.redis."+path, "%d must not be negative", v)
+			}
+		}
+	}
+	if rc.Backend == "tiered" {
+		switch rc.L1.Type {
+		case "memory", "redis":
+		default:
+			fe.add("response_cache.l1.type", "%q is not one of memory, redis", rc.L1.Type)
+		}
+		if rc.L1.MaxValueSize < 0 {
+			fe.add("response_cache.l1.max_value_size", "%d must not be negative", rc.L1.MaxValueSize)
+		}
+		l2 := rc.L2
+		if l2.Type != "s3" {
+			fe.add("response_cache.l2.type", "%q: must be s3", l2.Type)
+		}
+		if err := checkHTTPURL(l2.Endpoint); err != nil {
+			fe.add("response_cache.l2.endpoint", "%v", err)
+		}
+		if l2.Bucket == "" {
+			fe.add("response_cache.l2.bucket", "is required")
+		}
+		if (l2.AccessKey == "") != (l2.SecretKey == "") {
+			fe.add("response_cache.l2", "set both access_key and secret_key, or neither")
+		}
+		if l2.TTLOverride < 0 {
+			fe.add("response_cache.l2.ttl_override", "must not be negative")
+		}
+		if rc.Tiered.L1PromotionTTL < 0 {
+			fe.add("response_cache.tiered.l1_promotion_ttl", "must not be negative")
+		}
+	}
+}
+
+func (c *Config) validateKV(fe *fieldErrors) {
+	kv := c.KVCacheIndex
+	switch kv.Backend {
+	case "memory":
+		if len(c.Backends) > kvindex.MaxMemoryBackends {
+			fe.add("kv_cache_index.backend", "the memory index tracks at most %d backends (%d configured); use redis",
+				kvindex.MaxMemoryBackends, len(c.Backends))
+		}
+	case "redis":
+		u := kv.Redis.URL
+		if u == "" {
+			u = c.ResponseCache.Redis.URL
+		}
+		if u == "" {
+			fe.add("kv_cache_index.redis.url", "is required with backend redis (or set response_cache.redis.url)")
+		} else if err := checkRedisURL(string(u)); err != nil {
+			fe.add("kv_cache_index.redis.url", "%v", err)
+		}
+		if strings.ContainsAny(kv.Redis.KeyPrefix, `*?[]\`) {
+			fe.add("kv_cache_index.redis.key_prefix", "%q must not contain glob characters", kv.Redis.KeyPrefix)
+		}
+	default:
+		fe.add("kv_cache_index.backend", "%q is not one of memory, redis", kv.Backend)
+	}
+	if kv.MaxEntries < 100 || kv.MaxEntries > 10_000_000 {
+		fe.add("kv_cache_index.max_entries", "%d is not in [100, 10000000]", kv.MaxEntries)
+	}
+	if kv.EntryTTLSeconds < 1 || kv.EntryTTLSeconds > 86400 {
+		fe.add("kv_cache_index.entry_ttl_seconds", "%d is not in [1, 86400]", kv.EntryTTLSeconds)
+	}
+	if kv.BlockSize < 1 || kv.BlockSize > 4096 {
+		fe.add("kv_cache_index.block_size", "%d is not in [1, 4096]", kv.BlockSize)
+	}
+	switch kv.Tokenizer {
+	case TokenizerEngine, TokenizerEstimate, TokenizerNone:
+	default:
+		fe.add("kv_cache_index.tokenizer", "%q is not one of auto, engine, estimate, none", kv.Tokenizer)
+	}
+	if kv.TokenizeTimeout < 0 {
+		fe.add("kv_cache_index.tokenize_timeout", "must not be negative")
+	}
+	switch kv.Speculation {
+	case "speculate", "approximate", "off":
+	default:
+		fe.add("kv_cache_index.speculation", "%q is not one of speculate, approximate, off", kv.Speculation)
+	}
+	if kv.ApproximateCapacityBlocks < 0 {
+		fe.add("kv_cache_index.approximate_capacity_blocks", "%d must not be negative", kv.ApproximateCapacityBlocks)
+	}
+
+	sc := kv.Scoring
+	ws := []float64{*sc.OverlapWeight, *sc.LoadWeight, *sc.HealthWeight}
+	sum := 0.0
+	for i, w := range ws {
+		if w < 0 || math.IsNaN(w) {
+			fe.add("kv_cache_index.scoring."+[]string{"overlap_weight", "load_weight", "health_weight"}[i], "%v must not be negative", w)
+		}
+		sum += w
+	}
+	if math.Abs(sum-1) > 1e-9 {
+		fe.add("kv_cache_index.scoring", "weights sum to %s, must be 1.0", strconv.FormatFloat(math.Round(sum*1e6)/1e6, 'f', -1, 64))
+	}
+	if t := sc.MinOverlapThreshold; math.IsNaN(t) || t <= 0 || t > 1 {
+		fe.add("kv_cache_index.scoring.min_overlap_threshold", "%v is not in (0, 1]", t)
+	}
+	if e := sc.LoadFactorEpsilon; math.IsNaN(e) || e < 0.01 || e > 10 {
+		fe.add("kv_cache_index.scoring.load_factor_epsilon", "%v is not in [0.01, 10]", e)
+	}
+	for name, w := range map[string]float64{"gpu_tier_weight": *sc.GPUTierWeight, "cpu_tier_weight": *sc.CPUTierWeight,
+		"storage_tier_weight": *sc.StorageTierWeight} {
+		if math.IsNaN(w) || w < 0 || w > 1 {
+			fe.add("kv_cache_index.scoring."+name, "%v is not in [0, 1]", w)
+		}
+	}
+
+	binds := 0
+	perBackend := map[string]int{}
+	for i, es := range kv.EventSources {
+		p := fmt.Sprintf("kv_cache_index.event_sources[%d]", i)
+		if es.ReconnectIntervalMS < 0 {
+			fe.add(p+".reconnect_interval_ms", "%d must not be negative", es.ReconnectIntervalMS)
+		}
+		if es.Bind {
+			binds++
+			if binds > 1 {
+				fe.add(p+".bind", "only one bound ZMQ endpoint is supported")
+			}
+			if !IsZMQEndpoint(es.Endpoint) {
+				fe.add(p+".endpoint", "%q: a bound endpoint must be tcp://host:port", es.Endpoint)
+			}
+			if es.ReplayEndpoint != "" {
+				fe.add(p+".replay_endpoint", "is not supported with bind (engines' replay endpoints are per engine)")
+			}
+			if es.BackendName != "" && c.Backend(es.BackendName) == nil {
+				fe.add(p+".backend_name", "%q is not a configured backend", es.BackendName)
+			}
+			for topic, b := range es.TopicBackends {
+				if c.Backend(b) == nil {
+					fe.add(p+".topic_backends."+topic, "%q is not a configured backend", b)
+				}
+			}
+			continue
+		}
+		if es.BackendName == "" {
+			fe.add(p+".backend_name", "is required")
+		} else if c.Backend(es.BackendName) == nil {
+			fe.add(p+".backend_name", "%q is not a configured backend", es.BackendName)
+		}
+		if len(es.TopicBackends) > 0 {
+			fe.add(p+".topic_backends", "applies to a bound endpoint only (bind: true)")
+		}
+		switch {
+		case IsZMQEndpoint(es.Endpoint):
+			if es.ReplayEndpoint != "" && !IsZMQEndpoint(es.ReplayEndpoint) {
+				fe.add(p+".replay_endpoint", "%q is not tcp://host:port", es.ReplayEndpoint)
+			}
+		case strings.HasPrefix(es.Endpoint, "ws://") || strings.HasPrefix(es.Endpoint, "wss://"):
+			fe.add(p+".endpoint", "%q: WebSocket event streams are not supported; use the http(s) SSE URL or a tcp:// ZMQ endpoint", es.Endpoint)
+		default:
+			if err := checkHTTPURL(es.Endpoint); err != nil {
+				fe.add(p+".endpoint", "%v (want an http(s) SSE URL or a tcp:// ZMQ endpoint)", err)
+			}
+			if es.ReplayEndpoint != "" {
+				fe.add(p+".replay_endpoint", "applies to ZMQ endpoints only")
+			}
+			// One SSE stream per backend: the consumer keys its sources by backend.
+			perBackend[es.BackendName]++
+			if perBackend[es.BackendName] > 1 {
+				fe.add(p+".backend_name", "%q already has an SSE event source", es.BackendName)
+			}
+		}
+	}
+}
+
+// IsZMQEndpoint reports whether s is a tcp:// or ipc:// endpoint.
+func IsZMQEndpoint(s string) bool {
+	return strings.HasPrefix(s, "tcp://") || strings.HasPrefix(s, "ipc://")
+}
+
+// checkHTTPURL checks that s is an absolute http or https URL with a host.
+func checkHTTPURL(s string) error {
+	if s == "" {
+		return errors.New("is required")
+	}
+	u, err := url.Parse(s)
+	if err != nil {
+		return fmt.Errorf("%q is not a URL", s)
+	}
+	if u.Scheme != "http" && u.Scheme != "https" {
+		return fmt.Errorf("%q: scheme must be http or https", s)
+	}
+	if u.Host == "" {
+		return fmt.Errorf("%q has no host", s)
+	}
+	return nil
+}
+
+// checkRedisURL checks the scheme of a Redis URL (without echoing it: it may hold a password).
+func checkRedisURL(s string) error {
+	u, err := url.Parse(s)
+	if err != nil {
+		return errors.New("is not a URL")
+	}
+	switch u.Scheme {
+	case "redis", "rediss", "valkey", "valkeys", "unix":
+		return nil
+	}
+	return fmt.Errorf("scheme %q is not one of redis, rediss, valkey, valkeys, unix", u.Scheme)
+}
+
+// RedactURL returns u with any password replaced by "xxxxx"; an unparsable URL is fully
+// redacted.
+func RedactURL(u string) string {
+	p, err := url.Parse(u)
+	if err != nil {
+		return "[REDACTED]"
+	}
+	return p.Redacted()
+}
