@@ -58,6 +58,10 @@ type ServerConfig struct {
 	Port *int `yaml:"port"`
 	// MaxBodyBytes caps a request body; larger bodies get 413 (default 8 MiB).
 	MaxBodyBytes int64 `yaml:"max_body_bytes"`
+	// MaxInflightBodyBytes caps the request bodies held at once across all requests (default 128
+	// MiB, at least max_body_bytes). A request that would go over waits up to a second for room,
+	// then gets 503 with Retry-After: a burst of large prompts cannot take the process's memory.
+	MaxInflightBodyBytes int64 `yaml:"max_inflight_body_bytes"`
 	// ShutdownTimeout bounds the drain of requests in flight on SIGTERM/SIGINT (default 30s).
 	ShutdownTimeout Duration `yaml:"shutdown_timeout"`
 	// ReadHeaderTimeout bounds reading a request's headers (default 10s).
@@ -72,8 +76,12 @@ type ServerConfig struct {
 // AdminConfig is the admin section.
 type AdminConfig struct {
 	// AuthToken, when set, is required as "Authorization: Bearer <token>" on every /admin
-	// endpoint (401 otherwise). It is never logged.
+	// endpoint (401 otherwise). It is never logged. Without it, /admin answers loopback clients
+	// only (403 to others).
 	AuthToken Secret `yaml:"auth_token"`
+	// ProtectMetrics puts GET /metrics behind the same check as /admin (default false: any client
+	// may scrape it).
+	ProtectMetrics bool `yaml:"protect_metrics"`
 }
 
 // PrefixRoutingConfig is the prefix_routing section (tier 1).
@@ -375,6 +383,7 @@ const (
 	DefaultBindAddress         = "127.0.0.1"
 	DefaultPort                = 8080
 	DefaultMaxBodyBytes        = 8 << 20
+	DefaultMaxInflightBody     = 128 << 20
 	DefaultShutdownTimeout     = 30 * time.Second
 	DefaultReadHeaderTimeout   = 10 * time.Second
 	DefaultReadTimeout         = 60 * time.Second

@@ -31,6 +31,9 @@ func (c *Config) ApplyDefaults() {
 	if s.MaxBodyBytes == 0 {
 		s.MaxBodyBytes = DefaultMaxBodyBytes
 	}
+	if s.MaxInflightBodyBytes == 0 {
+		s.MaxInflightBodyBytes = max(DefaultMaxInflightBody, s.MaxBodyBytes)
+	}
 	if s.ShutdownTimeout == 0 {
 		s.ShutdownTimeout = Duration(DefaultShutdownTimeout)
 	}
