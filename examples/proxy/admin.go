@@ -2,11 +2,13 @@ package main
 
 import (
 	"context"
+	"crypto/sha256"
 	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
+	"net/netip"
 	"strings"
 	"time"
 
@@ -33,35 +35,57 @@ func (s *server) routes() http.Handler {
 	mux.HandleFunc("GET /v1/models", s.models)
 	mux.HandleFunc("/v1/", s.passthrough)
 	mux.HandleFunc("GET /healthz", s.healthz)
-	mux.Handle("GET /metrics", s.tel.handler)
+	if s.cfg.Admin.ProtectMetrics {
+		mux.Handle("GET /metrics", s.admin(s.tel.handler))
+	} else {
+		mux.Handle("GET /metrics", s.tel.handler)
+	}
 
-	mux.Handle("GET /admin/prefix-routing/stats", s.admin(s.prefixRoutingStats))
-	mux.Handle("GET /admin/response-cache/stats", s.admin(s.responseCacheStats))
-	mux.Handle("POST /admin/response-cache/invalidate", s.admin(s.responseCacheInvalidate))
-	mux.Handle("GET /admin/kv-index/stats", s.admin(s.kvIndexStats))
-	mux.Handle("GET /admin/kv-index/backends", s.admin(s.kvIndexBackends))
-	mux.Handle("POST /admin/kv-index/clear", s.admin(s.kvIndexClear))
-	mux.Handle("GET /admin/disaggregation/stats", s.admin(s.disaggregationStats))
-	mux.Handle("/admin/", s.admin(func(w http.ResponseWriter, _ *http.Request) {
+	mux.Handle("GET /admin/backends", s.admin(http.HandlerFunc(s.backendsHealth)))
+	mux.Handle("GET /admin/prefix-routing/stats", s.admin(http.HandlerFunc(s.prefixRoutingStats)))
+	mux.Handle("GET /admin/response-cache/stats", s.admin(http.HandlerFunc(s.responseCacheStats)))
+	mux.Handle("POST /admin/response-cache/invalidate", s.admin(http.HandlerFunc(s.responseCacheInvalidate)))
+	mux.Handle("GET /admin/kv-index/stats", s.admin(http.HandlerFunc(s.kvIndexStats)))
+	mux.Handle("GET /admin/kv-index/backends", s.admin(http.HandlerFunc(s.kvIndexBackends)))
+	mux.Handle("POST /admin/kv-index/clear", s.admin(http.HandlerFunc(s.kvIndexClear)))
+	mux.Handle("GET /admin/disaggregation/stats", s.admin(http.HandlerFunc(s.disaggregationStats)))
+	mux.Handle("/admin/", s.admin(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusNotFound, map[string]any{"error": "no such admin endpoint"})
-	}))
+	})))
 	return framingGuard(mux)
 }
 
-// admin wraps an admin handler with the bearer-token check (when admin.auth_token is set).
-func (s *server) admin(h http.HandlerFunc) http.Handler {
-	token := []byte(s.cfg.Admin.AuthToken)
+// admin wraps an admin handler with its access check. With admin.auth_token set, the caller
+// must send "Authorization: Bearer <token>" (the scheme in any case, RFC 9110 section 11.1; the
+// token compared in constant time): 401 otherwise. Without a token, only loopback clients are
+// answered (403 otherwise): an operator on the host, or a sidecar. Behind a reverse proxy on the
+// same host every client looks local: set a token there.
+func (s *server) admin(h http.Handler) http.Handler {
+	token := sha256.Sum256([]byte(s.cfg.Admin.AuthToken))
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if len(token) > 0 {
-			got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-			if !ok || subtle.ConstantTimeCompare([]byte(strings.TrimSpace(got)), token) != 1 {
+		if s.cfg.Admin.AuthToken == "" {
+			if !loopbackClient(r) {
+				writeJSON(w, http.StatusForbidden, map[string]any{"error": "forbidden: admin endpoints answer only " +
+					"loopback clients while admin.auth_token is unset"})
+				return
+			}
+		} else {
+			scheme, cred, _ := strings.Cut(r.Header.Get("Authorization"), " ")
+			got := sha256.Sum256([]byte(strings.TrimSpace(cred)))
+			if !strings.EqualFold(scheme, "Bearer") || subtle.ConstantTimeCompare(got[:], token[:]) != 1 {
 				w.Header().Set("WWW-Authenticate", `Bearer realm="kvroute admin"`)
 				writeJSON(w, http.StatusUnauthorized, map[string]any{"error": "unauthorized: send Authorization: Bearer <admin.auth_token>"})
 				return
 			}
 		}
-		h(w, r)
+		h.ServeHTTP(w, r)
 	})
+}
+
+// loopbackClient reports whether r came from a loopback address.
+func loopbackClient(r *http.Request) bool {
+	ap, err := netip.ParseAddrPort(r.RemoteAddr)
+	return err == nil && ap.Addr().Unmap().IsLoopback()
 }
 
 // writeJSON answers with v as indented JSON.
@@ -75,22 +99,23 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 }
 
 // healthz reports whether the proxy can serve: 200 with at least one backend in rotation, 503
-// otherwise or while draining.
+// otherwise or while draining. It says nothing else: the backends' details are under
+// /admin/backends.
 func (s *server) healthz(w http.ResponseWriter, _ *http.Request) {
-	n := s.health.HealthyCount()
 	status, code := "ok", http.StatusOK
 	switch {
 	case s.draining.Load():
 		status, code = "draining", http.StatusServiceUnavailable
-	case n == 0:
+	case s.health.HealthyCount() == 0:
 		status, code = "no_healthy_backend", http.StatusServiceUnavailable
 		w.Header().Set("Retry-After", s.retryAfter())
 	}
-	writeJSON(w, code, map[string]any{
-		"status":           status,
-		"healthy_backends": n,
-		"backends":         s.health.Statuses(),
-	})
+	writeJSON(w, code, map[string]any{"status": status})
+}
+
+// GET /admin/backends: each backend's probes and circuit breaker.
+func (s *server) backendsHealth(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]any{"healthy_backends": s.health.HealthyCount(), "backends": s.health.Statuses()})
 }
 
 // GET /admin/prefix-routing/stats: the Router's tier-1 stats.

@@ -13,9 +13,6 @@ import (
 	"strings"
 	"time"
 
-	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/metric"
-
 	"github.com/tidwall/gjson"
 	"github.com/tidwall/sjson"
 
@@ -193,8 +190,7 @@ func (s *server) prefill(ctx context.Context, r *http.Request, pr *parsedRequest
 		tk.Cancel()
 	case res.err != nil:
 		tk.Done(res.err)
-		s.tel.upstreamErrors.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("backend", backend),
-			attribute.String("kind", prefillErrKind(res.err))))
+		s.tel.upstreamError(ctx, backend, prefillErrKind(res.err))
 	default:
 		tk.Done(nil)
 	}

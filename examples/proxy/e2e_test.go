@@ -342,7 +342,7 @@ func TestE2EEngineKilled(t *testing.T) {
 		Status          string `json:"status"`
 		HealthyBackends int    `json:"healthy_backends"`
 	}
-	if code := getJSON(t, p.URL+"/healthz", &hz); code != 200 || hz.HealthyBackends != 2 {
+	if code := getJSON(t, p.URL+"/admin/backends", &hz); code != 200 || hz.HealthyBackends != 2 {
 		t.Errorf("healthz %d %+v", code, hz)
 	}
 }

@@ -160,11 +160,12 @@ func (noLease) Done(kvroute.Outcome) {}
 // when none is in rotation.
 func (s *server) passthrough(w http.ResponseWriter, r *http.Request) {
 	const format = prefixkey.FormatOpenAIChat // OpenAI's error shape
-	body, err := readBody(w, r, s.cfg.Server.MaxBodyBytes)
+	body, release, err := s.readBody(w, r)
 	if err != nil {
 		s.bodyError(w, format, err)
 		return
 	}
+	defer release()
 	model := r.URL.Query().Get("model")
 	if m := gjson.GetBytes(body, "model"); m.Type == gjson.String {
 		model = m.Str

@@ -33,6 +33,7 @@ import (
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/internal/enginesim"
+	"golang.org/x/sync/semaphore"
 )
 
 func main() {
@@ -154,7 +155,7 @@ func newServer(cfg *config.Config, log *slog.Logger) (s *server, err error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	s = &server{cfg: cfg, log: log, backends: map[string]*url.URL{}}
+	s = &server{cfg: cfg, log: log, backends: map[string]*url.URL{}, bodies: semaphore.NewWeighted(cfg.Server.MaxInflightBodyBytes)}
 	defer func() {
 		if err != nil {
 			_ = s.Close()

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -45,15 +44,7 @@ type telemetry struct {
 	retries        metric.Int64Counter
 	duration       metric.Float64Histogram
 	reg            metric.Registration
-
-	// The attribute sets of the upstream error and retry counters, by backend (and kind), built
-	// on first use: the backends and the kinds are few.
-	mu          sync.Mutex
-	errorOpts   map[upstreamErrorKey][]metric.AddOption
-	retriesOpts map[string][]metric.AddOption
 }
-
-type upstreamErrorKey struct{ backend, kind string }
 
 func newTelemetry() (*telemetry, error) {
 	reg := prometheus.NewRegistry()
@@ -75,7 +66,6 @@ func newTelemetry() (*telemetry, error) {
 	t.upstreamErrors, err = m.Int64Counter(metricUpstreamErrors, metric.WithDescription("Upstream failures by backend and kind (connect, status_5xx, other)."), metric.WithUnit("{error}"))
 	add(err)
 	t.retries, err = m.Int64Counter(metricRetries, metric.WithDescription("Requests retried on another backend after a connection failure, by failed backend."), metric.WithUnit("{request}"))
-	add(err)
 	add(err)
 	t.duration, err = m.Float64Histogram(metricRequestDuration, metric.WithDescription("Time to the end of the response, by endpoint."), metric.WithUnit("s"),
 		metric.WithExplicitBucketBoundaries(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
@@ -128,33 +118,12 @@ func (m *endpointMetrics) codeOpts(code int) []metric.AddOption {
 
 // upstreamError counts a failure of backend of the given kind (errKind's labels, or aborted).
 func (t *telemetry) upstreamError(ctx context.Context, backend, kind string) {
-	k := upstreamErrorKey{backend, kind}
-	t.mu.Lock()
-	opts, ok := t.errorOpts[k]
-	if !ok {
-		if t.errorOpts == nil {
-			t.errorOpts = map[upstreamErrorKey][]metric.AddOption{}
-		}
-		opts = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("backend", backend), attribute.String("kind", kind)))}
-		t.errorOpts[k] = opts
-	}
-	t.mu.Unlock()
-	t.upstreamErrors.Add(ctx, 1, opts...)
+	t.upstreamErrors.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("backend", backend), attribute.String("kind", kind)))
 }
 
 // retry counts a request retried after backend failed.
 func (t *telemetry) retry(ctx context.Context, backend string) {
-	t.mu.Lock()
-	opts, ok := t.retriesOpts[backend]
-	if !ok {
-		if t.retriesOpts == nil {
-			t.retriesOpts = map[string][]metric.AddOption{}
-		}
-		opts = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("backend", backend)))}
-		t.retriesOpts[backend] = opts
-	}
-	t.mu.Unlock()
-	t.retries.Add(ctx, 1, opts...)
+	t.retries.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("backend", backend)))
 }
 
 // observeIndexMutations registers kv_index_events_total{backend, type}: the index mutations the

@@ -12,6 +12,7 @@ import (
 	"net/http/httputil"
 	"net/textproto"
 	"net/url"
+	"os"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -296,11 +297,12 @@ func (s *server) llmHandler(format prefixkey.Format, endpoint string) http.Handl
 			m.record(r.Context(), code, time.Since(start))
 		}()
 
-		body, err := readBody(sw, r, s.cfg.Server.MaxBodyBytes)
+		body, release, err := s.readBody(sw, r)
 		if err != nil {
 			s.bodyError(sw, format, err)
 			return
 		}
+		defer release()
 		req, err := prefixkey.Parse(format, body)
 		if err != nil {
 			param, msg := "", err.Error()
@@ -330,33 +332,60 @@ func (s *server) llmHandler(format prefixkey.Format, endpoint string) http.Handl
 	})
 }
 
-// maxPresizedBody bounds the buffer readBody makes for the size a body announces, before any of
-// it arrives: a client must send more to make the proxy hold more.
-const maxPresizedBody = 64 << 10
+// bodyBudgetWait bounds the wait of a request for room under server.max_inflight_body_bytes.
+const bodyBudgetWait = time.Second
 
-// readBody reads r's body, at most limit bytes (http.MaxBytesReader: beyond it, the error is an
-// *http.MaxBytesError and the server closes the connection after the answer). A body that
-// announces more is refused before any of it is read.
-func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, error) {
+// errBodyBudget is readBody's error when the bodies in flight leave no room for one more.
+var errBodyBudget = errors.New("too many request bytes in flight")
+
+// readBody reads r's body, at most server.max_body_bytes (beyond it, the error is an
+// *http.MaxBytesError, and the server closes the connection after the answer; a body that
+// announces more is refused before any of it is read). The body's size is held against
+// server.max_inflight_body_bytes until release is called (errBodyBudget when no room came within
+// bodyBudgetWait). On error there is nothing to release.
+func (s *server) readBody(w http.ResponseWriter, r *http.Request) (body []byte, release func(), err error) {
+	limit := s.cfg.Server.MaxBodyBytes
 	if r.ContentLength > limit {
-		return nil, &http.MaxBytesError{Limit: limit}
+		return nil, nil, &http.MaxBytesError{Limit: limit}
 	}
-	var buf bytes.Buffer
-	if n := r.ContentLength; n > 0 && n <= maxPresizedBody {
-		buf.Grow(int(n) + bytes.MinRead)
+	n := r.ContentLength
+	if n < 0 { // no Content-Length (HTTP/2): room for the largest body
+		n = limit
 	}
-	_, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, limit))
-	return buf.Bytes(), err
+	ctx, cancel := context.WithTimeout(r.Context(), bodyBudgetWait)
+	err = s.bodies.Acquire(ctx, n)
+	cancel()
+	if err != nil {
+		return nil, nil, errBodyBudget
+	}
+	release = func() { s.bodies.Release(n) }
+	buf := bytes.NewBuffer(make([]byte, 0, n+bytes.MinRead))
+	if _, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, limit)); err != nil {
+		release()
+		return nil, nil, err
+	}
+	return buf.Bytes(), release, nil
 }
 
-// bodyError answers a readBody error: 413 over the limit, 400 otherwise.
+// bodyError answers a readBody error: 413 over the limit, 408 (and a closed connection) for a
+// body that did not arrive within server.read_timeout, 503 when the bodies in flight leave no
+// room, 400 otherwise.
 func (s *server) bodyError(w http.ResponseWriter, format prefixkey.Format, err error) {
 	if mb, ok := errors.AsType[*http.MaxBytesError](err); ok {
 		writeAPIError(w, format, http.StatusRequestEntityTooLarge, "request_too_large", "",
 			"request body exceeds the limit of "+strconv.FormatInt(mb.Limit, 10)+" bytes")
 		return
 	}
-	writeAPIError(w, format, http.StatusBadRequest, "invalid_request_error", "", "cannot read the request body: "+err.Error())
+	switch {
+	case errors.Is(err, errBodyBudget):
+		w.Header().Set("Retry-After", "1")
+		writeAPIError(w, format, http.StatusServiceUnavailable, "overloaded", "", "the proxy is holding too many request bodies; retry shortly")
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		w.Header().Set("Connection", "close")
+		writeAPIError(w, format, http.StatusRequestTimeout, "request_timeout", "", "the request body did not arrive within server.read_timeout")
+	default:
+		writeAPIError(w, format, http.StatusBadRequest, "invalid_request_error", "", "cannot read the request body: "+err.Error())
+	}
 }
 
 // setBody makes r's body (and GetBody) yield body.

@@ -292,7 +292,7 @@ func TestCircuitBreaker(t *testing.T) {
 	var hz struct {
 		Backends []health.Status `json:"backends"`
 	}
-	getJSON(t, p.URL+"/healthz", &hz)
+	getJSON(t, p.URL+"/admin/backends", &hz)
 	if hz.Backends[0].Circuit != "open" || hz.Backends[0].InRotation {
 		t.Errorf("healthz: %+v", hz.Backends)
 	}
@@ -301,7 +301,7 @@ func TestCircuitBreaker(t *testing.T) {
 	if r, _ := post(t, p.URL+"/v1/chat/completions", chatBody("s", "trial", "")); r.StatusCode != 200 {
 		t.Errorf("trial: %d", r.StatusCode)
 	}
-	getJSON(t, p.URL+"/healthz", &hz)
+	getJSON(t, p.URL+"/admin/backends", &hz)
 	if hz.Backends[0].Circuit != "closed" {
 		t.Errorf("after trial: %+v", hz.Backends)
 	}
@@ -327,7 +327,7 @@ func TestHealthChecks(t *testing.T) {
 		Status   string          `json:"status"`
 		Backends []health.Status `json:"backends"`
 	}
-	if code := getJSON(t, p.URL+"/healthz", &hz); code != 200 || hz.Backends[0].ProbeOK || !strings.Contains(hz.Backends[0].LastError, "503") {
+	if code := getJSON(t, p.URL+"/admin/backends", &hz); code != 200 || hz.Backends[0].ProbeOK || !strings.Contains(hz.Backends[0].LastError, "503") {
 		t.Errorf("healthz %d %+v", code, hz)
 	}
 	b.health.Store(500)

@@ -19,6 +19,7 @@ import (
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
+	"golang.org/x/sync/semaphore"
 )
 
 // server is the proxy: the Router and everything around it. newServer builds it without
@@ -42,7 +43,8 @@ type server struct {
 	rp        *httputil.ReverseProxy
 	handler   http.Handler
 	draining  atomic.Bool
-	passNext  atomic.Uint64 // turns of the passed-through requests over the backends
+	passNext  atomic.Uint64       // turns of the passed-through requests over the backends
+	bodies    *semaphore.Weighted // request-body bytes in flight (server.max_inflight_body_bytes)
 
 	closers []func() error // run in reverse order by Close
 	started atomic.Bool
@@ -123,51 +125,9 @@ func (s *server) Close() error {
 
 // logConfig logs the configuration in force, secrets redacted.
 func (s *server) logConfig() {
-	cfg := s.cfg
-	strategy, _ := config.ParseStrategy(cfg.SelectionStrategy)
-	if strategy == "" {
-		strategy = kvroute.DefaultStrategy
-	}
-	attrs := []any{
-		"backends", len(cfg.Backends),
-		"prefix_routing", *cfg.PrefixRouting.Enabled,
-		"selection_strategy", string(strategy),
-		"response_cache", cfg.ResponseCache.Enabled,
-		"kv_cache_index", cfg.KVCacheIndex.Enabled,
-		"health_checks", *cfg.HealthChecks.Enabled,
-		"circuit_breaker", *cfg.CircuitBreaker.Enabled,
-		"admin_auth", cfg.Admin.AuthToken != "",
-	}
-	if cfg.ResponseCache.Enabled {
-		rc := cfg.ResponseCache
-		attrs = append(attrs, "response_cache.backend", rc.Backend, "response_cache.ttl", rc.TTL.String())
-		if rc.Backend == "redis" || (rc.Backend == "tiered" && rc.L1.Type == "redis") {
-			attrs = append(attrs, "response_cache.redis.url", config.RedactURL(string(rc.Redis.URL)),
-				"response_cache.redis.password", rc.Redis.Password)
-		}
-		if rc.Backend == "tiered" {
-			attrs = append(attrs, "response_cache.l2.endpoint", rc.L2.Endpoint, "response_cache.l2.bucket", rc.L2.Bucket,
-				"response_cache.l2.access_key", rc.L2.AccessKey, "response_cache.l2.secret_key", rc.L2.SecretKey)
-		}
-	}
-	if cfg.KVCacheIndex.Enabled {
-		attrs = append(attrs, "kv_cache_index.backend", cfg.KVCacheIndex.Backend,
-			"kv_cache_index.tokenizer", cfg.KVCacheIndex.Tokenizer, "kv_cache_index.speculation", cfg.KVCacheIndex.Speculation,
-			"kv_cache_index.event_sources", len(cfg.KVCacheIndex.EventSources))
-	}
-	if ds := cfg.DisaggregatedServing; ds.Enabled {
-		attrs = append(attrs, "disaggregated_serving.prefill_timeout", ds.PrefillTimeout.String(),
-			"disaggregated_serving.kv_transfer_timeout", ds.KVTransferTimeout.String(),
-			"disaggregated_serving.fallback_to_unified", *ds.FallbackToUnified,
-			"disaggregated_serving.conditional", *ds.Conditional.Enabled,
-			"disaggregated_serving.default_external_storage", ds.DefaultExternalStorage.Location())
-	}
-	s.log.Info("configuration", attrs...)
-	for _, b := range cfg.Backends {
-		attrs := []any{"name", b.Name, "url", config.RedactURL(b.URL), "weight", b.Weight, "model", b.ModelName()}
-		if cfg.DisaggregatedServing.Enabled {
-			attrs = append(attrs, "role", b.ParsedRole().String(), "external_storage", cfg.StorageOf(&b))
-		}
-		s.log.Info("backend", attrs...)
+	ctx := context.Background()
+	s.log.LogAttrs(ctx, slog.LevelInfo, "configuration", s.cfg.LogAttrs()...)
+	for i := range s.cfg.Backends {
+		s.log.LogAttrs(ctx, slog.LevelInfo, "backend", s.cfg.BackendLogAttrs(&s.cfg.Backends[i])...)
 	}
 }
