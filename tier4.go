@@ -123,6 +123,7 @@ type tier4 struct {
 	specTTL   time.Duration
 	scratch   sync.Pool // *scratch4
 	nextID    atomic.Uint64
+	tieTurn   atomic.Uint64 // rotates the start of acquireLowest's scan, so that ties share load
 
 	kvAware, kvFallback    atomic.Uint64
 	lookups, lookupErrs    atomic.Uint64
@@ -389,14 +390,18 @@ func (r *DefaultRouter) acquireLeastWork(s *scratch4, d *Decision, set *backendS
 	return r.acquireLowest(s, d)
 }
 
-// acquireLowest tries the candidates of s.order by increasing s.work (ties to the less loaded)
-// and takes a slot on the first one under tier 4's bound (LoadFactorEpsilon). It returns the candidate's index, or
-// -1 when all are at their bound. Selection by repeated lowest pick: the first try nearly always
-// succeeds, so a full sort would be wasted work.
+// acquireLowest tries the candidates of s.order by increasing s.work (ties to the less loaded,
+// and among equals to the next in a rotation, so that a cold fleet shares new prefixes) and takes
+// a slot on the first one under tier 4's bound (LoadFactorEpsilon). It returns the candidate's
+// index, or -1 when all are at their bound. Selection by repeated lowest pick: the first try
+// nearly always succeeds, so a full sort would be wasted work.
 func (r *DefaultRouter) acquireLowest(s *scratch4, d *Decision) int {
+	turn := int(r.kv.tieTurn.Add(1) % uint64(max(len(s.order), 1)))
 	for len(s.order) > 0 {
-		bi := 0
-		for k := 1; k < len(s.order); k++ {
+		n := len(s.order)
+		bi := turn % n
+		for j := 1; j < n; j++ {
+			k := (turn + j) % n
 			a, b := s.order[k], s.order[bi]
 			if s.work[a] < s.work[b] || (s.work[a] == s.work[b] && lessLoaded(&s.cands[a], &s.cands[b])) {
 				bi = k

@@ -135,6 +135,26 @@ func TestKVBelowThresholdLeastWork(t *testing.T) {
 	assert.Equal(t, uint64(2), r.Stats().RoutingDecisions.LeastWork)
 }
 
+// A cold fleet (empty index, equal load) shares new prefixes: equal candidates are taken in
+// turn, not always the first.
+func TestKVColdFleetSpreadsTies(t *testing.T) {
+	ix := newMemIndex(t)
+	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	ctx := context.Background()
+	got := map[string]int{}
+	for i := range 40 {
+		d, err := r.Route(ctx, tokReq(fmt.Sprint("system ", i), promptTokens(100+i, 8*16)))
+		require.NoError(t, err)
+		assert.Equal(t, ReasonLeastWork, d.Reason)
+		got[d.Backend]++
+		d.Done(Outcome{}) // equal load again before the next
+	}
+	assert.Len(t, got, 4, "every engine takes new prefixes: %v", got)
+	for b, n := range got {
+		assert.Equal(t, 10, n, "backend %s", b)
+	}
+}
+
 // A prompt shorter than one block has no block keys: nothing to look up, and the backend with
 // the least prefill work takes it, not the ring; its tokens count on that backend's backlog.
 func TestKVShortPromptLeastWork(t *testing.T) {

@@ -101,7 +101,11 @@ func printBanner(w io.Writer, cfg *config.Config, addr net.Addr, demo bool) {
 	for _, be := range cfg.Backends {
 		fmt.Fprintf(&b, " %s", be.Name)
 	}
-	fmt.Fprintf(&b, "\n\nTry it (run it twice: the second answer comes from the response cache, X-Cache: HIT):\n\n")
+	if cfg.ResponseCache.Enabled {
+		fmt.Fprintf(&b, "\n\nTry it (run it twice: the second answer comes from the response cache, X-Cache: HIT):\n\n")
+	} else {
+		fmt.Fprintf(&b, "\n\nTry it:\n\n")
+	}
 	fmt.Fprintf(&b, "  curl -s -D - %s/v1/chat/completions -H 'Content-Type: application/json' \\\n", base)
 	fmt.Fprintf(&b, "    -d '{\"model\":\"%s\",\"temperature\":0,\"max_tokens\":16,\"messages\":[{\"role\":\"system\",\"content\":\"You are a helpful assistant.\"},{\"role\":\"user\",\"content\":\"Hello!\"}]}'\n\n", model)
 	auth := ""

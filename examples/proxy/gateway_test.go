@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -149,5 +150,20 @@ func TestRetryAfterOn503(t *testing.T) {
 	resp, _ = post(t, p.URL+"/v1/embeddings", `{"model":"m","input":"x"}`)
 	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") != "7" {
 		t.Errorf("passthrough: %d, Retry-After %q", resp.StatusCode, resp.Header.Get("Retry-After"))
+	}
+}
+
+// The banner promises a response-cache hit only when the response cache is on.
+func TestBannerCacheHint(t *testing.T) {
+	addr := &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 8080}
+	for _, on := range []bool{false, true} {
+		cfg := fakeConfig(t, []config.BackendConfig{{Name: "a", URL: "http://127.0.0.1:1"}}, func(c *config.Config) {
+			c.ResponseCache.Enabled = on
+		})
+		var b strings.Builder
+		printBanner(&b, cfg, addr, false)
+		if got := strings.Contains(b.String(), "X-Cache: HIT"); got != on {
+			t.Errorf("response cache %v: the banner promises a hit: %v\n%s", on, got, b.String())
+		}
 	}
 }
