@@ -2,6 +2,7 @@ package events
 
 import (
 	"bytes"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"math"
@@ -31,6 +32,13 @@ func FuzzDecodeMsgpackBatch(f *testing.F) {
 	}
 	f.Add(storedBatchPayload(f, 2, false, 1))
 	f.Add(storedBatchPayload(f, 2, true, 1))
+	// Amplification: minimal events (the small frame decodes within the slack, the large one is
+	// over budget), a dense event, and headers that announce 2^31 elements.
+	f.Add(ampRepeated(ampRemovedOne, 1<<10))
+	f.Add(ampRepeated(ampRemovedEmpty, 160<<10))
+	f.Add(ampOneEvent("stored-extra-keys", 1<<10))
+	f.Add(binary.BigEndian.AppendUint32(append(bytes.Clone(ampBatchHead[:10]), mpArray32), 1<<31))
+	f.Add(append(binary.BigEndian.AppendUint32(append(append(append(bytes.Clone(ampBatchHead[:10]), 0x91, 0x92), ampEventTag[false]...), mpArray32), 1<<31), 1))
 
 	// dirty is shared across iterations on purpose: it carries storage from earlier inputs.
 	var dirty Batch

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"unsafe"
 
 	"github.com/zeebo/xxh3"
 )
@@ -30,6 +31,26 @@ var (
 	errMissingField  = errors.New("missing required field")
 	errBlockSize     = errors.New("token_ids do not hold block_size tokens per block")
 	errExtraKeysSize = errors.New("extra_keys does not have one entry per block")
+	errAmplified     = errors.New("decoded batch would exceed its allocation budget")
+)
+
+// Allocation budget of one DecodeMsgpackBatch call: the decoded form of a payload of n bytes may
+// take at most decodeFactor × n + decodeSlack bytes. Every slice and string the decoder could
+// allocate is charged against it before it is allocated, at its full size, whether or not the
+// Batch's reused storage already has room: the charge depends on the payload alone, so that a
+// fresh and a reused Batch accept the same payloads.
+//
+// The per-event cost is what binds: an Event slot is eventSize (184) bytes, and the shortest
+// event the decoder keeps is minEventBytes (["BlockRemoved", []]), so a batch of minimal events
+// would decode to 12× its size. Real batches stay well under the factor: a BlockStored event of
+// 16 blocks of 16 tokens is about 1 KiB on the wire and 0.5 KiB decoded; a single-block
+// BlockRemoved with a 64-bit hash, the densest real event, 28 bytes and 192 — the slack covers
+// about 13,000 of them in a batch of nothing else.
+const (
+	decodeFactor  = 4
+	decodeSlack   = 1 << 20
+	eventSize     = int(unsafe.Sizeof(Event{}))
+	minEventBytes = 15 // array header, fixstr "BlockRemoved", empty block_hashes
 )
 
 // MessagePack type bytes (https://github.com/msgpack/msgpack/blob/master/spec.md).
@@ -88,6 +109,15 @@ const (
 // or map, truncated, trailing bytes, no events list) returns skipped 0 and an error wrapping
 // ErrMalformed, and leaves b.Events empty.
 //
+// Allocation is bounded by the payload: the decoded form may take at most 4 × len(payload) +
+// 1 MiB. Every count is checked against the bytes left before anything is sized by it (an
+// element takes at least one byte, an event at least 15), each slice is allocated once at its
+// final size (the event slots too), and its size is charged against that budget first; a
+// payload that would exceed it — minimal events, whose 184-byte Event slots would take 12× the
+// wire bytes, or long arrays of 1-byte hashes — is rejected as a whole (an error wrapping
+// ErrMalformed) before the allocation. Real batches decode to about their own size. The charge
+// depends on the payload alone, so a fresh and a reused b accept the same payloads.
+//
 // In steady state (b reused for payloads of similar shape) it allocates nothing: event slots,
 // their hash, token and extra-key slices, and LoRA-name and cache-salt strings equal to the
 // slot's previous ones are reused. The returned events' slices alias b's storage and are valid
@@ -95,7 +125,10 @@ const (
 //
 // Safe for concurrent use on distinct batches; b must not be used concurrently.
 func DecodeMsgpackBatch(payload []byte, b *Batch) (skipped int, err error) {
-	r := mpReader{buf: payload}
+	r := mpReader{buf: payload, budget: math.MaxInt}
+	if len(payload) < (math.MaxInt-decodeSlack)/decodeFactor {
+		r.budget = decodeFactor*len(payload) + decodeSlack
+	}
 	b.TS, b.DPRank, b.HasDPRank = 0, 0, false
 	b.Events = b.Events[:0]
 	skipped, err = r.batch(b)
@@ -123,6 +156,20 @@ func ExtraKeyHash(identifier string) uint64 {
 type mpReader struct {
 	buf []byte
 	off int
+
+	budget int  // bytes the decoded form may still take (see decodeFactor)
+	over   bool // the budget was exceeded: the whole batch fails
+}
+
+// charge takes n bytes from the allocation budget, before they are allocated. Past the budget it
+// fails, and the failure is sticky: the batch is rejected, not just the current event.
+func (r *mpReader) charge(n int) error {
+	if r.over || n > r.budget {
+		r.over = true
+		return errAmplified
+	}
+	r.budget -= n
+	return nil
 }
 
 // peek returns the next type byte without consuming it.
@@ -549,14 +596,30 @@ func (r *mpReader) events(b *Batch) (skipped int, err error) {
 	if err != nil {
 		return 0, err
 	}
+	// Size the slots once, for as many events as the header announces and the remaining bytes
+	// can hold (the skipped ones hold none): appending would allocate up to 5× the final array.
+	slots := min(n, (len(r.buf)-r.off)/minEventBytes)
+	if err := r.charge(slots * eventSize); err != nil {
+		return 0, err
+	}
 	evs := b.Events[:0]
+	if cap(evs) < slots {
+		evs = make([]Event, 0, slots)
+		copy(evs[:cap(b.Events)], b.Events[:cap(b.Events)]) // keep the old slots' storage
+	}
 	for i := 0; i < n; i++ {
-		if len(evs) == cap(evs) {
+		if len(evs) == cap(evs) { // only if an event were shorter than minEventBytes
+			if err := r.charge(eventSize); err != nil {
+				return 0, err
+			}
 			evs = append(evs, Event{})[:len(evs)]
 		}
 		ev := &evs[:len(evs)+1][len(evs)]
 		start := r.off
 		if err := r.event(ev); err != nil {
+			if r.over {
+				return 0, err
+			}
 			r.off = start
 			if err := r.skip(); err != nil {
 				b.Events = evs
@@ -787,6 +850,9 @@ func (r *mpReader) hashes(dst []uint64) ([]uint64, error) {
 	if err != nil {
 		return dst, err
 	}
+	if err := r.charge(8 * n); err != nil {
+		return dst, err
+	}
 	if cap(dst) < n {
 		dst = make([]uint64, 0, n)
 	}
@@ -809,6 +875,9 @@ func (r *mpReader) hashes(dst []uint64) ([]uint64, error) {
 func (r *mpReader) tokens(dst []uint32) ([]uint32, error) {
 	n, err := r.arrayLen()
 	if err != nil {
+		return dst, err
+	}
+	if err := r.charge(4 * n); err != nil {
 		return dst, err
 	}
 	if cap(dst) < n {
@@ -912,6 +981,9 @@ func (r *mpReader) finish(ev *Event, st *eventState) error {
 		ev.BlockSize = nt / nb
 	}
 	if st.haveLoRA {
+		if err := r.charge(len(st.loraName)); err != nil {
+			return err
+		}
 		ev.LoRAName = reuseString(st.oldLoRA, st.loraName)
 	}
 	if st.extraOff >= 0 {
@@ -936,7 +1008,8 @@ func reuseString(old string, p []byte) string {
 // is a prompt-embedding digest (xxh3-64 of its bytes). Other items are ignored. When no block
 // has a key, ev.ExtraKeys is left empty.
 func (r *mpReader) extraKeys(ev *Event, st *eventState) error {
-	sub := mpReader{buf: r.buf, off: st.extraOff}
+	sub := mpReader{buf: r.buf, off: st.extraOff, budget: r.budget, over: r.over}
+	defer func() { r.budget, r.over = sub.budget, sub.over }()
 	if sub.readNil() {
 		return nil
 	}
@@ -947,16 +1020,21 @@ func (r *mpReader) extraKeys(ev *Event, st *eventState) error {
 	if n != len(ev.BlockHashes) {
 		return errExtraKeysSize
 	}
+	// One allocation for the per-block slices and at most one per block, each charged first:
+	// an entry costs a 24-byte slice header however short it is on the wire.
+	if err := sub.charge(n * int(unsafe.Sizeof([]uint64(nil)))); err != nil {
+		return err
+	}
 	ek := ev.ExtraKeys[:0]
+	if cap(ek) < n {
+		ek = make([][]uint64, 0, n)
+		copy(ek[:cap(ev.ExtraKeys)], ev.ExtraKeys[:cap(ev.ExtraKeys)]) // keep the old blocks' storage
+	}
 	var salt []byte
 	haveSalt, found := false, false
 	for blk := 0; blk < n; blk++ {
-		if len(ek) < cap(ek) {
-			ek = ek[:len(ek)+1]
-			ek[blk] = ek[blk][:0]
-		} else {
-			ek = append(ek, nil)
-		}
+		ek = ek[:blk+1]
+		ek[blk] = ek[blk][:0]
 		if sub.readNil() {
 			continue
 		}
@@ -969,6 +1047,14 @@ func (r *mpReader) extraKeys(ev *Event, st *eventState) error {
 				return err
 			}
 			continue
+		}
+		if m > 0 {
+			if err := sub.charge(8 * m); err != nil {
+				return err
+			}
+			if cap(ek[blk]) < m {
+				ek[blk] = make([]uint64, 0, m)
+			}
 		}
 		for j := 0; j < m; j++ {
 			if s, ok, err := sub.raw(true, false); err != nil {
@@ -1002,6 +1088,9 @@ func (r *mpReader) extraKeys(ev *Event, st *eventState) error {
 		ev.ExtraKeys = ek[:0]
 	}
 	if haveSalt {
+		if err := sub.charge(len(salt)); err != nil {
+			return err
+		}
 		ev.CacheSalt = reuseString(st.oldSalt, salt)
 	}
 	return nil

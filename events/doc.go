@@ -28,7 +28,19 @@
 // "medium" in any case. It is a hand-written cursor over the bytes: no reflection, no
 // allocation once the Batch's storage has grown to the traffic, bounds checked on every read.
 // Malformed events are skipped and counted; a payload that is not a batch is an error wrapping
-// ErrMalformed. ExtraKeyHash is the fold of multimodal identifiers it uses, exported so that
+// ErrMalformed.
+//
+// One publisher must not be able to exhaust the router's memory, so the decoder's allocation is
+// bounded by the payload: at most 4 × its size plus 1 MiB. Counts in headers are checked
+// against the bytes left (an array announcing 2^31 elements in a tiny frame fails before
+// anything is allocated), each slice is sized once, and a payload whose decoded form would
+// exceed the budget (a frame of minimal 15-byte events would decode to 12× its size into
+// 184-byte Event slots) is rejected whole as malformed. The transports cap what reaches the
+// decoder: ZMQConfig.MaxFrameBytes (DefaultMaxFrameBytes, 16 MiB) per batch payload and
+// SSEConfig.MaxEventSize (1 MiB) per SSE event; larger input is dropped and counted
+// (Events.Malformed for ZMQ, Events.Oversized for SSE, both with LastError and a Warn at most
+// once per source every 5 s), never a panic or a disconnection. BenchmarkDecodeAmplification
+// measures the bytes allocated per frame byte. ExtraKeyHash is the fold of multimodal identifiers it uses, exported so that
 // request-side code computes identical values.
 //
 // DecodeSSEEvent decodes one "event:"/"data:" pair of the SSE form
@@ -51,9 +63,10 @@
 //     forgets that backend's possibly stale state instead of over-reporting it. On each new
 //     connection it also catches up: before the first batch it asks the replay endpoint for the
 //     batches the engine still keeps from before (ZMQConfig.CatchUpBatches, vLLM keeps
-//     10,000), so that the index learns what the engine cached before the subscription.
-//   - SSE: an HTTP client reads GET <engine>/v1/kv_events with a 1 MiB line cap and reconnects
-//     with exponential backoff from 1 s to 60 s.
+//     10,000), so that the index learns what the engine cached before the subscription. A
+//     batch over ZMQConfig.MaxFrameBytes is dropped undecoded and handled as a lost one.
+//   - SSE: an HTTP client reads GET <engine>/v1/kv_events with a 1 MiB line and event cap
+//     (SSEConfig.MaxEventSize) and reconnects with exponential backoff from 1 s to 60 s.
 //
 // # Use
 //

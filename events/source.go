@@ -158,6 +158,7 @@ type source struct {
 	lastEventAt, connectedSince                        atomic.Int64  // unix nanoseconds, 0 = never
 	liveConns                                          atomic.Int64  // bind mode: open connections that carried this backend
 	everConnected                                      atomic.Bool
+	lastWarnAt                                         atomic.Int64 // unix nanoseconds of the last rate-limited Warn
 
 	mu        sync.Mutex
 	lastErr   string
@@ -194,6 +195,20 @@ func (s *source) setError(err error) {
 	s.mu.Lock()
 	s.lastErr, s.lastErrAt = msg, at
 	s.mu.Unlock()
+}
+
+// warnEvery is the least interval between two rate-limited Warn lines of one source (dropped
+// batches, oversized events): a publisher that sends nothing else must not flood the log.
+const warnEvery = 5 * time.Second
+
+// warnDue reports whether the source may log a rate-limited Warn now, and if so records it.
+func (s *source) warnDue() bool {
+	now := s.now().UnixNano()
+	last := s.lastWarnAt.Load()
+	if last != 0 && now-last < int64(warnEvery) {
+		return false
+	}
+	return s.lastWarnAt.CompareAndSwap(last, now)
 }
 
 func (s *source) touch() { s.lastEventAt.Store(s.now().UnixNano()) }

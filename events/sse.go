@@ -56,7 +56,9 @@ type SSEConfig struct {
 	InitialBackoff time.Duration
 	MaxBackoff     time.Duration
 	// MaxEventSize caps one line and one event's data, in bytes. A larger event is dropped and
-	// counted (Oversized); the parser skips to the next event, so memory stays bounded.
+	// counted (Events.Oversized, LastError; a Warn at most once per source every few seconds);
+	// the parser skips to the next event without buffering it and the stream stays connected,
+	// so memory stays bounded.
 	MaxEventSize int
 	// IdleTimeout, when positive, reconnects a stream that delivered no byte for that long (a
 	// silently dead peer). Leave it 0 unless the server sends comments as heartbeats.
@@ -104,6 +106,7 @@ type sseSource struct {
 	batch Batch
 	id    string        // last event id
 	retry time.Duration // server's retry: hint, 0 = none
+	log   *slog.Logger
 }
 
 // NewSSEConsumer validates cfg and returns a consumer that does nothing until Start.
@@ -148,7 +151,7 @@ func NewSSEConsumer(cfg SSEConfig) (*SSEConsumer, error) {
 		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 			return nil, fmt.Errorf("%w: Sources[%d]: URL %q is not an absolute http(s) URL", ErrInvalidConfig, i, sc.URL)
 		}
-		s := &sseSource{cfg: sc, w: backendWriter{sink: cfg.Sink, backend: sc.Backend}}
+		s := &sseSource{cfg: sc, w: backendWriter{sink: cfg.Sink, backend: sc.Backend}, log: c.log}
 		s.batch.Events = make([]Event, 1)
 		s.src = c.reg.add(sc.Backend, "sse", sc.URL, "", c.now)
 		c.sources = append(c.sources, s)
@@ -352,6 +355,9 @@ type sseHooks interface {
 func (s *sseSource) oversized(limit int) {
 	s.src.oversized.Add(1)
 	s.src.setError(fmt.Errorf("%w: sse event larger than %d bytes dropped", ErrMalformed, limit))
+	if s.src.warnDue() {
+		s.log.Warn("kvroute events: oversized sse event dropped", "backend", s.cfg.Backend, "url", s.cfg.URL, "max", limit)
+	}
 }
 
 func (s *sseSource) setID(id []byte) {

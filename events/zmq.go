@@ -32,6 +32,10 @@ const (
 	DefaultZMQDialTimeout    = 5 * time.Second // TCP connect plus ZMTP handshake
 	DefaultZMQMaxMessageSize = 64 << 20        // bytes per ZMQ message
 	DefaultZMQMaxTopics      = 1024            // distinct topics accepted in bind mode
+
+	// DefaultMaxFrameBytes is the default ZMQConfig.MaxFrameBytes: the largest batch payload
+	// decoded. vLLM's batches are a few KiB to a few MiB (one engine step).
+	DefaultMaxFrameBytes = 16 << 20
 )
 
 // ReplayEndSeq is the sequence number of the message that ends a replay (all ones, -1 as a
@@ -125,6 +129,14 @@ type ZMQConfig struct {
 	// larger frame, or a message of more than 64 frames, is disconnected before anything is
 	// allocated for it.
 	MaxMessageSize int64
+	// MaxFrameBytes caps the payload (third frame) of a batch that is decoded; 0 means
+	// DefaultMaxFrameBytes. A larger batch is dropped without being decoded, counted in the
+	// source's Events.Malformed and LastError, logged at Warn (at most once per source every
+	// few seconds), and handled as a lost batch (replayed, else the backend reset); the
+	// connection stays up. Decoding takes at most 4 × the payload plus 1 MiB (see
+	// DecodeMsgpackBatch), and a decoded batch waits in the backend's queue until applied, so
+	// QueueSize × MaxFrameBytes × 4 bounds what one backend's queue can hold.
+	MaxFrameBytes int
 
 	// MeterProvider supplies the instruments (ScopeName); nil means no metrics.
 	MeterProvider metric.MeterProvider
@@ -338,7 +350,7 @@ func NewZMQConsumer(cfg ZMQConfig) (*ZMQConsumer, error) {
 		return nil, fmt.Errorf("%w: set exactly one of Endpoints (connect mode) and Bind (bind mode)", ErrInvalidConfig)
 	}
 	if cfg.QueueSize < 0 || cfg.ReplayTimeout < 0 || cfg.CatchUpTimeout < 0 || cfg.InitialBackoff < 0 ||
-		cfg.MaxBackoff < 0 || cfg.DialTimeout < 0 || cfg.MaxMessageSize < 0 || cfg.MaxTopics < 0 {
+		cfg.MaxBackoff < 0 || cfg.DialTimeout < 0 || cfg.MaxMessageSize < 0 || cfg.MaxTopics < 0 || cfg.MaxFrameBytes < 0 {
 		return nil, fmt.Errorf("%w: negative size or duration", ErrInvalidConfig)
 	}
 	if cfg.Bind == "" && (len(cfg.TopicBackend) > 0 || cfg.DefaultBackend != "" || cfg.Model != "" || cfg.MaxTopics != 0) {
@@ -353,6 +365,7 @@ func NewZMQConsumer(cfg ZMQConfig) (*ZMQConsumer, error) {
 	setDefault(&cfg.DialTimeout, DefaultZMQDialTimeout)
 	setDefault(&cfg.MaxMessageSize, DefaultZMQMaxMessageSize)
 	setDefault(&cfg.MaxTopics, DefaultZMQMaxTopics)
+	setDefault(&cfg.MaxFrameBytes, DefaultMaxFrameBytes)
 	if cfg.MaxBackoff < cfg.InitialBackoff {
 		return nil, fmt.Errorf("%w: MaxBackoff %v < InitialBackoff %v", ErrInvalidConfig, cfg.MaxBackoff, cfg.InitialBackoff)
 	}
@@ -811,14 +824,24 @@ func (c *ZMQConsumer) ingest(src *source, be *zmqBackend, sent *uint64, p *zmqPu
 	seq := binary.BigEndian.Uint64(seqFrame)
 	src.batches.Add(1)
 	src.lastSeq.Store(seq)
+	lose := func(err error) {
+		src.malformed.Add(1)
+		src.setError(fmt.Errorf("batch %d: %w", seq, err))
+		if src.warnDue() {
+			c.log.Warn("kvroute events: batch dropped", "backend", src.backend, "endpoint", src.endpoint, "seq", seq, "bytes", len(payload), "err", err)
+		}
+		c.loseBatch(be, lostKey{chain: chainKey{conn: conn, topic: topic}, anyRank: true},
+			lostBatch{src: src, pub: p, model: model, seq: seq, ticket: *sent})
+	}
+	if err := c.checkFrameSize(payload); err != nil {
+		lose(err)
+		return
+	}
 	it := c.items.Get().(*zmqItem)
 	skipped, err := DecodeMsgpackBatch(payload, &it.b)
 	if err != nil {
-		src.malformed.Add(1)
-		src.setError(fmt.Errorf("batch %d: %w", seq, err))
 		c.putItem(it)
-		c.loseBatch(be, lostKey{chain: chainKey{conn: conn, topic: topic}, anyRank: true},
-			lostBatch{src: src, pub: p, model: model, seq: seq, ticket: *sent})
+		lose(err)
 		return
 	}
 	n := uint64(len(it.b.Events))
@@ -841,6 +864,14 @@ func (c *ZMQConsumer) ingest(src *source, be *zmqBackend, sent *uint64, p *zmqPu
 		c.putItem(it)
 		c.loseBatch(be, key, lostBatch{src: src, pub: p, model: model, seq: seq, ticket: *sent})
 	}
+}
+
+// checkFrameSize returns an error wrapping ErrMalformed when payload exceeds MaxFrameBytes.
+func (c *ZMQConsumer) checkFrameSize(payload []byte) error {
+	if len(payload) > c.cfg.MaxFrameBytes {
+		return fmt.Errorf("%w: payload of %d bytes exceeds MaxFrameBytes (%d), dropped undecoded", ErrMalformed, len(payload), c.cfg.MaxFrameBytes)
+	}
+	return nil
 }
 
 // loseBatch records a batch the reader could not queue and wakes the worker. A later loss on
@@ -1169,6 +1200,10 @@ func (c *ZMQConsumer) replay(ctx context.Context, be *zmqBackend, src *source, p
 		}
 		next = seq // a catch-up may start after r.from
 		src.batches.Add(1)
+		if err := c.checkFrameSize(f[1]); err != nil {
+			src.malformed.Add(1)
+			return applied, fmt.Errorf("replayed batch %d: %w", seq, err)
+		}
 		skipped, err := DecodeMsgpackBatch(f[1], b)
 		if err != nil {
 			src.malformed.Add(1)
