@@ -44,7 +44,7 @@ const fwdHost = "api.example.test"
 // fwdChat is the clients' request body.
 var fwdChat = chatBody("You are a differential test.", "Hello?", "")
 
-// fwdProxy is a proxy of one mode served by the loop on a loopback port.
+// fwdProxy is a proxy served by http.Server on a loopback port.
 type fwdProxy struct {
 	mode   string
 	srv    *server
@@ -238,12 +238,11 @@ func fwdRawExchange(t *testing.T, addr, request string) (*http.Response, string)
 	}
 }
 
-// TestForwardRequest sends the same request bytes through a proxy of each mode and compares the
+// TestForwardRequest sends the same request bytes through the proxy and compares the
 // bytes the backend receives, and its view of them (method, target, Host, every header, body)
 // with what the proxy is meant to send: the client's end-to-end headers, without the hop-by-hop
 // ones, the forwarding ones (set anew) and Accept-Encoding; no User-Agent of its own. Each case
-// runs with a backend at the root and one under a base path. The cases with Upgrade, Trailer,
-// Transfer-Encoding or Expect go through the loop's net/http fallback.
+// runs with a backend at the root and one under a base path.
 func TestForwardRequest(t *testing.T) {
 	const target = "/v1/chat/completions"
 	tests := []struct {
@@ -319,7 +318,6 @@ func TestForwardRequest(t *testing.T) {
 			wantHeader: fwdHeader(),
 		},
 		{
-			// upstreamTransport writes more than 32 header keys with req.Write.
 			name:       "more than 32 header keys",
 			header:     fwdManyHeaders(39),
 			wantHeader: fwdManyHeadersWant(39),
@@ -433,8 +431,8 @@ func fwdHeaderString(h http.Header) string {
 }
 
 // With disaggregation on, the decode attempt carries the X-Request-Id of its prefill: the
-// client's, or one the proxy made up. The decode request (the attempt forwardAttempt sends) and
-// the prefill request must be the same in both modes.
+// client's, or one the proxy made up. The decode request and
+// the prefill request carry it.
 func TestForwardRequestIDDisagg(t *testing.T) {
 	prefillAnswer := fwdJSON(`{"id":"p","choices":[{"index":0,"text":"x"}],"kv_transfer_params":{"remote_block_ids":[1,2]}}`)
 	be := startFwdBackend(t, "engine", func(c net.Conn, s fwdSeen) bool {
@@ -495,7 +493,7 @@ func TestForwardRequestIDDisagg(t *testing.T) {
 				if !strings.Contains(dec.body, `"kv_transfer_params":{"remote_block_ids":[1,2]}`) {
 					t.Errorf("%s: the decode body lacks the transfer parameters: %s", p.mode, dec.body)
 				}
-				// A generated id differs between the two requests of each mode.
+				// A generated id is the same in both requests.
 				prefills[p.mode] = fwdNormaliseID(pre, id)
 				decodes[p.mode] = fwdNormaliseID(dec, id)
 			}
@@ -619,7 +617,7 @@ func fwdKV(kv ...string) http.Header {
 }
 
 // TestForwardResponse compares what a client receives of one backend answer (written byte for
-// byte) through a proxy of each mode: status, headers (hop-by-hop ones dropped, also those the
+// byte) through the proxy: status, headers (hop-by-hop ones dropped, also those the
 // backend's Connection names; multiple values in order; the proxy's own added), body, framing,
 // trailers (announced or not) and informational answers (103 Early Hints before the final one).
 func TestForwardResponse(t *testing.T) {
