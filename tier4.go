@@ -124,6 +124,7 @@ type tier4 struct {
 	scratch   sync.Pool // *scratch4
 	nextID    atomic.Uint64
 	tieTurn   atomic.Uint64 // rotates the start of acquireLowest's scan, so that ties share load
+	scoreErrs atomic.Uint64 // the scorer's answers refused by scorer.ScoreSafely
 
 	kvAware, kvFallback    atomic.Uint64
 	lookups, lookupErrs    atomic.Uint64
@@ -325,7 +326,14 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 	if cap(s.scores) < len(s.cands) {
 		s.scores = make([]float64, len(s.cands))
 	}
-	s.scores = t.scorer.Score(sreq, s.cands, s.scores[:len(s.cands)])
+	var err error
+	if s.scores, err = scorer.ScoreSafely(t.scorer, sreq, s.cands, s.scores); err != nil {
+		// A faulty scorer (a third party's) costs a fallback decision, not the request.
+		t.scoreErrs.Add(1)
+		t.kvFallback.Add(1)
+		r.metrics.recordKV(ctx, false)
+		return false
+	}
 	reason := ReasonKVAware
 	taken := -1
 	if t.cfg.Guard.Skewed(s.cands) {
@@ -480,6 +488,7 @@ type KVIndexStats struct {
 	Lookups          uint64             `json:"query_latency_count"`
 	LookupErrors     uint64             `json:"lookup_errors"`
 	TokenizeErrors   uint64             `json:"tokenize_errors"`
+	ScoreErrors      uint64             `json:"score_errors"` // the scorer's answers refused (scorer.ScoreSafely): fallbacks
 	NoTokens         uint64             `json:"requests_without_block_keys"`
 	OverlapScores    uint64             `json:"overlap_score_count"`
 }
@@ -522,6 +531,7 @@ func (r *DefaultRouter) KVStats(ctx context.Context) (KVIndexStats, error) {
 		Lookups:        t.lookups.Load(),
 		LookupErrors:   t.lookupErrs.Load(),
 		TokenizeErrors: t.tokenizeErrs.Load(),
+		ScoreErrors:    t.scoreErrs.Load(),
 		NoTokens:       t.noTokens.Load(),
 	}
 	st.RoutingDecisions.KVAware = t.kvAware.Load()

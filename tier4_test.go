@@ -155,6 +155,28 @@ func TestKVColdFleetSpreadsTies(t *testing.T) {
 	}
 }
 
+// A third party's scorer that answers with the wrong number of scores, or panics, costs a
+// fallback decision, counted, never the process.
+func TestKVFaultyScorerFallsBack(t *testing.T) {
+	for name, sc := range map[string]scorer.ScorerFunc{
+		"short": func(_ scorer.Request, _ []scorer.Candidate, out []float64) []float64 { return out[:1] },
+		"panic": func(_ scorer.Request, c []scorer.Candidate, out []float64) []float64 { return out[:len(c)+1] },
+	} {
+		t.Run(name, func(t *testing.T) {
+			ix := newMemIndex(t)
+			r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff, Scorer: sc}})
+			toks := promptTokens(3, 40*16)
+			storeBlocks(t, ix, "vllm-2", toks, 40, events.TierGPU)
+			d, err := r.Route(context.Background(), tokReq("system F", toks))
+			require.NoError(t, err)
+			assert.NotEqual(t, ReasonKVAware, d.Reason)
+			d.Done(Outcome{})
+			st, _ := r.KVStats(context.Background())
+			assert.Equal(t, uint64(1), st.ScoreErrors)
+		})
+	}
+}
+
 // A prompt shorter than one block has no block keys: nothing to look up, and the backend with
 // the least prefill work takes it, not the ring; its tokens count on that backend's backlog.
 func TestKVShortPromptLeastWork(t *testing.T) {

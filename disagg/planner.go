@@ -358,9 +358,13 @@ func (p *Planner) best(in Input, s *scratch, load func(*Candidate) int) int {
 	n := len(s.cands)
 	start := int(in.TieBreak % uint64(n))
 	rotate(s.cands, start)
-	s.scores = p.cfg.Scorer.Score(scorer.Request{Blocks: max(in.PromptBlocks, 0), Tokens: max(in.PromptTokens, 0)}, s.cands, s.scores[:0])
-	k := scorer.PickBest(s.scores, s.cands)
-	if k < 0 { // a custom scorer ruled every candidate out: the least loaded one
+	k := -1
+	var err error
+	s.scores, err = scorer.ScoreSafely(p.cfg.Scorer, scorer.Request{Blocks: max(in.PromptBlocks, 0), Tokens: max(in.PromptTokens, 0)}, s.cands, s.scores)
+	if err == nil {
+		k = scorer.PickBest(s.scores, s.cands)
+	}
+	if k < 0 { // a custom scorer ruled every candidate out, or failed: the least loaded one
 		k = 0
 		for j := range s.cands {
 			if loadRatio(s.cands[j].InFlight, s.cands[j].Weight) < loadRatio(s.cands[k].InFlight, s.cands[k].Weight) {

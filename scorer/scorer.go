@@ -1,5 +1,10 @@
 package scorer
 
+import (
+	"errors"
+	"fmt"
+)
+
 // Candidate is what a scorer knows of one backend for one request: a snapshot, read-only.
 type Candidate struct {
 	Backend string
@@ -50,3 +55,29 @@ func (f ScorerFunc) Score(req Request, cands []Candidate, out []float64) []float
 }
 
 var _ BackendScorer = ScorerFunc(nil)
+
+// ErrBadScores is returned by ScoreSafely when a scorer returned another number of scores than
+// candidates, or panicked.
+var ErrBadScores = errors.New("scorer: the scorer returned no score per candidate")
+
+// ScoreSafely calls s.Score with out sized to len(cands) (grown when too small) and checks its
+// answer: it returns the scores, or ErrBadScores (wrapped with what went wrong) when the scorer
+// returned another number of scores than candidates or panicked. kvroute calls every scorer,
+// its own and third parties', through it, so that a faulty scorer costs a fallback decision,
+// never the process. It is safe for concurrent use when s is.
+func ScoreSafely(s BackendScorer, req Request, cands []Candidate, out []float64) (scores []float64, err error) {
+	if cap(out) < len(cands) {
+		out = make([]float64, len(cands))
+	}
+	out = out[:len(cands)]
+	defer func() {
+		if p := recover(); p != nil {
+			scores, err = nil, fmt.Errorf("%w: it panicked: %v", ErrBadScores, p)
+		}
+	}()
+	scores = s.Score(req, cands, out)
+	if len(scores) != len(cands) {
+		return nil, fmt.Errorf("%w: %d scores for %d candidates", ErrBadScores, len(scores), len(cands))
+	}
+	return scores, nil
+}
