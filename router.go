@@ -445,12 +445,43 @@ type Decision struct {
 	// to the index (0 unless kv_aware).
 	ExpectedCachedTokens int
 
-	router   *DefaultRouter
-	backlog  atomic.Int64 // the tokens this request adds to state.backlog until its prefill ends
-	activeID uint64       // active-sequence id when tier 4 tracks sequences, else 0
+	router   *DefaultRouter // nil for a Decision made by NewDecision
+	hooks    *DecisionHooks // NewDecision's
+	ended    atomic.Bool    // NewDecision's Done has run
+	backlog  atomic.Int64   // the tokens this request adds to state.backlog until its prefill ends
+	activeID uint64         // active-sequence id when tier 4 tracks sequences, else 0
 	state    *backendState
 	handle   chwbl.Handle
 	start    time.Time
+}
+
+// DecisionHooks are what a Decision made by NewDecision does when the gateway reports on it.
+type DecisionHooks struct {
+	// Done runs once, on the Decision's first Done: release what the Router held for the request
+	// and record its outcome.
+	Done func(Outcome)
+	// FirstToken runs on each FirstToken call before Done (the Decision's holder calls it when
+	// the first byte of a streamed answer goes out).
+	FirstToken func()
+}
+
+// NewDecision returns a Decision for a Router of your own: backend and reason as the gateway
+// will read them, and hooks (nil: none) for what Done and FirstToken must do. A Router that adds
+// a rule and then delegates wraps the inner Decision so:
+//
+//	inner, err := next.Route(ctx, req)
+//	if err != nil {
+//		return nil, err
+//	}
+//	return kvroute.NewDecision(inner.Backend, inner.Reason, &kvroute.DecisionHooks{
+//		Done:       func(o kvroute.Outcome) { myStats.record(o); inner.Done(o) },
+//		FirstToken: inner.FirstToken,
+//	}), nil
+//
+// Done and FirstToken on the result are safe to call from any goroutine, and Done only once has
+// an effect, as on the default Router's decisions.
+func NewDecision(backend string, reason Reason, hooks *DecisionHooks) *Decision {
+	return &Decision{Backend: backend, Reason: reason, hooks: hooks}
 }
 
 // Outcome reports how a routed request ended. The zero Outcome is a success whose latency is
@@ -464,7 +495,16 @@ type Outcome struct {
 // success or failure for the backend's health score). Only the first call has an effect. Safe to
 // call from any goroutine; a nil Decision is a no-op.
 func (d *Decision) Done(o Outcome) {
-	if d == nil || !d.handle.Release() {
+	if d == nil {
+		return
+	}
+	if d.router == nil {
+		if d.hooks != nil && d.hooks.Done != nil && d.ended.CompareAndSwap(false, true) {
+			d.hooks.Done(o)
+		}
+		return
+	}
+	if !d.handle.Release() {
 		return
 	}
 	d.endPrefill()
@@ -487,6 +527,12 @@ func (d *Decision) Done(o Outcome) {
 // only the first call has an effect.
 func (d *Decision) FirstToken() {
 	if d == nil {
+		return
+	}
+	if d.router == nil {
+		if d.hooks != nil && d.hooks.FirstToken != nil && !d.ended.Load() {
+			d.hooks.FirstToken()
+		}
 		return
 	}
 	d.endPrefill()

@@ -1,0 +1,70 @@
+package kvroute_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/prefixkey"
+)
+
+// A Router of a third party's, written with exported API alone: it pins one model to a backend
+// and delegates the rest to the default Router, wrapping its decisions so that Done still
+// releases what the inner Router holds.
+func TestRouterWrapperWithExportedAPI(t *testing.T) {
+	inner, err := kvroute.New(kvroute.Config{Backends: []kvroute.Backend{{Name: "a"}, {Name: "b"}}})
+	require.NoError(t, err)
+	defer inner.Close()
+	var pinnedDone, wrappedDone, firstTokens atomic.Int32
+	var rt kvroute.Router = kvroute.RouterFunc(func(ctx context.Context, req *prefixkey.Request) (*kvroute.Decision, error) {
+		if req.Model == "pinned" {
+			return kvroute.NewDecision("b", kvroute.ReasonFallback, &kvroute.DecisionHooks{
+				Done: func(kvroute.Outcome) { pinnedDone.Add(1) }}), nil
+		}
+		d, err := inner.Route(ctx, req)
+		if err != nil {
+			return nil, err
+		}
+		return kvroute.NewDecision(d.Backend, d.Reason, &kvroute.DecisionHooks{
+			Done:       func(o kvroute.Outcome) { wrappedDone.Add(1); d.Done(o) },
+			FirstToken: func() { firstTokens.Add(1); d.FirstToken() },
+		}), nil
+	})
+	inFlight := func() int {
+		n := 0
+		for _, l := range inner.Stats().BackendDistribution {
+			n += l.InFlightRequests
+		}
+		return n
+	}
+
+	req, err := prefixkey.ParseOpenAIChat([]byte(`{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"u"}]}`))
+	require.NoError(t, err)
+	d, err := rt.Route(context.Background(), req)
+	require.NoError(t, err)
+	assert.Equal(t, kvroute.ReasonPrefixHash, d.Reason)
+	assert.Equal(t, 1, inFlight())
+	d.FirstToken()
+	d.Done(kvroute.Outcome{Err: errors.New("upstream 500")})
+	d.Done(kvroute.Outcome{})
+	d.FirstToken()
+	assert.Equal(t, 0, inFlight(), "the wrapper's Done released the inner decision")
+	assert.Equal(t, int32(1), wrappedDone.Load(), "Done runs once")
+	assert.Equal(t, int32(1), firstTokens.Load(), "FirstToken after Done does nothing")
+
+	p, err := rt.Route(context.Background(), &prefixkey.Request{Model: "pinned"})
+	require.NoError(t, err)
+	assert.Equal(t, "b", p.Backend)
+	p.Done(kvroute.Outcome{})
+	assert.Equal(t, int32(1), pinnedDone.Load())
+	assert.Equal(t, 0, inFlight())
+
+	var nilHooks *kvroute.Decision = kvroute.NewDecision("a", kvroute.ReasonFallback, nil)
+	nilHooks.FirstToken()
+	nilHooks.Done(kvroute.Outcome{}) // no hooks: nothing to do, no panic
+}
