@@ -189,7 +189,7 @@ func (r *DefaultRouter) RouteDisagg(ctx context.Context, req *prefixkey.Request)
 			// decode backend that would find nothing and compute the whole prompt itself.
 			d.specKeys = append([]uint64(nil), s.keys...)
 		} else {
-			_ = k.cfg.Index.Speculate(ctx, d.Decode, s.keys, k.specTTL)
+			_ = k.spec.Speculate(ctx, d.Decode, s.keys, k.specTTL)
 		}
 	}
 	t.counters.Record(d.Plan)
@@ -308,7 +308,7 @@ func (r *DefaultRouter) disaggCandidates(ctx context.Context, d *DisaggDecision,
 	start := r.cfg.Now()
 	var err error
 	if usePrefix {
-		s.matches, err = k.cfg.Index.LookupPrefix(ctx, d.PrefixKey.String(), s.names, s.matches[:len(s.names)])
+		s.matches, err = k.prefix.LookupPrefix(ctx, d.PrefixKey.String(), s.names, s.matches[:len(s.names)])
 	} else {
 		s.matches, err = k.cfg.Index.Lookup(ctx, s.keys, s.names, s.matches[:len(s.names)])
 	}
@@ -342,8 +342,8 @@ func (r *DefaultRouter) disaggCandidates(ctx context.Context, d *DisaggDecision,
 func (d *DisaggDecision) PrefillDone(o Outcome) {
 	if d.endPrefill(o) && o.Err == nil && d.specKeys != nil {
 		if k := d.router.kv; k != nil {
-			_ = k.cfg.Index.Speculate(context.Background(), d.Prefill, d.specKeys, k.specTTL)
-			_ = k.cfg.Index.Speculate(context.Background(), d.Decode, d.specKeys, k.specTTL)
+			_ = k.spec.Speculate(context.Background(), d.Prefill, d.specKeys, k.specTTL)
+			_ = k.spec.Speculate(context.Background(), d.Decode, d.specKeys, k.specTTL)
 		}
 		d.specKeys = nil
 	}

@@ -44,6 +44,7 @@ var (
 	ErrUnknownBackend = errors.New("kvroute: unknown backend")
 	ErrDuplicate      = errors.New("kvroute: backend already present")
 	ErrInvalidConfig  = errors.New("kvroute: invalid config")
+	ErrUnsupported    = errors.New("kvroute: not supported by the configured KV index")
 )
 
 // Reason says why a Decision chose its backend. The values are the seeds' routing-decision labels.

@@ -5,11 +5,13 @@ import (
 	"errors"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 )
 
@@ -67,4 +69,45 @@ func TestRouterWrapperWithExportedAPI(t *testing.T) {
 	var nilHooks *kvroute.Decision = kvroute.NewDecision("a", kvroute.ReasonFallback, nil)
 	nilHooks.FirstToken()
 	nilHooks.Done(kvroute.Outcome{}) // no hooks: nothing to do, no panic
+}
+
+// lookupOnly is a KV index of a third party's that answers lookups and nothing else: backend
+// "b" holds every block asked about.
+type lookupOnly struct{}
+
+func (lookupOnly) Lookup(_ context.Context, keys []uint64, cands []string, out []kvindex.Match) ([]kvindex.Match, error) {
+	out = out[:len(cands)]
+	for i, c := range cands {
+		out[i] = kvindex.Match{Backend: c}
+		if c == "b" {
+			out[i] = kvindex.Match{Backend: c, Blocks: len(keys), Tokens: 16 * len(keys), Score: float64(len(keys))}
+		}
+	}
+	return out, nil
+}
+
+// Tier 4 runs on an index that only answers lookups; what it lacks is refused at New or
+// reported as ErrUnsupported, never a panic.
+func TestLookupOnlyIndex(t *testing.T) {
+	backends := []kvroute.Backend{{Name: "a"}, {Name: "b"}, {Name: "c"}}
+	_, err := kvroute.New(kvroute.Config{Backends: backends, KV: &kvroute.KVConfig{Index: lookupOnly{}}})
+	require.ErrorIs(t, err, kvroute.ErrInvalidConfig, "speculation needs a kvindex.Speculator")
+
+	r, err := kvroute.New(kvroute.Config{Backends: backends,
+		KV: &kvroute.KVConfig{Index: lookupOnly{}, Speculation: kvroute.SpeculateOff, SpeculativeTTL: time.Second}})
+	require.NoError(t, err)
+	defer r.Close()
+	toks := make([]uint32, 8*16)
+	for i := range toks {
+		toks[i] = uint32(i + 1)
+	}
+	d, err := r.Route(context.Background(), &prefixkey.Request{Model: "m", TokenIDs: toks})
+	require.NoError(t, err)
+	assert.Equal(t, "b", d.Backend)
+	assert.Equal(t, kvroute.ReasonKVAware, d.Reason)
+	d.Done(kvroute.Outcome{})
+	_, err = r.KVStats(context.Background())
+	assert.ErrorIs(t, err, kvroute.ErrUnsupported)
+	_, err = r.ClearKVIndex(context.Background())
+	assert.ErrorIs(t, err, kvroute.ErrUnsupported)
 }

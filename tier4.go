@@ -38,12 +38,27 @@ const (
 	Approximate
 )
 
+// indexStatser and indexClearer are the parts of kvindex.KvCacheIndex behind KVStats and
+// ClearKVIndex.
+type (
+	indexStatser interface {
+		Stats(ctx context.Context) (kvindex.Stats, error)
+	}
+	indexClearer interface {
+		Clear(ctx context.Context) (int, error)
+	}
+)
+
 // KVConfig turns on tier 4, precise KV-aware routing. Index is required; everything else has a
 // default.
 type KVConfig struct {
 	// Index is the KV-block index fed by the engines' KV events (or by speculation alone in
-	// Approximate mode).
-	Index kvindex.KvCacheIndex
+	// Approximate mode). Routing needs only its Lookup; an index of one's own may implement less
+	// than kvindex.KvCacheIndex: kvindex.Speculator is required unless Speculation is
+	// SpeculateOff, kvindex.PrefixLookuper when UsePrefixEntries is set, and Stats and Clear (as
+	// KvCacheIndex declares them) back KVStats and ClearKVIndex, which report ErrUnsupported
+	// without them. kvindex.MemoryIndex and RedisIndex implement all of it.
+	Index kvindex.Lookuper
 	// BlockSize is the index's block size in tokens; 0 means kvindex.DefaultBlockSize. It must be
 	// the block size the index was built with.
 	BlockSize int
@@ -118,6 +133,10 @@ type Overlap struct {
 type tier4 struct {
 	cfg       KVConfig
 	scorer    scorer.BackendScorer
+	prefix    kvindex.PrefixLookuper // cfg.Index's, or nil
+	spec      kvindex.Speculator     // cfg.Index's, or nil (then Speculation is SpeculateOff)
+	stats     indexStatser           // cfg.Index's, or nil
+	clear     indexClearer           // cfg.Index's, or nil
 	threshold float64
 	eps       float64 // LoadFactorEpsilon, defaulted
 	specTTL   time.Duration
@@ -157,6 +176,13 @@ func newTier4(cfg KVConfig) (*tier4, error) {
 		return nil, fmt.Errorf("%w: KV.BlockSize %d", ErrInvalidConfig, cfg.BlockSize)
 	}
 	t := &tier4{cfg: cfg, scorer: cfg.Scorer, threshold: cfg.MinOverlapThreshold}
+	t.prefix, _ = cfg.Index.(kvindex.PrefixLookuper)
+	t.spec, _ = cfg.Index.(kvindex.Speculator)
+	t.stats, _ = cfg.Index.(indexStatser)
+	t.clear, _ = cfg.Index.(indexClearer)
+	if cfg.UsePrefixEntries && t.prefix == nil {
+		return nil, fmt.Errorf("%w: KV.UsePrefixEntries needs an index that implements kvindex.PrefixLookuper", ErrInvalidConfig)
+	}
 	if t.threshold == 0 {
 		t.threshold = DefaultMinOverlapThreshold
 	}
@@ -186,8 +212,11 @@ func newTier4(cfg KVConfig) (*tier4, error) {
 	default:
 		return nil, fmt.Errorf("%w: speculation mode %d", ErrInvalidConfig, cfg.Speculation)
 	}
-	if cfg.SpeculativeTTL > 0 {
+	if cfg.SpeculativeTTL > 0 && cfg.Speculation != SpeculateOff {
 		t.specTTL = cfg.SpeculativeTTL
+	}
+	if cfg.Speculation != SpeculateOff && t.spec == nil {
+		return nil, fmt.Errorf("%w: KV.Index does not implement kvindex.Speculator: set Speculation to SpeculateOff", ErrInvalidConfig)
 	}
 	t.scratch.New = func() any { return &scratch4{} }
 	return t, nil
@@ -249,7 +278,7 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 		start := r.cfg.Now()
 		var err error
 		if usePrefix {
-			s.matches, err = t.cfg.Index.LookupPrefix(ctx, d.PrefixKey.String(), s.names, s.matches[:len(s.names)])
+			s.matches, err = t.prefix.LookupPrefix(ctx, d.PrefixKey.String(), s.names, s.matches[:len(s.names)])
 		} else {
 			s.matches, err = t.cfg.Index.Lookup(ctx, s.keys, s.names, s.matches[:len(s.names)])
 		}
@@ -461,7 +490,7 @@ func lessLoaded(a, b *scorer.Candidate) bool {
 func (r *DefaultRouter) afterKVChoice(ctx context.Context, s *scratch4, d *Decision, c scorer.Candidate) {
 	t := r.kv
 	if t.specTTL > 0 && len(s.keys) > 0 {
-		_ = t.cfg.Index.Speculate(ctx, d.handle.Backend(), s.keys, t.specTTL)
+		_ = t.spec.Speculate(ctx, d.handle.Backend(), s.keys, t.specTTL)
 	}
 	if t.cfg.Active != nil && len(s.keys) > 0 {
 		d.activeID = t.nextID.Add(1)
@@ -474,7 +503,7 @@ func (r *DefaultRouter) afterKVChoice(ctx context.Context, s *scratch4, d *Decis
 // engine's events (and, in Approximate mode, at all).
 func (r *DefaultRouter) speculateTier1(ctx context.Context, d *Decision, s *scratch4) {
 	if t := r.kv; t.specTTL > 0 && len(s.keys) > 0 {
-		_ = t.cfg.Index.Speculate(ctx, d.handle.Backend(), s.keys, t.specTTL)
+		_ = t.spec.Speculate(ctx, d.handle.Backend(), s.keys, t.specTTL)
 	}
 }
 
@@ -539,7 +568,10 @@ func (r *DefaultRouter) KVStats(ctx context.Context) (KVIndexStats, error) {
 	st.RoutingDecisions.Total = st.RoutingDecisions.KVAware + st.RoutingDecisions.Fallback
 	st.OverlapScores = st.Lookups - st.LookupErrors
 	var err error
-	st.Index, err = t.cfg.Index.Stats(ctx)
+	if t.stats == nil {
+		return st, fmt.Errorf("%w: the KV index reports no stats", ErrUnsupported)
+	}
+	st.Index, err = t.stats.Stats(ctx)
 	st.Config.Backend = st.Index.Backend
 	return st, err
 }
@@ -551,7 +583,10 @@ func (r *DefaultRouter) ClearKVIndex(ctx context.Context) (int, error) {
 	if r.kv == nil {
 		return 0, nil
 	}
-	return r.kv.cfg.Index.Clear(ctx)
+	if r.kv.clear == nil {
+		return 0, fmt.Errorf("%w: the KV index cannot be cleared", ErrUnsupported)
+	}
+	return r.kv.clear.Clear(ctx)
 }
 
 // String returns "speculate", "off" or "approximate".
