@@ -21,8 +21,12 @@ import (
 // UTF-8 and lone surrogates become U+FFFD), never panics and does linear work: every byte is
 // scanned a small constant number of times, and JSON-valued fields are canonicalised through a
 // flat tape so that sorting object keys never re-scans a subtree. Decoded text is collected into
-// per-request arenas: all strings of a Request share one allocation and all Message.Extra values
-// another, so a parse costs a couple of dozen allocations whatever its number of messages.
+// per-request arenas (message text, system prompt, part data, Message.Extra), which become the
+// Request's strings without a copy, so a parse costs a couple of dozen allocations whatever its
+// number of messages, and about the body's size in bytes (BenchmarkParseBodySize).
+//
+// Strings that reach the Request must be valid UTF-8 without unpaired surrogate escapes: the
+// lossy decoding of encoding/json (U+FFFD) would give different bodies the same keys.
 
 // ErrUnknownFormat is returned by Parse for a Format it does not know. It is a programmer error,
 // not a property of the body, so it does not wrap ErrMalformed.
@@ -32,13 +36,18 @@ var ErrUnknownFormat = errors.New("prefixkey: unknown request format")
 // ParseOpenAICompletion or ParseAnthropicMessages. It is safe for concurrent use; body is only
 // read, and the returned Request does not alias it.
 //
+// A body is not valid when a string that reaches the Request is not valid UTF-8 (or holds an
+// unpaired surrogate escape), or when temperature (OpenAI [0, 2], Anthropic [0, 1]), top_p
+// ([0, 1]), max_tokens, max_completion_tokens or n (at least 1) is out of range.
+//
 // It returns a non-nil Request and a nil error, or a nil Request and an error: a *FieldError
 // wrapping ErrMalformed when the body is not a valid request of the format, or an error wrapping
 // ErrUnknownFormat when f is not one of the Format constants.
 //
-// The strings of a parsed Request share one allocation about the size of body, and its
-// Message.Extra values share another (each slice capped at its length, so appending to one copies
-// it): keeping any of them alive keeps that allocation alive.
+// The message, part and prompt text of a parsed Request share one allocation of the size of
+// body, its system prompt another and its Part.Data values a third, and its Message.Extra values
+// share a fourth (each slice capped at its length, so appending to one copies it): keeping any of
+// them alive keeps that allocation alive. Bodies longer than 1 GiB are refused.
 func Parse(f Format, body []byte) (*Request, error) {
 	switch f {
 	case FormatOpenAIChat:
@@ -84,11 +93,11 @@ type member struct {
 
 // tapeEnt is one token of a value being canonicalised.
 type tapeEnt struct {
-	kind  byte // '{', '[', '"', or 'v' (number or literal)
-	plain bool // strings: the raw content is canonical
-	lo    int  // strings: content span; others: literal span
-	hi    int
-	end   int // containers: index of the first entry after the subtree
+	kind  byte  // '{', '[', '"', or 'v' (number or literal)
+	plain bool  // strings: the raw content is canonical
+	lo    int32 // strings: content span; others: literal span
+	hi    int32
+	end   int32 // containers: index of the first entry after the subtree
 }
 
 // sortEnt is an object member being sorted by key during canonicalisation.
@@ -100,17 +109,34 @@ type sortEnt struct {
 // partRef is a Part whose strings are offsets into the decoder's arenas.
 type partRef struct {
 	typ        partKind
-	tylo, tyhi int // the type name in d.data, when typ == kindOther
-	tlo, thi   int // in d.text
-	dlo, dhi   int // in d.data
+	tylo, tyhi int32 // the type name in d.data, when typ == kindOther
+	tlo, thi   int32 // in d.text
+	dlo, dhi   int32 // in d.data
 }
 
 // msgRef is a Message whose strings are offsets into the decoder's arenas.
 type msgRef struct {
 	role     msgRole
-	tlo, thi int // in d.text
-	plo, phi int // in d.parts
-	xlo, xhi int // in d.raw
+	tlo, thi int32 // in d.text
+	plo, phi int32 // in d.parts
+	xlo, xhi int32 // in d.raw
+}
+
+// addMsg appends a message whose text is d.text[tlo:], parts d.parts[plo:] and extra d.raw[xlo:xhi].
+func (d *decoder) addMsg(role string, tlo, plo, xlo, xhi int) {
+	d.msgs = grow(d.msgs)
+	d.msgs = append(d.msgs, msgRef{role: roleOf(role), tlo: int32(tlo), thi: int32(len(d.text)),
+		plo: int32(plo), phi: int32(len(d.parts)), xlo: int32(xlo), xhi: int32(xhi)})
+}
+
+// grow makes room for one more element in s, doubling its capacity when it is full: the
+// arrays a parse grows cost at most about twice their final size in all, where append's
+// growth by 1.25 for large slices would cost five times.
+func grow[S ~[]E, E any](s S) S {
+	if len(s) < cap(s) {
+		return s
+	}
+	return slices.Grow(s, max(16, len(s)))
 }
 
 // decoder is the per-call parsing state. It is never shared.
@@ -132,6 +158,7 @@ type decoder struct {
 	keyBuf  []byte // strBytes' decoded string
 	keys    []byte // decoded escaped keys of members and sort entries
 
+	lax     bool // skipping: strings need not be valid UTF-8
 	countCC bool // count non-null "cache_control" members while skipping
 	ccCount int
 
@@ -260,8 +287,12 @@ func (d *decoder) scanString() (jstr, error) {
 		switch {
 		case c == '"':
 			s := jstr{lo: lo, hi: i, plain: !esc}
-			if s.plain && high&swarMSB != 0 {
-				s.plain = utf8.Valid(buf[lo:i])
+			if high&swarMSB != 0 && !utf8.Valid(buf[lo:i]) {
+				if !d.lax {
+					d.pos = lo
+					return jstr{}, errBadUTF8()
+				}
+				s.plain = false
 			}
 			d.pos = i + 1
 			return s, nil
@@ -285,6 +316,18 @@ func (d *decoder) scanString() (jstr, error) {
 						return jstr{}, d.syntaxErr("invalid \\u escape in string")
 					}
 				}
+				if r := hex4(buf[i+2:]); utf16.IsSurrogate(r) && !d.lax {
+					// Only a high surrogate followed by a low one is a character: an unpaired
+					// one would decode to U+FFFD like any other, so two different bodies
+					// would read the same.
+					if r >= 0xdc00 || i+12 > len(buf) || buf[i+6] != '\\' || buf[i+7] != 'u' ||
+						!isHex(buf[i+8]) || !isHex(buf[i+9]) || !isHex(buf[i+10]) || !isHex(buf[i+11]) ||
+						!isLowSurrogate(hex4(buf[i+8:])) {
+						d.pos = lo
+						return jstr{}, fieldErr("", "must be valid Unicode: unpaired UTF-16 surrogate escape \\u"+string(buf[i+2:i+6]))
+					}
+					i += 6
+				}
 				i += 6
 			default:
 				d.pos = i + 1
@@ -296,6 +339,14 @@ func (d *decoder) scanString() (jstr, error) {
 		}
 	}
 }
+
+func isLowSurrogate(r rune) bool { return 0xdc00 <= r && r <= 0xdfff }
+
+// errBadUTF8 is scanString's error for a string that is not valid UTF-8. Such a string is
+// rejected rather than decoded with U+FFFD for the bad bytes, as encoding/json does: that would
+// give two bodies that differ only in their invalid bytes the same prefix and cache keys while
+// their bodies, forwarded unchanged, ask different things.
+func errBadUTF8() *FieldError { return fieldErr("", "must be valid UTF-8") }
 
 func isHex(c byte) bool {
 	return '0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F'
@@ -602,7 +653,19 @@ func (d *decoder) nextElem(first *bool) (more bool, err error) {
 }
 
 // skipValue validates and skips the value at d.pos. depth is the number of enclosing containers.
+// What it skips reaches no key, so its strings need not be valid UTF-8 (encoding/json's rule);
+// whatever is read later (a member canonicalised from its offset) is checked then.
 func (d *decoder) skipValue(depth int) error {
+	if d.lax {
+		return d.skipAny(depth)
+	}
+	d.lax = true
+	err := d.skipAny(depth)
+	d.lax = false
+	return err
+}
+
+func (d *decoder) skipAny(depth int) error {
 	switch c := d.peek(); {
 	case c == '"':
 		_, err := d.scanString()
@@ -621,7 +684,7 @@ func (d *decoder) skipValue(depth int) error {
 			if d.countCC && d.pos < len(d.buf) && d.buf[d.pos] != 'n' && string(d.strBytes(k)) == "cache_control" {
 				d.ccCount++
 			}
-			if err := d.skipValue(depth + 1); err != nil {
+			if err := d.skipAny(depth + 1); err != nil {
 				return err
 			}
 		}
@@ -636,7 +699,7 @@ func (d *decoder) skipValue(depth int) error {
 			if err != nil || !more {
 				return err
 			}
-			if err := d.skipValue(depth + 1); err != nil {
+			if err := d.skipAny(depth + 1); err != nil {
 				return err
 			}
 		}
@@ -665,8 +728,11 @@ func (d *decoder) appendCanonical(dst []byte, depth int) ([]byte, error) {
 		d.tape = d.tape[:t0]
 		return dst, err
 	}
-	// The canonical form is rarely longer than the value as sent: grow once, amortised.
-	dst = slices.Grow(dst, d.pos-start)
+	// The canonical form is rarely longer than the value as sent: make room once, doubling the
+	// arena when it is full so that its growth costs about its final size.
+	if need := d.pos - start; cap(dst)-len(dst) < need {
+		dst = slices.Grow(dst, max(need, len(dst)))
+	}
 	dst, _ = d.emit(dst, t0)
 	d.tape = d.tape[:t0]
 	return dst, nil
@@ -688,14 +754,14 @@ func (d *decoder) tapeValue(depth int) error {
 		if err != nil {
 			return err
 		}
-		d.tape = append(d.tape, tapeEnt{kind: '"', plain: s.plain, lo: s.lo, hi: s.hi})
+		d.tape = append(grow(d.tape), tapeEnt{kind: '"', plain: s.plain, lo: int32(s.lo), hi: int32(s.hi)})
 		return nil
 	case c == '{' || c == '[':
 		if depth >= maxJSONDepth {
 			return d.syntaxErr("nesting too deep")
 		}
 		idx := len(d.tape)
-		d.tape = append(d.tape, tapeEnt{kind: c})
+		d.tape = append(grow(d.tape), tapeEnt{kind: c})
 		d.pos++
 		first := true
 		for {
@@ -705,7 +771,7 @@ func (d *decoder) tapeValue(depth int) error {
 				var k jstr
 				k, more, err = d.next(&first)
 				if err == nil && more {
-					d.tape = append(d.tape, tapeEnt{kind: '"', plain: k.plain, lo: k.lo, hi: k.hi})
+					d.tape = append(grow(d.tape), tapeEnt{kind: '"', plain: k.plain, lo: int32(k.lo), hi: int32(k.hi)})
 				}
 			} else {
 				more, err = d.nextElem(&first)
@@ -714,7 +780,7 @@ func (d *decoder) tapeValue(depth int) error {
 				return err
 			}
 			if !more {
-				d.tape[idx].end = len(d.tape)
+				d.tape[idx].end = int32(len(d.tape))
 				return nil
 			}
 			if err := d.tapeValue(depth + 1); err != nil {
@@ -726,14 +792,14 @@ func (d *decoder) tapeValue(depth int) error {
 		if err := d.scanLiteral(); err != nil {
 			return err
 		}
-		d.tape = append(d.tape, tapeEnt{kind: 'v', lo: lo, hi: d.pos})
+		d.tape = append(grow(d.tape), tapeEnt{kind: 'v', lo: int32(lo), hi: int32(d.pos)})
 		return nil
 	case c == '-' || '0' <= c && c <= '9':
 		lo, hi, err := d.scanNumber()
 		if err != nil {
 			return err
 		}
-		d.tape = append(d.tape, tapeEnt{kind: 'v', lo: lo, hi: hi})
+		d.tape = append(grow(d.tape), tapeEnt{kind: 'v', lo: int32(lo), hi: int32(hi)})
 		return nil
 	default:
 		return d.unexpected("a value")
@@ -743,14 +809,14 @@ func (d *decoder) tapeValue(depth int) error {
 // after returns the tape index following the value at tape index j.
 func (d *decoder) after(j int) int {
 	if e := d.tape[j]; e.kind == '{' || e.kind == '[' {
-		return e.end
+		return int(e.end)
 	}
 	return j + 1
 }
 
 func (d *decoder) tapeStr(j int) jstr {
 	e := d.tape[j]
-	return jstr{lo: e.lo, hi: e.hi, plain: e.plain}
+	return jstr{lo: int(e.lo), hi: int(e.hi), plain: e.plain}
 }
 
 // decodedKey returns a reference to the decoded value of the key s.
@@ -801,16 +867,16 @@ func (d *decoder) emit(dst []byte, i int) ([]byte, int) {
 		return d.appendCanonicalStr(dst, d.tapeStr(i)), i + 1
 	case '[':
 		dst = append(dst, '[')
-		for j := i + 1; j < e.end; {
+		for j := i + 1; j < int(e.end); {
 			if j > i+1 {
 				dst = append(dst, ',')
 			}
 			dst, j = d.emit(dst, j)
 		}
-		return append(dst, ']'), e.end
+		return append(dst, ']'), int(e.end)
 	case '{':
 		base := len(d.sorted)
-		for j := i + 1; j < e.end; j = d.after(j + 1) {
+		for j := i + 1; j < int(e.end); j = d.after(j + 1) {
 			d.sorted = append(d.sorted, sortEnt{key: d.decodedKey(d.tapeStr(j)), ref: j})
 		}
 		n := d.sortAndDedup(base)
@@ -825,7 +891,7 @@ func (d *decoder) emit(dst []byte, i int) ([]byte, int) {
 			dst, _ = d.emit(dst, j+1)
 		}
 		d.sorted = d.sorted[:base]
-		return append(dst, '}'), e.end
+		return append(dst, '}'), int(e.end)
 	default:
 		return append(dst, d.buf[e.lo:e.hi]...), i + 1
 	}
@@ -867,6 +933,7 @@ func (d *decoder) canonicalObject(dst []byte, ms []member, flags int, depth int)
 		dst = appendQuoted(dst, d.keyOf(se.key))
 		dst = append(dst, ':')
 		if dst, err = d.canonicalAt(dst, se.ref, depth+1); err != nil {
+			err = atField(err, string(d.keyOf(se.key)))
 			break
 		}
 	}
@@ -1129,10 +1196,37 @@ func (d *decoder) param(p *Params, k jstr, f Format) (bool, error) {
 	return true, nil
 }
 
+// checkRanges checks the numeric parameters of p, once the whole body is read (the last of
+// duplicate keys is the one kept and checked), against the ranges the provider's API accepts:
+// temperature in [0, 2] (OpenAI) or [0, 1] (Anthropic), top_p in [0, 1], max_tokens,
+// max_completion_tokens and n at least 1. The error names the field.
+func checkRanges(p *Params, f Format) error {
+	maxTemp, tempReason := 2.0, "must be between 0 and 2"
+	if f == FormatAnthropicMessages {
+		maxTemp, tempReason = 1, "must be between 0 and 1"
+	}
+	switch {
+	case p.Temperature.Set && (p.Temperature.V < 0 || p.Temperature.V > maxTemp):
+		return fieldErr("temperature", tempReason)
+	case p.TopP.Set && (p.TopP.V < 0 || p.TopP.V > 1):
+		return fieldErr("top_p", "must be between 0 and 1")
+	case p.MaxTokens.Set && p.MaxTokens.V < 1:
+		return fieldErr("max_tokens", "must be at least 1")
+	case p.MaxCompletionTokens.Set && p.MaxCompletionTokens.V < 1:
+		return fieldErr("max_completion_tokens", "must be at least 1")
+	case p.N.Set && p.N.V < 1:
+		return fieldErr("n", "must be at least 1")
+	}
+	return nil
+}
+
 // ---- shared request structure ----
 
 // begin consumes the opening brace of the body.
 func (d *decoder) begin() error {
+	if len(d.buf) > maxBodyLen {
+		return fieldErr("", "body is longer than 1 GiB")
+	}
 	switch d.peek() {
 	case '{':
 		d.pos++
@@ -1186,13 +1280,7 @@ func (d *decoder) skipUnknown(k jstr) error {
 	if err != nil {
 		return atField(err, key)
 	}
-	for i := range d.other { // duplicate key: the last one wins
-		if d.other[i].key == key {
-			d.other[i].val = val
-			return nil
-		}
-	}
-	d.other = append(d.other, otherField{key: key, val: val})
+	d.other = append(d.other, otherField{key: key, val: val}) // duplicates: see otherJSON
 	return nil
 }
 
@@ -1201,10 +1289,15 @@ func (d *decoder) otherJSON() []byte {
 	if len(d.other) == 0 {
 		return nil
 	}
-	slices.SortFunc(d.other, func(a, b otherField) int { return strings.Compare(a.key, b.key) })
+	// Sorting stably, then keeping the last of equal keys, makes the last duplicate win in
+	// O(n log n): a body of many unknown keys costs no quadratic search.
+	slices.SortStableFunc(d.other, func(a, b otherField) int { return strings.Compare(a.key, b.key) })
 	out := []byte{'{'}
 	for i, f := range d.other {
-		if i > 0 {
+		if i+1 < len(d.other) && d.other[i+1].key == f.key {
+			continue
+		}
+		if len(out) > 1 {
 			out = append(out, ',')
 		}
 		out = appendQuoted(out, []byte(f.key))
@@ -1234,9 +1327,6 @@ func (d *decoder) addExtra(base, depth int) (lo, hi int, err error) {
 	if len(d.members) == base {
 		return lo, lo, nil
 	}
-	if d.raw == nil {
-		d.raw = make([]byte, 0, max(512, len(d.buf)/4))
-	}
 	var n int
 	d.raw, n, err = d.canonicalObject(d.raw, d.members[base:], dropNull, depth)
 	if n == 0 {
@@ -1245,26 +1335,28 @@ func (d *decoder) addExtra(base, depth int) (lo, hi int, err error) {
 	return lo, len(d.raw), err
 }
 
-// init sizes the decoder's arenas for body, so that a typical request grows none of them.
+// init sizes the text arena for body: the decoded text of a body is at most as long as the body
+// (strings are valid UTF-8, and decoding never lengthens them), so it never grows. The other
+// arrays grow with what the body holds (see grow).
 func (d *decoder) init(body []byte) {
 	d.buf = body
-	d.text = make([]byte, 0, len(body))
-	n := len(body)/160 + 4
-	d.msgs = make([]msgRef, 0, n)
-	d.parts = make([]partRef, 0, n)
+	if len(body) <= maxBodyLen {
+		d.text = make([]byte, 0, len(body))
+		n := len(body)/1024 + 8 // a guess on the low side: grow doubles
+		d.msgs = make([]msgRef, 0, n)
+		d.parts = make([]partRef, 0, n)
+	}
 }
 
-// finish converts the arenas into the Request's strings and slices. The system prompt, message
-// and part text and part data share one string allocation.
+// maxBodyLen is the longest body the parsers accept: offsets into a body are kept as int32.
+const maxBodyLen = 1<<30 - 1
+
+// finish converts the arenas into the Request's strings and slices. The arenas are never
+// written again: their strings share them rather than copy them (what strings.Builder does).
 func (d *decoder) finish(r *Request) {
 	r.Params.Other = d.otherJSON()
-	textLen := len(d.text)
-	d.text = append(d.text, d.sys...)
-	d.text = append(d.text, d.data...)
-	// The arena is never written again: share it rather than copy it (what strings.Builder does).
-	all := unsafe.String(unsafe.SliceData(d.text), len(d.text))
-	d.text = nil
-	text, sys, data := all[:textLen], all[textLen:textLen+len(d.sys)], all[textLen+len(d.sys):]
+	text, sys, data := arenaString(d.text), arenaString(d.sys), arenaString(d.data)
+	d.text, d.sys, d.data = nil, nil, nil
 	if len(sys) > 0 {
 		r.System = sys
 	}
@@ -1300,6 +1392,9 @@ func (d *decoder) finish(r *Request) {
 		}
 	}
 }
+
+// arenaString returns b's bytes as a string without copying them; b must never be written again.
+func arenaString(b []byte) string { return unsafe.String(unsafe.SliceData(b), len(b)) }
 
 // partKind is a Part's type as a small code, so that partRef holds no pointer.
 type partKind uint8
@@ -1387,13 +1482,13 @@ func partType(b []byte) string {
 
 // addPart appends a part of type typ with text d.text[tlo:thi] and data d.data[dlo:dhi].
 func (d *decoder) addPart(typ string, tlo, thi, dlo, dhi int) {
-	p := partRef{typ: kindOf(typ), tlo: tlo, thi: thi, dlo: dlo, dhi: dhi}
+	p := partRef{typ: kindOf(typ), tlo: int32(tlo), thi: int32(thi), dlo: int32(dlo), dhi: int32(dhi)}
 	if p.typ == kindOther {
-		p.tylo = len(d.data)
+		p.tylo = int32(len(d.data))
 		d.data = append(d.data, typ...)
-		p.tyhi = len(d.data)
+		p.tyhi = int32(len(d.data))
 	}
-	d.parts = append(d.parts, p)
+	d.parts = append(grow(d.parts), p)
 }
 
 // msgRole is a message role as a small code, so that msgRef holds no pointer.

@@ -84,6 +84,9 @@ func ParseAnthropicMessages(body []byte) (*Request, error) {
 	if !haveMessages {
 		return nil, fieldErr("messages", "is required")
 	}
+	if err := checkRanges(&r.Params, r.Format); err != nil {
+		return nil, err
+	}
 	d.finish(r)
 	return r, nil
 }
@@ -239,7 +242,7 @@ func (d *decoder) anthropicMessage() error {
 	if err != nil {
 		return err
 	}
-	d.msgs = append(d.msgs, msgRef{role: roleOf(role), tlo: textLo, thi: len(d.text), plo: partLo, phi: len(d.parts), xlo: xlo, xhi: xhi})
+	d.addMsg(role, textLo, partLo, xlo, xhi)
 	return nil
 }
 

@@ -80,6 +80,9 @@ func ParseOpenAIChat(body []byte) (*Request, error) {
 	if !haveMessages {
 		return nil, fieldErr("messages", "is required")
 	}
+	if err := checkRanges(&r.Params, r.Format); err != nil {
+		return nil, err
+	}
 	d.finish(r)
 	return r, nil
 }
@@ -211,7 +214,7 @@ func (d *decoder) openAIMessage(r *Request) error {
 	if err != nil {
 		return err
 	}
-	d.msgs = append(d.msgs, msgRef{role: roleOf(role), tlo: textLo, thi: len(d.text), plo: partLo, phi: len(d.parts), xlo: xlo, xhi: xhi})
+	d.addMsg(role, textLo, partLo, xlo, xhi)
 	return nil
 }
 
@@ -276,7 +279,9 @@ func (d *decoder) openAIPart(ms []member, depth int) error {
 	}
 	lo := len(d.data)
 	if m := d.findMember(ms, typ); m != nil && m.kind != 'n' && typ != "type" {
-		d.data, err = d.canonicalAt(d.data, m.val, depth+1)
+		if d.data, err = d.canonicalAt(d.data, m.val, depth+1); err != nil {
+			err = atField(err, typ)
+		}
 	} else {
 		d.data, _, err = d.canonicalObject(d.data, ms, dropType, depth)
 	}
@@ -351,6 +356,9 @@ func ParseOpenAICompletion(body []byte) (*Request, error) {
 	}
 	if !havePrompt {
 		return nil, fieldErr("prompt", "is required")
+	}
+	if err := checkRanges(&r.Params, r.Format); err != nil {
+		return nil, err
 	}
 	d.finish(r)
 	return r, nil
@@ -428,7 +436,7 @@ func (d *decoder) promptString() error {
 	}
 	lo := len(d.text)
 	d.text = d.appendStr(d.text, s)
-	d.prompts = append(d.prompts, jstr{lo: lo, hi: len(d.text)})
+	d.prompts = append(grow(d.prompts), jstr{lo: lo, hi: len(d.text)})
 	return nil
 }
 

@@ -6,9 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/stretchr/testify/require"
 )
@@ -136,9 +138,9 @@ var openAIChatCases = []parseCase{
 		}},
 	},
 	{
-		name: "escapes, unicode, surrogates and invalid UTF-8 decode like encoding/json",
-		body: "{\"model\":\"m\\u002Dx\",\"messages\":[{\"role\":\"user\",\"content\":\"a\\\"b\\\\c\\/d\\n\\u00e9\\ud83d\\ude00 \\ud800 \xff 日本\"}]}",
-		want: &Request{Format: FormatOpenAIChat, Model: "m-x", Messages: []Message{textMsg("user", "a\"b\\c/d\né😀 \uFFFD \uFFFD 日本")}},
+		name: "escapes, unicode and surrogate pairs decode like encoding/json",
+		body: "{\"model\":\"m\\u002Dx\",\"messages\":[{\"role\":\"user\",\"content\":\"a\\\"b\\\\c\\/d\\n\\u00e9\\ud83d\\ude00 \\ufffd 日本\"}]}",
+		want: &Request{Format: FormatOpenAIChat, Model: "m-x", Messages: []Message{textMsg("user", "a\"b\\c/d\né😀 \uFFFD 日本")}},
 	},
 	{
 		name: "escaped keys are matched by value",
@@ -668,6 +670,13 @@ func parseCheckAgainstStdlib(t testing.TB, b []byte) {
 	d = decoder{buf: b}
 	canon, err := d.appendCanonical(nil, 0)
 	if err != nil {
+		// Canonicalising is strict where encoding/json is not: a string that is not valid
+		// UTF-8, or holds an unpaired surrogate escape, is refused rather than decoded with
+		// U+FFFD (distinct inputs must not read the same).
+		if fe, ok := err.(*FieldError); ok && hasBadUnicode(b) &&
+			(fe.Reason == errBadUTF8().Reason || strings.Contains(fe.Reason, "unpaired UTF-16 surrogate")) {
+			return
+		}
 		t.Fatalf("canonical: %v", err)
 	}
 	want, err := decodeJSONNumbers(b)
@@ -686,6 +695,40 @@ func parseCheckAgainstStdlib(t testing.TB, b []byte) {
 	if err != nil || !bytes.Equal(again, canon) {
 		t.Fatalf("canonical form is not a fixed point: %q -> %q (%v)", canon, again, err)
 	}
+}
+
+// hasBadUnicode reports whether the valid JSON text b holds invalid UTF-8 or a \u escape of an
+// unpaired surrogate: the texts that decode, lossily, to U+FFFD.
+func hasBadUnicode(b []byte) bool {
+	if !utf8.Valid(b) {
+		return true
+	}
+	for i := 0; i+6 <= len(b); i++ {
+		if b[i] != '\\' {
+			continue
+		}
+		if b[i+1] != 'u' {
+			i++ // skip the escaped character, which may be a backslash
+			continue
+		}
+		r, _ := strconv.ParseUint(string(b[i+2:i+6]), 16, 32)
+		switch {
+		case 0xd800 <= r && r < 0xdc00:
+			var lo uint64
+			if i+12 <= len(b) && b[i+6] == '\\' && b[i+7] == 'u' {
+				lo, _ = strconv.ParseUint(string(b[i+8:i+12]), 16, 32)
+			}
+			if lo < 0xdc00 || lo > 0xdfff {
+				return true
+			}
+			i += 11
+		case 0xdc00 <= r && r <= 0xdfff:
+			return true
+		default:
+			i += 5
+		}
+	}
+	return false
 }
 
 // decodeJSONNumbers decodes b keeping numbers as json.Number (so that 1e400 is no error).
@@ -758,7 +801,7 @@ func TestParseLargeBodies(t *testing.T) {
 
 // TestParseAllocs pins the allocation count of parsing the 8 KiB benchmark body.
 func TestParseAllocs(t *testing.T) {
-	if testing.Short() {
+	if testing.Short() || raceEnabled {
 		t.Skip("allocation counts")
 	}
 	body := parseBenchChatBody(8 << 10)
@@ -768,7 +811,7 @@ func TestParseAllocs(t *testing.T) {
 		}
 	})
 	t.Logf("ParseOpenAIChat(8 KiB): %v allocs", n)
-	if n > 30 {
-		t.Errorf("ParseOpenAIChat(8 KiB) allocates %v times, want <= 30", n)
+	if n > 34 { // the message text, system prompt, part data and extra arenas are four of them
+		t.Errorf("ParseOpenAIChat(8 KiB) allocates %v times, want <= 34", n)
 	}
 }

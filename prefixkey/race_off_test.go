@@ -1,0 +1,5 @@
+//go:build !race
+
+package prefixkey
+
+const raceEnabled = false

@@ -1,0 +1,6 @@
+//go:build race
+
+package prefixkey
+
+// raceEnabled: the race detector changes allocation counts and sizes.
+const raceEnabled = true
