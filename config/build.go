@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"strings"
 	"time"
 
@@ -152,7 +153,10 @@ func (c *Config) defaultModel() string {
 
 // NewResponseCache builds response_cache (tiers 2 and 3): its store (memory, redis, or tiered:
 // an L1 of memory or redis in front of an S3 L2) and the respcache.Cache over it, with
-// server.max_body_bytes as the cache's MaxBodyBytes.
+// server.max_body_bytes as the cache's MaxBodyBytes. The cache's tenants are
+// respcache.HeaderTenant(tenant_header) when tenant_header is set, none with
+// shared_across_tenants, and otherwise the library's default, respcache.CredentialTenant;
+// assume_greedy_default maps to respcache.Config.AssumeGreedyDefault.
 //
 // Return values:
 //   - (cache, closeAll, nil): closeAll closes everything built (the cache's metrics, then the S3
@@ -244,9 +248,18 @@ func (c *Config) NewResponseCache(o Options) (cache *respcache.Cache, closeAll f
 	default:
 		return nil, nil, fmt.Errorf("response_cache.backend: %q is not one of memory, redis, tiered", rc.Backend)
 	}
+	var tenant func(*http.Request) string // nil: respcache.CredentialTenant
+	if rc.TenantHeader != "" {
+		if !isToken(rc.TenantHeader) {
+			return nil, nil, fmt.Errorf("response_cache.tenant_header: %q is not a valid header name", rc.TenantHeader)
+		}
+		tenant = respcache.HeaderTenant(rc.TenantHeader)
+	}
 	cache, err = respcache.New(respcache.Config{
 		Store: store, TTL: ttl, MaxResponseSize: rc.MaxResponseSize, MaxStreamBufferSize: rc.MaxStreamBufferSize,
-		DisableStreaming: !*rc.CacheStreaming, MaxBodyBytes: c.Server.MaxBodyBytes, MeterProvider: o.MeterProvider,
+		DisableStreaming: !*rc.CacheStreaming, AssumeGreedyDefault: rc.AssumeGreedyDefault,
+		Tenant: tenant, SharedAcrossTenants: rc.SharedAcrossTenants,
+		MaxBodyBytes: c.Server.MaxBodyBytes, MeterProvider: o.MeterProvider,
 	})
 	if err != nil {
 		return nil, nil, fmt.Errorf("response_cache: %w", err)

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -259,6 +260,74 @@ func missThenHit(t *testing.T, c *respcache.Cache) {
 	if _, err := c.Invalidate(context.Background(), respcache.InvalidateRequest{ClearAll: true}); err != nil {
 		t.Errorf("clear: %v", err)
 	}
+}
+
+// cacheDispositions sends body to c's middleware once per header set (pairs of name, value) and
+// returns the X-Cache of each response.
+func cacheDispositions(t *testing.T, c *respcache.Cache, body string, hdrs ...[]string) []string {
+	t.Helper()
+	h := c.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte(`{"choices":[{"message":{"role":"assistant","content":"hello"}}]}`))
+	}))
+	var got []string
+	for _, hdr := range hdrs {
+		r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(body))
+		for i := 0; i+1 < len(hdr); i += 2 {
+			r.Header.Set(hdr[i], hdr[i+1])
+		}
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, r)
+		got = append(got, rec.Header().Get(respcache.HeaderXCache))
+	}
+	return got
+}
+
+// TestNewResponseCacheTenantsAndSampling checks the mapping of tenant_header,
+// shared_across_tenants and assume_greedy_default onto the cache's behaviour.
+func TestNewResponseCacheTenantsAndSampling(t *testing.T) {
+	t0 := `{"model":"m","temperature":0,"messages":[{"role":"user","content":"tenants"}]}`
+	noT := `{"model":"m","messages":[{"role":"user","content":"no temperature"}]}`
+	alice, bob := []string{"Authorization", "Bearer alice"}, []string{"Authorization", "Bearer bob"}
+	for _, tc := range []struct {
+		name, yaml, body string
+		hdrs             [][]string
+		want             []string
+	}{
+		{"default: credentials are tenants", ``, t0,
+			[][]string{alice, bob, alice, {"x-api-key", "k1"}, {"x-api-key", "k2"}},
+			[]string{"MISS", "MISS", "HIT", "MISS", "MISS"}},
+		{"tenant_header decides", `tenant_header: x-tenant-id`, t0,
+			[][]string{append([]string{"X-Tenant-Id", "acme"}, alice...), append([]string{"X-Tenant-Id", "acme"}, bob...),
+				append([]string{"X-Tenant-Id", "globex"}, alice...)},
+			[]string{"MISS", "HIT", "MISS"}},
+		{"shared_across_tenants", `shared_across_tenants: true`, t0,
+			[][]string{alice, bob, nil}, []string{"MISS", "HIT", "HIT"}},
+		{"default: no temperature is not cached", ``, noT,
+			[][]string{alice, alice}, []string{"BYPASS", "BYPASS"}},
+		{"assume_greedy_default", `assume_greedy_default: true`, noT,
+			[][]string{alice, alice, bob}, []string{"MISS", "HIT", "MISS"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := mustParse(t, minimalBackends+"response_cache:\n  enabled: true\n  "+tc.yaml+"\n", nil)
+			c, closeAll, err := cfg.NewResponseCache(Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer closeAll()
+			if got := cacheDispositions(t, c, tc.body, tc.hdrs...); !slices.Equal(got, tc.want) {
+				t.Errorf("X-Cache %v, want %v", got, tc.want)
+			}
+		})
+	}
+	t.Run("invalid tenant_header in an unvalidated Config", func(t *testing.T) {
+		cfg := mustParse(t, minimalBackends+"response_cache: {enabled: true}\n", nil)
+		cfg.ResponseCache.TenantHeader = "bad header"
+		c, closeAll, err := cfg.NewResponseCache(Options{})
+		if err == nil || c != nil || closeAll != nil || !strings.HasPrefix(err.Error(), "response_cache.tenant_header:") {
+			t.Fatalf("%v %v", c, err)
+		}
+	})
 }
 
 func TestNewResponseCache(t *testing.T) {

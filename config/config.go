@@ -115,6 +115,19 @@ type ResponseCacheConfig struct {
 	MaxStreamBufferSize int `yaml:"max_stream_buffer_size"`
 	// CacheStreaming caches streamed responses and replays them as SSE (default true).
 	CacheStreaming *bool `yaml:"cache_streaming"`
+	// AssumeGreedyDefault caches requests without a temperature as if they asked for temperature 0
+	// (default false: only an explicit temperature 0 is cached, since OpenAI and Anthropic default
+	// an absent temperature to 1). Set it only for a fleet whose engines decode greedily by default.
+	AssumeGreedyDefault bool `yaml:"assume_greedy_default"`
+	// TenantHeader names the request header that identifies the caller's tenant, typically set by
+	// an authenticating gateway in front of the proxy (e.g. X-Tenant-Id); requests carrying the
+	// same value share cached responses, requests without it share one anonymous tenant. Default
+	// "": the tenant is a SHA-256 digest of the caller's Authorization and x-api-key headers, so
+	// that a response is only ever served to the credential that paid for it.
+	TenantHeader string `yaml:"tenant_header"`
+	// SharedAcrossTenants lets every caller, whatever its credential, share every cached response
+	// (default false). Only for a proxy serving a single trusted client; excludes tenant_header.
+	SharedAcrossTenants bool `yaml:"shared_across_tenants"`
 	// Redis is the Redis/Valkey connection (backend redis, or l1.type redis).
 	Redis RedisConfig `yaml:"redis"`
 	// L1 and L2 are the tiers of backend tiered; Tiered their promotion settings.

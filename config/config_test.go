@@ -53,6 +53,9 @@ func TestParseDefaults(t *testing.T) {
 	if cfg.Backends[0].Weight != 1 {
 		t.Errorf("weight %v", cfg.Backends[0].Weight)
 	}
+	if rc := cfg.ResponseCache; rc.TenantHeader != "" || rc.SharedAcrossTenants || rc.AssumeGreedyDefault {
+		t.Errorf("response cache tenant and sampling defaults: %+v", rc)
+	}
 }
 
 // Validation errors name the field path.
@@ -118,6 +121,15 @@ selection_strategy: Fastest
 		{"cache backend", minimalBackends + `
 response_cache: {enabled: true, backend: disk}
 `, nil, []string{`response_cache.backend: "disk" is not one of memory, redis, tiered`}},
+		{"tenant header not a token", minimalBackends + `
+response_cache: {enabled: true, tenant_header: "X Tenant"}
+`, nil, []string{`response_cache.tenant_header: "X Tenant" is not a valid header name`}},
+		{"tenant header with a colon", minimalBackends + `
+response_cache: {enabled: true, tenant_header: "X-Tenant:"}
+`, nil, []string{`response_cache.tenant_header: "X-Tenant:" is not a valid header name`}},
+		{"tenant header and shared", minimalBackends + `
+response_cache: {enabled: true, tenant_header: X-Tenant-Id, shared_across_tenants: true}
+`, nil, []string{`response_cache.tenant_header: set it or shared_across_tenants, not both`}},
 		{"tiered without l2", minimalBackends + `
 response_cache: {enabled: true, backend: tiered}
 `, nil, []string{`response_cache.l2.type: "": must be s3`, "response_cache.l2.endpoint: is required", "response_cache.l2.bucket: is required"}},

@@ -216,6 +216,13 @@ func (c *Config) validateResponseCache(fe *fieldErrors) {
 	if rc.MaxStreamBufferSize < 0 {
 		fe.add("response_cache.max_stream_buffer_size", "%d must not be negative", rc.MaxStreamBufferSize)
 	}
+	if rc.TenantHeader != "" {
+		if !isToken(rc.TenantHeader) {
+			fe.add("response_cache.tenant_header", "%q is not a valid header name", rc.TenantHeader)
+		} else if rc.SharedAcrossTenants {
+			fe.add("response_cache.tenant_header", "set it or shared_across_tenants, not both")
+		}
+	}
 	usesRedis := rc.Backend == "redis" || (rc.Backend == "tiered" && rc.L1.Type == "redis")
 	if usesRedis {
 		r := rc.Redis
@@ -444,4 +451,20 @@ func RedactURL(u string) string {
 		return "[REDACTED]"
 	}
 	return p.Redacted()
+}
+
+// isToken reports whether s is an RFC 9110 token, the syntax of a header field name: one or more
+// letters, digits and !#$%&'*+-.^_`|~.
+func isToken(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' ||
+			strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0) {
+			return false
+		}
+	}
+	return true
 }

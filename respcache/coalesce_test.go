@@ -66,7 +66,7 @@ func TestCoalesceConcurrentIdentical(t *testing.T) {
 	c := mwNew(t, Config{})
 	next := &mwGatedHandler{release: make(chan struct{}), body: `{"choices":[{"message":{"content":"once"}}]}`}
 	h := c.Middleware(next)
-	body := mwChat("coalesce me")
+	body := mwChat("coalesce me", `"temperature":0`)
 	results := make([]*httptest.ResponseRecorder, n)
 	var wg sync.WaitGroup
 	for i := range n {
@@ -104,7 +104,7 @@ func TestCoalesceWaiterContextEnds(t *testing.T) {
 	c := mwNew(t, Config{})
 	next := &mwGatedHandler{release: make(chan struct{}), body: `{"ok":true}`}
 	h := c.Middleware(next)
-	body := mwChat("wait")
+	body := mwChat("wait", `"temperature":0`)
 	var wg sync.WaitGroup
 	results := make([]*httptest.ResponseRecorder, 3)
 	for i := range 3 { // the leader and two patient waiters
@@ -161,11 +161,11 @@ func TestCoalesceFallback(t *testing.T) {
 			results := make([]*httptest.ResponseRecorder, waiters)
 			wg.Go(func() {
 				defer func() { _ = recover() }() // the leader's panic reaches its own caller only
-				mwDo(h, "/v1/chat/completions", mwChat("fb"))
+				mwDo(h, "/v1/chat/completions", mwChat("fb", `"temperature":0`))
 			})
 			mwWaitFlights(t, c, 1)
 			for i := range waiters {
-				wg.Go(func() { results[i] = mwDo(h, "/v1/chat/completions", mwChat("fb")) })
+				wg.Go(func() { results[i] = mwDo(h, "/v1/chat/completions", mwChat("fb", `"temperature":0`)) })
 			}
 			mwWaitFollowers(t, c, waiters)
 			close(next.release)
@@ -273,7 +273,7 @@ func TestCoalesceStreamFollowsLive(t *testing.T) {
 	next := &mwLiveStream{events: make(chan string)}
 	srv := httptest.NewServer(c.Middleware(next))
 	defer srv.Close()
-	url, body := srv.URL+"/v1/chat/completions", mwChat("live", `"stream":true`)
+	url, body := srv.URL+"/v1/chat/completions", mwChat("live", `"temperature":0`, `"stream":true`)
 
 	leader := mwOpenStream(t, url, body)
 	mwWaitFlights(t, c, 1)
@@ -325,7 +325,7 @@ func TestCoalesceLeaderLeaves(t *testing.T) {
 	next := &mwLiveStream{events: make(chan string)}
 	srv := httptest.NewServer(c.Middleware(next))
 	defer srv.Close()
-	url, body := srv.URL+"/v1/chat/completions", mwChat("leader leaves", `"stream":true`)
+	url, body := srv.URL+"/v1/chat/completions", mwChat("leader leaves", `"temperature":0`, `"stream":true`)
 
 	leader := mwOpenStream(t, url, body)
 	mwWaitFlights(t, c, 1)
@@ -360,7 +360,7 @@ func TestCoalesceStreamOverCap(t *testing.T) {
 	next := &mwLiveStream{events: make(chan string)}
 	srv := httptest.NewServer(c.Middleware(next))
 	defer srv.Close()
-	url, body := srv.URL+"/v1/chat/completions", mwChat("big", `"stream":true`)
+	url, body := srv.URL+"/v1/chat/completions", mwChat("big", `"temperature":0`, `"stream":true`)
 
 	leader := mwOpenStream(t, url, body)
 	mwWaitFlights(t, c, 1)
@@ -399,7 +399,7 @@ func TestCoalesceIncompleteStreamMirrored(t *testing.T) {
 	next := &mwLiveStream{events: make(chan string)}
 	srv := httptest.NewServer(c.Middleware(next))
 	defer srv.Close()
-	url, body := srv.URL+"/v1/chat/completions", mwChat("cut", `"stream":true`)
+	url, body := srv.URL+"/v1/chat/completions", mwChat("cut", `"temperature":0`, `"stream":true`)
 	leader := mwOpenStream(t, url, body)
 	mwWaitFlights(t, c, 1)
 	follower := mwOpenStream(t, url, body)
@@ -477,7 +477,7 @@ func TestCoalesceShieldsLeaderWrites(t *testing.T) {
 		}
 	})
 	h := c.Middleware(next)
-	body := mwChat("shield", `"stream":true`)
+	body := mwChat("shield", `"temperature":0`, `"stream":true`)
 	serve := func(w http.ResponseWriter) chan struct{} {
 		done := make(chan struct{})
 		go func() {
@@ -523,7 +523,7 @@ func TestCoalesceRecheckAfterSettled(t *testing.T) {
 	c := mwNew(t, Config{})
 	next := &mwJSONHandler{}
 	h := c.Middleware(next)
-	body := mwChat("recheck")
+	body := mwChat("recheck", `"temperature":0`)
 	mwDo(h, "/v1/chat/completions", body) // stores; settled becomes 1
 	req, _ := DefaultParse("/v1/chat/completions", body)
 	key := KeyOf(req)
@@ -540,7 +540,7 @@ func TestCoalesceRecheckAfterSettled(t *testing.T) {
 // flight was forgotten replays the shared response.
 func TestCoalesceJoinFinishedFlight(t *testing.T) {
 	c := mwNew(t, Config{})
-	body := mwChat("late")
+	body := mwChat("late", `"temperature":0`)
 	req, _ := DefaultParse("/v1/chat/completions", body)
 	key := KeyOf(req)
 	e := &storedResponse{status: 200, header: []string{"Content-Type", "application/json"}, body: []byte(`{"x":1}`)}

@@ -1,9 +1,9 @@
 // Package respcache serves repeated deterministic LLM requests from a cache: the response cache
 // (tier 2) and its stores (tier 3: memory, Redis/Valkey, S3, and the two in tiers).
 //
-// A request that is eligible (temperature 0 or absent, at most one choice) is keyed by a SHA-256
-// digest of everything that changes its response, tenant included; a stored response under that
-// key is replayed without contacting any backend, as JSON or, for a streaming request, as the
+// A request that is eligible (an explicit temperature 0, at most one choice) is keyed by a SHA-256
+// digest of everything that changes its response, its tenant included (by default a digest of the
+// caller's credential); a stored response under that key is replayed without contacting any backend, as JSON or, for a streaming request, as the
 // Server-Sent Events stream that was recorded. Everything is safe for concurrent use, holds no
 // package-level state and starts no goroutine except where a type's doc says so (RedisStore's
 // health monitor, S3Store's reaper), and such a type has an idempotent Close.
@@ -74,11 +74,29 @@
 // # Eligibility
 //
 // Policy decides, with short stable reasons usable as metric labels, whether a request may be
-// served from and stored into the cache (Policy.Request: temperature 0 or absent, n absent or ≤ 1,
+// served from and stored into the cache (Policy.Request: temperature 0, n absent or ≤ 1,
 // streaming only when CacheStreaming is set) and whether a response may be stored
 // (Policy.CheckResponse: status 200, at most MaxResponseSize bytes, or MaxStreamBufferSize for a
-// buffered stream). Eligible applies the seeds' defaults. OpenAI and Anthropic default an absent
-// temperature to 1; Policy.RequireTemperature makes such requests ineligible.
+// buffered stream). Eligible applies the default Cache's policy.
+//
+// Only an explicit "temperature": 0 makes a request deterministic: OpenAI and Anthropic both
+// default an absent temperature to 1, so a request without one samples, and caching it would
+// replay one sample to every later caller (X-Cache: BYPASS, reason "temperature"). A seed, top_p
+// or any other parameter does not make a sampled request cacheable, and n > 1 never is. A fleet
+// whose engines decode greedily by default can set Policy.AssumeGreedyDefault
+// (Config.AssumeGreedyDefault) to treat an absent temperature as 0, as the seeds did.
+//
+// # Tenants
+//
+// A cached response is only ever served to the tenant that paid for it: the tenant is part of
+// the key, and so of the coalescing of concurrent requests too. By default (Config.Tenant nil) the
+// tenant is CredentialTenant, a SHA-256 digest of the caller's Authorization and X-Api-Key
+// headers: callers with different API keys never share an entry, and the key holds neither the
+// credential nor anything from which to recover it. Requests with neither header share one
+// anonymous tenant. HeaderTenant names the tenant by a header that an authenticating gateway in
+// front sets (X-Tenant-Id), and any func(*http.Request) string will do; Config.SharedAcrossTenants
+// turns isolation off, for a cache serving a single trusted client. Code that keys requests
+// itself (KeyOf, KeyFor) sets prefixkey.Request.Tenant the same way.
 //
 // # Streaming record and replay
 //
@@ -90,7 +108,7 @@
 //
 // # Coalescing
 //
-// Concurrent eligible requests with the same key make one call to the backend, a singleflight
+// Concurrent eligible requests with the same key (so of the same tenant) make one call to the backend, a singleflight
 // specialised for HTTP responses: the first request leads, the others wait for its response (a
 // finished body is shared; a stream is followed live, each waiter receiving every piece as the
 // leader's handler writes it). Waiters fall back to calling the backend themselves when the
@@ -99,8 +117,8 @@
 // # Middleware
 //
 // Cache.Middleware wraps an http.Handler (typically an httputil.ReverseProxy): it parses the body
-// of a POST to an OpenAI or Anthropic path, keys it (with the tenant a Config.Tenant function
-// names), answers a hit from the store, and otherwise calls the wrapped handler, storing a
+// of a POST to an OpenAI or Anthropic path, keys it (with the tenant of the caller's credential,
+// or the one Config.Tenant names), answers a hit from the store, and otherwise calls the wrapped handler, storing a
 // cacheable response. Every response carries X-Cache: HIT, MISS or BYPASS. Cache.Stats gives the
 // seeds' GET /admin/response-cache/stats document and Cache.Invalidate its POST
 // /admin/response-cache/invalidate; metrics go through an injected OpenTelemetry MeterProvider.

@@ -15,7 +15,7 @@ const (
 // Reasons a request or response is not cached. They are short and stable: use them as metric
 // label values (the "skip" results of kvroute_response_cache_requests_total).
 const (
-	ReasonTemperature       = "temperature"        // temperature is set and not 0 (or absent, under RequireTemperature)
+	ReasonTemperature       = "temperature"        // temperature is not 0, or absent without AssumeGreedyDefault
 	ReasonN                 = "n"                  // n > 1: several choices are sampled
 	ReasonStreamingDisabled = "streaming_disabled" // a streaming request or response, and Policy.CacheStreaming is false
 	ReasonStatus            = "status"             // the response status is not 200
@@ -25,8 +25,8 @@ const (
 // Policy decides which requests and responses the response cache takes: the seeds' eligibility
 // rules. A Policy is a plain value, safe for concurrent use by its methods, which only read it.
 //
-// The zero value caches non-streaming deterministic requests whose responses fit
-// DefaultMaxResponseSize; streaming requests are skipped unless CacheStreaming is set (the
+// The zero value caches non-streaming requests with an explicit temperature 0 whose responses
+// fit DefaultMaxResponseSize; streaming requests are skipped unless CacheStreaming is set (the
 // seeds' default deployment sets it: streams are buffered up to DefaultMaxStreamBufferSize and
 // replayed as SSE).
 type Policy struct {
@@ -42,29 +42,31 @@ type Policy struct {
 	// DefaultMaxStreamBufferSize.
 	MaxStreamBufferSize int
 
-	// RequireTemperature makes a request without a temperature ineligible. The seeds cache
-	// requests whose temperature is "0 or absent", but OpenAI and Anthropic both default an absent
-	// temperature to 1: set this when clients rely on the provider default.
-	RequireTemperature bool
+	// AssumeGreedyDefault makes a request without a temperature eligible, as if it had asked for
+	// temperature 0 (the seeds' "0 or absent"). By default it is not: OpenAI and Anthropic both
+	// default an absent temperature to 1, so such a request samples and caching it would replay
+	// one sample forever. Set it only for a fleet whose engines decode greedily by default.
+	AssumeGreedyDefault bool
 }
 
 // Eligible reports whether r may be served from and stored into the response cache under the
-// seeds' defaults: Policy{CacheStreaming: true}.Request(r). It is safe for concurrent use; r is
-// only read. reason is "" when ok, otherwise one of the Reason constants.
+// default Cache's policy: Policy{CacheStreaming: true}.Request(r), so an absent temperature is
+// ineligible. It is safe for concurrent use; r is only read. reason is "" when ok, otherwise one
+// of the Reason constants.
 func Eligible(r *prefixkey.Request) (ok bool, reason string) {
 	return Policy{CacheStreaming: true}.Request(r)
 }
 
-// Request reports whether r is eligible for the response cache: its temperature is 0 or absent
-// (present, under RequireTemperature), it asks for at most one choice (n absent or ≤ 1), and it
-// does not stream unless CacheStreaming is set. When not, reason names the first rule broken, in
+// Request reports whether r is eligible for the response cache: its temperature is 0 (or absent,
+// under AssumeGreedyDefault), it asks for at most one choice (n absent or ≤ 1), and it does not
+// stream unless CacheStreaming is set. When not, reason names the first rule broken, in
 // that order (ReasonTemperature, ReasonN, ReasonStreamingDisabled); when ok, reason is "". It does
 // not allocate; r is only read.
 //
 // Eligibility is about determinism only: what a request's key covers is KeyOf's business.
 func (p Policy) Request(r *prefixkey.Request) (ok bool, reason string) {
 	t := r.Params.Temperature
-	if (t.Set && t.V != 0) || (!t.Set && p.RequireTemperature) {
+	if (t.Set && t.V != 0) || (!t.Set && !p.AssumeGreedyDefault) {
 		return false, ReasonTemperature
 	}
 	if n := r.Params.N; n.Set && n.V > 1 {

@@ -1,6 +1,7 @@
 package respcache
 
 import (
+	"math"
 	"testing"
 
 	"github.com/kvroute/kvroute/prefixkey"
@@ -17,20 +18,25 @@ func TestPolicyRequest(t *testing.T) {
 		wantOK     bool
 		wantReason string
 	}{
-		{"temperature absent", Policy{}, req(prefixkey.Params{}), true, ""},
+		{"temperature absent", Policy{}, req(prefixkey.Params{}), false, ReasonTemperature},
 		{"temperature 0", Policy{}, req(prefixkey.Params{Temperature: some(0)}), true, ""},
+		{"temperature -0", Policy{}, req(prefixkey.Params{Temperature: some(math.Copysign(0, -1))}), true, ""},
 		{"temperature 0.7", Policy{}, req(prefixkey.Params{Temperature: some(0.7)}), false, ReasonTemperature},
 		{"temperature negative", Policy{}, req(prefixkey.Params{Temperature: some(-1)}), false, ReasonTemperature},
-		{"temperature absent, required", Policy{RequireTemperature: true}, req(prefixkey.Params{}), false, ReasonTemperature},
-		{"temperature 0, required", Policy{RequireTemperature: true}, req(prefixkey.Params{Temperature: some(0)}), true, ""},
-		{"n absent", Policy{}, req(prefixkey.Params{N: prefixkey.Opt[int64]{}}), true, ""},
-		{"n 0", Policy{}, req(prefixkey.Params{N: somei(0)}), true, ""},
-		{"n 1", Policy{}, req(prefixkey.Params{N: somei(1)}), true, ""},
-		{"n 2", Policy{}, req(prefixkey.Params{N: somei(2)}), false, ReasonN},
-		{"streaming, disabled", Policy{}, req(prefixkey.Params{Stream: true}), false, ReasonStreamingDisabled},
-		{"streaming, enabled", Policy{CacheStreaming: true}, req(prefixkey.Params{Stream: true}), true, ""},
+		{"temperature absent, seed set", Policy{}, req(prefixkey.Params{Seed: somei(7)}), false, ReasonTemperature},
+		{"temperature absent, top_p 1", Policy{}, req(prefixkey.Params{TopP: some(1)}), false, ReasonTemperature},
+		{"temperature absent, greedy default", Policy{AssumeGreedyDefault: true}, req(prefixkey.Params{}), true, ""},
+		{"temperature 0, greedy default", Policy{AssumeGreedyDefault: true}, req(prefixkey.Params{Temperature: some(0)}), true, ""},
+		{"temperature 0.7, greedy default", Policy{AssumeGreedyDefault: true}, req(prefixkey.Params{Temperature: some(0.7)}), false, ReasonTemperature},
+		{"n absent", Policy{}, req(prefixkey.Params{Temperature: some(0)}), true, ""},
+		{"n 0", Policy{}, req(prefixkey.Params{Temperature: some(0), N: somei(0)}), true, ""},
+		{"n 1", Policy{}, req(prefixkey.Params{Temperature: some(0), N: somei(1)}), true, ""},
+		{"n 2", Policy{}, req(prefixkey.Params{Temperature: some(0), N: somei(2)}), false, ReasonN},
+		{"n 2, greedy default", Policy{AssumeGreedyDefault: true}, req(prefixkey.Params{N: somei(2)}), false, ReasonN},
+		{"streaming, disabled", Policy{}, req(prefixkey.Params{Temperature: some(0), Stream: true}), false, ReasonStreamingDisabled},
+		{"streaming, enabled", Policy{CacheStreaming: true}, req(prefixkey.Params{Temperature: some(0), Stream: true}), true, ""},
 		{"temperature before n before stream", Policy{}, req(prefixkey.Params{Temperature: some(1), N: somei(3), Stream: true}), false, ReasonTemperature},
-		{"n before stream", Policy{}, req(prefixkey.Params{N: somei(3), Stream: true}), false, ReasonN},
+		{"n before stream", Policy{}, req(prefixkey.Params{Temperature: some(0), N: somei(3), Stream: true}), false, ReasonN},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ok, reason := tc.policy.Request(tc.req)
@@ -48,8 +54,9 @@ func TestEligible(t *testing.T) {
 		want bool
 	}{
 		{"deterministic", prefixkey.Params{Temperature: prefixkey.Some(0.0)}, true},
-		{"streaming is buffered by default", prefixkey.Params{Stream: true}, true},
+		{"streaming is buffered by default", prefixkey.Params{Temperature: prefixkey.Some(0.0), Stream: true}, true},
 		{"sampled", prefixkey.Params{Temperature: prefixkey.Some(0.2)}, false},
+		{"temperature absent samples at the providers' default 1", prefixkey.Params{}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if ok, _ := Eligible(&prefixkey.Request{Params: tc.p}); ok != tc.want {

@@ -3,6 +3,10 @@ package respcache_test
 import (
 	"context"
 	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
 	"time"
 
 	"github.com/kvroute/kvroute/prefixkey"
@@ -22,7 +26,7 @@ func Example() {
 		if err != nil {
 			panic(err)
 		}
-		req.Tenant = "acme" // tenants never share entries
+		req.Tenant = "acme" // tenants never share entries (the middleware sets it: see Config.Tenant)
 		if ok, reason := respcache.Eligible(req); !ok {
 			fmt.Println("BYPASS:", reason)
 			continue
@@ -68,10 +72,16 @@ func ExamplePolicy() {
 	show(p.Request(req))
 	req.Params.Temperature = prefixkey.Some(0.0)
 	show(p.Request(req))
+	req.Params.Temperature = prefixkey.Opt[float64]{} // absent: the providers sample at 1
+	show(p.Request(req))
+	p.AssumeGreedyDefault = true // a fleet that decodes greedily by default
+	show(p.Request(req))
 	show(p.CheckResponse(200, 100<<10, false))
 	show(p.CheckResponse(200, 100<<10, true))
 	show(p.CheckResponse(502, 10, false))
 	// Output:
+	// false "temperature"
+	// true ""
 	// false "temperature"
 	// true ""
 	// false "too_large"
@@ -99,4 +109,31 @@ func ExampleNewMemory() {
 	fmt.Println(ok, st.Entries, st.Evictions, st.Misses)
 	// Output:
 	// false 1 1 1
+}
+
+// By default the middleware keeps tenants apart by their credentials; a gateway that authenticates
+// callers itself names the tenant by a header instead.
+func ExampleHeaderTenant() {
+	cache, err := respcache.New(respcache.Config{Tenant: respcache.HeaderTenant("X-Tenant-Id")})
+	if err != nil {
+		panic(err)
+	}
+	defer cache.Close()
+	backend := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"choices":[{"message":{"content":"4"}}]}`)
+	})
+	h := cache.Middleware(backend)
+	body := `{"model":"m","temperature":0,"messages":[{"role":"user","content":"2+2?"}]}`
+	for _, tenant := range []string{"acme", "globex", "acme"} {
+		r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(body))
+		r.Header.Set("X-Tenant-Id", tenant)
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, r)
+		fmt.Println(tenant, w.Header().Get(respcache.HeaderXCache))
+	}
+	// Output:
+	// acme MISS
+	// globex MISS
+	// acme HIT
 }

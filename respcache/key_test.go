@@ -478,7 +478,7 @@ func TestKeyOfParsedBodies(t *testing.T) {
 	}
 	for _, tc := range []struct{ name, old, new string }{
 		{"temperature absent", `"temperature":0,`, ``},
-		{"max_tokens 0", `"max_tokens":64`, `"max_tokens":0`},
+		{"max_tokens 65", `"max_tokens":64`, `"max_tokens":65`},
 		{"max_tokens absent", `"max_tokens":64,`, ``},
 		{"stream", `"n":1}`, `"n":1,"stream":true}`},
 		{"system", `Be terse.`, `Be terse!`},

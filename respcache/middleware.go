@@ -41,8 +41,9 @@ const (
 )
 
 // Config configures a Cache. The zero value is valid: an in-process MemoryStore with its defaults,
-// DefaultTTL, the seeds' size limits, streaming responses cached, coalescing on, the default
-// OpenAI/Anthropic parser, no tenant, DefaultMaxBodyBytes, no metrics.
+// DefaultTTL, the seeds' size limits, streaming responses cached, only an explicit temperature 0
+// cached, coalescing on, the default OpenAI/Anthropic parser, tenants told apart by their
+// credentials (CredentialTenant), DefaultMaxBodyBytes, no metrics.
 type Config struct {
 	// Store holds the serialized responses. Nil means NewMemory(MemoryConfig{DefaultTTL: TTL, Now:
 	// Now}): DefaultCapacity entries in this process.
@@ -64,10 +65,11 @@ type Config struct {
 	// By default they are cached: recorded while they stream and replayed as SSE on a hit.
 	DisableStreaming bool
 
-	// RequireTemperature makes requests without a temperature ineligible (Policy.RequireTemperature):
-	// by default an absent temperature counts as 0, as in the seeds, although OpenAI and Anthropic
-	// both default it to 1.
-	RequireTemperature bool
+	// AssumeGreedyDefault makes requests without a temperature eligible, as if they had asked for
+	// temperature 0 (Policy.AssumeGreedyDefault). By default they are not (X-Cache: BYPASS): OpenAI
+	// and Anthropic both default an absent temperature to 1. Set it only for a fleet whose engines
+	// decode greedily by default.
+	AssumeGreedyDefault bool
 
 	// DisableCoalescing turns request coalescing off: by default concurrent identical eligible
 	// requests share one call to the wrapped handler (see the Cache doc).
@@ -78,10 +80,21 @@ type Config struct {
 	// the wrapped handler answers it). Nil means DefaultParse. It must be safe for concurrent use.
 	Parse func(path string, body []byte) (*prefixkey.Request, error)
 
-	// Tenant, when set, names the tenant of a request (for example from an API-key or tenant
-	// header); it goes into the cache key, so tenants never share entries. It must be safe for
-	// concurrent use and must not read the request body.
+	// Tenant names the tenant of a request; it goes into the cache key (and so into the
+	// coalescing of concurrent requests), so that tenants never share entries: a cached response
+	// is only ever served to a request of the tenant that made it. Its result replaces any
+	// Request.Tenant that Parse set; "" is the one anonymous tenant. It must be safe for concurrent
+	// use and must not read the request body.
+	//
+	// Nil means CredentialTenant: a digest of the request's Authorization and X-Api-Key headers,
+	// requests with neither sharing the anonymous tenant. HeaderTenant names the tenant by a header
+	// that an authenticating gateway sets instead.
 	Tenant func(*http.Request) string
+
+	// SharedAcrossTenants turns tenant isolation off: with it every caller, whatever its
+	// credentials, shares every entry. Only for a cache behind a single trusted client, or whose
+	// callers may all see each other's responses. Setting both it and Tenant is invalid.
+	SharedAcrossTenants bool
 
 	// MaxBodyBytes bounds how much of a request body the middleware reads to parse it. A larger
 	// body is forwarded intact (X-Cache: BYPASS). 0 means DefaultMaxBodyBytes; negative is invalid.
@@ -106,7 +119,8 @@ type Config struct {
 //
 // Every response that passes through the middleware carries X-Cache, set before its first byte:
 //   - BYPASS: the request is not a POST, its path or body does not parse, its body is over
-//     MaxBodyBytes, or it is ineligible (temperature > 0, n > 1, streaming with DisableStreaming);
+//     MaxBodyBytes, or it is ineligible (temperature other than 0, temperature absent without
+//     AssumeGreedyDefault, n > 1, streaming with DisableStreaming);
 //     the request goes to the wrapped handler untouched and nothing is stored;
 //   - HIT: the response comes from the store, or from a concurrent identical request (coalescing);
 //     the wrapped handler is not called;
@@ -120,8 +134,9 @@ type Config struct {
 //
 // # Coalescing
 //
-// Concurrent eligible requests with the same key make one call to the wrapped handler (the
-// leader's); the others wait, attached to that call:
+// Concurrent eligible requests with the same key — the same tenant included, so a request never
+// receives another tenant's response — make one call to the wrapped handler (the leader's); the
+// others wait, attached to that call:
 //   - a non-streaming response is shared when the leader's handler returns, if it is storable;
 //   - a streaming (SSE) response is followed live: each waiter writes what has been recorded so
 //     far and then every piece as the leader's handler writes it, flushing after each, so waiters
@@ -178,6 +193,11 @@ func New(cfg Config) (*Cache, error) {
 		return nil, fmt.Errorf("%w: max stream buffer size %d out of [0, %d]", ErrInvalidConfig, cfg.MaxStreamBufferSize, maxEntryBody)
 	case cfg.MaxBodyBytes < 0:
 		return nil, fmt.Errorf("%w: max body bytes %d < 0", ErrInvalidConfig, cfg.MaxBodyBytes)
+	case cfg.SharedAcrossTenants && cfg.Tenant != nil:
+		return nil, fmt.Errorf("%w: Tenant set with SharedAcrossTenants", ErrInvalidConfig)
+	}
+	if cfg.Tenant == nil && !cfg.SharedAcrossTenants {
+		cfg.Tenant = CredentialTenant
 	}
 	if cfg.TTL == 0 {
 		cfg.TTL = DefaultTTL
@@ -217,7 +237,7 @@ func New(cfg Config) (*Cache, error) {
 		ttl:   cfg.TTL,
 		policy: Policy{
 			CacheStreaming:      !cfg.DisableStreaming,
-			RequireTemperature:  cfg.RequireTemperature,
+			AssumeGreedyDefault: cfg.AssumeGreedyDefault,
 			MaxResponseSize:     cfg.MaxResponseSize,
 			MaxStreamBufferSize: cfg.MaxStreamBufferSize,
 		},
@@ -267,7 +287,8 @@ func formatOf(path string) prefixkey.Format {
 }
 
 // KeyFor returns the store key of r's response: KeyOf(r) as hex, the form Invalidate takes. Set
-// r.Tenant as Config.Tenant would, or the key is another tenant's. It is safe for concurrent use.
+// r.Tenant as the Cache's tenant function would (CredentialTenant of the client's request unless
+// Config says otherwise), or the key is another tenant's. It is safe for concurrent use.
 func KeyFor(r *prefixkey.Request) string { return KeyOf(r).String() }
 
 // Middleware returns a handler that serves eligible requests from the cache and passes the others
@@ -304,13 +325,13 @@ func (m *cacheHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		c.bypass(w, r, m.next)
 		return
 	}
-	if c.tenant != nil {
-		req.Tenant = c.tenant(r)
-	}
 	if ok, _ := c.policy.Request(req); !ok {
 		restoreBody(r, body)
 		c.bypass(w, r, m.next)
 		return
+	}
+	if c.tenant != nil {
+		req.Tenant = c.tenant(r)
 	}
 	key := KeyOf(req)
 	skey := key.String()

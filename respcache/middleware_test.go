@@ -143,7 +143,7 @@ func TestHeadersSelectionAndConfig(t *testing.T) {
 		_, _ = io.WriteString(w, `{}`)
 	})
 	h := c.Middleware(next)
-	body := mwChat("x")
+	body := mwChat("x", `"temperature":0`)
 	mwWantXCache(t, mwDo(h, "/v1/chat/completions", body), XCacheMiss)
 	w := mwDo(h, "/v1/chat/completions", body)
 	mwWantXCache(t, w, XCacheHit)
@@ -168,11 +168,12 @@ func TestHeadersSelectionAndConfig(t *testing.T) {
 
 func TestNewValidates(t *testing.T) {
 	for name, cfg := range map[string]Config{
-		"ttl":        {TTL: -1},
-		"max_resp":   {MaxResponseSize: -1},
-		"max_stream": {MaxStreamBufferSize: -1},
-		"max_body":   {MaxBodyBytes: -1},
-		"too_big":    {MaxStreamBufferSize: 1 << 31},
+		"ttl":               {TTL: -1},
+		"max_resp":          {MaxResponseSize: -1},
+		"max_stream":        {MaxStreamBufferSize: -1},
+		"max_body":          {MaxBodyBytes: -1},
+		"too_big":           {MaxStreamBufferSize: 1 << 31},
+		"tenant_and_shared": {Tenant: CredentialTenant, SharedAcrossTenants: true},
 	} {
 		if _, err := New(cfg); !errors.Is(err, ErrInvalidConfig) {
 			t.Errorf("%s: err %v, want ErrInvalidConfig", name, err)
@@ -189,16 +190,20 @@ func TestBypass(t *testing.T) {
 		body []byte
 	}{
 		{name: "temperature=0.7", path: "/v1/chat/completions", body: mwChat("a", `"temperature":0.7`)},
-		{name: "n=2", path: "/v1/chat/completions", body: mwChat("a", `"n":2`)},
+		{name: "n=2", path: "/v1/chat/completions", body: mwChat("a", `"temperature":0`, `"n":2`)},
 		{name: "anthropic/temperature=1", path: "/v1/messages", body: mwAnthropic("a", `"temperature":1`)},
-		{name: "streaming_disabled", cfg: Config{DisableStreaming: true}, path: "/v1/chat/completions", body: mwChat("a", `"stream":true`)},
-		{name: "require_temperature", cfg: Config{RequireTemperature: true}, path: "/v1/chat/completions", body: mwChat("a")},
+		{name: "streaming_disabled", cfg: Config{DisableStreaming: true}, path: "/v1/chat/completions", body: mwChat("a", `"temperature":0`, `"stream":true`)},
+		{name: "temperature_absent", path: "/v1/chat/completions", body: mwChat("a")},
+		{name: "anthropic/temperature_absent", path: "/v1/messages", body: mwAnthropic("a")},
+		{name: "temperature_absent/seed", path: "/v1/chat/completions", body: mwChat("a", `"seed":7`)},
+		{name: "greedy_default/n=2", cfg: Config{AssumeGreedyDefault: true}, path: "/v1/chat/completions", body: mwChat("a", `"n":2`)},
+		{name: "greedy_default/temperature=0.7", cfg: Config{AssumeGreedyDefault: true}, path: "/v1/chat/completions", body: mwChat("a", `"temperature":0.7`)},
 		{name: "parse_error", path: "/v1/chat/completions", body: []byte(`{"model":"m","messages":[{"role":"user","content":`)},
 		{name: "not_json", path: "/v1/chat/completions", body: []byte("\x00\xff garbage")},
-		{name: "unknown_path", path: "/v1/embeddings", body: mwChat("a")},
-		{name: "over_max_body", cfg: Config{MaxBodyBytes: 100}, path: "/v1/chat/completions", body: mwChat(long)},
-		{name: "custom_parse_error", cfg: Config{Parse: func(string, []byte) (*prefixkey.Request, error) { return nil, errors.New("no") }}, path: "/v1/chat/completions", body: mwChat("a")},
-		{name: "custom_parse_nil", cfg: Config{Parse: func(string, []byte) (*prefixkey.Request, error) { return nil, nil }}, path: "/v1/chat/completions", body: mwChat("a")},
+		{name: "unknown_path", path: "/v1/embeddings", body: mwChat("a", `"temperature":0`)},
+		{name: "over_max_body", cfg: Config{MaxBodyBytes: 100}, path: "/v1/chat/completions", body: mwChat(long, `"temperature":0`)},
+		{name: "custom_parse_error", cfg: Config{Parse: func(string, []byte) (*prefixkey.Request, error) { return nil, errors.New("no") }}, path: "/v1/chat/completions", body: mwChat("a", `"temperature":0`)},
+		{name: "custom_parse_nil", cfg: Config{Parse: func(string, []byte) (*prefixkey.Request, error) { return nil, nil }}, path: "/v1/chat/completions", body: mwChat("a", `"temperature":0`)},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := mwNew(t, tc.cfg)
@@ -230,9 +235,9 @@ func TestBypassNonPOSTAndNoWrite(t *testing.T) {
 	h.ServeHTTP(w, r)
 	mwWantXCache(t, w, XCacheBypass)
 	// An eligible request whose handler writes nothing still says MISS, and stores nothing.
-	w = mwDo(h, "/v1/chat/completions", mwChat("a"))
+	w = mwDo(h, "/v1/chat/completions", mwChat("a", `"temperature":0`))
 	mwWantXCache(t, w, XCacheMiss)
-	w = mwDo(h, "/v1/chat/completions", mwChat("a"))
+	w = mwDo(h, "/v1/chat/completions", mwChat("a", `"temperature":0`))
 	mwWantXCache(t, w, XCacheMiss)
 }
 
@@ -259,7 +264,7 @@ func TestBodyReadErrorForwarded(t *testing.T) {
 		got, gotErr = io.ReadAll(r.Body)
 		w.WriteHeader(http.StatusBadRequest)
 	}))
-	body := mwChat("abc")
+	body := mwChat("abc", `"temperature":0`)
 	eb := &mwErrBody{r: bytes.NewReader(body)}
 	r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", eb)
 	r.ContentLength = -1
@@ -273,7 +278,7 @@ func TestBodyReadErrorForwarded(t *testing.T) {
 
 func TestBodyRestoredWithGetBody(t *testing.T) {
 	c := mwNew(t, Config{})
-	body := mwChat("restore me")
+	body := mwChat("restore me", `"temperature":0`)
 	h := c.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		b1, _ := io.ReadAll(r.Body)
 		rc, err := r.GetBody()
@@ -296,7 +301,7 @@ func TestNon200NotStored(t *testing.T) {
 			next := &mwJSONHandler{status: status}
 			h := c.Middleware(next)
 			for range 2 {
-				w := mwDo(h, "/v1/chat/completions", mwChat("a"))
+				w := mwDo(h, "/v1/chat/completions", mwChat("a", `"temperature":0`))
 				mwWantXCache(t, w, XCacheMiss)
 				if w.Code != status {
 					t.Fatalf("status %d, want %d", w.Code, status)
@@ -336,7 +341,7 @@ func TestTooLargeOrShortOrEncodedNotStored(t *testing.T) {
 				tc.write(w)
 			}))
 			for range 2 {
-				mwWantXCache(t, mwDo(h, "/v1/chat/completions", mwChat("a")), XCacheMiss)
+				mwWantXCache(t, mwDo(h, "/v1/chat/completions", mwChat("a", `"temperature":0`)), XCacheMiss)
 			}
 			if calls.Load() != 2 {
 				t.Fatalf("next called %d times, want 2", calls.Load())
@@ -349,7 +354,7 @@ func TestTenantSeparatesEntries(t *testing.T) {
 	c := mwNew(t, Config{Tenant: func(r *http.Request) string { return r.Header.Get("X-Tenant") }})
 	next := &mwJSONHandler{}
 	h := c.Middleware(next)
-	body := mwChat("same prompt")
+	body := mwChat("same prompt", `"temperature":0`)
 	mwWantXCache(t, mwDo(h, "/v1/chat/completions", body, "X-Tenant", "a"), XCacheMiss)
 	mwWantXCache(t, mwDo(h, "/v1/chat/completions", body, "X-Tenant", "b"), XCacheMiss)
 	mwWantXCache(t, mwDo(h, "/v1/chat/completions", body), XCacheMiss)
@@ -396,7 +401,7 @@ func TestFailingStore(t *testing.T) {
 			next := &mwJSONHandler{}
 			h := c.Middleware(next)
 			for range 3 {
-				w := mwDo(h, "/v1/chat/completions", mwChat("a"))
+				w := mwDo(h, "/v1/chat/completions", mwChat("a", `"temperature":0`))
 				mwWantXCache(t, w, XCacheMiss)
 				if w.Code != http.StatusOK || !strings.Contains(w.Body.String(), "hello") {
 					t.Fatalf("response %d %q", w.Code, w.Body)
@@ -430,7 +435,7 @@ func TestCorruptEntryIsAMiss(t *testing.T) {
 	c := mwNew(t, Config{})
 	next := &mwJSONHandler{}
 	h := c.Middleware(next)
-	body := mwChat("corrupt")
+	body := mwChat("corrupt", `"temperature":0`)
 	req, _ := prefixkey.ParseOpenAIChat(body)
 	key := KeyFor(req)
 	ctx := context.Background()
@@ -456,9 +461,9 @@ func TestInvalidate(t *testing.T) {
 	h := c.Middleware(&mwJSONHandler{})
 	ctx := context.Background()
 	for _, s := range []string{"a", "b", "c"} {
-		mwDo(h, "/v1/chat/completions", mwChat(s))
+		mwDo(h, "/v1/chat/completions", mwChat(s, `"temperature":0`))
 	}
-	req, _ := prefixkey.ParseOpenAIChat(mwChat("b"))
+	req, _ := prefixkey.ParseOpenAIChat(mwChat("b", `"temperature":0`))
 	res, err := c.Invalidate(ctx, InvalidateRequest{Key: KeyFor(req)})
 	if err != nil || res != (InvalidateResult{Success: true, Action: "delete_key", ClearedEntries: 1}) {
 		t.Fatalf("Invalidate key: %+v, %v", res, err)
@@ -467,13 +472,13 @@ func TestInvalidate(t *testing.T) {
 	if res.ClearedEntries != 0 {
 		t.Fatalf("second delete cleared %d", res.ClearedEntries)
 	}
-	mwWantXCache(t, mwDo(h, "/v1/chat/completions", mwChat("a")), XCacheHit)
-	mwWantXCache(t, mwDo(h, "/v1/chat/completions", mwChat("b")), XCacheMiss)
+	mwWantXCache(t, mwDo(h, "/v1/chat/completions", mwChat("a", `"temperature":0`)), XCacheHit)
+	mwWantXCache(t, mwDo(h, "/v1/chat/completions", mwChat("b", `"temperature":0`)), XCacheMiss)
 	res, err = c.Invalidate(ctx, InvalidateRequest{ClearAll: true})
 	if err != nil || res != (InvalidateResult{Success: true, Action: "clear_all", ClearedEntries: 3}) {
 		t.Fatalf("Invalidate clear_all: %+v, %v", res, err)
 	}
-	mwWantXCache(t, mwDo(h, "/v1/chat/completions", mwChat("a")), XCacheMiss)
+	mwWantXCache(t, mwDo(h, "/v1/chat/completions", mwChat("a", `"temperature":0`)), XCacheMiss)
 	if _, err := c.Invalidate(ctx, InvalidateRequest{}); !errors.Is(err, ErrEmptyInvalidate) {
 		t.Fatalf("empty Invalidate err %v", err)
 	}
@@ -497,7 +502,7 @@ func TestInvalidateDuringRecording(t *testing.T) {
 		_, _ = io.WriteString(w, "{}")
 	}))
 	done := make(chan struct{})
-	go func() { defer close(done); mwDo(h, "/v1/chat/completions", mwChat("a")) }()
+	go func() { defer close(done); mwDo(h, "/v1/chat/completions", mwChat("a", `"temperature":0`)) }()
 	mwWaitFlights(t, c, 1)
 	if _, err := c.Invalidate(context.Background(), InvalidateRequest{ClearAll: true}); err != nil {
 		t.Fatal(err)
@@ -601,7 +606,7 @@ func TestRecorderPassesThroughInterfaces(t *testing.T) {
 		}
 	})))
 	defer srv.Close()
-	resp, err := http.Post(srv.URL+"/v1/chat/completions", "application/json", bytes.NewReader(mwChat("a")))
+	resp, err := http.Post(srv.URL+"/v1/chat/completions", "application/json", bytes.NewReader(mwChat("a", `"temperature":0`)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -629,7 +634,7 @@ func TestPanicInHandlerPropagates(t *testing.T) {
 				t.Fatalf("recovered %v, want boom", p)
 			}
 		}()
-		mwDo(h, "/v1/chat/completions", mwChat("a"))
+		mwDo(h, "/v1/chat/completions", mwChat("a", `"temperature":0`))
 	}()
 	if n := c.Stats(context.Background()).Entries; n != 0 {
 		t.Fatalf("%d entries after a panic", n)

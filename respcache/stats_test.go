@@ -49,7 +49,7 @@ func jsonKeys(t *testing.T, raw json.RawMessage) []string {
 func TestStatsJSONShape(t *testing.T) {
 	c := mwNew(t, Config{TTL: 30 * time.Minute})
 	h := c.Middleware(&mwJSONHandler{})
-	for _, b := range [][]byte{mwChat("a"), mwChat("a"), mwChat("a"), mwChat("b"), mwChat("c", `"temperature":0.5`)} {
+	for _, b := range [][]byte{mwChat("a", `"temperature":0`), mwChat("a", `"temperature":0`), mwChat("a", `"temperature":0`), mwChat("b", `"temperature":0`), mwChat("c", `"temperature":0.5`)} {
 		mwDo(h, "/v1/chat/completions", b)
 	}
 	st := c.Stats(context.Background())
@@ -121,7 +121,7 @@ func TestMetrics(t *testing.T) {
 	defer func() { _ = mp.Shutdown(context.Background()) }()
 	c := mwNew(t, Config{MeterProvider: mp})
 	h := c.Middleware(&mwJSONHandler{})
-	for _, b := range [][]byte{mwChat("a"), mwChat("a"), mwChat("a"), mwChat("b", `"n":3`)} {
+	for _, b := range [][]byte{mwChat("a", `"temperature":0`), mwChat("a", `"temperature":0`), mwChat("a", `"temperature":0`), mwChat("b", `"temperature":0`, `"n":3`)} {
 		mwDo(h, "/v1/chat/completions", b)
 	}
 	var rm metricdata.ResourceMetrics

@@ -212,9 +212,9 @@ func TestStreamingHitAfterMiss(t *testing.T) {
 		events []string
 		split  bool
 	}{
-		{"openai", "/v1/chat/completions", mwChat("stream me", `"stream":true`), mwOpenAIEvents, false},
-		{"openai/split_writes", "/v1/chat/completions", mwChat("stream me", `"stream":true`), mwOpenAIEvents, true},
-		{"anthropic", "/v1/messages", mwAnthropic("stream me", `"stream":true`), mwAnthropicEvents, false},
+		{"openai", "/v1/chat/completions", mwChat("stream me", `"temperature":0`, `"stream":true`), mwOpenAIEvents, false},
+		{"openai/split_writes", "/v1/chat/completions", mwChat("stream me", `"temperature":0`, `"stream":true`), mwOpenAIEvents, true},
+		{"anthropic", "/v1/messages", mwAnthropic("stream me", `"temperature":0`, `"stream":true`), mwAnthropicEvents, false},
 		{"completions", "/v1/completions", []byte(`{"model":"m","prompt":"p","stream":true,"temperature":0}`), mwOpenAIEvents, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -282,7 +282,7 @@ func TestIncompleteStreamNotStored(t *testing.T) {
 			h := c.Middleware(next)
 			want := strings.Join(events, "")
 			for range 2 {
-				w := mwDo(h, "/v1/chat/completions", mwChat("a", `"stream":true`))
+				w := mwDo(h, "/v1/chat/completions", mwChat("a", `"temperature":0`, `"stream":true`))
 				mwWantXCache(t, w, XCacheMiss)
 				if w.Body.String() != want {
 					t.Fatalf("body %q, want %q", w.Body, want)
@@ -308,7 +308,7 @@ func TestStreamOverCapDeliveredNotStored(t *testing.T) {
 	srv := httptest.NewServer(c.Middleware(next))
 	defer srv.Close()
 	for range 2 {
-		resp, got := mwReadStream(t, srv.URL+"/v1/chat/completions", mwChat("big", `"stream":true`), "", nil)
+		resp, got := mwReadStream(t, srv.URL+"/v1/chat/completions", mwChat("big", `"temperature":0`, `"stream":true`), "", nil)
 		if string(got) != want || resp.Header.Get(HeaderXCache) != XCacheMiss {
 			t.Fatalf("X-Cache %q, got %d bytes, want %d", resp.Header.Get(HeaderXCache), len(got), len(want))
 		}
@@ -319,8 +319,8 @@ func TestStreamOverCapDeliveredNotStored(t *testing.T) {
 	// Within the cap it is stored.
 	c2 := mwNew(t, Config{MaxStreamBufferSize: len(want)})
 	h2 := c2.Middleware(next)
-	mwWantXCache(t, mwDo(h2, "/v1/chat/completions", mwChat("big", `"stream":true`)), XCacheMiss)
-	mwWantXCache(t, mwDo(h2, "/v1/chat/completions", mwChat("big", `"stream":true`)), XCacheHit)
+	mwWantXCache(t, mwDo(h2, "/v1/chat/completions", mwChat("big", `"temperature":0`, `"stream":true`)), XCacheMiss)
+	mwWantXCache(t, mwDo(h2, "/v1/chat/completions", mwChat("big", `"temperature":0`, `"stream":true`)), XCacheHit)
 }
 
 // TestStreamingAndNonStreamingKeyApart: the same prompt with and without stream are two entries.
@@ -336,14 +336,14 @@ func TestStreamingAndNonStreamingKeyApart(t *testing.T) {
 			jh.ServeHTTP(w, r)
 		}
 	}))
-	mwDo(h, "/v1/chat/completions", mwChat("p", `"stream":true`))
-	mwDo(h, "/v1/chat/completions", mwChat("p"))
-	w := mwDo(h, "/v1/chat/completions", mwChat("p", `"stream":true`))
+	mwDo(h, "/v1/chat/completions", mwChat("p", `"temperature":0`, `"stream":true`))
+	mwDo(h, "/v1/chat/completions", mwChat("p", `"temperature":0`))
+	w := mwDo(h, "/v1/chat/completions", mwChat("p", `"temperature":0`, `"stream":true`))
 	mwWantXCache(t, w, XCacheHit)
 	if w.Body.String() != strings.Join(mwOpenAIEvents, "") {
 		t.Fatalf("stream HIT body %q", w.Body)
 	}
-	w = mwDo(h, "/v1/chat/completions", mwChat("p"))
+	w = mwDo(h, "/v1/chat/completions", mwChat("p", `"temperature":0`))
 	mwWantXCache(t, w, XCacheHit)
 	if !strings.HasPrefix(w.Body.String(), `{"id"`) {
 		t.Fatalf("JSON HIT body %q", w.Body)
@@ -363,7 +363,7 @@ func TestStreamContextCancelStopsHandler(t *testing.T) {
 		close(stopped)
 	}))
 	ctx, cancel := context.WithCancel(context.Background())
-	r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", bytes.NewReader(mwChat("a", `"stream":true`))).WithContext(ctx)
+	r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", bytes.NewReader(mwChat("a", `"temperature":0`, `"stream":true`))).WithContext(ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); h.ServeHTTP(httptest.NewRecorder(), r) }()
 	mwWaitFlights(t, c, 1)
@@ -468,8 +468,8 @@ func TestStreamStoredWhenClientLeavesAfterFinalEvent(t *testing.T) {
 		events     []string
 		marker     string
 	}{
-		{"openai", "/v1/chat/completions", mwChat("leave", `"stream":true`), mwOpenAIEvents, "data: [DONE]"},
-		{"anthropic", "/v1/messages", mwAnthropic("leave", `"stream":true`), mwAnthropicEvents, "event: message_stop"},
+		{"openai", "/v1/chat/completions", mwChat("leave", `"temperature":0`, `"stream":true`), mwOpenAIEvents, "data: [DONE]"},
+		{"anthropic", "/v1/messages", mwAnthropic("leave", `"temperature":0`, `"stream":true`), mwAnthropicEvents, "event: message_stop"},
 	} {
 		for _, end := range []string{"return", "write", "abort", "proxy"} {
 			for _, coalesce := range []bool{true, false} {
@@ -530,8 +530,8 @@ func TestStreamNotStoredWhenClientLeavesBeforeFinalEvent(t *testing.T) {
 		events     []string
 		marker     string
 	}{
-		{"openai", "/v1/chat/completions", mwChat("early", `"stream":true`), mwOpenAIEvents, "Hel"},
-		{"anthropic", "/v1/messages", mwAnthropic("early", `"stream":true`), mwAnthropicEvents, "content_block_start"},
+		{"openai", "/v1/chat/completions", mwChat("early", `"temperature":0`, `"stream":true`), mwOpenAIEvents, "Hel"},
+		{"anthropic", "/v1/messages", mwAnthropic("early", `"temperature":0`, `"stream":true`), mwAnthropicEvents, "content_block_start"},
 	} {
 		for _, end := range []string{"return", "write", "abort", "proxy"} {
 			for _, coalesce := range []bool{true, false} {
