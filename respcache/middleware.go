@@ -291,6 +291,23 @@ func formatOf(path string) prefixkey.Format {
 // Config says otherwise), or the key is another tenant's. It is safe for concurrent use.
 func KeyFor(r *prefixkey.Request) string { return KeyOf(r).String() }
 
+// parsedKey is the context key of WithParsedRequest's value.
+type parsedKey struct{}
+
+type parsed struct {
+	body []byte
+	req  *prefixkey.Request
+}
+
+// WithParsedRequest returns a copy of ctx that hands the middleware a request body its caller has
+// already read and parsed: req must be what Config.Parse makes of body (the middleware sets its
+// Tenant). The middleware then neither reads nor parses the body again: a gateway that parses
+// each request for routing anyway saves the second pass. A body over the cache's MaxBodyBytes is
+// passed through as usual.
+func WithParsedRequest(ctx context.Context, body []byte, req *prefixkey.Request) context.Context {
+	return context.WithValue(ctx, parsedKey{}, &parsed{body: body, req: req})
+}
+
 // Middleware returns a handler that serves eligible requests from the cache and passes the others
 // to next (see the Cache doc for the dispositions). next is called without any lock held, at most
 // once per request, with the request body restored byte for byte.
@@ -314,12 +331,21 @@ func (m *cacheHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		c.bypass(w, r, m.next) // not an LLM API path: do not even read the body
 		return
 	}
-	body, ok := c.readBody(r)
-	if !ok {
-		c.bypass(w, r, m.next)
-		return
+	var (
+		body []byte
+		req  *prefixkey.Request
+		err  error
+	)
+	if pre, _ := r.Context().Value(parsedKey{}).(*parsed); pre != nil && int64(len(pre.body)) <= c.maxBody {
+		body, req = pre.body, pre.req
+	} else {
+		var ok bool
+		if body, ok = c.readBody(r); !ok {
+			c.bypass(w, r, m.next)
+			return
+		}
+		req, err = c.parse(r.URL.Path, body)
 	}
-	req, err := c.parse(r.URL.Path, body)
 	if err != nil || req == nil {
 		restoreBody(r, body)
 		c.bypass(w, r, m.next)

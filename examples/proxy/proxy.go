@@ -21,6 +21,7 @@ import (
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/prefixkey"
+	"github.com/kvroute/kvroute/respcache"
 )
 
 // Response headers the proxy adds to every routed response.
@@ -326,9 +327,9 @@ func (s *server) llmHandler(format prefixkey.Format, endpoint string) http.Handl
 			s.forward(sw, r, pr)
 			return
 		}
-		r = r.WithContext(context.WithValue(r.Context(), parsedKey, pr))
-		setBody(r, body)
-		cached.ServeHTTP(sw, r)
+		// The cache reads the parsed request from the context instead of parsing the body again.
+		ctx := respcache.WithParsedRequest(context.WithValue(r.Context(), parsedKey, pr), body, req)
+		cached.ServeHTTP(sw, r.WithContext(ctx))
 	})
 }
 
@@ -386,13 +387,6 @@ func (s *server) bodyError(w http.ResponseWriter, format prefixkey.Format, err e
 	default:
 		writeAPIError(w, format, http.StatusBadRequest, "invalid_request_error", "", "cannot read the request body: "+err.Error())
 	}
-}
-
-// setBody makes r's body (and GetBody) yield body.
-func setBody(r *http.Request, body []byte) {
-	r.Body = io.NopCloser(bytes.NewReader(body))
-	r.ContentLength = int64(len(body))
-	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
 }
 
 // forward tokenizes, routes and proxies one request, pr; a backend that fails before answering
