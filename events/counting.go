@@ -28,7 +28,10 @@ type CountingSink struct {
 
 type mutationCounters struct{ created, evicted, cleared, applyErrors atomic.Uint64 }
 
-var _ Sink = (*CountingSink)(nil)
+var (
+	_ Sink         = (*CountingSink)(nil)
+	_ LossReporter = (*CountingSink)(nil)
+)
 
 // NewCountingSink returns a CountingSink in front of next.
 func NewCountingSink(next Sink) *CountingSink {
@@ -82,6 +85,15 @@ func (s *CountingSink) ClearBackend(ctx context.Context, backend string) error {
 	return s.next.ClearBackend(ctx, backend)
 }
 
+// BackendLost implements LossReporter: it asks the next sink when that sink is a LossReporter,
+// and otherwise reports no loss.
+func (s *CountingSink) BackendLost(ctx context.Context, backend string) (bool, error) {
+	if lr, ok := s.next.(LossReporter); ok {
+		return lr.BackendLost(ctx, backend)
+	}
+	return false, nil
+}
+
 // Counts returns the counts of every backend seen so far.
 func (s *CountingSink) Counts() map[string]MutationCounts {
 	s.mu.Lock()
@@ -128,8 +140,9 @@ type SourceSummary struct {
 	Endpoint  string `json:"endpoint"`
 	Status    string `json:"status"`
 	LastError string `json:"last_error,omitempty"`
-	// Sequence: gaps, replays, catch-ups and resets of a ZMQ source (absent for SSE).
-	Sequence SequenceStats `json:"sequence,omitzero"`
+	// Sequence: gaps, replays, catch-ups and resets of a ZMQ source, present (all zero) before its
+	// first batch too; all zero for SSE, which numbers no batches.
+	Sequence SequenceStats `json:"sequence"`
 }
 
 // SummarizeBackends returns one BackendSummary per backend: those of backends first, in their

@@ -65,6 +65,13 @@
 //     batches the engine still keeps from before (ZMQConfig.CatchUpBatches, vLLM keeps
 //     10,000), so that the index learns what the engine cached before the subscription. A
 //     batch over ZMQConfig.MaxFrameBytes is dropped undecoded and handled as a lost one.
+//     A Sink that can lose what it was given without being told (a Redis index whose server
+//     restarted empty) implements LossReporter: each backend's worker asks it every
+//     ZMQConfig.LossCheckInterval (1 s) whether the backend was lost, and heals a lost one at
+//     once, as it answers a failed Apply but without waiting for the engine's next batch — it
+//     clears the backend and catches each of its chains up on the batches through the last one
+//     applied. A backend that receives no traffic and whose engine publishes nothing is thus
+//     relearnt all the same. The same check performs a clear that a failed Apply left pending.
 //   - SSE: an HTTP client reads GET <engine>/v1/kv_events with a 1 MiB line and event cap
 //     (SSEConfig.MaxEventSize) and reconnects with exponential backoff from 1 s to 60 s.
 //

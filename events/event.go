@@ -180,5 +180,41 @@ type Sink interface {
 	ClearBackend(ctx context.Context, backend string) error
 }
 
+// LossReporter is implemented by a Sink that can lose what it was given without being told: a
+// remote index shared by router replicas whose server restarted empty or failed over. The events
+// consumers ask it about each backend they feed (ZMQConfig.LossCheckInterval) and answer a loss as
+// they answer a failed Apply: they clear the backend and, where the engine has a replay endpoint,
+// catch up on what it still holds — also for a backend that publishes nothing.
+//
+// BackendLost reports whether entries the sink took for backend since its last ClearBackend may
+// be gone; a lost backend stays lost until ClearBackend succeeds. The error is non-nil only when
+// the sink could not tell (lost is then false); ctx bounds remote I/O. Implementations are safe
+// for concurrent use and answer quickly (they may read a remote marker at most every second or
+// so, sharing the answer between backends). kvindex.RedisIndex implements it; CountingSink
+// forwards it.
+type LossReporter interface {
+	BackendLost(ctx context.Context, backend string) (lost bool, err error)
+}
+
+// LossReporterFunc adapts a function to LossReporter.
+type LossReporterFunc func(ctx context.Context, backend string) (bool, error)
+
+// BackendLost calls f.
+func (f LossReporterFunc) BackendLost(ctx context.Context, backend string) (bool, error) {
+	return f(ctx, backend)
+}
+
+// NeverLost is the LossReporter of a sink that keeps what it is given (an in-process index): it
+// reports no backend lost.
+type NeverLost struct{}
+
+// BackendLost returns false, nil.
+func (NeverLost) BackendLost(context.Context, string) (bool, error) { return false, nil }
+
+var (
+	_ LossReporter = LossReporterFunc(nil)
+	_ LossReporter = NeverLost{}
+)
+
 // ErrMalformed is wrapped by every decode error: the payload is not a valid batch or event.
 var ErrMalformed = errors.New("events: malformed event")

@@ -32,6 +32,9 @@ const (
 	DefaultZMQDialTimeout    = 5 * time.Second // TCP connect plus ZMTP handshake
 	DefaultZMQMaxMessageSize = 64 << 20        // bytes per ZMQ message
 	DefaultZMQMaxTopics      = 1024            // distinct topics accepted in bind mode
+	// DefaultZMQLossCheckInterval is how often a backend's worker asks a LossReporter sink
+	// whether the backend's entries were lost.
+	DefaultZMQLossCheckInterval = time.Second
 
 	// DefaultMaxFrameBytes is the default ZMQConfig.MaxFrameBytes: the largest batch payload
 	// decoded. vLLM's batches are a few KiB to a few MiB (one engine step).
@@ -129,6 +132,14 @@ type ZMQConfig struct {
 	// larger frame, or a message of more than 64 frames, is disconnected before anything is
 	// allocated for it.
 	MaxMessageSize int64
+	// LossCheckInterval is how often each backend's worker asks the Sink, when it implements
+	// LossReporter, whether it lost the backend's entries (a Redis index whose server restarted
+	// empty); the same check retries a clear that a failed Apply left pending when no batch comes
+	// to do it. A lost backend is healed at once, without waiting for its next batch: it is
+	// cleared, and each of its publishers' chains catches up on the batches up to the last one
+	// applied (connect mode with a ReplayEndpoint; counted in SequenceStats.Resets and CatchUps).
+	// 0 means DefaultZMQLossCheckInterval (1 s); negative disables the checks.
+	LossCheckInterval time.Duration
 	// MaxFrameBytes caps the payload (third frame) of a batch that is decoded; 0 means
 	// DefaultMaxFrameBytes. A larger batch is dropped without being decoded, counted in the
 	// source's Events.Malformed and LastError, logged at Warn (at most once per source every
@@ -194,8 +205,9 @@ type ZMQConsumer struct {
 	reg  registry
 
 	metrics *consumerMetrics
-	items   sync.Pool // *zmqItem
-	topic   []byte    // cfg.Topic
+	loss    LossReporter // cfg.Sink when it is one and checks are on; nil otherwise
+	items   sync.Pool    // *zmqItem
+	topic   []byte       // cfg.Topic
 
 	// connect mode
 	pubs []*zmqPublisher
@@ -243,6 +255,7 @@ type zmqBackend struct {
 	queue chan *zmqItem
 	wake  chan struct{} // capacity 1: lost has news
 	src   *source       // bind mode: the backend's source
+	first *source       // the backend's first source (bind mode: src), to count a reset no chain caused
 
 	lostMu sync.Mutex
 	lost   map[lostKey]lostBatch // guarded by lostMu; at most maxChainsPerPipe
@@ -294,7 +307,12 @@ func chainKeyOf(conn uint64, topic string, b *Batch) chainKey {
 }
 
 type chain struct {
-	last uint64
+	// src, pub and model are those of the chain's last batch: a catch-up that no batch prompts
+	// (the sink lost the backend) uses them.
+	src   *source
+	pub   *zmqPublisher
+	model string
+	last  uint64
 	// clears is the backend's clear count (backendWriter.clears) after the chain's last batch:
 	// when another cause has cleared the backend since, the chain catches up again.
 	clears uint64
@@ -366,10 +384,14 @@ func NewZMQConsumer(cfg ZMQConfig) (*ZMQConsumer, error) {
 	setDefault(&cfg.MaxMessageSize, DefaultZMQMaxMessageSize)
 	setDefault(&cfg.MaxTopics, DefaultZMQMaxTopics)
 	setDefault(&cfg.MaxFrameBytes, DefaultMaxFrameBytes)
+	setDefault(&cfg.LossCheckInterval, DefaultZMQLossCheckInterval)
 	if cfg.MaxBackoff < cfg.InitialBackoff {
 		return nil, fmt.Errorf("%w: MaxBackoff %v < InitialBackoff %v", ErrInvalidConfig, cfg.MaxBackoff, cfg.InitialBackoff)
 	}
 	c := &ZMQConsumer{cfg: cfg, now: cfg.Now, log: discardLogger(cfg.Logger), backends: make(map[string]*zmqBackend)}
+	if lr, ok := cfg.Sink.(LossReporter); ok && cfg.LossCheckInterval > 0 {
+		c.loss = lr
+	}
 	if c.now == nil {
 		c.now = time.Now
 	}
@@ -411,6 +433,9 @@ func NewZMQConsumer(cfg ZMQConfig) (*ZMQConsumer, error) {
 			}
 			p.src = c.reg.add(ep.Backend, "zmq", ep.Endpoint, cfg.Topic, c.now)
 			p.be, _ = c.backend(ep.Backend, "", false)
+			if p.be.first == nil {
+				p.be.first = p.src
+			}
 			c.pubs = append(c.pubs, p)
 		}
 	}
@@ -501,6 +526,7 @@ func (c *ZMQConsumer) backend(name, topic string, bind bool) (be *zmqBackend, cr
 	}
 	if bind {
 		be.src = c.reg.add(name, "zmq", c.bound, topic, c.now)
+		be.first = be.src
 	}
 	c.backends[name] = be
 	return be, true
@@ -895,14 +921,22 @@ func (c *ZMQConsumer) putItem(it *zmqItem) {
 	c.items.Put(it)
 }
 
-// work is a backend's worker: it applies the queued batches in order, and repairs the holes
-// lost batches left, until Close.
+// work is a backend's worker: it applies the queued batches in order, repairs the holes lost
+// batches left, and heals the backend when the sink lost it, until Close.
 func (c *ZMQConsumer) work(be *zmqBackend) {
 	ctx := c.life.ctx
+	var tick <-chan time.Time
+	if c.loss != nil {
+		t := time.NewTicker(c.cfg.LossCheckInterval)
+		defer t.Stop()
+		tick = t.C
+	}
 	for {
 		select {
 		case <-ctx.Done():
 			return
+		case <-tick:
+			c.checkLost(ctx, be)
 		case it := <-be.queue:
 			c.handle(ctx, be, it)
 			if it.reset && it.pub == nil {
@@ -973,7 +1007,7 @@ func (c *ZMQConsumer) handle(ctx context.Context, be *zmqBackend, it *zmqItem) {
 		if len(be.chains) >= maxChainsPerPipe {
 			clear(be.chains)
 		}
-		ch = &chain{}
+		ch = &chain{src: src, pub: it.pub, model: it.b.Model}
 		be.chains[key] = ch
 		ok, _, caught := c.catchUp(ctx, be, src, it.pub, it.b.Model, key.rank, seq)
 		if !ok {
@@ -989,9 +1023,57 @@ func (c *ZMQConsumer) handle(ctx context.Context, be *zmqBackend, it *zmqItem) {
 		c.log.Debug("kvroute events: sequence went back, resetting backend", "backend", be.w.backend, "last", ch.last, "seq", seq)
 		be.w.requestReset()
 	}
-	ch.last = seq
+	ch.last, ch.src, ch.pub, ch.model = seq, src, it.pub, it.b.Model
 	be.w.apply(ctx, src, &it.b)
 	ch.clears = be.w.clears // a reset this batch's own handling caused is no cause to catch up
+}
+
+// checkLost heals the backend when the sink reports it lost (LossReporter), or when a clear is
+// pending and no batch has come to do it (a failed Apply of a publisher that went quiet).
+func (c *ZMQConsumer) checkLost(ctx context.Context, be *zmqBackend) {
+	if !be.w.needClear {
+		lost, err := c.loss.BackendLost(ctx, be.w.backend)
+		if err != nil || !lost {
+			return // not known: asked again at the next tick
+		}
+	}
+	c.heal(ctx, be)
+}
+
+// heal clears the backend, then catches each chain up on the batches through the last one it
+// applied, from its publisher's replay endpoint: what the engine still holds is learnt again
+// without waiting for its next batch. A clear that fails is tried again at the next check (and
+// before the next batch). When a catch-up fails part-way or the sink stops it, the backend is
+// cleared again and the chains catch up on their next batch, as after any reset.
+func (c *ZMQConsumer) heal(ctx context.Context, be *zmqBackend) {
+	src := be.first
+	for _, ch := range be.chains {
+		src = ch.src
+		break
+	}
+	if src == nil {
+		return
+	}
+	c.log.Info("kvroute events: the sink lost the backend's entries: clearing it and catching up", "backend", be.w.backend)
+	var empty Batch
+	be.w.requestReset()
+	if !be.w.apply(ctx, src, &empty) {
+		return
+	}
+	for key, ch := range be.chains {
+		ok, _, caught := c.catchUp(ctx, be, ch.src, ch.pub, ch.model, key.rank, ch.last+1)
+		if !ok {
+			return
+		}
+		ch.caught = caught
+		if be.w.needClear {
+			break
+		}
+		ch.clears = be.w.clears
+	}
+	if be.w.needClear && ctx.Err() == nil {
+		be.w.apply(ctx, src, &empty)
+	}
 }
 
 // handleLost repairs the holes of the lost batches whose connection's earlier items have all

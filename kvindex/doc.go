@@ -48,6 +48,22 @@
 // bounds each backend's share. Prefix-granular entries (the SSE events cache_created, …) are
 // kept apart, per prefix key, with the seeds' tier transitions (MemoryConfig.StorageOffloading).
 //
+// # RedisIndex and a lost Redis
+//
+// RedisIndex keeps the same entries in Redis or Valkey, shared by router replicas. A Redis that
+// restarts empty (or fails over to a replica that had not seen the writes, or is flushed) loses
+// them while the engines keep their caches — and a cache hit publishes nothing, so events alone
+// never bring them back. The index detects the loss with a registry epoch: a random token
+// P epoch, created by the first write (SET NX) and read by every round trip the index makes
+// anyway (Lookup, LookupPrefix, Apply, Speculate, ClearBackend), so detection does not depend on
+// which call comes first. An epoch a write had to create, or found missing or changed, starts a
+// new loss generation: every backend this process had written for is lost until its next
+// ClearBackend — Apply refuses its batches with ErrBackendLost, and RedisIndex.BackendLost
+// (events.LossReporter) reports it. A process that makes no call at all reads the epoch itself
+// when asked, at most every DefaultRedisLossCheckInterval. The events consumers ask for every
+// backend they feed once a second and heal a lost one at once — clear, then catch up from the
+// engine's replay buffer — whether or not it receives traffic or publishes events.
+//
 // # Use
 //
 //	ix, err := kvindex.NewMemory(kvindex.MemoryConfig{DefaultModel: "llama-3-8b"})

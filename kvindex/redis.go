@@ -23,13 +23,20 @@ import (
 // it as "no KV information" and routes by consistent hashing alone.
 var ErrUnavailable = errors.New("kvindex: redis unavailable")
 
-// ErrBackendLost is returned by RedisIndex.Apply when the batch's block writes went to an id that
-// Redis no longer holds for the backend: the id registry was lost (Redis restarted without
-// persistence, or failed over to a replica that had not seen it) or, after the backend was idle
-// longer than EntryTTL, another replica took the id. Readers ignore those writes, and the entries
-// the backend had before are gone with the registry; the next Apply takes a new id. The events
-// package's consumers answer it as any failed Apply: they clear the backend and, where the engine
-// has a replay socket, replay what it still holds.
+// ErrBackendLost is returned by RedisIndex.Apply when the backend's entries were lost:
+//
+//   - Redis lost its state since the backend's last ClearBackend (it restarted without
+//     persistence, failed over to a replica that had not seen the writes, or was flushed), which
+//     the index learns from the registry epoch whichever call reads it first — a Lookup, a
+//     Speculate, any backend's Apply, or BackendLost. Apply then refuses the backend's batches,
+//     writing nothing, until ClearBackend, and BackendLost reports the backend lost;
+//   - or the batch's block writes went to an id that Redis no longer holds for the backend (the
+//     id registry alone was deleted or, after the backend was idle longer than EntryTTL, another
+//     replica took the id): readers ignore those writes, and the next Apply takes a new id.
+//
+// The events package's consumers answer it as any failed Apply, and a loss BackendLost reports
+// even for a backend that publishes nothing: they clear the backend and, where the engine has a
+// replay socket, replay what it still holds.
 var ErrBackendLost = errors.New("kvindex: redis no longer holds the backend's id (its entries were lost)")
 
 // Defaults of RedisConfig.
@@ -162,6 +169,7 @@ type RedisConfig struct {
 //	                     prefix entries only)
 //	P seen       ZSET    b, score = its last write (ms): the idle test of id reuse
 //	P idseq      STRING  the next new id
+//	P epoch      STRING  a random token that lives as long as the index's state (no TTL)
 //	P b:<k>      STRING  one 14-byte slot per backend id, at offset 14·id:
 //	                     bytes 0–5   big-endian expiry ms of the speculative (GPU) entry
 //	                     bytes 6–7   the owner's tag: 16 bits of xxh3(backend name)
@@ -189,10 +197,28 @@ type RedisConfig struct {
 // credited to another backend; every write pipeline also re-reads the writer's id and drops its
 // cached id when Redis disagrees, and a cached id is re-read when unused for EntryTTL/2.
 //
+// # Losing Redis
+//
+// A Redis that restarts without persistence (or fails over to a replica that had not seen the
+// writes, or is flushed) loses every entry, while the engines keep their caches and publish
+// nothing about the blocks they already hold. The registry epoch P epoch tells: every write
+// pipeline (Apply, Speculate, the last round trip of ClearBackend) ends with SET P epoch
+// <random> NX and GET P epoch, and Lookup, LookupPrefix and BackendLost read it with a GET in the
+// round trip they make anyway. The first epoch a process sees is adopted; after that, an epoch
+// that a write had to create, or that is missing or changed, means the state was lost, whichever
+// call comes first after the loss. The process then counts a new loss generation: every backend
+// it has written for is lost until its next ClearBackend — Apply refuses its batches with
+// ErrBackendLost, and BackendLost (events.LossReporter) reports it, so that the events
+// consumers clear it and catch up from the engine's replay buffer even when it receives neither
+// traffic nor events. Another replica that recreated the epoch first changed it, so every
+// replica notices. A Redis that reloads a snapshot keeps the snapshot's epoch: the writes made
+// after the snapshot are lost unnoticed, until the engines store those blocks again or they
+// expire.
+//
 // # Costs
 //
 // Lookup is one round trip for up to DefaultRedisLookupChunk blocks: HMGET of the candidates' ids
-// pipelined with MGET of the block strings; the walk (longest consecutive prefix per candidate,
+// and GET of the epoch pipelined with MGET of the block strings; the walk (longest consecutive prefix per candidate,
 // best tier per block) runs in Go. Redis does O(blocks) work whatever the number of candidates.
 // Apply is one pipelined round trip of two commands per block (SETRANGE, PEXPIRE) and a few per
 // event, plus one read round trip (HMGET of the engine-hash map, and the backend's id when this
@@ -237,6 +263,15 @@ type RedisIndex struct {
 	// downUntil is the unix-nano time until which calls fail fast (0: Redis believed up).
 	downUntil atomic.Int64
 
+	// The registry epoch (redis_epoch.go). epochMu serialises the changes of epochKnown, epochVer
+	// and lossGen; the fast path reads them without it.
+	epochKey       string // P epoch
+	epochMu        sync.Mutex
+	epochKnown     atomic.Pointer[string] // the epoch this process knows; nil or "" when none yet
+	epochVer       atomic.Uint64          // changes of epochKnown so far (adoptions and losses)
+	lossGen        atomic.Uint64          // losses detected so far
+	epochCheckedAt atomic.Int64           // unix nanos of the last verdict
+
 	counters redisCounters
 }
 
@@ -251,6 +286,11 @@ type redisBackend struct {
 	id    atomic.Int64 // slot index; -1 until known (or when every id is taken)
 	tag   uint16       // redisTag(name)
 	idAt  atomic.Int64 // when id was last confirmed by a write, unix ms of the index clock
+	// gen is the loss generation (RedisIndex.lossGen) the backend's state in Redis belongs to,
+	// and dirty says that it has some: this process wrote for the backend (or may have) since it
+	// last cleared it. The backend is lost while it is dirty and gen is older than the index's.
+	gen   atomic.Uint64
+	dirty atomic.Bool
 
 	name        string
 	engineKey   string // P e:<b>
@@ -287,6 +327,7 @@ func NewRedis(cfg RedisConfig) (*RedisIndex, error) {
 		return nil, err
 	}
 	x.idsKey, x.seenKey, x.idSeqKey = x.prefix+"ids", x.prefix+"seen", x.prefix+"idseq"
+	x.epochKey = x.prefix + "epoch"
 	if cfg.Client != nil {
 		x.client = cfg.Client
 	} else {
@@ -692,6 +733,7 @@ func (x *RedisIndex) backend(name string) *redisBackend {
 			prefixesKey: x.prefix + "mp:" + name,
 		}
 		st.id.Store(-1)
+		st.gen.Store(x.lossGen.Load())
 		st.tag = redisTag(name)
 		x.backends[name] = st
 	}

@@ -25,9 +25,10 @@ type redisWriter struct {
 	exp       int64    // expiry of written entries, unix ms
 	expStr    string
 	ttlMs     int64
-	off       int64 // the backend's slot offset
-	blocks    bool  // block entries or engine mappings written: refresh the backend's keys
-	prefixes  bool  // prefix entries written
+	off       int64      // the backend's slot offset
+	stamp     redisStamp // the epoch state when the batch (or its part after a clear) began
+	blocks    bool       // block entries or engine mappings written: refresh the backend's keys
+	prefixes  bool       // prefix entries written
 	mutations [redisNumMutations]uint64
 }
 
@@ -76,10 +77,13 @@ const redisZeroSlot = "\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00"
 // cache; an AllBlocksCleared splits the batch. Each round trip is bounded by WriteTimeout.
 //
 // It returns nil when every round trip succeeded (dropped events included), ErrClosed after
-// Close, ErrBackendLost when Redis no longer held the backend's id (its registry was lost: the
-// batch's block writes are ignored and the next call takes a new id), or an error wrapping
-// ErrUnavailable: some of the batch's writes may then have been applied. After an error the
-// backend's in-process cache is reset so that later events re-read the map.
+// Close, ErrBackendLost when the backend's entries were lost — Redis lost its state since the
+// backend's last ClearBackend (the registry epoch changed: the batch is refused, writing
+// nothing, until ClearBackend; this call's own write may be the one that noticed), or Redis no
+// longer held the backend's id (this batch's block writes are ignored and the next call takes a
+// new id) — or an error wrapping ErrUnavailable: some of the batch's writes may then have been
+// applied. After an error the backend's in-process cache is reset so that later events re-read
+// the map.
 // Safe for concurrent use; calls for one backend are serialised. b is not retained.
 func (x *RedisIndex) Apply(ctx context.Context, backend string, b *events.Batch) error {
 	if x.closed.Load() {
@@ -91,6 +95,10 @@ func (x *RedisIndex) Apply(ctx context.Context, backend string, b *events.Batch)
 	st := x.backend(backend)
 	st.mu.Lock()
 	defer st.mu.Unlock()
+	if x.lostSince(st) {
+		return ErrBackendLost // until ClearBackend: what follows would build on a hole
+	}
+	stamp := x.stamp()
 	now := x.now()
 	if err := x.prepare(ctx, st, b.Events, now); err != nil {
 		st.cache.reset()
@@ -102,6 +110,7 @@ func (x *RedisIndex) Apply(ctx context.Context, backend string, b *events.Batch)
 	}
 	w := &st.w
 	w.reset()
+	w.stamp = stamp
 	w.now, w.exp = now.UnixMilli(), now.Add(x.entryTTL).UnixMilli()
 	w.ttlMs = x.entryTTL.Milliseconds()
 	w.off = int64(st.id.Load()) * redisSlotSize
@@ -128,10 +137,16 @@ func (x *RedisIndex) Apply(ctx context.Context, backend string, b *events.Batch)
 				st.cache.reset()
 				return err
 			}
-			if err := x.clearBackendLocked(ctx, st); err != nil {
+			gen, err := x.clearBackendLocked(ctx, st, w.stamp)
+			if err != nil {
 				return err
 			}
 			x.counters.mutations[redisMutCleared].Add(1)
+			x.cleared(st, gen)
+			if x.lostSince(st) {
+				return ErrBackendLost
+			}
+			w.stamp = x.stamp()
 		case events.KindPrefix:
 			x.writePrefix(w, st, ev)
 		default:
@@ -661,25 +676,38 @@ func (x *RedisIndex) flush(ctx context.Context, st *redisBackend, w *redisWriter
 			// Prefix entries need no slot, but Stats lists backends by their ids.
 			x.client.B().Hsetnx().Key(x.idsKey).Field(st.name).Value("-1").Build())
 	}
+	set, get := x.epochWriteCmds()
+	w.cmds = append(w.cmds, set, get)
+	clean := x.beginWrite(st, w.stamp.gen)
 	res, err := x.doMulti(ctx, x.writeTimeout, w.cmds)
 	clear(w.cmds[:cap(w.cmds)])
 	w.cmds = w.cmds[:0]
 	if err != nil {
 		return redisUnavailable("apply", err)
 	}
-	for i := range res {
+	epoch := len(res) - 2
+	for i := range res[:epoch] {
 		if err := res[i].Error(); err != nil && (prune < 0 || i != prune+6) {
 			return redisUnavailable("apply", err)
 		}
 	}
-	lost := false
+	got, err := x.epochWriteReply(w.stamp, res[epoch], res[epoch+1])
+	if err != nil {
+		return redisUnavailable("apply", err)
+	}
+	x.endWrite(st, w.stamp.gen, got, clean)
+	// Lost: Redis lost its state since the backend's last clear (this round trip may be the one
+	// that noticed), or the backend's id was not the registry's.
+	lost := x.lostSince(st)
 	if prune >= 0 {
 		for _, i := range []int{prune, prune + 1} {
 			if n, err := res[i].AsInt64(); err == nil {
 				x.counters.expired.Add(uint64(n))
 			}
 		}
-		lost = !x.checkID(st, w.off/redisSlotSize, res[prune+6], time.UnixMilli(w.now))
+		if !x.checkID(st, w.off/redisSlotSize, res[prune+6], time.UnixMilli(w.now)) {
+			lost = true
+		}
 	}
 	for i := range w.mutations {
 		if w.mutations[i] > 0 && !lost {
@@ -697,7 +725,8 @@ func (x *RedisIndex) flush(ctx context.Context, st *redisBackend, w *redisWriter
 // ClearBackend implements events.Sink: it removes every entry of backend (all tiers, speculative
 // and prefix entries included) and its engine-hash map; the backend keeps the id the registry
 // holds for it (a cached id the registry no longer holds is dropped, and the next Apply takes a
-// new one). It pops the
+// new one), and stops being lost (BackendLost) unless another loss is detected meanwhile. Its
+// last round trip checks the registry epoch. It pops the
 // backend's membership sets 512 entries per round trip (ZPOPMIN, pipelined with the zeroing of the
 // previous page's slots): the cost is proportional to the backend's entries, never a keyspace
 // scan. Round trips are bounded by WriteTimeout; errors wrap ErrUnavailable and leave the entries
@@ -709,18 +738,22 @@ func (x *RedisIndex) ClearBackend(ctx context.Context, backend string) error {
 	st := x.backend(backend)
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if err := x.clearBackendLocked(ctx, st); err != nil {
+	gen, err := x.clearBackendLocked(ctx, st, x.stamp())
+	if err != nil {
 		return err
 	}
 	x.counters.mutations[redisMutCleared].Add(1)
+	x.cleared(st, gen)
 	return nil
 }
 
 // redisClearPage is the number of memberships ClearBackend pops per set and round trip.
 const redisClearPage = 512
 
-// clearBackendLocked removes st's entries. st.mu is held.
-func (x *RedisIndex) clearBackendLocked(ctx context.Context, st *redisBackend) error {
+// clearBackendLocked removes st's entries; its last round trip checks the registry epoch. stamp
+// is the epoch state when the clear began; it returns the loss generation the cleared state
+// belongs to (epochVerdict). st.mu is held.
+func (x *RedisIndex) clearBackendLocked(ctx context.Context, st *redisBackend, stamp redisStamp) (uint64, error) {
 	st.cache.reset()
 	// The id the registry holds, read without assigning one, rather than the cached id: a clear
 	// often follows an outage, and the registry may have been lost since (a restart) or the id
@@ -729,7 +762,7 @@ func (x *RedisIndex) clearBackendLocked(ctx context.Context, st *redisBackend) e
 	// zeroed.
 	r, err := x.do(ctx, x.writeTimeout, x.client.B().Hget().Key(x.idsKey).Field(st.name).Build())
 	if err != nil && !rueidis.IsRedisNil(err) {
-		return redisUnavailable("clear backend", err)
+		return stamp.gen, redisUnavailable("clear backend", err)
 	}
 	off, registered := int64(-1), int64(-1)
 	if s, err := r.ToString(); err == nil {
@@ -757,19 +790,28 @@ func (x *RedisIndex) clearBackendLocked(ctx context.Context, st *redisBackend) e
 			}
 		}
 		if final {
-			cmds = append(cmds, x.client.B().Unlink().Key(st.engineKey, st.blocksKey, st.specKey, st.prefixesKey).Build())
+			set, get := x.epochWriteCmds()
+			cmds = append(cmds, x.client.B().Unlink().Key(st.engineKey, st.blocksKey, st.specKey, st.prefixesKey).Build(), set, get)
 		}
 		res, err := x.doMulti(ctx, x.writeTimeout, cmds)
 		if err != nil {
-			return redisUnavailable("clear backend", err)
+			return stamp.gen, redisUnavailable("clear backend", err)
 		}
-		for i := range res {
+		n := len(res)
+		if final {
+			n -= 2
+		}
+		for i := range res[:n] {
 			if err := res[i].Error(); err != nil {
-				return redisUnavailable("clear backend", err)
+				return stamp.gen, redisUnavailable("clear backend", err)
 			}
 		}
 		if final {
-			return nil
+			g, err := x.epochWriteReply(stamp, res[n], res[n+1])
+			if err != nil {
+				return stamp.gen, redisUnavailable("clear backend", err)
+			}
+			return g, nil
 		}
 		pending = nil
 		for s := range sets {
@@ -778,7 +820,7 @@ func (x *RedisIndex) clearBackendLocked(ctx context.Context, st *redisBackend) e
 			}
 			zs, err := res[at[s]].AsZScores()
 			if err != nil {
-				return redisUnavailable("clear backend", err)
+				return stamp.gen, redisUnavailable("clear backend", err)
 			}
 			for _, z := range zs {
 				if s == 2 {
@@ -817,6 +859,7 @@ func (x *RedisIndex) Speculate(ctx context.Context, backend string, keys []uint6
 	ttl = min(max(ttl, time.Millisecond), x.entryTTL)
 	st := x.backend(backend)
 	now := x.now()
+	stamp := x.stamp()
 	cctx, cancel := redisWithTimeout(ctx, x.cmdTimeout)
 	defer cancel()
 	id, err := x.backendID(cctx, st, x.cmdTimeout, now)
@@ -842,20 +885,30 @@ func (x *RedisIndex) Speculate(ctx context.Context, backend string, keys []uint6
 			x.client.B().Pexpire().Key(name).Milliseconds(ttlMs).Build())
 		z = z.ScoreMember(float64(exp), name[kl-16:])
 	}
+	set, get := x.epochWriteCmds()
 	cmds = append(cmds, z.Build(),
 		x.client.B().Pexpire().Key(st.specKey).Milliseconds(ttlMs).Build(),
 		x.client.B().Zadd().Key(x.seenKey).ScoreMember().ScoreMember(float64(now.UnixMilli()), st.name).Build(),
-		x.client.B().Hget().Key(x.idsKey).Field(st.name).Build())
+		x.client.B().Hget().Key(x.idsKey).Field(st.name).Build(), set, get)
+	clean := x.beginWrite(st, stamp.gen)
 	res, err := x.doMultiIn(ctx, cctx, cmds)
 	if err != nil {
 		return redisUnavailable("speculate", err)
 	}
-	for i := range res[:len(res)-1] {
+	hget := len(res) - 3
+	for i := range res[:hget] {
 		if err := res[i].Error(); err != nil {
 			return redisUnavailable("speculate", err)
 		}
 	}
-	_ = x.checkID(st, int64(id), res[len(res)-1], now) // a lost speculation needs no answer
+	// A lost speculation needs no answer, but a lost Redis does: the epoch verdict marks every
+	// backend lost, whichever write comes first after the loss.
+	got, err := x.epochWriteReply(stamp, res[hget+1], res[hget+2])
+	if err != nil {
+		return redisUnavailable("speculate", err)
+	}
+	x.endWrite(st, stamp.gen, got, clean)
+	_ = x.checkID(st, int64(id), res[hget], now)
 	x.counters.mutations[redisMutSpeculated].Add(uint64(len(keys)))
 	return nil
 }
@@ -865,7 +918,8 @@ const redisClearScanCount = 1000
 
 // Clear deletes every entry under KeyPrefix: it counts them as Stats.Entries does, then deletes
 // every key matching KeyPrefix* (SCAN MATCH COUNT 1000 and UNLINK per page, on every node of a
-// cluster) except the backend id registry (ids, seen, idseq: replicas cache ids), and forgets this
+// cluster) except the backend id registry (ids, seen, idseq: replicas cache ids) and its epoch
+// (a Clear is no loss: no backend is reported lost), and forgets this
 // process's engine-hash mappings. No other index's prefix may start with this one. It costs a full
 // keyspace scan: use it for resets, not routinely. Entries written concurrently may survive. Each
 // round trip is bounded by WriteTimeout; errors wrap ErrUnavailable.
@@ -907,7 +961,7 @@ func (x *RedisIndex) Clear(ctx context.Context) (int, error) {
 				return 0, redisUnavailable("clear", err)
 			}
 			del := slices.DeleteFunc(entry.Elements, func(k string) bool {
-				return k == x.idsKey || k == x.seenKey || k == x.idSeqKey
+				return k == x.idsKey || k == x.seenKey || k == x.idSeqKey || k == x.epochKey
 			})
 			if len(del) > 0 {
 				if err := x.admit(); err != nil {

@@ -40,6 +40,7 @@ func (x *RedisIndex) Lookup(ctx context.Context, keys []uint64, candidates []str
 	}
 	cctx, cancel := redisWithTimeout(ctx, x.cmdTimeout)
 	defer cancel()
+	stamp := x.stamp()
 	now := x.now().UnixMilli()
 	ids := make([]int, len(candidates))
 	tags := make([]uint16, len(candidates))
@@ -51,9 +52,9 @@ func (x *RedisIndex) Lookup(ctx context.Context, keys []uint64, candidates []str
 	storedOn := make([]bool, len(candidates))
 	for lo := 0; lo < len(keys); lo += DefaultRedisLookupChunk {
 		chunk := keys[lo:min(lo+DefaultRedisLookupChunk, len(keys))]
-		cmds := make([]rueidis.Completed, 0, 2)
+		cmds := make([]rueidis.Completed, 0, 3)
 		if lo == 0 {
-			cmds = append(cmds, x.client.B().Hmget().Key(x.idsKey).Field(candidates...).Build())
+			cmds = append(cmds, x.client.B().Hmget().Key(x.idsKey).Field(candidates...).Build(), x.epochGetCmd())
 		}
 		cmds = append(cmds, x.client.B().Mget().Key(x.blockKeyNames(chunk)...).Build())
 		res, err := x.doMultiIn(ctx, cctx, cmds)
@@ -61,6 +62,11 @@ func (x *RedisIndex) Lookup(ctx context.Context, keys []uint64, candidates []str
 			return out, redisUnavailable("lookup", err)
 		}
 		if lo == 0 {
+			// A lost Redis is noticed on the routing path too, so that the events consumers heal
+			// the backends (BackendLost) even when none of them publishes.
+			if err := x.epochReadReply(stamp, res[1]); err != nil {
+				return out, redisUnavailable("lookup", err)
+			}
 			vals, err := res[0].ToArray()
 			if err != nil || len(vals) != len(candidates) {
 				return out, redisUnavailable("lookup", redisReplyErr(err))
@@ -146,12 +152,17 @@ func (x *RedisIndex) LookupPrefix(ctx context.Context, prefix string, candidates
 		return out, nil
 	}
 	prefix = strings.ToLower(prefix)
+	stamp := x.stamp()
 	cmds := []rueidis.Completed{
 		x.client.B().Zrevrangebyscore().Key(x.prefix + "p:" + prefix).Max("+inf").Min("-inf").Withscores().Build(),
 		x.client.B().Hgetall().Key(x.prefix + "pt:" + prefix).Build(),
+		x.epochGetCmd(),
 	}
 	res, err := x.doMulti(ctx, x.cmdTimeout, cmds)
 	if err != nil {
+		return out, redisUnavailable("lookup prefix", err)
+	}
+	if err := x.epochReadReply(stamp, res[2]); err != nil {
 		return out, redisUnavailable("lookup prefix", err)
 	}
 	scores, err := res[0].AsZScores()

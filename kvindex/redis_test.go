@@ -1009,8 +1009,8 @@ func TestRedisClear(t *testing.T) {
 	if n != 6 {
 		t.Errorf("Clear dropped %d entries, want 6", n)
 	}
-	if left := redisCountKeys(t, f.client, f.prefix); left != 3 { // ids, seen, idseq
-		t.Errorf("%d keys left under the prefix, want the 3 of the id registry", left)
+	if left := redisCountKeys(t, f.client, f.prefix); left != 4 { // ids, seen, idseq, epoch
+		t.Errorf("%d keys left under the prefix, want the 4 of the id registry", left)
 	}
 	if out := redisLookup(t, f.idx, keys, "a", "b"); out[0].Blocks != 0 || out[1].Blocks != 0 {
 		t.Fatalf("after Clear: %+v", out)

@@ -1,0 +1,307 @@
+package kvindex
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvroute/kvroute/events"
+)
+
+// redisChild is a private redis-server (no persistence) on a loopback port of its own, kept
+// across restarts, so that a test may kill it and start it again empty without touching the
+// shared server of REDIS_ADDR.
+type redisChild struct {
+	t    *testing.T
+	bin  string
+	dir  string
+	addr string
+	mu   sync.Mutex
+	stop func() // kills the running process; nil when none runs
+}
+
+// newRedisChild starts a redisChild, killed when the test ends. It skips when redis-server is not
+// on PATH (fails under KVROUTE_REQUIRE_INTEGRATION=1).
+func newRedisChild(t *testing.T) *redisChild {
+	t.Helper()
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		if os.Getenv("KVROUTE_REQUIRE_INTEGRATION") == "1" {
+			t.Fatal("KVROUTE_REQUIRE_INTEGRATION=1: redis-server not on PATH")
+		}
+		t.Skip("redis-server not on PATH: cannot start a private Redis to restart")
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	rc := &redisChild{t: t, bin: bin, dir: t.TempDir(), addr: addr}
+	t.Cleanup(rc.kill)
+	rc.start()
+	return rc
+}
+
+// start runs redis-server, empty, and waits until it answers PING.
+func (rc *redisChild) start() {
+	rc.t.Helper()
+	_, port, _ := net.SplitHostPort(rc.addr)
+	cmd := exec.Command(rc.bin, "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", rc.dir)
+	if err := cmd.Start(); err != nil {
+		rc.t.Fatalf("redis-server: %v", err)
+	}
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(done) }()
+	rc.mu.Lock()
+	rc.stop = func() { _ = cmd.Process.Kill(); <-done }
+	rc.mu.Unlock()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if rc.command("PING") == "+PONG" {
+			return
+		}
+		if time.Now().After(deadline) {
+			rc.t.Fatalf("redis-server on %s did not answer", rc.addr)
+		}
+	}
+}
+
+// kill stops the running redis-server, if any: what it held is lost.
+func (rc *redisChild) kill() {
+	rc.mu.Lock()
+	stop := rc.stop
+	rc.stop = nil
+	rc.mu.Unlock()
+	if stop != nil {
+		stop()
+	}
+}
+
+// command sends an inline command on a fresh connection and returns the first reply line ("" on
+// a network error).
+func (rc *redisChild) command(cmd string) string {
+	c, err := net.DialTimeout("tcp", rc.addr, 200*time.Millisecond)
+	if err != nil {
+		return ""
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(time.Second))
+	fmt.Fprint(c, cmd+"\r\n")
+	line, _ := bufio.NewReader(c).ReadString('\n')
+	return strings.TrimRight(line, "\r\n")
+}
+
+// TestRedisLossDetected: Redis loses the index (restarted empty, or flushed) while this process
+// caches the backends' ids and registry. Whichever call comes first afterwards — a Lookup, a
+// Speculate, another backend's Apply, or nothing at all (BackendLost's own check) — every
+// backend this process wrote for is reported lost, including one that only ever speculated;
+// Apply refuses a lost backend's batches until ClearBackend, after which it is learnt again.
+func TestRedisLossDetected(t *testing.T) {
+	type first struct {
+		name string
+		do   func(ctx context.Context, idx *RedisIndex, keys []uint64) error
+	}
+	firsts := []first{
+		{"lookup", func(ctx context.Context, idx *RedisIndex, keys []uint64) error {
+			_, err := idx.Lookup(ctx, keys, []string{"a", "b"}, make([]Match, 2))
+			return err
+		}},
+		{"speculate", func(ctx context.Context, idx *RedisIndex, keys []uint64) error {
+			return idx.Speculate(ctx, "spec", keys, 0)
+		}},
+		{"apply of a new backend", func(ctx context.Context, idx *RedisIndex, keys []uint64) error {
+			err := idx.Apply(ctx, "new", redisBatch(redisStored([]uint64{9}, 0, false, redisTokens(99, 16), 16, events.TierGPU)))
+			if errors.Is(err, ErrBackendLost) {
+				// An earlier attempt failed on a connection that had not noticed the restart
+				// yet, and may have landed: "new" is lost too, and cleared, as a consumer would.
+				_ = idx.ClearBackend(ctx, "new")
+			}
+			return err
+		}},
+		{"nothing", nil},
+	}
+	for _, how := range []string{"restart", "flush"} {
+		for _, f := range firsts {
+			t.Run(how+"/"+f.name, func(t *testing.T) {
+				rc := newRedisChild(t)
+				idx, err := NewRedis(RedisConfig{Addr: rc.addr, CommandTimeout: 2 * time.Second, UnavailableBackoff: 10 * time.Millisecond})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer idx.Close()
+				ctx := context.Background()
+				tokA, tokB := redisTokens(1, 32), redisTokens(2, 32)
+				keysA, keysB := redisReqKeys(tokA, 16), redisReqKeys(tokB, 16)
+				evA := redisStored([]uint64{1, 2}, 0, false, tokA, 16, events.TierGPU)
+				evB := redisStored([]uint64{3, 4}, 0, false, tokB, 16, events.TierGPU)
+				redisApply(t, idx, "a", evA)
+				redisApply(t, idx, "b", evB)
+				if err := idx.Speculate(ctx, "spec", keysA, time.Minute); err != nil {
+					t.Fatal(err)
+				}
+				if out := redisLookup(t, idx, keysA, "a", "b", "spec"); out[0].Blocks != 2 || out[2].Blocks != 2 {
+					t.Fatalf("before the loss: %+v", out)
+				}
+				for _, b := range []string{"a", "b", "spec"} {
+					if lost, err := idx.BackendLost(ctx, b); lost || err != nil {
+						t.Fatalf("BackendLost(%s) before the loss: %v %v", b, lost, err)
+					}
+				}
+
+				if how == "restart" {
+					rc.kill()
+					rc.start()
+				} else if r := rc.command("FLUSHALL"); r != "+OK" {
+					t.Fatalf("FLUSHALL: %q", r)
+				}
+				if f.do != nil { // the first call after the loss (the connection may need a retry)
+					waitUntil(t, 10*time.Second, "the first call to succeed", func() bool { return f.do(ctx, idx, keysA) == nil })
+				}
+				// Every backend is lost, at once after a call that read the epoch, or within
+				// DefaultRedisLossCheckInterval when nothing else talks to Redis.
+				for _, b := range []string{"a", "b", "spec"} {
+					waitUntil(t, 3*DefaultRedisLossCheckInterval, b+" reported lost", func() bool {
+						lost, _ := idx.BackendLost(ctx, b)
+						return lost
+					})
+				}
+				if lost, err := idx.BackendLost(ctx, "never-seen"); lost || err != nil {
+					t.Errorf("BackendLost of a backend never written for: %v %v", lost, err)
+				}
+				// a's next batch is refused: the index would build on a hole.
+				if err := idx.Apply(ctx, "a", redisBatch(evA)); !errors.Is(err, ErrBackendLost) {
+					t.Fatalf("Apply(a) after the loss: %v, want ErrBackendLost", err)
+				}
+				if err := idx.Apply(ctx, "a", redisBatch(evA)); !errors.Is(err, ErrBackendLost) {
+					t.Fatalf("second Apply(a) after the loss: %v, want ErrBackendLost until ClearBackend", err)
+				}
+				// The consumer's answer: clear, then replay what the engine holds.
+				for _, b := range []string{"a", "b", "spec"} {
+					// (a connection of the client's pool may still have to notice the restart)
+					waitUntil(t, 10*time.Second, "ClearBackend("+b+")", func() bool { return idx.ClearBackend(ctx, b) == nil })
+					if lost, err := idx.BackendLost(ctx, b); lost || err != nil {
+						t.Fatalf("BackendLost(%s) after ClearBackend: %v %v", b, lost, err)
+					}
+				}
+				redisApply(t, idx, "a", evA)
+				redisApply(t, idx, "b", evB)
+				if out := redisLookup(t, idx, keysA, "a", "b"); out[0].Blocks != 2 || out[1].Blocks != 0 {
+					t.Fatalf("a after healing: %+v", out)
+				}
+				if out := redisLookup(t, idx, keysB, "a", "b"); out[1].Blocks != 2 {
+					t.Fatalf("b after healing: %+v", out)
+				}
+			})
+		}
+	}
+}
+
+// TestRedisLossSeenByReplica: after a restart, another replica writes first (recreating the
+// epoch); this process's next Lookup sees an epoch it does not know and reports its backends lost.
+func TestRedisLossSeenByReplica(t *testing.T) {
+	rc := newRedisChild(t)
+	ctx := context.Background()
+	open := func() *RedisIndex {
+		idx, err := NewRedis(RedisConfig{Addr: rc.addr, CommandTimeout: 2 * time.Second, UnavailableBackoff: 10 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { idx.Close() })
+		return idx
+	}
+	a, b := open(), open()
+	tok := redisTokens(3, 32)
+	keys := redisReqKeys(tok, 16)
+	ev := redisStored([]uint64{1, 2}, 0, false, tok, 16, events.TierGPU)
+	redisApply(t, a, "x", ev)
+	redisApply(t, b, "y", ev)
+	if out := redisLookup(t, b, keys, "x", "y"); out[0].Blocks != 2 || out[1].Blocks != 2 {
+		t.Fatalf("shared before the restart: %+v", out)
+	}
+	rc.kill()
+	rc.start()
+	waitUntil(t, 10*time.Second, "replica b to write", func() bool {
+		// A backend new to b. (A write that failed on a connection that had not noticed the
+		// restart yet may have landed: z is then lost too, and cleared, as a consumer would.)
+		err := b.Apply(ctx, "z", redisBatch(ev))
+		if errors.Is(err, ErrBackendLost) {
+			_ = b.ClearBackend(ctx, "z")
+		}
+		return err == nil
+	})
+	waitUntil(t, 10*time.Second, "a's Lookup", func() bool {
+		_, err := a.Lookup(ctx, keys, []string{"x"}, make([]Match, 1))
+		return err == nil
+	})
+	if lost, err := a.BackendLost(ctx, "x"); !lost || err != nil {
+		t.Fatalf("a: BackendLost(x) = %v %v after the restart another replica noticed first", lost, err)
+	}
+	if lost, _ := b.BackendLost(ctx, "y"); !lost {
+		t.Error("b: y not lost: b's write after the restart had to recreate the epoch")
+	}
+	if lost, _ := b.BackendLost(ctx, "z"); lost {
+		t.Error("b: z lost, though b first wrote it after the restart")
+	}
+}
+
+// TestRedisNoFalseLoss: replicas that start together on a fresh Redis, the index's Clear and the
+// ordinary traffic never report a backend lost.
+func TestRedisNoFalseLoss(t *testing.T) {
+	rc := newRedisChild(t)
+	ctx := context.Background()
+	var idxs []*RedisIndex
+	for range 2 {
+		idx, err := NewRedis(RedisConfig{Addr: rc.addr, CommandTimeout: 2 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer idx.Close()
+		idxs = append(idxs, idx)
+	}
+	tok := redisTokens(4, 32)
+	keys := redisReqKeys(tok, 16)
+	// The second replica reads first (no epoch yet), then both write concurrently.
+	redisLookup(t, idxs[1], keys, "a")
+	var wg sync.WaitGroup
+	for i, idx := range idxs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for j := range 20 {
+				_ = idx.Apply(ctx, fmt.Sprint("b", i), redisBatch(redisStored([]uint64{uint64(j + 1)}, uint64(j), j > 0, tok[:16], 16, events.TierGPU)))
+				_ = idx.Speculate(ctx, fmt.Sprint("s", i), keys, 0)
+			}
+		}()
+	}
+	wg.Wait()
+	if _, err := idxs[0].Clear(ctx); err != nil {
+		t.Fatal(err)
+	}
+	redisApply(t, idxs[1], "b1", redisStored([]uint64{100}, 0, false, tok[:16], 16, events.TierGPU))
+	time.Sleep(DefaultRedisLossCheckInterval + 100*time.Millisecond) // BackendLost reads the epoch itself
+	for i, idx := range idxs {
+		for _, b := range []string{"b0", "b1", "s0", "s1"} {
+			if lost, err := idx.BackendLost(ctx, b); lost || err != nil {
+				t.Errorf("replica %d: BackendLost(%s) = %v %v without a loss", i, b, lost, err)
+			}
+		}
+	}
+}
+
+// waitUntil polls cond every 20 ms until it holds or timeout passes.
+func waitUntil(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(timeout); !cond(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", timeout, what)
+		}
+	}
+}
