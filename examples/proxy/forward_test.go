@@ -625,7 +625,8 @@ func TestForwardResponse(t *testing.T) {
 				"Keep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\nProxy-Authenticate: Basic realm=x\r\nUpgrade: h2c\r\n" +
 				"Te: trailers\r\nTrailer: X-Never\r\n" +
 				"Set-Cookie: a=1\r\nSet-Cookie: b=2\r\nX-Multi: 1\r\nX-Multi: 2, 3\r\nX-Kvroute-Backend: spoofed\r\nVary: Accept\r\n\r\n" + ok,
-			want: fwdView{Status: 200, Body: ok, Header: fwdHeader(HeaderBackend, "a", HeaderBackend, "spoofed", HeaderRoute, "prefix_hash",
+			// A backend's X-Kvroute-* headers are replaced by the proxy's own: no spoofing.
+			want: fwdView{Status: 200, Body: ok, Header: fwdHeader(HeaderBackend, "a", HeaderRoute, "prefix_hash",
 				"Content-Type", "application/json", "Content-Length", "11", "Set-Cookie", "a=1", "Set-Cookie", "b=2",
 				"X-Multi", "1", "X-Multi", "2, 3", "Vary", "Accept")},
 		},
@@ -692,21 +693,23 @@ func TestForwardResponse(t *testing.T) {
 			answer: "HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload; as=style\r\nLink: </b.js>; rel=preload; as=script\r\n\r\n" +
 				"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n" + ok,
 			want: fwdView{Status: 200, Body: ok, Header: fwdKV("Content-Type", "application/json", "Content-Length", "11"),
-				Informational: []fwdInfo{{103, fwdKV("Link", "</a.css>; rel=preload; as=style", "Link", "</b.js>; rel=preload; as=script")}}},
+				Informational: []fwdInfo{{103, fwdHeader("Link", "</a.css>; rel=preload; as=style", "Link", "</b.js>; rel=preload; as=script")}}},
 		},
 		{
-			name: "two 103 Early Hints, each with the proxy's headers",
+			// Informational answers are relayed as the backend sent them; the proxy's headers go
+			// with the final answer.
+			name: "two 103 Early Hints",
 			answer: "HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n" +
 				"HTTP/1.1 103 Early Hints\r\nLink: </b.js>; rel=preload\r\n\r\n" + fwdJSON(ok),
 			want: fwdView{Status: 200, Body: ok, Header: fwdKV("Content-Type", "application/json", "Content-Length", "11"),
-				Informational: []fwdInfo{{103, fwdKV("Link", "</a.css>; rel=preload")}, {103, fwdKV("Link", "</b.js>; rel=preload")}}},
+				Informational: []fwdInfo{{103, fwdHeader("Link", "</a.css>; rel=preload")}, {103, fwdHeader("Link", "</b.js>; rel=preload")}}},
 		},
 		{
 			// http.Transport relays any number of them to a Got1xxResponse hook.
 			name:   "nine 103 Early Hints",
 			answer: strings.Repeat("HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n", 9) + fwdJSON(ok),
 			want: fwdView{Status: 200, Body: ok, Header: fwdKV("Content-Type", "application/json", "Content-Length", "11"),
-				Informational: slices.Repeat([]fwdInfo{{103, fwdKV("Link", "</a.css>; rel=preload")}}, 9)},
+				Informational: slices.Repeat([]fwdInfo{{103, fwdHeader("Link", "</a.css>; rel=preload")}}, 9)},
 		},
 	}
 	for _, tc := range tests {

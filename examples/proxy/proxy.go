@@ -8,9 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
-	"net/http/httptrace"
 	"net/http/httputil"
-	"net/textproto"
 	"net/url"
 	"os"
 	"strconv"
@@ -70,14 +68,16 @@ type upstream struct {
 }
 
 // attempt is one forwarding of a request to one backend. It is also the context of the upstream
-// call: the client's values and, for attemptKey, the attempt itself, with a cancellation of its
-// own (cancel), so that the call can outlive the client's context (see proxyTo). The attempt's
-// parts live in one allocation: its ResponseWriter, its body reader, its response header values.
+// call: the client's values and, for attemptKey, the attempt itself; for a stream (or a decode
+// attempt) with a cancellation of its own (cancel), so that the call can outlive the client's
+// context (see proxyTo). The attempt's parts live in one allocation: its ResponseWriter, its body
+// reader, its response header values.
 type attempt struct {
-	// Context is a cancelCtx parented on nothing: it answers Done, Err and context.Cause.
+	// Context answers Done, Err and context.Cause: the client's context, or for a stream a
+	// cancelCtx parented on nothing.
 	context.Context
-	client context.Context // the client request's: values, and the cancellation that cancel follows
-	cancel context.CancelCauseFunc
+	client context.Context         // the client request's: values, and the cancellation that cancel follows
+	cancel context.CancelCauseFunc // nil when Context is client
 
 	lease     lease
 	target    *url.URL
@@ -98,10 +98,6 @@ type attempt struct {
 	hdrs    [2]string     // the values of X-Kvroute-Backend and X-Kvroute-Route
 	plan    *disagg.Plan  // the routing-path headers, when set
 	retried string        // X-Kvroute-Retried-From, when set
-	// rtMu guards rtDone, set when ReverseProxy's round trip has returned (restoreHeaders).
-	rtMu   sync.Mutex
-	rtDone bool
-	trace  httptrace.ClientTrace
 }
 
 // Value returns the attempt for attemptKey, and the client context's values otherwise (but for
@@ -110,7 +106,7 @@ func (a *attempt) Value(key any) any {
 	if key == attemptKey {
 		return a
 	}
-	if v := a.Context.Value(key); v != nil {
+	if v := a.Context.Value(key); v != nil || a.cancel == nil {
 		return v
 	}
 	return a.client.Value(key)
@@ -136,26 +132,6 @@ func (a *attempt) setHeaders(h http.Header) {
 	if a.retried != "" {
 		h.Set(HeaderRetriedFrom, a.retried)
 	}
-}
-
-// restoreHeaders is the attempt's Got1xxResponse hook under ReverseProxy, which calls it after
-// its own: that one relays the informational answer and then clears the header map; this one
-// sets the proxy's headers again, for the answers that follow. Once the round trip has returned
-// (a late 1xx), neither touches the map.
-func (a *attempt) restoreHeaders(int, textproto.MIMEHeader) error {
-	a.rtMu.Lock()
-	defer a.rtMu.Unlock()
-	if !a.rtDone {
-		a.setHeaders(a.w.Header())
-	}
-	return nil
-}
-
-// roundTripped notes that ReverseProxy's round trip returned (ModifyResponse, ErrorHandler).
-func (a *attempt) roundTripped() {
-	a.rtMu.Lock()
-	a.rtDone = true
-	a.rtMu.Unlock()
 }
 
 // getBody returns a new reader of the request body (http.Request.GetBody).
@@ -257,7 +233,6 @@ func (s *server) newReverseProxy() *httputil.ReverseProxy {
 		ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
 		ModifyResponse: func(res *http.Response) error {
 			a := res.Request.Context().Value(attemptKey).(*attempt)
-			a.roundTripped()
 			if !a.headers.CompareAndSwap(headersWaiting, headersArrived) && a.headers.Load() == headersTimedOut {
 				return errKVTransferTimeout
 			}
@@ -265,11 +240,14 @@ func (s *server) newReverseProxy() *httputil.ReverseProxy {
 			if a.canRetry && retryableStatus(res.StatusCode) {
 				return &errRetryStatus{code: res.StatusCode}
 			}
+			// The proxy's headers go with the final answer (ReverseProxy copies them over;
+			// informational answers before it are relayed as the backend sent them), replacing
+			// any the backend sent under the same names.
+			a.setHeaders(res.Header)
 			return nil
 		},
 		ErrorHandler: func(_ http.ResponseWriter, r *http.Request, err error) {
 			a := r.Context().Value(attemptKey).(*attempt)
-			a.roundTripped()
 			a.err = err
 		},
 	}
@@ -353,11 +331,13 @@ func (s *server) readBody(w http.ResponseWriter, r *http.Request) (body []byte, 
 	if n < 0 { // no Content-Length (HTTP/2): room for the largest body
 		n = limit
 	}
-	ctx, cancel := context.WithTimeout(r.Context(), bodyBudgetWait)
-	err = s.bodies.Acquire(ctx, n)
-	cancel()
-	if err != nil {
-		return nil, nil, errBodyBudget
+	if !s.bodies.TryAcquire(n) { // the common case takes no timer
+		ctx, cancel := context.WithTimeout(r.Context(), bodyBudgetWait)
+		err = s.bodies.Acquire(ctx, n)
+		cancel()
+		if err != nil {
+			return nil, nil, errBodyBudget
+		}
 	}
 	release = func() { s.bodies.Release(n) }
 	buf := bytes.NewBuffer(make([]byte, 0, n+bytes.MinRead))
@@ -503,27 +483,30 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 		s.unavailable(w, pr.format, "backend "+up.backend+" is not taking requests (circuit breaker)")
 		return false, errCircuitOpen
 	}
-	// The upstream call follows the client's cancellation, except that a stream whose terminal
-	// event has already gone out is let finish: SDK clients close the connection as soon as they
-	// read "data: [DONE]", and cancelling the upstream read then would abort a complete response
-	// (which the response cache would then not store). Its context is the attempt, with a
-	// cancellation of its own that follows the client's (clientGone).
-	ctx, cancel := context.WithCancelCause(context.Background())
-	defer cancel(nil)
-	a := &attempt{Context: ctx, client: r.Context(), cancel: cancel, lease: d, target: s.backends[up.backend],
+	a := &attempt{Context: r.Context(), client: r.Context(), lease: d, target: s.backends[up.backend],
 		stream: pr.req.Params.Stream, canRetry: canRetry, requestID: up.requestID, body: up.body}
 	a.w = attemptWriter{ResponseWriter: w, a: a}
 	aw := &a.w
 	a.hdrs, a.plan, a.retried = [2]string{up.backend, up.route}, up.plan, retriedFrom
-	a.setHeaders(w.Header())
-	stopAfter := context.AfterFunc(r.Context(), a.clientGone)
-	defer func() {
-		if !stopAfter() {
-			if t := a.grace.Load(); t != nil {
-				t.Stop()
+	// The upstream call follows the client's cancellation, except that a stream whose terminal
+	// event has already gone out is let finish: SDK clients close the connection as soon as they
+	// read "data: [DONE]", and cancelling the upstream read then would abort a complete response
+	// (which the response cache would then not store). A stream's context (and a decode
+	// attempt's, which kv_transfer_timeout may cancel) is then the attempt's own, with a
+	// cancellation that follows the client's (clientGone); a plain answer's is the client's.
+	if a.stream || up.headerTimeout > 0 {
+		ctx, cancel := context.WithCancelCause(context.Background())
+		defer cancel(nil)
+		a.Context, a.cancel = ctx, cancel
+		stopAfter := context.AfterFunc(r.Context(), a.clientGone)
+		defer func() {
+			if !stopAfter() {
+				if t := a.grace.Load(); t != nil {
+					t.Stop()
+				}
 			}
-		}
-	}()
+		}()
+	}
 	if up.headerTimeout > 0 {
 		t := time.AfterFunc(up.headerTimeout, func() {
 			if a.headers.CompareAndSwap(headersWaiting, headersTimedOut) {
@@ -534,8 +517,7 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 	}
 	// ReverseProxy copies the request; Rewrite gives the copy the body again, in a reader that
 	// net/http knows to be in memory.
-	a.trace.Got1xxResponse = a.restoreHeaders
-	out := r.WithContext(httptrace.WithClientTrace(a, &a.trace))
+	out := r.WithContext(a)
 	a.bodyR.Reset(up.body)
 	a.reqBody = io.NopCloser(&a.bodyR)
 	out.Body, out.ContentLength, out.GetBody = a.reqBody, int64(len(up.body)), nil
@@ -578,6 +560,7 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 		if retriedFrom != "" {
 			msg = "backends " + retriedFrom + " and " + up.backend + " failed: " + a.err.Error()
 		}
+		a.setHeaders(w.Header())
 		writeAPIError(w, pr.format, http.StatusBadGateway, "upstream_error", "", msg)
 		return false, a.err
 	}
