@@ -37,14 +37,10 @@ const (
 	MetricDisaggInFlight        = "kvroute.disagg.in_flight"
 )
 
-// routerMetrics holds the Router's instruments. Options are built once, so that recording a
-// decision allocates nothing.
+// routerMetrics holds the Router's instruments. The decision counters are observed from the
+// Router's own atomic counts when metrics are collected, so that routing a request costs no
+// metrics call; the histograms record as they go (tier 4 only).
 type routerMetrics struct {
-	requests     metric.Int64Counter
-	byReason     [numReasons][]metric.AddOption
-	kvDecisions  metric.Int64Counter
-	kvAware      []metric.AddOption
-	kvFallback   []metric.AddOption
 	queryLatency metric.Float64Histogram
 	overlap      metric.Float64Histogram
 	reg          metric.Registration
@@ -58,23 +54,25 @@ func newRouterMetrics(mp metric.MeterProvider, r *DefaultRouter) (*routerMetrics
 	meter := mp.Meter(ScopeName)
 	m := &routerMetrics{}
 	var err error
-	m.requests, err = meter.Int64Counter(MetricPrefixRoutingRequests,
-		metric.WithDescription("Routing decisions by strategy (prefix_hash, overflow, fallback)."),
+	requests, err := meter.Int64ObservableCounter(MetricPrefixRoutingRequests,
+		metric.WithDescription("Routing decisions by strategy (prefix_hash, overflow, fallback, kv_aware, imbalance, least_work)."),
 		metric.WithUnit("{request}"))
 	if err != nil {
 		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricPrefixRoutingRequests, err)
 	}
-	for _, why := range []Reason{ReasonPrefixHash, ReasonOverflow, ReasonFallback, ReasonKVAware, ReasonImbalance, ReasonLeastWork} {
-		m.byReason[why] = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("strategy", why.String())))}
+	reasons := []Reason{ReasonPrefixHash, ReasonOverflow, ReasonFallback, ReasonKVAware, ReasonImbalance, ReasonLeastWork}
+	var byReason [numReasons]metric.ObserveOption
+	for _, why := range reasons {
+		byReason[why] = metric.WithAttributeSet(attribute.NewSet(attribute.String("strategy", why.String())))
 	}
-	m.kvDecisions, err = meter.Int64Counter(MetricKVRoutingDecisions,
+	kvDecisions, err := meter.Int64ObservableCounter(MetricKVRoutingDecisions,
 		metric.WithDescription("KV-aware routing decisions (kv_aware, fallback)."),
 		metric.WithUnit("{request}"))
 	if err != nil {
 		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricKVRoutingDecisions, err)
 	}
-	m.kvAware = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("decision", "kv_aware")))}
-	m.kvFallback = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("decision", "fallback")))}
+	kvAware := metric.WithAttributeSet(attribute.NewSet(attribute.String("decision", "kv_aware")))
+	kvFallback := metric.WithAttributeSet(attribute.NewSet(attribute.String("decision", "fallback")))
 	m.queryLatency, err = meter.Float64Histogram(MetricKVQueryLatency,
 		metric.WithDescription("KV index query latency."), metric.WithUnit("s"),
 		metric.WithExplicitBucketBoundaries(1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2))
@@ -110,8 +108,15 @@ func newRouterMetrics(mp metric.MeterProvider, r *DefaultRouter) (*routerMetrics
 			o.ObserveInt64(dist, int64(l.InFlight), opt)
 		}
 		o.ObserveInt64(card, int64(r.prefix.estimate()))
+		for _, why := range reasons {
+			o.ObserveInt64(requests, int64(r.counts[why].Load()), byReason[why])
+		}
+		if t := r.kv; t != nil {
+			o.ObserveInt64(kvDecisions, int64(t.kvAware.Load()), kvAware)
+			o.ObserveInt64(kvDecisions, int64(t.kvFallback.Load()), kvFallback)
+		}
 		return nil
-	}, dist, card)
+	}, dist, card, requests, kvDecisions)
 	if err != nil {
 		return nil, fmt.Errorf("kvroute: metric callback: %w", err)
 	}
@@ -121,18 +126,6 @@ func newRouterMetrics(mp metric.MeterProvider, r *DefaultRouter) (*routerMetrics
 // backendOption is the attribute option that labels a backend's observations.
 func (m *routerMetrics) backendOption(name string) metric.MeasurementOption {
 	return metric.WithAttributeSet(attribute.NewSet(attribute.String("backend", name)))
-}
-
-func (m *routerMetrics) recordDecision(ctx context.Context, why Reason) {
-	m.requests.Add(ctx, 1, m.byReason[why]...)
-}
-
-func (m *routerMetrics) recordKV(ctx context.Context, kvAware bool) {
-	if kvAware {
-		m.kvDecisions.Add(ctx, 1, m.kvAware...)
-	} else {
-		m.kvDecisions.Add(ctx, 1, m.kvFallback...)
-	}
 }
 
 func (m *routerMetrics) recordLookup(ctx context.Context, d time.Duration) {

@@ -427,7 +427,6 @@ func (r *DefaultRouter) finish(ctx context.Context, d *Decision) *Decision {
 		d.state.decisions.Add(1)
 	}
 	r.counts[d.Reason].Add(1)
-	r.metrics.recordDecision(ctx, d.Reason)
 	return d
 }
 

@@ -253,7 +253,6 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 	if len(s.keys) == 0 && !usePrefix && !short {
 		t.noTokens.Add(1)
 		t.kvFallback.Add(1)
-		r.metrics.recordKV(ctx, false)
 		return false
 	}
 
@@ -287,7 +286,6 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 		if err != nil {
 			t.lookupErrs.Add(1)
 			t.kvFallback.Add(1)
-			r.metrics.recordKV(ctx, false)
 			return false
 		}
 		s.looked = true
@@ -338,7 +336,6 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 	r.metrics.recordOverlap(ctx, ratio)
 	if best <= 0 || ratio < t.threshold {
 		t.kvFallback.Add(1)
-		r.metrics.recordKV(ctx, false)
 		if t.cfg.RingFallback || usePrefix {
 			return false
 		}
@@ -360,7 +357,6 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 		// A faulty scorer (a third party's) costs a fallback decision, not the request.
 		t.scoreErrs.Add(1)
 		t.kvFallback.Add(1)
-		r.metrics.recordKV(ctx, false)
 		return false
 	}
 	reason := ReasonKVAware
@@ -377,7 +373,6 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 	}
 	if taken < 0 { // every scored backend at tier 4's bound: the CHWBL walk decides
 		t.kvFallback.Add(1)
-		r.metrics.recordKV(ctx, false)
 		return false
 	}
 	d.Reason = reason
@@ -388,7 +383,6 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 			CachedTokens: s.cands[i].CachedTokens, Overlap: s.cands[i].Overlap, Score: s.scores[i]}
 	}
 	t.kvAware.Add(1)
-	r.metrics.recordKV(ctx, true)
 	r.afterKVChoice(ctx, s, d, s.cands[taken])
 	return true
 }

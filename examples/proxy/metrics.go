@@ -39,7 +39,8 @@ type telemetry struct {
 	registry *prometheus.Registry
 	handler  http.Handler
 
-	requests       metric.Int64Counter
+	requests       metric.Int64ObservableCounter
+	endpoints      []*endpointMetrics // forEndpoint's, observed by the requests counter
 	upstreamErrors metric.Int64Counter
 	retries        metric.Int64Counter
 	duration       metric.Float64Histogram
@@ -61,7 +62,7 @@ func newTelemetry() (*telemetry, error) {
 	m := t.provider.Meter(proxyScope)
 	errs := []error{}
 	add := func(err error) { errs = append(errs, err) }
-	t.requests, err = m.Int64Counter(metricProxyRequests, metric.WithDescription("Requests answered by the proxy, by endpoint and status code."), metric.WithUnit("{request}"))
+	t.requests, err = m.Int64ObservableCounter(metricProxyRequests, metric.WithDescription("Requests answered by the proxy, by endpoint and status code."), metric.WithUnit("{request}"))
 	add(err)
 	t.upstreamErrors, err = m.Int64Counter(metricUpstreamErrors, metric.WithDescription("Upstream failures by backend and kind (connect, status_5xx, other)."), metric.WithUnit("{error}"))
 	add(err)
@@ -70,6 +71,10 @@ func newTelemetry() (*telemetry, error) {
 	t.duration, err = m.Float64Histogram(metricRequestDuration, metric.WithDescription("Time to the end of the response, by endpoint."), metric.WithUnit("s"),
 		metric.WithExplicitBucketBoundaries(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
 	add(err)
+	if err == nil {
+		_, err = t.observeRequests() // unregistered with the provider's Shutdown
+		add(err)
+	}
 	if err := errors.Join(errs...); err != nil {
 		_ = t.provider.Shutdown(context.Background())
 		return nil, err
@@ -77,43 +82,46 @@ func newTelemetry() (*telemetry, error) {
 	return t, nil
 }
 
-// endpointMetrics records the requests of one LLM endpoint. Its attribute sets are built once
-// rather than per request: metric.WithAttributes copies its attributes, sorts them into a new set
-// and boxes the option, a dozen allocations per request for two measurements. Safe for
-// concurrent use.
+// endpointMetrics records the requests of one LLM endpoint: a count per status code, observed
+// when metrics are collected (no metrics call per request), and the duration histogram, whose
+// attribute set is built once. Safe for concurrent use.
 type endpointMetrics struct {
-	t        *telemetry
 	endpoint attribute.KeyValue
+	t        *telemetry
 	duration []metric.RecordOption
-	// byCode holds the request counter's options by status code, each built when the code first
-	// occurs; codes outside it get a set per request.
-	byCode [600]atomic.Pointer[[]metric.AddOption]
+	counts   [600]atomic.Uint64 // by status code; codes out of range count under 0
 }
 
-// forEndpoint returns the recorder of endpoint's requests.
+// forEndpoint returns the recorder of endpoint's requests. Call it before the first collection.
 func (t *telemetry) forEndpoint(endpoint string) *endpointMetrics {
 	kv := attribute.String("endpoint", endpoint)
-	return &endpointMetrics{t: t, endpoint: kv,
-		duration: []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(kv))}}
+	m := &endpointMetrics{t: t, endpoint: kv, duration: []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(kv))}}
+	t.endpoints = append(t.endpoints, m)
+	return m
 }
 
 // record counts one answered request and its duration. The context only carries what exemplars
 // may use (a span); the SDK records the measurement whether or not it is done.
 func (m *endpointMetrics) record(ctx context.Context, code int, d time.Duration) {
-	m.t.requests.Add(ctx, 1, m.codeOpts(code)...)
+	if code < 0 || code >= len(m.counts) {
+		code = 0
+	}
+	m.counts[code].Add(1)
 	m.t.duration.Record(ctx, d.Seconds(), m.duration...)
 }
 
-func (m *endpointMetrics) codeOpts(code int) []metric.AddOption {
-	if code < 0 || code >= len(m.byCode) {
-		return []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(m.endpoint, attribute.Int("code", code)))}
-	}
-	if p := m.byCode[code].Load(); p != nil {
-		return *p
-	}
-	opts := []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(m.endpoint, attribute.Int("code", code)))}
-	m.byCode[code].Store(&opts)
-	return opts
+// observeRequests registers the callback that reports the endpoints' request counts.
+func (t *telemetry) observeRequests() (metric.Registration, error) {
+	return t.provider.Meter(proxyScope).RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		for _, m := range t.endpoints {
+			for code := range m.counts {
+				if n := m.counts[code].Load(); n > 0 {
+					o.ObserveInt64(t.requests, int64(n), metric.WithAttributes(m.endpoint, attribute.Int("code", code)))
+				}
+			}
+		}
+		return nil
+	}, t.requests)
 }
 
 // upstreamError counts a failure of backend of the given kind (errKind's labels, or aborted).
