@@ -4,43 +4,15 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
-	"os"
 	"os/exec"
-	"path/filepath"
-	"regexp"
 	"strings"
 	"time"
 )
 
 // startTimeout bounds the child's start: exec to its "serving" log line.
 const startTimeout = 30 * time.Second
-
-// moduleRoot returns repo, or the root of the working directory's module, checked to be
-// github.com/kvroute/kvroute.
-func moduleRoot(ctx context.Context, repo string) (string, error) {
-	if repo == "" {
-		out, err := exec.CommandContext(ctx, "go", "env", "GOMOD").Output()
-		if err != nil {
-			return "", fmt.Errorf("go env GOMOD: %w", err)
-		}
-		gomod := strings.TrimSpace(string(out))
-		if gomod == "" || gomod == os.DevNull {
-			return "", errors.New("not in a Go module: run from the kvroute checkout or pass -repo")
-		}
-		repo = filepath.Dir(gomod)
-	}
-	mod, err := os.ReadFile(filepath.Join(repo, "go.mod"))
-	if err != nil {
-		return "", err
-	}
-	if !regexp.MustCompile(`(?m)^module\s+github\.com/kvroute/kvroute\s*$`).Match(mod) {
-		return "", fmt.Errorf("%s is not the github.com/kvroute/kvroute module", repo)
-	}
-	return repo, nil
-}
 
 // child is the running proxy.
 type child struct {

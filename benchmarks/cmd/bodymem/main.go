@@ -30,6 +30,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/kvroute/kvroute/benchmarks/internal/benchenv"
 )
 
 // config is what one run measures.
@@ -79,7 +81,7 @@ func run(ctx context.Context, c config) (*result, error) {
 	if c.n < 1 || c.size < 256 {
 		return nil, errors.New("-n must be at least 1 and -size at least 256")
 	}
-	repo, err := moduleRoot(ctx, c.repo)
+	repo, err := benchenv.ModuleRoot(ctx, c.repo)
 	if err != nil {
 		return nil, err
 	}
@@ -89,15 +91,13 @@ func run(ctx context.Context, c config) (*result, error) {
 	}
 	defer os.RemoveAll(dir)
 
-	r := &result{statuses: map[int]int{}, cpuModel: cpuModel()}
+	r := &result{statuses: map[int]int{}, cpuModel: benchenv.CPUModel()}
 	if out, err := exec.CommandContext(ctx, "go", "version").Output(); err == nil {
 		r.goVersion = strings.TrimSpace(string(out))
 	}
 	bin := filepath.Join(dir, "proxy")
-	build := exec.CommandContext(ctx, "go", "build", "-o", bin, "./examples/proxy")
-	build.Dir = repo
-	if out, err := build.CombinedOutput(); err != nil {
-		return nil, fmt.Errorf("go build ./examples/proxy: %w\n%s", err, out)
+	if err := benchenv.BuildProxy(ctx, repo, bin); err != nil {
+		return nil, err
 	}
 
 	backend := httptest.NewServer(http.HandlerFunc(answer))

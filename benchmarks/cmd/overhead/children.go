@@ -4,13 +4,11 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -19,40 +17,6 @@ import (
 
 // childStartTimeout bounds a child's start: exec to the line giving its address.
 const childStartTimeout = 30 * time.Second
-
-// moduleRoot returns the kvroute module's root: repo when set, else the module of the working
-// directory (go env GOMOD), checked to be github.com/kvroute/kvroute.
-func moduleRoot(ctx context.Context, repo string) (string, error) {
-	if repo == "" {
-		out, err := exec.CommandContext(ctx, "go", "env", "GOMOD").Output()
-		if err != nil {
-			return "", fmt.Errorf("go env GOMOD: %w", err)
-		}
-		gomod := strings.TrimSpace(string(out))
-		if gomod == "" || gomod == os.DevNull {
-			return "", errors.New("not in a Go module: run from the kvroute checkout or pass -repo")
-		}
-		repo = filepath.Dir(gomod)
-	}
-	mod, err := os.ReadFile(filepath.Join(repo, "go.mod"))
-	if err != nil {
-		return "", fmt.Errorf("-repo: %w", err)
-	}
-	if !regexp.MustCompile(`(?m)^module\s+github\.com/kvroute/kvroute\s*$`).Match(mod) {
-		return "", fmt.Errorf("%s is not the github.com/kvroute/kvroute module", repo)
-	}
-	return repo, nil
-}
-
-// buildProxy builds ./examples/proxy of the module at repo into bin.
-func buildProxy(ctx context.Context, repo, bin string) error {
-	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, "./examples/proxy")
-	cmd.Dir = repo
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("go build ./examples/proxy: %w\n%s", err, out)
-	}
-	return nil
-}
 
 // gitDescribe names the commit of the checkout at repo, "-dirty" when the working tree differs
 // from it; "an unknown commit" without git.

@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"time"
+
+	"github.com/kvroute/kvroute/benchmarks/internal/benchenv"
 )
 
 // errInterrupted is measure's error when its context ends (SIGINT or SIGTERM) before the table.
@@ -21,7 +23,7 @@ func measure(ctx context.Context, o options, stdout, stderr io.Writer) error {
 	defer cancel() // kills the children (exec.CommandContext) whatever happens below
 	progress := func(format string, a ...any) { fmt.Fprintf(stderr, "overhead: "+format+"\n", a...) }
 
-	repo, err := moduleRoot(ctx, o.repo)
+	repo, err := benchenv.ModuleRoot(ctx, o.repo)
 	if err != nil {
 		return err
 	}
@@ -40,7 +42,7 @@ func measure(ctx context.Context, o options, stdout, stderr io.Writer) error {
 		before := gitDescribe(ctx, repo)
 		progress("building ./examples/proxy in %s", repo)
 		proxyBin = filepath.Join(dir, "proxy")
-		if err := buildProxy(ctx, repo, proxyBin); err != nil {
+		if err := benchenv.BuildProxy(ctx, repo, proxyBin); err != nil {
 			return err
 		}
 		proxyDesc = "go build ./examples/proxy at " + before

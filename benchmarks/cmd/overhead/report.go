@@ -11,6 +11,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/kvroute/kvroute/benchmarks/internal/benchenv"
 )
 
 // results holds every run: samples[load][target][round].
@@ -226,7 +228,7 @@ func describeEnv(goVersion string, o options, proxy, loadBefore string) []string
 		fmt.Sprintf("Command: `%s`", cmd),
 		fmt.Sprintf("Go: `%s` (this program: %s); GOOS/GOARCH %s/%s", goVersion, runtime.Version(), runtime.GOOS, runtime.GOARCH),
 		fmt.Sprintf("CPU: %s; %d logical CPUs, GOMAXPROCS %d; load average (1, 5, 15 min) at the start %s, at the end %s",
-			cpuModel(), runtime.NumCPU(), runtime.GOMAXPROCS(0), loadBefore, loadAverage()),
+			benchenv.CPUModel(), runtime.NumCPU(), runtime.GOMAXPROCS(0), loadBefore, loadAverage()),
 		fmt.Sprintf("Settings: %d round(s) × %v per target and load, after %v of warm-up per target and load; "+
 			"%d B system prompt, max_tokens %d, temperature 0; proxy (d) tokenizer %s", o.rounds, o.duration, o.warmup,
 			len(systemPrompt), o.maxTokens, o.tokenizer),
@@ -245,18 +247,6 @@ func loadAverage() string {
 		return strings.Join(f[:3], " ")
 	}
 	return "unknown"
-}
-
-// cpuModel returns the CPU's model name from /proc/cpuinfo, or GOARCH where there is none.
-func cpuModel() string {
-	b, err := os.ReadFile("/proc/cpuinfo")
-	if err != nil {
-		return runtime.GOARCH + " (no /proc/cpuinfo)"
-	}
-	if m := regexp.MustCompile(`(?m)^(?:model name|Model|cpu model)\s*:\s*(.+)$`).FindSubmatch(b); m != nil {
-		return strings.TrimSpace(string(m[1]))
-	}
-	return runtime.GOARCH + " (model not in /proc/cpuinfo)"
 }
 
 // shellQuote quotes s for a POSIX shell when it needs it.

@@ -1,0 +1,64 @@
+// Package benchenv holds what kvroute's benchmark commands share about the machine and the
+// checkout they run in: the module's root, the proxy binary built from it, and the CPU's name for
+// the report.
+package benchenv
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"runtime"
+	"strings"
+)
+
+var moduleLine = regexp.MustCompile(`(?m)^module\s+github\.com/kvroute/kvroute\s*$`)
+
+// ModuleRoot returns the kvroute module's root: repo when set, else the module of the working
+// directory (go env GOMOD), checked to be github.com/kvroute/kvroute.
+func ModuleRoot(ctx context.Context, repo string) (string, error) {
+	if repo == "" {
+		out, err := exec.CommandContext(ctx, "go", "env", "GOMOD").Output()
+		if err != nil {
+			return "", fmt.Errorf("go env GOMOD: %w", err)
+		}
+		gomod := strings.TrimSpace(string(out))
+		if gomod == "" || gomod == os.DevNull {
+			return "", errors.New("not in a Go module: run from the kvroute checkout or pass -repo")
+		}
+		repo = filepath.Dir(gomod)
+	}
+	mod, err := os.ReadFile(filepath.Join(repo, "go.mod"))
+	if err != nil {
+		return "", fmt.Errorf("-repo: %w", err)
+	}
+	if !moduleLine.Match(mod) {
+		return "", fmt.Errorf("%s is not the github.com/kvroute/kvroute module", repo)
+	}
+	return repo, nil
+}
+
+// BuildProxy builds ./examples/proxy of the module at repo into bin.
+func BuildProxy(ctx context.Context, repo, bin string) error {
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, "./examples/proxy")
+	cmd.Dir = repo
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("go build ./examples/proxy: %w\n%s", err, out)
+	}
+	return nil
+}
+
+// CPUModel returns the CPU's model name from /proc/cpuinfo, or GOARCH where there is none.
+func CPUModel() string {
+	b, err := os.ReadFile("/proc/cpuinfo")
+	if err != nil {
+		return runtime.GOARCH + " (no /proc/cpuinfo)"
+	}
+	if m := regexp.MustCompile(`(?m)^(?:model name|Model|cpu model)\s*:\s*(.+)$`).FindSubmatch(b); m != nil {
+		return strings.TrimSpace(string(m[1]))
+	}
+	return runtime.GOARCH + " (model not in /proc/cpuinfo)"
+}
