@@ -2,8 +2,10 @@ package config
 
 import (
 	"log/slog"
+	"time"
 
 	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/respcache"
 )
 
 // LogAttrs summarises the configuration in force for a log line: which tiers are on and their
@@ -26,7 +28,11 @@ func (c *Config) LogAttrs() []slog.Attr {
 		slog.Bool("admin_auth", c.Admin.AuthToken != ""),
 	}
 	if rc := c.ResponseCache; rc.Enabled {
-		attrs = append(attrs, slog.String("response_cache.backend", rc.Backend), slog.String("response_cache.ttl", rc.TTL.String()))
+		ttl := time.Duration(rc.TTL)
+		if ttl <= 0 {
+			ttl = respcache.DefaultTTL // what the cache applies
+		}
+		attrs = append(attrs, slog.String("response_cache.backend", rc.Backend), slog.String("response_cache.ttl", ttl.String()))
 		if rc.Backend == "redis" || (rc.Backend == "tiered" && rc.L1.Type == "redis") {
 			attrs = append(attrs, slog.String("response_cache.redis.url", RedactURL(string(rc.Redis.URL))),
 				slog.Any("response_cache.redis.password", rc.Redis.Password))

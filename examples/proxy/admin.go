@@ -2,17 +2,14 @@ package main
 
 import (
 	"context"
-	"crypto/sha256"
-	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
-	"net/netip"
-	"strings"
 	"time"
 
 	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
@@ -33,6 +30,7 @@ func (s *server) routes() http.Handler {
 		mux.HandleFunc(path, methodNotAllowed)
 	}
 	mux.HandleFunc("GET /v1/models", s.models)
+	mux.HandleFunc("GET /v1/models/{id}", s.model)
 	mux.HandleFunc("/v1/", s.passthrough)
 	mux.HandleFunc("GET /healthz", s.healthz)
 	if s.cfg.Admin.ProtectMetrics {
@@ -55,37 +53,10 @@ func (s *server) routes() http.Handler {
 	return framingGuard(mux)
 }
 
-// admin wraps an admin handler with its access check. With admin.auth_token set, the caller
-// must send "Authorization: Bearer <token>" (the scheme in any case, RFC 9110 section 11.1; the
-// token compared in constant time): 401 otherwise. Without a token, only loopback clients are
-// answered (403 otherwise): an operator on the host, or a sidecar. Behind a reverse proxy on the
-// same host every client looks local: set a token there.
+// admin puts h behind the admin access check (package admin): admin.auth_token, or without it a
+// loopback operator's request that nothing marks as a web page's.
 func (s *server) admin(h http.Handler) http.Handler {
-	token := sha256.Sum256([]byte(s.cfg.Admin.AuthToken))
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if s.cfg.Admin.AuthToken == "" {
-			if !loopbackClient(r) {
-				writeJSON(w, http.StatusForbidden, map[string]any{"error": "forbidden: admin endpoints answer only " +
-					"loopback clients while admin.auth_token is unset"})
-				return
-			}
-		} else {
-			scheme, cred, _ := strings.Cut(r.Header.Get("Authorization"), " ")
-			got := sha256.Sum256([]byte(strings.TrimSpace(cred)))
-			if !strings.EqualFold(scheme, "Bearer") || subtle.ConstantTimeCompare(got[:], token[:]) != 1 {
-				w.Header().Set("WWW-Authenticate", `Bearer realm="kvroute admin"`)
-				writeJSON(w, http.StatusUnauthorized, map[string]any{"error": "unauthorized: send Authorization: Bearer <admin.auth_token>"})
-				return
-			}
-		}
-		h.ServeHTTP(w, r)
-	})
-}
-
-// loopbackClient reports whether r came from a loopback address.
-func loopbackClient(r *http.Request) bool {
-	ap, err := netip.ParseAddrPort(r.RemoteAddr)
-	return err == nil && ap.Addr().Unmap().IsLoopback()
+	return admin.Guard(string(s.cfg.Admin.AuthToken), h)
 }
 
 // writeJSON answers with v as indented JSON.

@@ -18,6 +18,7 @@ import (
 func adminDo(t *testing.T, method, url, token, body string) (int, []byte) {
 	t.Helper()
 	req, _ := http.NewRequest(method, url, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
 	if token != "" {
 		req.Header.Set("Authorization", "Bearer "+token)
 	}
@@ -197,6 +198,22 @@ func TestAdminEndpoints(t *testing.T) {
 		}
 	})
 	t.Run("kv-index/clear", func(t *testing.T) {
+		// The engines' events of the requests above may still be on their way: wait until the
+		// index stops changing, so that none lands after the clear.
+		entries := func() int {
+			var st kvStatsBody
+			_, b := adminDo(t, "GET", p.URL+"/admin/kv-index/stats", token, "")
+			_ = json.Unmarshal(b, &st)
+			return st.Index.Entries
+		}
+		last := -1
+		waitFor(t, 10*time.Second, "the index at rest", func() bool {
+			n := entries()
+			settled := n == last
+			last = n
+			time.Sleep(200 * time.Millisecond)
+			return settled
+		})
 		code, b := adminDo(t, "POST", p.URL+"/admin/kv-index/clear", token, "")
 		var res struct {
 			Success            bool `json:"success"`

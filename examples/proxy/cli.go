@@ -113,7 +113,13 @@ func printBanner(w io.Writer, cfg *config.Config, addr net.Addr, demo bool) {
 		auth = "  (admin endpoints need -H 'Authorization: Bearer <admin.auth_token>')"
 	}
 	fmt.Fprintf(&b, "Stats:%s\n", auth)
-	paths := []string{"/admin/prefix-routing/stats", "/admin/response-cache/stats", "/admin/kv-index/stats", "/admin/kv-index/backends"}
+	paths := []string{"/admin/prefix-routing/stats", "/admin/backends"}
+	if cfg.ResponseCache.Enabled {
+		paths = append(paths, "/admin/response-cache/stats")
+	}
+	if cfg.KVCacheIndex.Enabled {
+		paths = append(paths, "/admin/kv-index/stats", "/admin/kv-index/backends")
+	}
 	if cfg.DisaggregatedServing.Enabled {
 		paths = append(paths, "/admin/disaggregation/stats")
 	}

@@ -308,9 +308,11 @@ func TestForwardRequest(t *testing.T) {
 			wantHeader: fwdHeader("Connection", "Upgrade", "Upgrade", "websocket"),
 		},
 		{
-			name:       "Expect: 100-continue forwarded (net/http fallback)",
+			// The proxy has the body already: the backend's own 100 Continue would reach the
+			// client as a second one.
+			name:       "Expect: 100-continue not forwarded",
 			header:     "Expect: 100-continue\r\n",
-			wantHeader: fwdHeader("Expect", "100-continue"),
+			wantHeader: fwdHeader(),
 		},
 		{
 			name:       "body of 40 KiB",

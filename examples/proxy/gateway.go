@@ -86,7 +86,24 @@ func (s *server) retryAfter() string {
 // configuration order; a backend that does not answer contributes the models its configuration
 // declares.
 func (s *server) models(w http.ResponseWriter, r *http.Request) {
-	ctx, cancel := context.WithTimeout(r.Context(), modelsTimeout)
+	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": s.modelList(r.Context())})
+}
+
+// model serves GET /v1/models/{id}: that entry of the union, or 404 model_not_found.
+func (s *server) model(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	for _, m := range s.modelList(r.Context()) {
+		if gjson.GetBytes(m, "id").String() == id {
+			writeJSON(w, http.StatusOK, m)
+			return
+		}
+	}
+	writeAPIError(w, prefixkey.FormatOpenAIChat, http.StatusNotFound, "model_not_found", "model", "no backend serves the model "+strconv.Quote(id))
+}
+
+// modelList asks the backends in rotation for their models, in parallel, within modelsTimeout.
+func (s *server) modelList(ctx context.Context) []json.RawMessage {
+	ctx, cancel := context.WithTimeout(ctx, modelsTimeout)
 	defer cancel()
 	lists := make([][]json.RawMessage, len(s.cfg.Backends))
 	var wg sync.WaitGroup
@@ -121,7 +138,7 @@ func (s *server) models(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": data})
+	return data
 }
 
 // backendModels returns the entries of one backend's GET /v1/models.
@@ -172,7 +189,7 @@ func (s *server) passthrough(w http.ResponseWriter, r *http.Request) {
 	}
 	var configured, cands []string
 	for _, b := range s.cfg.Backends {
-		if !b.Serves(model) || (s.cfg.DisaggregatedServing.Enabled && b.ParsedRole() == disagg.RolePrefill) {
+		if (model != "" && !b.Serves(model)) || (s.cfg.DisaggregatedServing.Enabled && b.ParsedRole() == disagg.RolePrefill) {
 			continue
 		}
 		configured = append(configured, b.Name)

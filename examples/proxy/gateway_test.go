@@ -86,6 +86,15 @@ func TestModels(t *testing.T) {
 	if want := "llama,llama-lora,qwen,mistral"; got.Object != "list" || strings.Join(ids, ",") != want {
 		t.Errorf("got %s %v; want list %s", got.Object, ids, want)
 	}
+	var one struct {
+		ID string `json:"id"`
+	}
+	if code := getJSON(t, p.URL+"/v1/models/qwen", &one); code != http.StatusOK || one.ID != "qwen" {
+		t.Errorf("GET /v1/models/qwen: %d %+v", code, one)
+	}
+	if code := getJSON(t, p.URL+"/v1/models/nope", nil); code != http.StatusNotFound {
+		t.Errorf("GET /v1/models/nope: %d", code)
+	}
 }
 
 // The /v1 endpoints the proxy does not route by prompt go to a backend that serves the request's
@@ -129,6 +138,10 @@ func TestPassthrough(t *testing.T) {
 	}
 	if len(gotA) != 0 {
 		t.Errorf("backend a, which serves another model, got %d requests", len(gotA))
+	}
+	// A request that names no model goes to any backend.
+	if resp, b := post(t, p.URL+"/v1/tokenize", `{"prompt":"hi"}`); resp.StatusCode != http.StatusOK {
+		t.Errorf("no model: %d %s", resp.StatusCode, b)
 	}
 }
 

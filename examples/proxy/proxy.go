@@ -216,8 +216,10 @@ func (s *server) newReverseProxy() *httputil.ReverseProxy {
 				a.bodyR.Reset(a.body)
 				pr.Out.Body, pr.Out.ContentLength, pr.Out.GetBody = a.reqBody, int64(len(a.body)), a.getBody
 			}
-			// Identity bodies: cacheable and streamed as they come.
+			// Identity bodies: cacheable and streamed as they come. The body is already read, so
+			// the backend's own 100 Continue would reach the client as a second one.
 			pr.Out.Header.Del("Accept-Encoding")
+			pr.Out.Header.Del("Expect")
 			if a.requestID != "" {
 				pr.Out.Header.Set(headerRequestID, a.requestID)
 			}
@@ -345,14 +347,41 @@ func (s *server) readBody(w http.ResponseWriter, r *http.Request) (body []byte, 
 		release()
 		return nil, nil, err
 	}
-	return buf.Bytes(), release, nil
+	body = buf.Bytes()
+	// Parsing costs memory per JSON object as well as per byte: a body of many tiny messages
+	// takes about ten times its size once parsed. Hold that too before parsing a large body.
+	if len(body) > parseEstimateFrom {
+		if extra := int64(bytes.Count(body, []byte{'{'}))*parseCostPerObject - n; extra > 0 {
+			ctx, cancel := context.WithTimeout(r.Context(), bodyBudgetWait)
+			err = s.bodies.Acquire(ctx, min(extra, s.cfg.Server.MaxInflightBodyBytes-n))
+			cancel()
+			if err != nil {
+				release()
+				return nil, nil, errBodyBudget
+			}
+			held := n + min(extra, s.cfg.Server.MaxInflightBodyBytes-n)
+			release = func() { s.bodies.Release(held) }
+		}
+	}
+	return body, release, nil
 }
+
+// A body over parseEstimateFrom bytes is charged parseCostPerObject bytes per JSON object against
+// server.max_inflight_body_bytes before it is parsed (when that is more than its size): what
+// prefixkey.Parse allocates for a message or content part of a few bytes.
+const (
+	parseEstimateFrom  = 64 << 10
+	parseCostPerObject = 384
+)
 
 // bodyError answers a readBody error: 413 over the limit, 408 (and a closed connection) for a
 // body that did not arrive within server.read_timeout, 503 when the bodies in flight leave no
 // room, 400 otherwise.
 func (s *server) bodyError(w http.ResponseWriter, format prefixkey.Format, err error) {
 	if mb, ok := errors.AsType[*http.MaxBytesError](err); ok {
+		// The rest of the body is not read: close the connection rather than let net/http
+		// drain up to 256 KiB of it before the answer goes out.
+		w.Header().Set("Connection", "close")
 		writeAPIError(w, format, http.StatusRequestEntityTooLarge, "request_too_large", "",
 			"request body exceeds the limit of "+strconv.FormatInt(mb.Limit, 10)+" bytes")
 		return

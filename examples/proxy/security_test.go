@@ -16,6 +16,8 @@ import (
 func serveFrom(p *testProxy, remote, method, path, auth string) *httptest.ResponseRecorder {
 	req := httptest.NewRequest(method, path, strings.NewReader(`{"clear_all":true}`))
 	req.RemoteAddr = remote
+	req.Host = "127.0.0.1:8080"
+	req.Header.Set("Content-Type", "application/json")
 	if auth != "" {
 		req.Header.Set("Authorization", auth)
 	}
@@ -152,4 +154,82 @@ func TestInflightBodyBudget(t *testing.T) {
 func release(p *testProxy, n int64) bool {
 	p.server.bodies.Release(n)
 	return false
+}
+
+// Without a token, a loopback client is answered only when nothing says it is a web page: a
+// browser on the proxy's host must not drive the admin endpoints (cross-site POST, DNS
+// rebinding).
+func TestAdminRefusesBrowserRequestsWithoutToken(t *testing.T) {
+	up := newFakeUpstream(t, "a")
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, func(c *config.Config) {
+		c.ResponseCache.Enabled = true
+	}))
+	do := func(method, host, ctype string, hdr ...string) int {
+		req := httptest.NewRequest(method, "/admin/response-cache/invalidate", strings.NewReader(`{"clear_all":true}`))
+		if method == http.MethodGet {
+			req = httptest.NewRequest(method, "/admin/backends", nil)
+		}
+		req.RemoteAddr, req.Host = "127.0.0.1:40000", host
+		if ctype != "" {
+			req.Header.Set("Content-Type", ctype)
+		}
+		for i := 0; i+1 < len(hdr); i += 2 {
+			req.Header.Set(hdr[i], hdr[i+1])
+		}
+		rec := httptest.NewRecorder()
+		p.server.Handler().ServeHTTP(rec, req)
+		return rec.Code
+	}
+	for _, tc := range []struct {
+		name string
+		code int
+		got  int
+	}{
+		{"curl on loopback", 200, do("POST", "127.0.0.1:8080", "application/json")},
+		{"localhost", 200, do("POST", "localhost:8080", "application/json; charset=utf-8")},
+		{"IPv6 loopback", 200, do("GET", "[::1]:8080", "")},
+		{"same-origin page", 200, do("POST", "127.0.0.1:8080", "application/json", "Origin", "http://127.0.0.1:8080", "Sec-Fetch-Site", "same-origin")},
+		{"cross-site form post", 403, do("POST", "127.0.0.1:8080", "text/plain")},
+		{"cross-site origin", 403, do("POST", "127.0.0.1:8080", "application/json", "Origin", "http://evil.example")},
+		{"cross-site fetch metadata", 403, do("GET", "127.0.0.1:8080", "", "Sec-Fetch-Site", "cross-site")},
+		{"DNS rebinding host", 403, do("GET", "evil.example:8080", "")},
+	} {
+		if tc.got != tc.code {
+			t.Errorf("%s: %d, want %d", tc.name, tc.got, tc.code)
+		}
+	}
+}
+
+// A large body of many tiny JSON objects is charged what parsing it will cost, not only its
+// bytes, against server.max_inflight_body_bytes.
+func TestBodyBudgetChargesParseCost(t *testing.T) {
+	up := newFakeUpstream(t, "a")
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, func(c *config.Config) {
+		c.Server.MaxBodyBytes = 2 << 20
+		c.Server.MaxInflightBodyBytes = 4 << 20
+	}))
+	tiny := `{"model":"m","messages":[` + strings.Repeat(`{"role":"user","content":"a"},`, 30000) + `{"role":"user","content":"b"}]}`
+	prose := chatBody("s", strings.Repeat("plain words ", 80000), "")
+	for _, tc := range []struct {
+		name     string
+		body     string
+		heldMore bool // holds more than its bytes
+	}{{"tiny objects", tiny, true}, {"prose", prose, false}} {
+		r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(tc.body))
+		body, release, err := p.server.readBody(httptest.NewRecorder(), r)
+		if err != nil || len(body) != len(tc.body) {
+			t.Fatalf("%s: %d bytes, %v", tc.name, len(body), err)
+		}
+		free := int64(4<<20) - int64(len(tc.body))
+		if got := !p.server.bodies.TryAcquire(free); got != tc.heldMore {
+			t.Errorf("%s: holds more than its %d bytes: %v, want %v", tc.name, len(tc.body), got, tc.heldMore)
+		} else if !got {
+			p.server.bodies.Release(free)
+		}
+		release()
+		if !p.server.bodies.TryAcquire(4 << 20) {
+			t.Fatalf("%s: the budget was not given back", tc.name)
+		}
+		p.server.bodies.Release(4 << 20)
+	}
 }
