@@ -417,7 +417,7 @@ func TestFailingStore(t *testing.T) {
 			if _, err := c.Invalidate(context.Background(), InvalidateRequest{ClearAll: true}); !errors.Is(err, errMWStore) {
 				t.Fatalf("Invalidate err %v", err)
 			}
-			if _, err := c.Invalidate(context.Background(), InvalidateRequest{Key: "k"}); !errors.Is(err, errMWStore) {
+			if _, err := c.Invalidate(context.Background(), InvalidateRequest{Key: strings.Repeat("ab", 32)}); !errors.Is(err, errMWStore) {
 				t.Fatalf("Invalidate key err %v", err)
 			}
 		})

@@ -2,6 +2,7 @@ package respcache
 
 import (
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"strconv"
@@ -315,6 +316,10 @@ const (
 // key.
 var ErrEmptyInvalidate = errors.New("respcache: invalidate request has neither clear_all nor key")
 
+// ErrBadKey is returned by Invalidate for a key that is not a cache key (64 lowercase hex
+// digits, as KeyFor returns it).
+var ErrBadKey = errors.New("respcache: not a cache key (want 64 lowercase hex digits)")
+
 // Invalidate drops cached responses: every entry of the store (ClearAll; ClearedEntries is what
 // the store's Clear reports, -1 when it cannot count), or the one under Key (ClearedEntries is 1
 // when it was present just before, 0 otherwise). Responses being recorded when Invalidate runs are
@@ -331,6 +336,12 @@ func (c *Cache) Invalidate(ctx context.Context, req InvalidateRequest) (Invalida
 		}
 		return InvalidateResult{Success: true, Action: ActionClearAll, ClearedEntries: n}, nil
 	case req.Key != "":
+		if len(req.Key) != 64 || strings.ToLower(req.Key) != req.Key {
+			return InvalidateResult{Action: ActionDeleteKey}, ErrBadKey
+		}
+		if _, err := hex.DecodeString(req.Key); err != nil {
+			return InvalidateResult{Action: ActionDeleteKey}, ErrBadKey
+		}
 		_, present, _ := c.store.Get(ctx, req.Key)
 		if err := c.store.Delete(ctx, req.Key); err != nil {
 			c.counters.storeError(seDelete, c.metrics)

@@ -134,7 +134,7 @@ func (s *server) responseCacheInvalidate(w http.ResponseWriter, r *http.Request)
 	res, err := s.cache.Invalidate(ctx, req)
 	if err != nil {
 		code := http.StatusInternalServerError
-		if errors.Is(err, respcache.ErrEmptyInvalidate) {
+		if errors.Is(err, respcache.ErrEmptyInvalidate) || errors.Is(err, respcache.ErrBadKey) {
 			code = http.StatusBadRequest
 		}
 		writeJSON(w, code, map[string]any{"success": false, "error": err.Error()})

@@ -133,7 +133,7 @@ func TestAdminEndpoints(t *testing.T) {
 		if code != 200 || compactJSON(b) != `{"success":true,"action":"clear_all","cleared_entries":1}` {
 			t.Errorf("clear_all: %d %s", code, b)
 		}
-		for _, bad := range []string{`{}`, `not json`, `{"clear_all":true,"extra":1}`} {
+		for _, bad := range []string{`{}`, `not json`, `{"clear_all":true,"extra":1}`, `{"key":"zz"}`, `{"key":"` + strings.Repeat("A", 64) + `"}`} {
 			if code, b := adminDo(t, "POST", p.URL+"/admin/response-cache/invalidate", token, bad); code != 400 || !strings.Contains(string(b), `"success": false`) {
 				t.Errorf("invalidate %s: %d %s", bad, code, b)
 			}
