@@ -464,6 +464,10 @@ func (c *Cache) lookup(ctx context.Context, key string) *storedResponse {
 	return e
 }
 
+// noCache is the Cache-Control of a replayed stream, shared (read-only; capped so that an append
+// copies).
+var noCache = []string{"no-cache"}
+
 // replay writes a stored (or shared) response with X-Cache: HIT.
 func (c *Cache) replay(w http.ResponseWriter, e *storedResponse) {
 	h := w.Header()
@@ -471,6 +475,9 @@ func (c *Cache) replay(w http.ResponseWriter, e *storedResponse) {
 	h.Set(HeaderXCache, XCacheHit)
 	if e.stream {
 		h.Del("Content-Length")
+		if _, ok := h["Cache-Control"]; !ok {
+			h["Cache-Control"] = noCache[:1:1] // as a live event stream is served
+		}
 		w.WriteHeader(e.status)
 		replayStream(w, e.body)
 		return

@@ -235,6 +235,9 @@ func TestStreamingHitAfterMiss(t *testing.T) {
 				if ct := resp.Header.Get("Content-Type"); ct != "text/event-stream" {
 					t.Fatalf("HIT Content-Type %q", ct)
 				}
+				if cc := resp.Header.Get("Cache-Control"); cc != "no-cache" {
+					t.Fatalf("HIT Cache-Control %q, want no-cache", cc)
+				}
 				if next.calls.Load() != 1 {
 					t.Fatalf("next called %d times", next.calls.Load())
 				}
