@@ -487,9 +487,13 @@ func (c *Config) NewEventConsumers(sink events.Sink, o Options) ([]EventConsumer
 		if model == "" {
 			model = c.defaultModel()
 		}
+		names := make([]string, 0, len(c.Backends))
+		for _, b := range c.Backends {
+			names = append(names, b.Name)
+		}
 		zc, err := events.NewZMQConsumer(events.ZMQConfig{Sink: sink, Bind: bindSource.Endpoint,
-			TopicBackend: bindSource.TopicBackends, DefaultBackend: bindSource.BackendName, Model: model,
-			MeterProvider: o.MeterProvider, Logger: logger})
+			TopicBackend: bindSource.TopicBackends, DefaultBackend: bindSource.BackendName, Backends: names,
+			Model: model, MeterProvider: o.MeterProvider, Logger: logger})
 		if err != nil {
 			closeAll()
 			return nil, fmt.Errorf("kv_cache_index.event_sources (ZMQ bind): %w", err)

@@ -83,14 +83,18 @@ type ZMQConfig struct {
 
 	// Bind is the address the SUB socket binds in centralized mode, e.g. "tcp://0.0.0.0:5557"
 	// ("tcp://127.0.0.1:0" picks a free port; see Addr). The backend of a message comes from its
-	// topic: TopicBackend[topic], else <pod> of "kv@<pod>@<model>", else DefaultBackend; messages
-	// of any other topic are counted on the Listener status and dropped.
+	// topic: TopicBackend[topic], else DefaultBackend, else <pod> of "kv@<pod>@<model>" when Backends
+	// names it (or Backends is empty); messages of any other topic are counted on the Listener
+	// status, logged (at most once per 5 s) and dropped, never indexed under an invented name.
 	Bind string
 	// TopicBackend maps exact topics to backends (bind mode).
 	TopicBackend map[string]string
-	// DefaultBackend receives the messages of topics TopicBackend and the kv@<pod>@<model> form
-	// do not place (bind mode); "" drops them.
+	// DefaultBackend receives the messages of every topic TopicBackend does not map (bind mode):
+	// the event source's own backend. "" leaves them to the kv@<pod>@<model> form.
 	DefaultBackend string
+	// Backends are the backends a topic's <pod> may name in bind mode (a gateway's configured
+	// backends); empty accepts any pod.
+	Backends []string
 	// Model roots block keys in bind mode when the topic names no model.
 	Model string
 	// MaxTopics caps the distinct topics accepted in bind mode, so that a misbehaving peer cannot
@@ -371,8 +375,8 @@ func NewZMQConsumer(cfg ZMQConfig) (*ZMQConsumer, error) {
 		cfg.MaxBackoff < 0 || cfg.DialTimeout < 0 || cfg.MaxMessageSize < 0 || cfg.MaxTopics < 0 || cfg.MaxFrameBytes < 0 {
 		return nil, fmt.Errorf("%w: negative size or duration", ErrInvalidConfig)
 	}
-	if cfg.Bind == "" && (len(cfg.TopicBackend) > 0 || cfg.DefaultBackend != "" || cfg.Model != "" || cfg.MaxTopics != 0) {
-		return nil, fmt.Errorf("%w: TopicBackend, DefaultBackend, Model and MaxTopics apply to bind mode only", ErrInvalidConfig)
+	if cfg.Bind == "" && (len(cfg.TopicBackend) > 0 || cfg.DefaultBackend != "" || len(cfg.Backends) > 0 || cfg.Model != "" || cfg.MaxTopics != 0) {
+		return nil, fmt.Errorf("%w: TopicBackend, DefaultBackend, Backends, Model and MaxTopics apply to bind mode only", ErrInvalidConfig)
 	}
 	setDefault(&cfg.QueueSize, DefaultZMQQueueSize)
 	setDefault(&cfg.ReplayTimeout, DefaultZMQReplayTimeout)
@@ -814,16 +818,21 @@ func (c *ZMQConsumer) route(topic []byte) *zmqRoute {
 	t := string(topic)
 	backend, model := c.cfg.TopicBackend[t], c.cfg.Model
 	if backend == "" {
-		if pod, m, ok := ParseTopic(t); ok {
-			backend = pod
-			if m != "" {
-				model = m
-			}
-		} else {
+		pod, m, ok := ParseTopic(t)
+		if ok && m != "" {
+			model = m
+		}
+		switch {
+		case c.cfg.DefaultBackend != "":
 			backend = c.cfg.DefaultBackend
+		case ok && (len(c.cfg.Backends) == 0 || slices.Contains(c.cfg.Backends, pod)):
+			backend = pod
 		}
 	}
 	if backend == "" {
+		if c.listenSrc.warnDue() {
+			c.log.Warn("kvroute events: zmq topic maps to no known backend; its events are dropped (set topic_backends or the source's backend_name)", "topic", t)
+		}
 		return nil
 	}
 	c.routesMu.Lock()

@@ -1159,3 +1159,34 @@ func TestSourceStatusJSON(t *testing.T) {
 		assert.Equal(t, want, seq[key], key)
 	}
 }
+
+// In bind mode an event source's own backend takes every topic topic_backends does not map, even
+// a kv@<pod>@<model> one; without it, a pod that is not a known backend is dropped, counted and
+// logged, never indexed under an invented name.
+func TestZMQBindTopicsNeverInventBackends(t *testing.T) {
+	sink := NewRecordingSink()
+	c := startZMQ(t, ZMQConfig{Sink: sink, Bind: "tcp://127.0.0.1:0", DefaultBackend: "vllm-0"})
+	p := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@10.0.0.7:8000@llama", Connect: "tcp://" + c.Addr().String()})
+	p.WaitSubscribed()
+	p.Publish(stored(0))
+	require.Eventually(t, func() bool { return len(sink.Applied("vllm-0")) == 1 }, waitFor, tick)
+	assert.Empty(t, sink.Applied("10.0.0.7:8000"), "the pod of the topic became a backend")
+	assert.Equal(t, "llama", sink.Applied("vllm-0")[0].Model, "the topic still names the model")
+
+	sink2 := NewRecordingSink()
+	c2 := startZMQ(t, ZMQConfig{Sink: sink2, Bind: "tcp://127.0.0.1:0", Backends: []string{"pod-a"}})
+	addr := "tcp://" + c2.Addr().String()
+	known := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@pod-a@m", Connect: addr})
+	unknown := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@10.0.0.9:8000@m", Connect: addr})
+	known.WaitSubscribed()
+	unknown.WaitSubscribed()
+	known.Publish(stored(0))
+	unknown.Publish(stored(0))
+	require.Eventually(t, func() bool { return len(sink2.Applied("pod-a")) == 1 }, waitFor, tick)
+	require.Eventually(t, func() bool {
+		ls, ok := c2.Listener()
+		return ok && ls.Events.Malformed == 1
+	}, waitFor, tick)
+	assert.Empty(t, sink2.Applied("10.0.0.9:8000"))
+	assert.Len(t, c2.Status(), 1, "no status for an invented backend")
+}
