@@ -14,7 +14,7 @@ import (
 	"github.com/kvroute/kvroute/disagg"
 )
 
-// Instrumentation scope and metric names. They follow the seeds' list with the kvroute prefix in
+// Instrumentation scope and metric names. They follow kvroute's metric list, prefixed kvroute, in
 // OpenTelemetry style; a Prometheus exporter turns them into kvroute_prefix_routing_requests_total,
 // kvroute_prefix_routing_backend_distribution and kvroute_prefix_routing_prefix_cardinality.
 const (

@@ -47,7 +47,7 @@ var (
 	ErrUnsupported    = errors.New("kvroute: not supported by the configured KV index")
 )
 
-// Reason says why a Decision chose its backend. The values are the seeds' routing-decision labels.
+// Reason says why a Decision chose its backend. The values are kvroute's routing-decision labels.
 type Reason uint8
 
 const (
@@ -102,7 +102,7 @@ const DefaultStrategy = StrategyRoundRobin
 // ewmaWeight is the weight of one observation in a backend's latency and success averages.
 const ewmaWeight = 0.1
 
-// Config configures the default Router. Its zero value is valid: prefix routing on with the seeds'
+// Config configures the default Router. Its zero value is valid: prefix routing on with kvroute's
 // defaults (max_prefix_length 1024, ε 0.25, 150 virtual nodes), round_robin for requests without a
 // prefix key, no backends yet, no-op metrics, the wall clock.
 type Config struct {

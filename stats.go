@@ -6,7 +6,7 @@ import (
 	"github.com/kvroute/kvroute/chwbl"
 )
 
-// PrefixRoutingStats is the content of the seeds' GET /admin/prefix-routing/stats; its JSON encoding
+// PrefixRoutingStats is the content of kvroute's GET /admin/prefix-routing/stats; its JSON encoding
 // is that endpoint's body.
 type PrefixRoutingStats struct {
 	Enabled             bool                  `json:"enabled"`
@@ -26,7 +26,7 @@ type PrefixRoutingConfig struct {
 }
 
 // RoutingDecisionCounts counts decisions by reason since the Router was built. OverflowRate is
-// overflow/total formatted with four decimals, as the seeds show it.
+// overflow/total formatted with four decimals, as kvroute's admin endpoint shows it.
 type RoutingDecisionCounts struct {
 	Total        uint64 `json:"total"`
 	PrefixHash   uint64 `json:"prefix_hash"`

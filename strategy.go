@@ -6,7 +6,7 @@ import (
 	"github.com/kvroute/kvroute/chwbl"
 )
 
-// Strategy is the selection strategy for requests without a prefix key (the seeds'
+// Strategy is the selection strategy for requests without a prefix key (kvroute's
 // selection_strategy).
 type Strategy string
 

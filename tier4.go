@@ -14,7 +14,7 @@ import (
 	"github.com/kvroute/kvroute/scorer"
 )
 
-// DefaultMinOverlapThreshold is the seeds' min_overlap_threshold: the best backend must hold at
+// DefaultMinOverlapThreshold is kvroute's min_overlap_threshold: the best backend must hold at
 // least this fraction of the request's blocks (tier-weighted) for KV-aware routing to take over
 // from the CHWBL choice.
 const DefaultMinOverlapThreshold = 0.3
@@ -83,7 +83,7 @@ type KVConfig struct {
 	// 7 % of one pooled cache's, and a prefix everyone wants still spreads once its holder
 	// carries twice the mean. Set it to Config.Epsilon for the ring's bound.
 	LoadFactorEpsilon float64
-	// UsePrefixEntries looks up prefix-granular entries (the seeds' SSE events) when a request has
+	// UsePrefixEntries looks up prefix-granular entries (kvroute's SSE events) when a request has
 	// no block keys.
 	UsePrefixEntries bool
 	// Speculation mode and its TTL (0 means the mode's default).
@@ -97,7 +97,7 @@ type KVConfig struct {
 	// load and Done frees it.
 	Active *scorer.Active
 	// RingFallback sends a request whose best overlap is below MinOverlapThreshold to tier 1 (the
-	// CHWBL ring, by prefix key), as the seeds describe. By default such a request goes instead
+	// CHWBL ring, by prefix key), as kvroute's design has it. By default such a request goes instead
 	// to the backend with the least prefill work ahead of it (ReasonLeastWork): the prompt tokens,
 	// not cached there, of the requests routed to it whose first token has not come, plus this
 	// request's own uncached tokens there. The ring's bound counts requests, not their length, so
@@ -501,7 +501,7 @@ func (r *DefaultRouter) speculateTier1(ctx context.Context, d *Decision, s *scra
 	}
 }
 
-// KVIndexStats is the content of the seeds' GET /admin/kv-index/stats as far as the Router knows
+// KVIndexStats is the content of kvroute's GET /admin/kv-index/stats as far as the Router knows
 // it; a gateway adds its event sources.
 type KVIndexStats struct {
 	Enabled          bool               `json:"enabled"`
@@ -570,7 +570,7 @@ func (r *DefaultRouter) KVStats(ctx context.Context) (KVIndexStats, error) {
 	return st, err
 }
 
-// ClearKVIndex drops every entry of the KV index (the seeds' POST /admin/kv-index/clear) and
+// ClearKVIndex drops every entry of the KV index (kvroute's POST /admin/kv-index/clear) and
 // returns how many it dropped. The index rebuilds from the engines' events. It returns 0, nil when
 // tier 4 is off.
 func (r *DefaultRouter) ClearKVIndex(ctx context.Context) (int, error) {

@@ -37,7 +37,7 @@ func (o Options) logger() *slog.Logger {
 	return o.Logger
 }
 
-// ParseStrategy maps a selection_strategy value (snake_case or the seeds' CamelCase) to the
+// ParseStrategy maps a selection_strategy value (snake_case or kvroute's CamelCase) to the
 // Router's Strategy; "" and prefix_aware_hash give the default fallback (""). ok is false for
 // any other value. It is a pure function, safe for concurrent use.
 func ParseStrategy(s string) (strategy kvroute.Strategy, ok bool) {

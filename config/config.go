@@ -13,8 +13,8 @@ import (
 	"github.com/kvroute/kvroute/disagg"
 )
 
-// Config is the proxy's YAML configuration (the reference gateway, examples/proxy), in the seeds'
-// configuration schema with a few additions that the seeds leave open: the server's limits,
+// Config is the proxy's YAML configuration (the reference gateway, examples/proxy), in kvroute's
+// configuration schema, with the reference gateway's own additions: the server's limits,
 // admin authentication, ZMQ event sources and the tokenizer. Every section is optional; the zero
 // value of a field means its documented default (applied by ApplyDefaults). Values may reference
 // environment variables as ${NAME} or ${NAME:-default}; an unset variable without a default is an
@@ -28,7 +28,7 @@ type Config struct {
 	// Admin protects the /admin endpoints.
 	Admin AdminConfig `yaml:"admin"`
 	// SelectionStrategy chooses a backend for requests without a prefix key: round_robin (default),
-	// least_loaded, random or least_latency. The seeds' CamelCase names (RoundRobin, LeastLatency,
+	// least_loaded, random or least_latency. kvroute's CamelCase names (RoundRobin, LeastLatency,
 	// …) are accepted, and PrefixAwareHash means prefix routing with the default fallback.
 	SelectionStrategy string `yaml:"selection_strategy"`
 	// PrefixRouting is tier 1: prefix-aware consistent hashing with bounded loads.
@@ -50,7 +50,7 @@ type Config struct {
 
 // ServerConfig is the server section.
 type ServerConfig struct {
-	// BindAddress is the listening address (default 127.0.0.1). Host is the seeds' name for it;
+	// BindAddress is the listening address (default 127.0.0.1). Host is kvroute's name for it;
 	// set at most one of them.
 	BindAddress string `yaml:"bind_address"`
 	Host        string `yaml:"host"`
@@ -299,7 +299,7 @@ type BackendConfig struct {
 	URL string `yaml:"url"`
 	// Weight is the backend's relative capacity (default 1).
 	Weight float64 `yaml:"weight"`
-	// Model (or the seeds' Models list) names the model the backend serves: the default model of
+	// Model (or kvroute's Models list) names the model the backend serves: the default model of
 	// its KV events, and the backends the engine tokenizer may ask for a request's model.
 	Model  string   `yaml:"model"`
 	Models []string `yaml:"models"`

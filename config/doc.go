@@ -1,7 +1,7 @@
 // Package config is the YAML configuration of kvroute's reference gateway (examples/proxy) and
-// its mapping onto the library's types. The schema is the seeds' (server, selection_strategy,
+// its mapping onto the library's types. The schema is kvroute's (server, selection_strategy,
 // prefix_routing, response_cache, kv_cache_index, backends, health_checks, circuit_breaker,
-// disaggregated_serving) with a few additions the seeds leave open; a gateway that embeds kvroute
+// disaggregated_serving) with a few additions of the reference gateway's own; a gateway that embeds kvroute
 // can read the same files.
 //
 // Parse and Load decode strictly: every key must name a field (an unknown one is an error that

@@ -81,7 +81,7 @@ type Plan struct {
 	Storage ExternalStorage `json:"storage"`
 }
 
-// Header names for the routing path and the backends that served the request: the seeds'
+// Header names for the routing path and the backends that served the request: kvroute's
 // routing-path headers with kvroute's prefix.
 const (
 	HeaderRoutingPath    = "X-Kvroute-Routing-Path"

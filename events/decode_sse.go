@@ -20,7 +20,7 @@ var (
 	errBadEventString = errors.New("JSON \"event\" is not a string")
 )
 
-// DecodeSSEEvent decodes one SSE event of the seeds' form: eventField is the SSE "event:"
+// DecodeSSEEvent decodes one SSE event of kvroute's form: eventField is the SSE "event:"
 // line's value ("" when absent) and data the JSON of its "data:" line(s), e.g.
 //
 //	event: cache_created

@@ -15,7 +15,7 @@ import (
 	"go.opentelemetry.io/otel/metric/noop"
 )
 
-// Instrumentation scope and metric names of the consumers. They follow the seeds' Tier-4 list
+// Instrumentation scope and metric names of the consumers. They follow kvroute's Tier-4 list
 // with the kvroute prefix in OpenTelemetry style; a Prometheus exporter renders them as
 // kvroute_kv_event_received_total, kvroute_kv_consumer_connected, … Every instrument carries a
 // "backend" attribute; the source-status gauge also carries "status" (one of the SourceState
@@ -74,7 +74,7 @@ func stateAt(i int) SourceState {
 
 // SourceStatus is a snapshot of one event source: an engine endpoint in ZMQ connect mode, a
 // backend seen on the bound socket in bind mode, or an SSE stream. Its JSON form carries what the
-// seeds' GET /admin/kv-index/backends shows per backend ("backend_name", "connection":
+// kvroute's GET /admin/kv-index/backends shows per backend ("backend_name", "connection":
 // {"connected", "reconnect_count", "last_event_at"}, "events": {"received", "dropped", …}); the
 // index's own counts (index_created, …) come from the index.
 type SourceStatus struct {

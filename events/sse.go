@@ -16,7 +16,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 )
 
-// Defaults of SSEConfig (the seeds' values).
+// Defaults of SSEConfig (kvroute's values).
 const (
 	DefaultSSEInitialBackoff = time.Second
 	DefaultSSEMaxBackoff     = 60 * time.Second
@@ -76,7 +76,7 @@ type SSEConfig struct {
 	Now func() time.Time
 }
 
-// SSEConsumer consumes the seeds' prefix-granular KV events (GET <engine>/v1/kv_events,
+// SSEConsumer consumes kvroute's prefix-granular KV events (GET <engine>/v1/kv_events,
 // text/event-stream: "event: cache_created" / "data: {…}") and applies each to a Sink as a
 // single-event Batch. The SSE event: field wins over the JSON "event"; "data:" lines are joined
 // with "\n"; a blank line dispatches; comments are ignored; "id:" is sent back as Last-Event-ID

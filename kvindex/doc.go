@@ -46,7 +46,7 @@
 // after a routing decision) last SpeculativeTTL unless a BlockStored confirms them; in
 // approximate mode, without events, they are the only entries, and ApproximateCapacityBlocks
 // bounds each backend's share. Prefix-granular entries (the SSE events cache_created, …) are
-// kept apart, per prefix key, with the seeds' tier transitions (MemoryConfig.StorageOffloading).
+// kept apart, per prefix key, with kvroute's tier transitions (MemoryConfig.StorageOffloading).
 //
 // # RedisIndex and a lost Redis
 //

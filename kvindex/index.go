@@ -20,7 +20,7 @@ var DefaultTierWeights = TierWeights{1.0, 0.8, 0.6}
 // Defaults shared by the implementations' Configs.
 const (
 	DefaultBlockSize       = 16
-	DefaultMaxEntries      = 1 << 20 // blocks (in-memory) — the seeds' max_entries counts prefix entries
+	DefaultMaxEntries      = 1 << 20 // blocks (in-memory) — kvroute's max_entries counts prefix entries
 	DefaultEntryTTL        = 600 * time.Second
 	DefaultSpeculativeTTL  = 2 * time.Second
 	DefaultApproximateTTL  = 120 * time.Second
@@ -66,7 +66,7 @@ type Lookuper interface {
 	Lookup(ctx context.Context, keys []uint64, candidates []string, out []Match) ([]Match, error)
 }
 
-// PrefixLookuper answers for prefix-granular entries (the seeds' SSE events): prefix is the
+// PrefixLookuper answers for prefix-granular entries (kvroute's SSE events): prefix is the
 // lowercase hex of a prefix key. Same contract as Lookuper.
 type PrefixLookuper interface {
 	LookupPrefix(ctx context.Context, prefix string, candidates []string, out []Match) ([]Match, error)
@@ -103,7 +103,7 @@ type Stats struct {
 	Entries          int               `json:"entry_count"`
 	PrefixCount      int               `json:"prefix_count"`
 	SpeculativeCount int               `json:"speculative_count"`
-	Lookups          uint64            `json:"total_hits"` // lookups answered (the seeds' total_hits)
+	Lookups          uint64            `json:"total_hits"` // lookups answered (kvroute's total_hits)
 	Evictions        uint64            `json:"total_evictions"`
 	Expired          uint64            `json:"expired"`
 	Mutations        map[string]uint64 `json:"mutations"` // by type: stored, removed, cleared, prefix_created, …

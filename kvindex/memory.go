@@ -16,7 +16,7 @@ import (
 
 // Defaults of MemoryConfig not shared with other implementations.
 const (
-	// DefaultMaxPrefixEntries is MemoryConfig.MaxPrefixEntries when zero: the seeds'
+	// DefaultMaxPrefixEntries is MemoryConfig.MaxPrefixEntries when zero: kvroute's
 	// kv_cache_index.max_entries.
 	DefaultMaxPrefixEntries = 100_000
 	// DefaultLookupStride is MemoryConfig.LookupStride's default: Lookup probes every 16th key.
@@ -28,7 +28,7 @@ const (
 
 // MemoryConfig configures a MemoryIndex. Its zero value means the defaults.
 //
-// The seeds' YAML (kv_cache_index) maps onto it as: max_entries → MaxPrefixEntries,
+// kvroute's YAML (kv_cache_index) maps onto it as: max_entries → MaxPrefixEntries,
 // entry_ttl_seconds → EntryTTL, storage_offloading.enabled → StorageOffloading,
 // storage_offloading.treat_eviction_as_offload → TreatEvictionAsOffload (the YAML's default is
 // true; the proxy sets it), gpu/storage_tier_weight → TierWeights.
@@ -71,7 +71,7 @@ type MemoryConfig struct {
 	// TierWeights weight a matched block by the best tier it is held on; the zero value means
 	// DefaultTierWeights. Each weight must be in [0, 1].
 	TierWeights TierWeights
-	// StorageOffloading tracks the storage tier of prefix entries (the seeds'
+	// StorageOffloading tracks the storage tier of prefix entries (kvroute's
 	// storage_offloading.enabled): cache_offloaded moves an entry to TierStorage. When false,
 	// the index tracks GPU residency only and cache_offloaded removes the entry.
 	StorageOffloading bool
@@ -387,7 +387,7 @@ func (m *MemoryIndex) acquire(backend string) *backendState {
 //   - BlockRemoved (group 0 only): removes the tier; the engine-hash mapping goes when the
 //     backend holds the block on no tier.
 //   - AllBlocksCleared: as ClearBackend.
-//   - Prefix events: the seeds' tier table (see MemoryConfig.StorageOffloading).
+//   - Prefix events: kvroute's tier table (see MemoryConfig.StorageOffloading).
 //
 // Apply holds the backend's engine-map mutex for the batch and one shard lock per block write.
 func (m *MemoryIndex) Apply(_ context.Context, backend string, b *events.Batch) error {

@@ -10,7 +10,7 @@ import (
 	"github.com/kvroute/kvroute/events"
 )
 
-// prefixStore holds the prefix-granular entries of the seeds' SSE events: prefix hex → backend →
+// prefixStore holds the prefix-granular entries of kvroute's SSE events: prefix hex → backend →
 // (token count, tier, stamp). Sharded maps under RWMutexes: prefix traffic is one probe per
 // request, far from the block table's rates.
 type prefixStore struct {
@@ -50,7 +50,7 @@ func (p *prefixStore) shard(prefix string) *prefixShard {
 	return &p.shards[xxh3.HashString(prefix)%prefixShards]
 }
 
-// applyPrefix applies one prefix-granular event of backend id, following the seeds' tier table.
+// applyPrefix applies one prefix-granular event of backend id, following kvroute's tier table.
 func (m *MemoryIndex) applyPrefix(id uint8, ev *events.Event, now uint32) {
 	if ev.PrefixHash == "" {
 		m.drop(dropBadPrefix, 1)
@@ -136,7 +136,7 @@ func (m *MemoryIndex) prefixRemove(id uint8, prefix string) {
 	}
 }
 
-// evictPrefixes drops the least recently updated tenth of the prefixes (the seeds' policy).
+// evictPrefixes drops the least recently updated tenth of the prefixes (kvroute's policy).
 func (m *MemoryIndex) evictPrefixes(now uint32) {
 	p := &m.prefix
 	p.evictMu.Lock()

@@ -75,11 +75,11 @@ const (
 // RedisConfig configures a RedisIndex. The zero value of every field means its documented default;
 // one of Client, Addr or URL is required.
 //
-// The seeds' YAML (kv_cache_index with backend: redis) maps onto it as for MemoryConfig:
+// kvroute's YAML (kv_cache_index with backend: redis) maps onto it as for MemoryConfig:
 // entry_ttl_seconds → EntryTTL, storage_offloading.enabled → StorageOffloading,
 // storage_offloading.treat_eviction_as_offload → TreatEvictionAsOffload (the YAML's default is
 // true; the proxy sets it), gpu/storage_tier_weight → TierWeights; the Redis URL and key prefix
-// (the seeds' cr:kvidx:) → URL and KeyPrefix.
+// (kvroute's cr:kvidx:) → URL and KeyPrefix.
 type RedisConfig struct {
 	// Client is an existing client to share (for example the response cache's). The index never
 	// closes it. When nil, the index creates its own client from Addr or URL and closes it on Close.
@@ -130,7 +130,7 @@ type RedisConfig struct {
 	// TierWeights weight matched blocks (and prefix entries) by tier; all zero means
 	// DefaultTierWeights. Each must be in [0, 1].
 	TierWeights TierWeights
-	// StorageOffloading tracks the storage tier of prefix entries (the seeds'
+	// StorageOffloading tracks the storage tier of prefix entries (kvroute's
 	// storage_offloading.enabled): cache_offloaded moves an entry to TierStorage. When false,
 	// cache_offloaded removes the entry. Block events carry their own tier and are unaffected.
 	StorageOffloading bool
@@ -177,7 +177,7 @@ type RedisConfig struct {
 //	P e:<b>      HASH    h → tier mask digit ‖ our keys' hex (several when engine blocks are larger)
 //	P mb:<b>     ZSET    k, score = confirmed expiry: b's confirmed blocks
 //	P ms:<b>     ZSET    k, score = speculative expiry: b's speculative blocks
-//	P p:<x>      ZSET    b, score = token count (the seeds' prefix entry: ZADD + EXPIRE pipelined,
+//	P p:<x>      ZSET    b, score = token count (kvroute's prefix entry: ZADD + EXPIRE pipelined,
 //	                     read with ZREVRANGEBYSCORE +inf -inf WITHSCORES)
 //	P pt:<x>     HASH    b → "<tier>:<expiry ms>"
 //	P mp:<b>     ZSET    x, score = expiry: b's prefix entries

@@ -31,7 +31,7 @@
 // prompt), so that the same text in the two roles differs; the anchor is cut to maxPrefixLength
 // bytes (DefaultMaxPrefixLength, 1,024, when <= 0) without splitting a UTF-8 character. The Key's 16
 // bytes are the hash in canonical (big-endian) order, high half first; Key.String is their lowercase
-// hex and Key.Uint64 the low half. This is the seeds' prefix-key layout with SHA-256 replaced by
+// hex and Key.Uint64 the low half. This is kvroute's prefix-key layout with SHA-256 replaced by
 // XXH3-128.
 //
 // # Block keys

@@ -26,7 +26,7 @@
 //
 // # Stores
 //
-// CacheStore is the seeds' store contract (get, set with TTL, delete, clear, stats); every
+// CacheStore is kvroute's store contract (get, set with TTL, delete, clear, stats); every
 // implementation passes the conformance suite in package respcache/cachetest, which users can run
 // against their own. MemoryStore is an in-process LRU with a TTL per entry, bounded in entries and
 // optionally in bytes, optionally sharded. RedisStore keeps entries in Redis or Valkey under a key
@@ -37,7 +37,7 @@
 //
 // # Cache key
 //
-// KeyOf follows the seeds' layout — SHA-256 over the model, a pre-hash of the messages and every
+// KeyOf follows kvroute's layout — SHA-256 over the model, a pre-hash of the messages and every
 // output-changing parameter, optional ones tagged SOME/NONE so that an absent parameter differs
 // from a zero one — with every variable-length field length-prefixed, so that no two ways of
 // splitting the same bytes into fields collide (model "ab" with system "c" is not model "a" with
@@ -84,7 +84,7 @@
 // replay one sample to every later caller (X-Cache: BYPASS, reason "temperature"). A seed, top_p
 // or any other parameter does not make a sampled request cacheable, and n > 1 never is. A fleet
 // whose engines decode greedily by default can set Policy.AssumeGreedyDefault
-// (Config.AssumeGreedyDefault) to treat an absent temperature as 0, as the seeds did.
+// (Config.AssumeGreedyDefault) to treat an absent temperature as 0, as kvroute did before.
 //
 // # Tenants
 //
@@ -120,6 +120,6 @@
 // of a POST to an OpenAI or Anthropic path, keys it (with the tenant of the caller's credential,
 // or the one Config.Tenant names), answers a hit from the store, and otherwise calls the wrapped handler, storing a
 // cacheable response. Every response carries X-Cache: HIT, MISS or BYPASS. Cache.Stats gives the
-// seeds' GET /admin/response-cache/stats document and Cache.Invalidate its POST
+// kvroute's GET /admin/response-cache/stats document and Cache.Invalidate its POST
 // /admin/response-cache/invalidate; metrics go through an injected OpenTelemetry MeterProvider.
 package respcache

@@ -2,7 +2,7 @@ package respcache
 
 import "github.com/kvroute/kvroute/prefixkey"
 
-// Defaults of Policy, from the seeds' response_cache section.
+// Defaults of Policy, from kvroute's response_cache section.
 const (
 	// DefaultMaxResponseSize is the largest non-streaming response body cached, in bytes
 	// (response_cache.max_response_size, 1 MiB).
@@ -22,12 +22,12 @@ const (
 	ReasonTooLarge          = "too_large"          // the response exceeds the size limit
 )
 
-// Policy decides which requests and responses the response cache takes: the seeds' eligibility
+// Policy decides which requests and responses the response cache takes: kvroute's eligibility
 // rules. A Policy is a plain value, safe for concurrent use by its methods, which only read it.
 //
 // The zero value caches non-streaming requests with an explicit temperature 0 whose responses
 // fit DefaultMaxResponseSize; streaming requests are skipped unless CacheStreaming is set (the
-// seeds' default deployment sets it: streams are buffered up to DefaultMaxStreamBufferSize and
+// kvroute's default deployment sets it: streams are buffered up to DefaultMaxStreamBufferSize and
 // replayed as SSE).
 type Policy struct {
 	// CacheStreaming makes streaming requests eligible: their SSE stream is buffered (up to
@@ -43,7 +43,7 @@ type Policy struct {
 	MaxStreamBufferSize int
 
 	// AssumeGreedyDefault makes a request without a temperature eligible, as if it had asked for
-	// temperature 0 (the seeds' "0 or absent"). By default it is not: OpenAI and Anthropic both
+	// temperature 0 (the former "0 or absent" rule). By default it is not: OpenAI and Anthropic both
 	// default an absent temperature to 1, so such a request samples and caching it would replay
 	// one sample forever. Set it only for a fleet whose engines decode greedily by default.
 	AssumeGreedyDefault bool

@@ -9,7 +9,7 @@ import (
 	"time"
 )
 
-// Defaults of MemoryConfig, from the seeds' response_cache section.
+// Defaults of MemoryConfig, from kvroute's response_cache section.
 const (
 	// DefaultCapacity is the number of entries a MemoryStore holds before LRU eviction
 	// (response_cache.capacity).

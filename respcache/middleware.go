@@ -41,7 +41,7 @@ const (
 )
 
 // Config configures a Cache. The zero value is valid: an in-process MemoryStore with its defaults,
-// DefaultTTL, the seeds' size limits, streaming responses cached, only an explicit temperature 0
+// DefaultTTL, kvroute's size limits, streaming responses cached, only an explicit temperature 0
 // cached, coalescing on, the default OpenAI/Anthropic parser, tenants told apart by their
 // credentials (CredentialTenant), DefaultMaxBodyBytes, no metrics.
 type Config struct {

@@ -17,7 +17,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 )
 
-// Defaults of RedisConfig, from the seeds' response_cache.redis section.
+// Defaults of RedisConfig, from kvroute's response_cache.redis section.
 const (
 	// DefaultRedisURL is the server a zero RedisConfig connects to.
 	DefaultRedisURL = "redis://127.0.0.1:6379"
@@ -44,7 +44,7 @@ const (
 	DefaultClientCacheBytes = 32 << 20
 )
 
-// Metric names of the Redis store, after the seeds' cache metric list (OTel style; a
+// Metric names of the Redis store, after kvroute's cache metric list (OTel style; a
 // Prometheus exporter adds _seconds/_total suffixes).
 const (
 	MetricRedisLatency     = "kvroute.cache.redis.latency"     // histogram, s, {operation=get|set|delete}
@@ -100,7 +100,7 @@ type RedisConfig struct {
 
 	// DisableFallback turns the in-memory fallback off: an unreachable Redis then makes operations
 	// fail with ErrUnavailable, and NewRedis fails when Redis is down. The zero value (fallback on)
-	// is the seeds' fallback_to_memory: true.
+	// is kvroute's fallback_to_memory: true.
 	DisableFallback bool
 	// FallbackCapacity is the fallback's entry capacity; 0 means DefaultFallbackCapacity.
 	FallbackCapacity int

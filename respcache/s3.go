@@ -23,7 +23,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 )
 
-// Defaults of S3Config, from the seeds' response_cache.l2 section.
+// Defaults of S3Config, from kvroute's response_cache.l2 section.
 const (
 	// DefaultS3KeyPrefix is the folder of the bucket the store owns (l2.key_prefix).
 	DefaultS3KeyPrefix = "response-cache/"

@@ -17,13 +17,13 @@ import (
 )
 
 // This file holds the Cache's counters, its OpenTelemetry instruments, and the two admin
-// operations of the seeds: GET /admin/response-cache/stats (Stats) and
+// operations: GET /admin/response-cache/stats (Stats) and
 // POST /admin/response-cache/invalidate (Invalidate).
 
 // ScopeName is the instrumentation scope of the Cache's metrics.
 const ScopeName = "github.com/kvroute/kvroute/respcache"
 
-// Metric names: the seeds' Tier 2 list with the kvroute prefix in OpenTelemetry style; a Prometheus
+// Metric names: kvroute's Tier 2 list with the kvroute prefix in OpenTelemetry style; a Prometheus
 // exporter turns them into kvroute_response_cache_requests_total, kvroute_response_cache_entries,
 // kvroute_response_cache_size_bytes, kvroute_response_cache_evictions_total,
 // kvroute_response_cache_hit_rate, kvroute_response_cache_coalesced_total and
@@ -185,7 +185,7 @@ func hitRatio(hits, misses uint64) float64 {
 	return float64(hits) / float64(hits+misses)
 }
 
-// Stats is the body of the seeds' GET /admin/response-cache/stats, plus the coalescing and
+// Stats is the body of kvroute's GET /admin/response-cache/stats, plus the coalescing and
 // store-error counts. Encode it with encoding/json.
 type Stats struct {
 	Enabled     bool         `json:"enabled"`      // always true: a Cache exists
@@ -291,7 +291,7 @@ func compactDuration(d time.Duration) string {
 	return s
 }
 
-// InvalidateRequest is the body of the seeds' POST /admin/response-cache/invalidate: either
+// InvalidateRequest is the body of kvroute's POST /admin/response-cache/invalidate: either
 // {"clear_all": true}, or {"key": "<64 hex digits>"} (a key from KeyFor) to drop one entry.
 type InvalidateRequest struct {
 	ClearAll bool   `json:"clear_all"`

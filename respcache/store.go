@@ -6,7 +6,7 @@ import (
 	"time"
 )
 
-// CacheStore stores serialized responses under string keys: the seeds' CacheStore (get, set with
+// CacheStore stores serialized responses under string keys: kvroute's CacheStore (get, set with
 // TTL, delete, clear, stats). Implementations: *MemoryStore, *RedisStore (with automatic in-memory
 // fallback), *S3Store, *TieredStore. Every method is safe for concurrent use and honours ctx for
 // I/O (a memory store ignores it).
@@ -29,7 +29,7 @@ type CacheStore interface {
 	Stats(ctx context.Context) StoreStats
 }
 
-// StoreStats describes a store for the seeds' GET /admin/response-cache/stats. Fields a store does
+// StoreStats describes a store for kvroute's GET /admin/response-cache/stats. Fields a store does
 // not track are zero; nested sections are nil when they do not apply.
 type StoreStats struct {
 	Backend   string            `json:"backend_type"` // "memory", "redis", "s3", "tiered"

@@ -9,7 +9,7 @@ import (
 	"time"
 )
 
-// Defaults of TieredConfig, from the seeds' response_cache.l1 and tiered sections.
+// Defaults of TieredConfig, from kvroute's response_cache.l1 and tiered sections.
 const (
 	// DefaultL1MaxValueSize is the largest value stored in L1 (l1.max_value_size); larger values
 	// go to L2 only.
@@ -28,7 +28,7 @@ type TieredConfig struct {
 	L1, L2 CacheStore
 	// L1MaxValueSize is the largest value Set or promoted into L1; 0 means DefaultL1MaxValueSize.
 	L1MaxValueSize int
-	// DisablePromotion stops copying L2 hits into L1. The zero value (promotion on) is the seeds'
+	// DisablePromotion stops copying L2 hits into L1. The zero value (promotion on) is kvroute's
 	// promote_on_hit: true.
 	DisablePromotion bool
 	// L1PromotionTTL is the L1 TTL of a promoted entry; 0 means DefaultL1PromotionTTL.

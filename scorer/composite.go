@@ -10,7 +10,7 @@ import (
 // configuration it cannot accept (weights that do not sum to 1, a value out of its range).
 var ErrInvalidConfig = errors.New("scorer: invalid config")
 
-// Defaults of CompositeConfig, from the seeds' kv_overlap scorer.
+// Defaults of CompositeConfig, from kvroute's kv_overlap scorer.
 const (
 	DefaultOverlapWeight       = 0.6
 	DefaultLoadWeight          = 0.3
@@ -42,11 +42,11 @@ type CompositeConfig struct {
 	// prefill is busier than its request count says, and the next request waits for that prompt.
 	// 0 means DefaultPrefillTokensPerRequest (1024, chosen with the trace replay of
 	// benchmarks/replay: 256 to 4,096 give the same picture); negative ignores pending tokens,
-	// which is the seeds' load ratio of in-flight requests alone.
+	// which is kvroute's load ratio of in-flight requests alone.
 	PrefillTokensPerRequest int
 }
 
-// Composite is the seeds' KvOverlapScorer: a weighted sum of cache overlap, spare capacity and
+// Composite is kvroute's KvOverlapScorer: a weighted sum of cache overlap, spare capacity and
 // health. For candidate c of request r:
 //
 //	score = OverlapWeight·overlap_ratio + LoadWeight·(1 − load_ratio) + HealthWeight·health
@@ -163,7 +163,7 @@ func (c *Composite) BestOverlap(req Request, cands []Candidate) float64 {
 
 // Active reports whether KV-aware selection should decide this request: the best overlap ratio
 // (BestOverlap) is > 0 and ≥ MinOverlapThreshold. When it returns false the caller routes by its
-// fallback (the consistent-hash ring's pick), as the seeds' pipeline does below the threshold.
+// fallback (the consistent-hash ring's pick), as kvroute's pipeline does below the threshold.
 // Safe for concurrent use; does not allocate.
 func (c *Composite) Active(req Request, cands []Candidate) bool {
 	best := c.BestOverlap(req, cands)
@@ -171,7 +171,7 @@ func (c *Composite) Active(req Request, cands []Candidate) bool {
 }
 
 // overlapDenom is the divisor of overlap_ratio: the request's block count when known, else the
-// largest overlap among healthy candidates (the seeds' normalisation); 0 means "no overlap".
+// largest overlap among healthy candidates (kvroute's normalisation); 0 means "no overlap".
 func overlapDenom(req Request, cands []Candidate) float64 {
 	if req.Blocks > 0 {
 		return float64(req.Blocks)

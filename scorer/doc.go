@@ -4,7 +4,7 @@
 // A caller builds one Candidate per backend (cached prefix from package kvindex, in-flight count and
 // health from its own accounting), scores them with a BackendScorer, and picks one:
 //
-//   - Composite is the seeds' KvOverlapScorer: OverlapWeight·overlap + LoadWeight·(1 − load) +
+//   - Composite is kvroute's KvOverlapScorer: OverlapWeight·overlap + LoadWeight·(1 − load) +
 //     HealthWeight·health, with a minimum-overlap threshold (Composite.Active) below which the
 //     caller falls back to its consistent-hash ring.
 //   - Cost is Dynamo's KV router cost: PrefillWeight·prefill_blocks + decode_blocks, in blocks,
@@ -14,12 +14,12 @@
 //     (Dynamo's --router-temperature).
 //   - Guard detects a skewed fleet (SGLang's balance thresholds), to hand the decision to the
 //     least-loaded backend.
-//   - PrepareCache is the first phase of the seeds' two-phase prepare/score for remote indexes: one
+//   - PrepareCache is the first phase of kvroute's two-phase prepare/score for remote indexes: one
 //     fetch per key in flight, its result reused for 100 ms.
 //
 // # Overlap ratio: a fraction of the request, not of the best backend
 //
-// The seeds' KvOverlapScorer normalises each backend's overlap by the largest overlap of any backend
+// kvroute's KvOverlapScorer normalises each backend's overlap by the largest overlap of any backend
 // (raw_overlap = token_count / max_token_count). The best backend then always has overlap 1.0, so
 // its min_overlap_threshold can only fail when no backend holds anything: a backend holding 1 block
 // of a 500-block prompt passes a 0.3 threshold and pulls the request off the consistent-hash ring for
@@ -27,11 +27,11 @@
 // overlap_ratio is the tier-weighted fraction of the request the backend holds, so the threshold
 // means what it says ("route by cache when some backend holds at least 30% of the prompt"), and the
 // overlap signal is comparable across requests. Only when the request's length is unknown
-// (Request.Blocks == 0) does Composite fall back to the seeds' max-normalisation.
+// (Request.Blocks == 0) does Composite fall back to kvroute's max-normalisation.
 //
 // # References
 //
-//   - The seeds (the user's design documents): overlap scoring and the backend selection pipeline.
+//   - kvroute's design: overlap scoring and the backend selection pipeline.
 //   - NVIDIA Dynamo, "KV Cache Routing": cost = overlap_score_weight·prefill_blocks + decode_blocks,
 //     active-block tracking (AddRequest, MarkPrefillCompleted, Free), softmax temperature.
 //   - SGLang model gateway, cache-aware policy: balance_abs_threshold and balance_rel_threshold.

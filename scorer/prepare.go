@@ -11,7 +11,7 @@ import (
 
 // Defaults of PrepareConfig.
 const (
-	// DefaultPrepareTTL is how long a fetched result is reused (the seeds' 100 ms prepare window).
+	// DefaultPrepareTTL is how long a fetched result is reused (kvroute's 100 ms prepare window).
 	DefaultPrepareTTL = 100 * time.Millisecond
 	// DefaultPrepareSize is how many keys' results are kept.
 	DefaultPrepareSize = 4096
@@ -38,7 +38,7 @@ type PrepareConfig struct {
 	Now func() time.Time
 }
 
-// PrepareCache is the first phase of the seeds' two-phase scoring for remote indexes: prepare()
+// PrepareCache is the first phase of kvroute's two-phase scoring for remote indexes: prepare()
 // fetches a key's index answer once, and score() then reads it synchronously. Get returns the
 // cached result of fetch for a key while it is younger than the TTL; otherwise one caller (the
 // leader) runs fetch while concurrent callers for the same key wait for its result

@@ -178,7 +178,7 @@ type EventsConfig struct {
 	// dropped for that subscriber (ZMQ's high-water mark), which then sees a sequence gap.
 	// Default DefaultSubscriberHWM.
 	SubscriberHWM int
-	// SSE serves prefix-granular events at GET /v1/kv_events (the seeds' form).
+	// SSE serves prefix-granular events at GET /v1/kv_events (kvroute's form).
 	SSE bool
 	// SSEBuffer is the number of events queued per SSE subscriber; a subscriber that falls
 	// further behind is disconnected. Default DefaultSSEBuffer.

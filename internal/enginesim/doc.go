@@ -83,7 +83,7 @@
 // prefix; a subscriber's queue holds SubscriberHWM messages, beyond which messages are dropped for
 // it (ZMQ's high-water mark; the consumer sees a sequence gap and replays).
 //
-// SSE events (the seeds' form, Events.SSE) are prefix-granular: "event: cache_created" with
+// SSE events (kvroute's form, Events.SSE) are prefix-granular: "event: cache_created" with
 // {"event", "prefix_hash" (kvroute's prefix key of the request: prefixkey.PrefixKey(req,
 // 1024).String()), "token_count"} where token_count is the number of leading tokens of the last
 // such request's full blocks the engine holds; it is published again when evictions shorten it.

@@ -172,7 +172,7 @@ type job struct {
 
 // Engine is a simulated vLLM engine: a paged KV cache with prefix caching, a scheduler with a
 // concurrency limit and a FIFO queue, a latency model, the OpenAI, Anthropic, /tokenize and
-// /metrics HTTP API, and KV-event publishers (ZMQ in vLLM's wire format, SSE in the seeds' form).
+// /metrics HTTP API, and KV-event publishers (ZMQ in vLLM's wire format, SSE in kvroute's form).
 //
 // All methods are safe for concurrent use. New starts nothing; Start starts the event sockets'
 // goroutines and Serve an HTTP server; Close stops them all and is idempotent.

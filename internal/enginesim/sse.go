@@ -5,7 +5,7 @@ import (
 	"net/http"
 )
 
-// SSE event names (the seeds' prefix-granular form).
+// SSE event names (kvroute's prefix-granular form).
 const (
 	sseCreated   = "cache_created"
 	sseEvicted   = "cache_evicted"

@@ -41,7 +41,7 @@
 //     its best tier, Match.StoredBlocks on TierStorage when it is there, faster tiers or not (a
 //     prefill engine's GPU blocks written to external storage).
 //   - Events of attention groups other than 0 change nothing.
-//   - Prefix-granular (SSE) entries follow the seeds' table: cache_created and cache_reloaded →
+//   - Prefix-granular (SSE) entries follow kvroute's table: cache_created and cache_reloaded →
 //     GPU; cache_offloaded → storage when StorageOffloading, else removed; cache_evicted →
 //     storage when StorageOffloading and TreatEvictionAsOffload, else removed; cache_purged →
 //     removed. LookupPrefix reports Tokens = the token count, Blocks = Tokens / BlockSize, Score =
@@ -73,7 +73,7 @@ type Options struct {
 	BlockSize int
 	// DefaultModel roots events whose batch names no model and which name no LoRA.
 	DefaultModel string
-	// StorageOffloading and TreatEvictionAsOffload are the seeds' storage_offloading settings for
+	// StorageOffloading and TreatEvictionAsOffload are kvroute's storage_offloading settings for
 	// prefix-granular entries.
 	StorageOffloading      bool
 	TreatEvictionAsOffload bool
