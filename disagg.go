@@ -386,7 +386,17 @@ func (d *DisaggDecision) Done(o Outcome) {
 		return
 	}
 	d.prefill.Release()
-	if !d.decode.Release() || d.dst == nil {
+	if o.Refused {
+		if !d.decode.Held() {
+			return
+		}
+		if d.dst != nil {
+			d.dst.refusals.Add(1)
+		}
+		d.router.holdRefused(&d.decode)
+		return
+	}
+	if !d.decode.Release() || d.dst == nil || o.NotSent {
 		return
 	}
 	lat := o.Latency
@@ -513,6 +523,7 @@ type DisaggBackendLoad struct {
 	DecodesInFlight  int                     `json:"decodes_in_flight"`
 	Decisions        uint64                  `json:"decisions"`
 	SuccessRate      float64                 `json:"success_rate"`
+	Refusals         uint64                  `json:"refusals"` // decodes it declined for lack of capacity (Outcome.Refused)
 	Storage          *disagg.ExternalStorage `json:"external_storage,omitempty"`
 }
 
@@ -547,6 +558,7 @@ func (r *DefaultRouter) DisaggStats() DisaggStats {
 			}
 			if st := set.byName[l.Name]; st != nil {
 				bl.Decisions, bl.SuccessRate, bl.Storage = st.decisions.Load(), st.success.load(), st.storage
+				bl.Refusals = st.refusals.Load()
 			}
 			s.Backends = append(s.Backends, bl)
 		}

@@ -55,23 +55,22 @@ func newRouterMetrics(mp metric.MeterProvider, r *DefaultRouter) (*routerMetrics
 	m := &routerMetrics{}
 	var err error
 	requests, err := meter.Int64ObservableCounter(MetricPrefixRoutingRequests,
-		metric.WithDescription("Routing decisions by strategy (prefix_hash, overflow, fallback, kv_aware, imbalance, least_work)."),
+		metric.WithDescription("Routing decisions by strategy (prefix_hash, overflow, fallback, strategy, kv_aware, load_bound, imbalance, least_work)."),
 		metric.WithUnit("{request}"))
 	if err != nil {
 		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricPrefixRoutingRequests, err)
 	}
-	reasons := []Reason{ReasonPrefixHash, ReasonOverflow, ReasonFallback, ReasonKVAware, ReasonImbalance, ReasonLeastWork}
-	var byReason [numReasons]metric.ObserveOption
-	for _, why := range reasons {
+	var byReason, byDecision [numReasons]metric.ObserveOption
+	for _, why := range Reasons {
 		byReason[why] = metric.WithAttributeSet(attribute.NewSet(attribute.String("strategy", why.String())))
+		byDecision[why] = metric.WithAttributeSet(attribute.NewSet(attribute.String("decision", why.String())))
 	}
 	kvDecisions, err := meter.Int64ObservableCounter(MetricKVRoutingDecisions,
-		metric.WithDescription("KV-aware routing decisions (kv_aware, fallback)."),
+		metric.WithDescription("Requests tier 4 looked at, by outcome (kv_aware, load_bound, imbalance, least_work; fallback: left to tier 1)."),
 		metric.WithUnit("{request}"))
 	if err != nil {
 		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricKVRoutingDecisions, err)
 	}
-	kvAware := metric.WithAttributeSet(attribute.NewSet(attribute.String("decision", "kv_aware")))
 	kvFallback := metric.WithAttributeSet(attribute.NewSet(attribute.String("decision", "fallback")))
 	m.queryLatency, err = meter.Float64Histogram(MetricKVQueryLatency,
 		metric.WithDescription("KV index query latency."), metric.WithUnit("s"),
@@ -108,12 +107,14 @@ func newRouterMetrics(mp metric.MeterProvider, r *DefaultRouter) (*routerMetrics
 			o.ObserveInt64(dist, int64(l.InFlight), opt)
 		}
 		o.ObserveInt64(card, int64(r.prefix.estimate()))
-		for _, why := range reasons {
+		for _, why := range Reasons {
 			o.ObserveInt64(requests, int64(r.counts[why].Load()), byReason[why])
 		}
 		if t := r.kv; t != nil {
-			o.ObserveInt64(kvDecisions, int64(t.kvAware.Load()), kvAware)
-			o.ObserveInt64(kvDecisions, int64(t.kvFallback.Load()), kvFallback)
+			for _, why := range []Reason{ReasonKVAware, ReasonLoadBound, ReasonImbalance, ReasonLeastWork} {
+				o.ObserveInt64(kvDecisions, int64(r.counts[why].Load()), byDecision[why])
+			}
+			o.ObserveInt64(kvDecisions, int64(t.handedOff.Load()), kvFallback)
 		}
 		return nil
 	}, dist, card, requests, kvDecisions)

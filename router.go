@@ -47,7 +47,20 @@ var (
 	ErrUnsupported    = errors.New("kvroute: not supported by the configured KV index")
 )
 
-// Reason says why a Decision chose its backend. The values are kvroute's routing-decision labels.
+// Reason says why a Decision chose its backend. Its String values are kvroute's routing-decision
+// labels, one vocabulary for the X-Kvroute-Route header, the prefix_routing_requests_total metric,
+// RoutingStats and KVIndexStats:
+//
+//	prefix_hash  tier 1: the owner of the request's prefix key on the CHWBL ring
+//	overflow     tier 1: the owner was at its load bound; the next backend clockwise
+//	fallback     tier 1: the request had no prefix key; the selection strategy chose
+//	strategy     prefix routing is off (Config.DisablePrefixRouting); the selection strategy chose
+//	kv_aware     tier 4: the chosen backend holds at least MinOverlapThreshold of the request
+//	load_bound   tier 4: some backend holds enough of the request, but load (the bound, or the
+//	             scorer's load terms) sent it to a backend holding less than the threshold
+//	imbalance    tier 4: the fleet was skewed; the imbalance guard chose the least-loaded backend
+//	least_work   tier 4: no backend holds enough of the request (or it is shorter than a block);
+//	             the backend with the least prefill work ahead of it took it
 type Reason uint8
 
 const (
@@ -55,12 +68,31 @@ const (
 	ReasonPrefixHash Reason = iota + 1
 	// ReasonOverflow: the owner was at its load bound; the next backend clockwise took it.
 	ReasonOverflow
-	// ReasonFallback: the request had no prefix key (or prefix routing is off); the selection
-	// strategy chose.
+	// ReasonFallback: the request had no prefix key; the selection strategy chose.
 	ReasonFallback
+	// ReasonKVAware: the KV index and the scorer chose, and the chosen backend holds at least
+	// MinOverlapThreshold of the request.
+	ReasonKVAware
+	// ReasonImbalance: the KV index had a match, but the fleet was skewed and the imbalance guard
+	// chose the least-loaded backend.
+	ReasonImbalance
+	// ReasonLeastWork: tier 4 looked the request up, but no backend held enough of it (below the
+	// threshold), or its prompt is shorter than one block; the backend with the least prefill
+	// work ahead of this request took it.
+	ReasonLeastWork
+	// ReasonLoadBound: a backend holds enough of the request, but the scorer's load terms or the
+	// load bound chose a backend holding less than MinOverlapThreshold of it.
+	ReasonLoadBound
+	// ReasonStrategy: prefix routing is off; the selection strategy chose.
+	ReasonStrategy
+	numReasons
 )
 
-// String returns "prefix_hash", "overflow" or "fallback".
+// Reasons lists every Reason in the order of their values.
+var Reasons = []Reason{ReasonPrefixHash, ReasonOverflow, ReasonFallback, ReasonKVAware, ReasonImbalance,
+	ReasonLeastWork, ReasonLoadBound, ReasonStrategy}
+
+// String returns the reason's label (see Reason); "none" for the zero value.
 func (r Reason) String() string {
 	switch r {
 	case ReasonPrefixHash:
@@ -75,9 +107,20 @@ func (r Reason) String() string {
 		return "imbalance"
 	case ReasonLeastWork:
 		return "least_work"
+	case ReasonLoadBound:
+		return "load_bound"
+	case ReasonStrategy:
+		return "strategy"
 	default:
 		return "none"
 	}
+}
+
+// FromKVIndex reports whether tier 4 made the decision (kv_aware, load_bound, imbalance or
+// least_work): the KV index was asked, and Decision.ExpectedCachedTokens is what it said of the
+// chosen backend.
+func (r Reason) FromKVIndex() bool {
+	return r == ReasonKVAware || r == ReasonLoadBound || r == ReasonImbalance || r == ReasonLeastWork
 }
 
 // MarshalText implements encoding.TextMarshaler with String's labels.
@@ -106,7 +149,8 @@ const ewmaWeight = 0.1
 // defaults (max_prefix_length 1024, ε 0.25, 150 virtual nodes), round_robin for requests without a
 // prefix key, no backends yet, no-op metrics, the wall clock.
 type Config struct {
-	// DisablePrefixRouting turns tier 1 off: every request goes through Strategy (reason fallback).
+	// DisablePrefixRouting turns tier 1 off: every request tier 4 does not route goes through
+	// Strategy (reason strategy).
 	DisablePrefixRouting bool
 	// MaxPrefixLength is the number of anchor bytes hashed into a prefix key; 0 means
 	// prefixkey.DefaultMaxPrefixLength. Valid: 1 to 1 MiB.
@@ -131,7 +175,15 @@ type Config struct {
 	// Disagg turns on disaggregated prefill/decode serving (RouteDisagg) for backends with a
 	// prefill or decode Role; nil leaves it off, and such backends are then refused.
 	Disagg *disagg.Config
+	// RefusalHold is how long a request that its backend refused for lack of capacity
+	// (Outcome.Refused) keeps its in-flight slot there after Done, so that the refusal weighs on
+	// the backend's load, in the ring's bound and in tier 4's scoring, while the engine drains;
+	// 0 means DefaultRefusalHold, a negative value releases the slot at once. At most 1 minute.
+	RefusalHold time.Duration
 }
+
+// DefaultRefusalHold is Config.RefusalHold's default.
+const DefaultRefusalHold = time.Second
 
 func (c Config) withDefaults() Config {
 	if c.MaxPrefixLength == 0 {
@@ -149,10 +201,16 @@ func (c Config) withDefaults() Config {
 	if c.Now == nil {
 		c.Now = time.Now
 	}
+	if c.RefusalHold == 0 {
+		c.RefusalHold = DefaultRefusalHold
+	}
 	return c
 }
 
 func (c Config) validate() error {
+	if c.RefusalHold > time.Minute {
+		return fmt.Errorf("%w: RefusalHold %v is above 1m", ErrInvalidConfig, c.RefusalHold)
+	}
 	if c.MaxPrefixLength < 1 || c.MaxPrefixLength > 1<<20 {
 		return fmt.Errorf("%w: max_prefix_length %d not in [1, 1048576]", ErrInvalidConfig, c.MaxPrefixLength)
 	}
@@ -176,6 +234,7 @@ type backendState struct {
 	observed   atomic.Uint64
 	failures   atomic.Uint64
 	successes  atomic.Uint64
+	refusals   atomic.Uint64 // Outcome.Refused
 	decisions  atomic.Uint64
 	attrOption metric.MeasurementOption
 	// backlog is the prompt tokens, not cached on the backend, of the requests routed to it
@@ -388,6 +447,7 @@ func (r *DefaultRouter) Route(ctx context.Context, req *prefixkey.Request) (*Dec
 			r.addBacklog(d, s4)
 			return d, nil
 		}
+		r.kv.handedOff.Add(1)
 	}
 	var err error
 	if d.HasPrefixKey {
@@ -401,6 +461,9 @@ func (r *DefaultRouter) Route(ctx context.Context, req *prefixkey.Request) (*Dec
 		}
 	} else {
 		d.Reason = ReasonFallback
+		if r.cfg.DisablePrefixRouting {
+			d.Reason = ReasonStrategy
+		}
 		err = r.acquireByStrategy(&d.handle)
 	}
 	if err != nil {
@@ -442,12 +505,12 @@ type Decision struct {
 	// with the cached prefix it holds and its score; nil for other decisions.
 	Overlaps []Overlap
 	// ExpectedCachedTokens is how many of the prompt's tokens the chosen backend holds according
-	// to the index (0 unless kv_aware).
+	// to the KV index when tier 4 decided (Reason.FromKVIndex); 0 otherwise.
 	ExpectedCachedTokens int
 
 	router   *DefaultRouter // nil for a Decision made by NewDecision
 	hooks    *DecisionHooks // NewDecision's
-	ended    atomic.Bool    // NewDecision's Done has run
+	ended    atomic.Bool    // Done has run
 	backlog  atomic.Int64   // the tokens this request adds to state.backlog until its prefill ends
 	activeID uint64         // active-sequence id when tier 4 tracks sequences, else 0
 	state    *backendState
@@ -489,29 +552,44 @@ func NewDecision(backend string, reason Reason, hooks *DecisionHooks) *Decision 
 type Outcome struct {
 	Err     error         // non-nil when the backend failed the request (counts against its health)
 	Latency time.Duration // 0 means measured by the Router's clock
+	// Refused reports that the backend declined the request for lack of capacity before answering
+	// it (an engine's 429 or 503, or its error for a full KV cache): a sign of load, not of ill
+	// health. The default Router counts it (BackendLoad.Refusals), records neither a success nor
+	// a failure, and keeps the request's in-flight slot on the backend for Config.RefusalHold.
+	Refused bool
+	// NotSent reports that the request never reached the backend (the gateway sent it elsewhere
+	// or gave up first): the slot is released and nothing is recorded.
+	NotSent bool
 }
 
 // Done releases the decision's in-flight slot and records the outcome (latency for least_latency,
-// success or failure for the backend's health score). Only the first call has an effect. Safe to
-// call from any goroutine; a nil Decision is a no-op.
+// success or failure for the backend's health score; a refusal as Outcome.Refused says). Only the
+// first call has an effect. Safe to call from any goroutine; a nil Decision is a no-op.
 func (d *Decision) Done(o Outcome) {
 	if d == nil {
 		return
 	}
-	if d.router == nil {
-		if d.hooks != nil && d.hooks.Done != nil && d.ended.CompareAndSwap(false, true) {
-			d.hooks.Done(o)
-		}
+	if !d.ended.CompareAndSwap(false, true) {
 		return
 	}
-	if !d.handle.Release() {
+	if d.router == nil {
+		if d.hooks != nil && d.hooks.Done != nil {
+			d.hooks.Done(o)
+		}
 		return
 	}
 	d.endPrefill()
 	if d.activeID != 0 {
 		d.router.kv.cfg.Active.Done(d.activeID)
 	}
-	if d.state == nil {
+	if o.Refused {
+		if d.state != nil {
+			d.state.refusals.Add(1)
+		}
+		d.router.holdRefused(&d.handle)
+		return
+	}
+	if !d.handle.Release() || d.state == nil || o.NotSent {
 		return
 	}
 	lat := o.Latency
@@ -519,6 +597,15 @@ func (d *Decision) Done(o Outcome) {
 		lat = d.router.cfg.Now().Sub(d.start)
 	}
 	d.state.observe(lat, o.Err == nil)
+}
+
+// holdRefused releases h, a refused request's slot, after Config.RefusalHold.
+func (r *DefaultRouter) holdRefused(h *chwbl.Handle) {
+	if r.cfg.RefusalHold < 0 {
+		h.Release()
+		return
+	}
+	time.AfterFunc(r.cfg.RefusalHold, func() { h.Release() })
 }
 
 // FirstToken tells the Router the backend produced the request's first token: its prefill load

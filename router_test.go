@@ -99,9 +99,12 @@ func TestRouteDisabledPrefixRouting(t *testing.T) {
 	r := newRouter(t, Config{Backends: backends(2), DisablePrefixRouting: true})
 	d, err := r.Route(context.Background(), chatReq("sys", "hi"))
 	require.NoError(t, err)
-	assert.Equal(t, ReasonFallback, d.Reason)
+	assert.Equal(t, ReasonStrategy, d.Reason, "nothing fell back: the strategy is the policy")
+	assert.Equal(t, "strategy", d.Reason.String())
 	assert.False(t, d.HasPrefixKey)
 	assert.False(t, r.Stats().Enabled)
+	assert.Equal(t, uint64(1), r.Stats().RoutingDecisions.Strategy)
+	assert.Zero(t, r.Stats().RoutingDecisions.Fallback)
 }
 
 func TestStrategyLeastLoaded(t *testing.T) {
@@ -405,4 +408,67 @@ func TestHyperLogLogEstimate(t *testing.T) {
 		got := float64(h.estimate())
 		assert.InDelta(t, float64(n), got, math.Max(1, 0.05*float64(n)), "n=%d", n)
 	}
+}
+
+// inFlight returns the in-flight requests of backend name in r's stats.
+func inFlight(r *DefaultRouter, name string) int {
+	for _, l := range r.Stats().BackendDistribution {
+		if l.Backend == name {
+			return l.InFlightRequests
+		}
+	}
+	return -1
+}
+
+// A refusal (an engine out of room) is load, not ill health: the refused request's slot stays on
+// the backend for RefusalHold, so the next requests go elsewhere, and the backend's success rate
+// does not move.
+func TestDoneRefusedHoldsSlot(t *testing.T) {
+	r := newRouter(t, Config{Backends: backends(2), Strategy: StrategyLeastLoaded, RefusalHold: time.Hour / 60})
+	ctx := context.Background()
+	req := &prefixkey.Request{Model: "m"} // no prefix key: least_loaded chooses
+	d, err := r.Route(ctx, req)
+	require.NoError(t, err)
+	refused := d.Backend
+	d.Done(Outcome{Refused: true})
+	d.Done(Outcome{}) // only the first Done counts
+	assert.Equal(t, 1, inFlight(r, refused), "the refused request still weighs on its backend")
+	for range 3 {
+		d2, err := r.Route(ctx, req)
+		require.NoError(t, err)
+		assert.NotEqual(t, refused, d2.Backend, "the backend that refused is busier than the other")
+		d2.Done(Outcome{})
+	}
+	for _, l := range r.Stats().BackendDistribution {
+		if l.Backend == refused {
+			assert.Equal(t, uint64(1), l.Refusals)
+			assert.Equal(t, 1.0, l.SuccessRate, "a refusal is not a failure")
+		}
+	}
+
+	r2 := newRouter(t, Config{Backends: backends(2), RefusalHold: 20 * time.Millisecond})
+	d, err = r2.Route(ctx, req)
+	require.NoError(t, err)
+	d.Done(Outcome{Refused: true})
+	require.Eventually(t, func() bool { return inFlight(r2, d.Backend) == 0 }, 5*time.Second, 5*time.Millisecond,
+		"the slot is released after RefusalHold")
+
+	r3 := newRouter(t, Config{Backends: backends(2), RefusalHold: -1})
+	d, err = r3.Route(ctx, req)
+	require.NoError(t, err)
+	d.Done(Outcome{Refused: true})
+	assert.Equal(t, 0, inFlight(r3, d.Backend), "a negative RefusalHold releases at once")
+
+	// A request the gateway never sent records nothing: no latency, no failure, no success.
+	d, err = r3.Route(ctx, req)
+	require.NoError(t, err)
+	d.Done(Outcome{NotSent: true, Err: errors.New("not sent")})
+	for _, l := range r3.Stats().BackendDistribution {
+		assert.Zero(t, l.InFlightRequests)
+		assert.Zero(t, l.LatencyEWMAMs, "%s: a request never sent has no latency", l.Backend)
+		assert.Equal(t, 1.0, l.SuccessRate)
+	}
+
+	_, err = New(Config{RefusalHold: 2 * time.Minute})
+	assert.ErrorIs(t, err, ErrInvalidConfig)
 }

@@ -25,7 +25,8 @@ type PrefixRoutingConfig struct {
 	SelectionStrategy              string  `json:"selection_strategy"`
 }
 
-// RoutingDecisionCounts counts decisions by reason since the Router was built. OverflowRate is
+// RoutingDecisionCounts counts decisions by reason (labels as Reason documents them) since the
+// Router was built. OverflowRate is
 // overflow/total formatted with four decimals, as kvroute's admin endpoint shows it.
 type RoutingDecisionCounts struct {
 	Total        uint64 `json:"total"`
@@ -35,6 +36,8 @@ type RoutingDecisionCounts struct {
 	KVAware      uint64 `json:"kv_aware,omitempty"`   // tier 4 chose
 	Imbalance    uint64 `json:"imbalance,omitempty"`  // tier 4's imbalance guard chose
 	LeastWork    uint64 `json:"least_work,omitempty"` // tier 4 found too little cached: least prefill work chose
+	LoadBound    uint64 `json:"load_bound,omitempty"` // tier 4: load sent it past the backends holding enough of it
+	Strategy     uint64 `json:"strategy,omitempty"`   // prefix routing off: the selection strategy chose
 	OverflowRate string `json:"overflow_rate"`
 }
 
@@ -48,6 +51,7 @@ type BackendLoad struct {
 	Decisions        uint64  `json:"decisions"`
 	LatencyEWMAMs    float64 `json:"latency_ewma_ms"`
 	SuccessRate      float64 `json:"success_rate"`
+	Refusals         uint64  `json:"refusals"` // requests it declined for lack of capacity (Outcome.Refused)
 }
 
 // Stats returns a snapshot of the Router's tier-1 statistics. Safe for concurrent use; the counters
@@ -72,7 +76,9 @@ func (r *DefaultRouter) Stats() PrefixRoutingStats {
 	d.KVAware = r.counts[ReasonKVAware].Load()
 	d.Imbalance = r.counts[ReasonImbalance].Load()
 	d.LeastWork = r.counts[ReasonLeastWork].Load()
-	d.Total = d.PrefixHash + d.Overflow + d.Fallback + d.KVAware + d.Imbalance + d.LeastWork
+	d.LoadBound = r.counts[ReasonLoadBound].Load()
+	d.Strategy = r.counts[ReasonStrategy].Load()
+	d.Total = d.PrefixHash + d.Overflow + d.Fallback + d.KVAware + d.Imbalance + d.LeastWork + d.LoadBound + d.Strategy
 	rate := 0.0
 	if d.Total > 0 {
 		rate = float64(d.Overflow) / float64(d.Total)
@@ -88,6 +94,7 @@ func (r *DefaultRouter) Stats() PrefixRoutingStats {
 			bl.Decisions = st.decisions.Load()
 			bl.LatencyEWMAMs = st.latencyNs.load() / 1e6
 			bl.SuccessRate = st.success.load()
+			bl.Refusals = st.refusals.Load()
 		}
 		s.BackendDistribution = append(s.BackendDistribution, bl)
 	}

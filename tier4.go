@@ -107,20 +107,6 @@ type KVConfig struct {
 	RingFallback bool
 }
 
-// Reasons added by tier 4.
-const (
-	// ReasonKVAware: the KV index and the scorer chose (the best overlap reached the threshold).
-	ReasonKVAware Reason = ReasonFallback + 1 + iota
-	// ReasonImbalance: the KV index had a match, but the fleet was skewed and the imbalance guard
-	// chose the least-loaded backend.
-	ReasonImbalance
-	// ReasonLeastWork: tier 4 looked the request up, but no backend held enough of it (below the
-	// threshold), or its prompt is shorter than one block; the backend with the least prefill
-	// work ahead of this request took it.
-	ReasonLeastWork
-	numReasons
-)
-
 // Overlap is what the Router saw of one backend for a KV-aware decision.
 type Overlap struct {
 	Backend      string  `json:"backend"`
@@ -145,7 +131,7 @@ type tier4 struct {
 	tieTurn   atomic.Uint64 // rotates the start of acquireLowest's scan, so that ties share load
 	scoreErrs atomic.Uint64 // the scorer's answers refused by scorer.ScoreSafely
 
-	kvAware, kvFallback    atomic.Uint64
+	handedOff              atomic.Uint64 // requests tier 4 left to tier 1 (KVRoutingDecisions.Fallback)
 	lookups, lookupErrs    atomic.Uint64
 	tokenizeErrs, noTokens atomic.Uint64
 }
@@ -252,7 +238,6 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 	short := len(s.keys) == 0 && len(tokens) > 0 && !usePrefix && !t.cfg.RingFallback
 	if len(s.keys) == 0 && !usePrefix && !short {
 		t.noTokens.Add(1)
-		t.kvFallback.Add(1)
 		return false
 	}
 
@@ -285,7 +270,6 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 		t.lookups.Add(1)
 		if err != nil {
 			t.lookupErrs.Add(1)
-			t.kvFallback.Add(1)
 			return false
 		}
 		s.looked = true
@@ -334,8 +318,7 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 		ratio = 1
 	}
 	r.metrics.recordOverlap(ctx, ratio)
-	if best <= 0 || ratio < t.threshold {
-		t.kvFallback.Add(1)
+	if !t.holdsEnough(best, sreq.Blocks) {
 		if t.cfg.RingFallback || usePrefix {
 			return false
 		}
@@ -356,7 +339,6 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 	if s.scores, err = scorer.ScoreSafely(t.scorer, sreq, s.cands, s.scores); err != nil {
 		// A faulty scorer (a third party's) costs a fallback decision, not the request.
 		t.scoreErrs.Add(1)
-		t.kvFallback.Add(1)
 		return false
 	}
 	reason := ReasonKVAware
@@ -372,8 +354,12 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 		taken = r.acquireBest(s, d)
 	}
 	if taken < 0 { // every scored backend at tier 4's bound: the CHWBL walk decides
-		t.kvFallback.Add(1)
 		return false
+	}
+	// Label the decision by what chose the backend used: its own cached prefix (kv_aware), or load
+	// that sent the request past the backends holding enough of it (load_bound).
+	if reason == ReasonKVAware && !t.holdsEnough(s.cands[taken].Overlap, sreq.Blocks) {
+		reason = ReasonLoadBound
 	}
 	d.Reason = reason
 	d.ExpectedCachedTokens = s.cands[taken].CachedTokens
@@ -382,9 +368,18 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 		d.Overlaps[i] = Overlap{Backend: s.cands[i].Backend, CachedBlocks: s.cands[i].CachedBlocks,
 			CachedTokens: s.cands[i].CachedTokens, Overlap: s.cands[i].Overlap, Score: s.scores[i]}
 	}
-	t.kvAware.Add(1)
 	r.afterKVChoice(ctx, s, d, s.cands[taken])
 	return true
+}
+
+// holdsEnough reports whether a backend whose tier-weighted overlap is overlap holds enough of a
+// request of blocks blocks to route by it: some of it, and at least the threshold's share (for
+// prefix entries, blocks is 0: any overlap is enough).
+func (t *tier4) holdsEnough(overlap float64, blocks int) bool {
+	if overlap <= 0 {
+		return false
+	}
+	return blocks == 0 || overlap/float64(blocks) >= t.threshold
 }
 
 // acquireBest tries the scored candidates best first and takes a slot on the first one under
@@ -526,12 +521,18 @@ type KVIndexStatsConfig struct {
 	SpeculativeTTLSecs  float64 `json:"speculative_ttl_seconds"`
 }
 
-// KVRoutingDecisions counts tier-4 outcomes: kv_aware (the index chose, including by the imbalance
-// guard) and fallback (tier 4 ran but the CHWBL ring or the strategy chose).
+// KVRoutingDecisions counts the requests tier 4 looked at by outcome, with the labels of Reason:
+// kv_aware, load_bound, imbalance and least_work when tier 4 chose, and fallback when it left the
+// request to tier 1 (no block keys, an index, tokenizer or scorer error, every candidate at tier
+// 4's bound, or too little cached with RingFallback or prefix entries); tier 1 then labels such a
+// request prefix_hash, overflow, fallback or strategy in RoutingDecisionCounts.
 type KVRoutingDecisions struct {
-	KVAware  uint64 `json:"kv_aware"`
-	Fallback uint64 `json:"fallback"`
-	Total    uint64 `json:"total"`
+	KVAware   uint64 `json:"kv_aware"`
+	LoadBound uint64 `json:"load_bound"`
+	Imbalance uint64 `json:"imbalance"`
+	LeastWork uint64 `json:"least_work"`
+	Fallback  uint64 `json:"fallback"`
+	Total     uint64 `json:"total"`
 }
 
 // KVStats returns tier 4's statistics; Enabled is false (and the rest zero) when tier 4 is off.
@@ -557,9 +558,13 @@ func (r *DefaultRouter) KVStats(ctx context.Context) (KVIndexStats, error) {
 		ScoreErrors:    t.scoreErrs.Load(),
 		NoTokens:       t.noTokens.Load(),
 	}
-	st.RoutingDecisions.KVAware = t.kvAware.Load()
-	st.RoutingDecisions.Fallback = t.kvFallback.Load()
-	st.RoutingDecisions.Total = st.RoutingDecisions.KVAware + st.RoutingDecisions.Fallback
+	rd := &st.RoutingDecisions
+	rd.KVAware = r.counts[ReasonKVAware].Load()
+	rd.LoadBound = r.counts[ReasonLoadBound].Load()
+	rd.Imbalance = r.counts[ReasonImbalance].Load()
+	rd.LeastWork = r.counts[ReasonLeastWork].Load()
+	rd.Fallback = t.handedOff.Load()
+	rd.Total = rd.KVAware + rd.LoadBound + rd.Imbalance + rd.LeastWork + rd.Fallback
 	st.OverlapScores = st.Lookups - st.LookupErrors
 	var err error
 	if t.stats == nil {

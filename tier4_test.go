@@ -131,7 +131,9 @@ func TestKVBelowThresholdLeastWork(t *testing.T) {
 	assert.Equal(t, int64(0), backlog(d2.Backend), "Done ends a prefill whose first token was never reported")
 
 	st, _ := r.KVStats(ctx)
-	assert.Equal(t, uint64(2), st.RoutingDecisions.Fallback, "least_work is a fallback in the seeds' sense")
+	// One vocabulary: tier 4 chose both, so the KV stats count them as least_work, as the header
+	// and the prefix-routing stats do, and nothing as fallback.
+	assert.Equal(t, KVRoutingDecisions{LeastWork: 2, Total: 2}, st.RoutingDecisions)
 	assert.Equal(t, uint64(2), r.Stats().RoutingDecisions.LeastWork)
 }
 
@@ -265,6 +267,44 @@ func TestKVRespectsLoadBound(t *testing.T) {
 	assert.ErrorIs(t, err, ErrInvalidConfig)
 	_, err = New(Config{Backends: backends(2), KV: &KVConfig{Index: newMemIndex(t), LoadFactorEpsilon: math.NaN()}})
 	assert.ErrorIs(t, err, ErrInvalidConfig)
+}
+
+// A request whose holder is at tier 4's bound goes to a backend holding none of it: the decision
+// says load_bound, not kv_aware, and carries what the chosen backend holds (0), while requests the
+// holder takes say kv_aware with its cached tokens.
+func TestKVLoadBoundLabel(t *testing.T) {
+	ix := newMemIndex(t)
+	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff, LoadFactorEpsilon: 0.25}})
+	toks := promptTokens(5, 16*16)
+	storeBlocks(t, ix, "vllm-1", toks, 16, events.TierGPU)
+	ctx := context.Background()
+	byReason := map[Reason]int{}
+	var held []*Decision
+	for range 12 {
+		d, err := r.Route(ctx, tokReq("hot", toks))
+		require.NoError(t, err)
+		held = append(held, d)
+		byReason[d.Reason]++
+		switch d.Backend {
+		case "vllm-1":
+			assert.Equal(t, ReasonKVAware, d.Reason)
+			assert.Equal(t, 16*16, d.ExpectedCachedTokens)
+		default:
+			assert.Equal(t, ReasonLoadBound, d.Reason, "%s holds none of the prompt", d.Backend)
+			assert.Equal(t, 0, d.ExpectedCachedTokens)
+		}
+	}
+	for _, d := range held {
+		d.Done(Outcome{})
+	}
+	require.Positive(t, byReason[ReasonLoadBound], "the bound must have sent some requests elsewhere")
+	st, err := r.KVStats(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, uint64(byReason[ReasonKVAware]), st.RoutingDecisions.KVAware)
+	assert.Equal(t, uint64(byReason[ReasonLoadBound]), st.RoutingDecisions.LoadBound)
+	assert.Equal(t, uint64(12), st.RoutingDecisions.Total)
+	assert.Equal(t, uint64(byReason[ReasonLoadBound]), r.Stats().RoutingDecisions.LoadBound)
+	assert.Equal(t, "load_bound", ReasonLoadBound.String())
 }
 
 func TestKVSpeculationThenApproximate(t *testing.T) {

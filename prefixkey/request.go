@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 )
 
 // Format names the wire format a Request was parsed from.
@@ -17,6 +18,21 @@ const (
 	// FormatAnthropicMessages is an Anthropic messages body (POST /v1/messages).
 	FormatAnthropicMessages
 )
+
+// FormatOfPath returns the format of the LLM API endpoint whose URL path ends path:
+// "/v1/chat/completions" OpenAI chat, "/v1/completions" OpenAI completions, "/v1/messages"
+// Anthropic messages; 0 for any other path.
+func FormatOfPath(path string) Format {
+	switch {
+	case strings.HasSuffix(path, "/v1/chat/completions"):
+		return FormatOpenAIChat
+	case strings.HasSuffix(path, "/v1/completions"):
+		return FormatOpenAICompletion
+	case strings.HasSuffix(path, "/v1/messages"):
+		return FormatAnthropicMessages
+	}
+	return 0
+}
 
 // String returns the format's short name ("openai_chat", "openai_completion", "anthropic_messages").
 func (f Format) String() string {

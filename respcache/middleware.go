@@ -264,7 +264,7 @@ func New(cfg Config) (*Cache, error) {
 // completions, "/v1/messages" → Anthropic messages; any other path returns ErrUnknownPath.
 // It is safe for concurrent use.
 func DefaultParse(path string, body []byte) (*prefixkey.Request, error) {
-	f := formatOf(path)
+	f := prefixkey.FormatOfPath(path)
 	if f == 0 {
 		return nil, ErrUnknownPath
 	}
@@ -273,18 +273,6 @@ func DefaultParse(path string, body []byte) (*prefixkey.Request, error) {
 
 // ErrUnknownPath is returned by DefaultParse for a URL path it does not know.
 var ErrUnknownPath = errors.New("respcache: not an LLM API path")
-
-func formatOf(path string) prefixkey.Format {
-	switch {
-	case strings.HasSuffix(path, "/v1/chat/completions"):
-		return prefixkey.FormatOpenAIChat
-	case strings.HasSuffix(path, "/v1/completions"):
-		return prefixkey.FormatOpenAICompletion
-	case strings.HasSuffix(path, "/v1/messages"):
-		return prefixkey.FormatAnthropicMessages
-	}
-	return 0
-}
 
 // KeyFor returns the store key of r's response: KeyOf(r) as hex, the form Invalidate takes. Set
 // r.Tenant as the Cache's tenant function would (CredentialTenant of the client's request unless
@@ -327,7 +315,7 @@ func (m *cacheHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		c.bypass(w, r, m.next)
 		return
 	}
-	if c.defaultParse && formatOf(r.URL.Path) == 0 {
+	if c.defaultParse && prefixkey.FormatOfPath(r.URL.Path) == 0 {
 		c.bypass(w, r, m.next) // not an LLM API path: do not even read the body
 		return
 	}

@@ -145,7 +145,7 @@ func TestAdminEndpoints(t *testing.T) {
 		hasKeys(t, "kv", doc, "config", "backend", "max_entries", "entry_ttl_seconds", "event_sources_count", "scoring")
 		hasKeys(t, "kv", doc, "config.scoring", "overlap_weight", "load_weight", "health_weight", "min_overlap_threshold", "load_factor_epsilon")
 		hasKeys(t, "kv", doc, "index", "prefix_count", "entry_count", "total_hits", "total_evictions")
-		hasKeys(t, "kv", doc, "routing_decisions", "kv_aware", "fallback", "total")
+		hasKeys(t, "kv", doc, "routing_decisions", "kv_aware", "load_bound", "imbalance", "least_work", "fallback", "total")
 		srcs := doc["event_sources"].([]any)
 		if len(srcs) != 2 {
 			t.Fatalf("event_sources %v", srcs)

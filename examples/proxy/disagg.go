@@ -17,6 +17,7 @@ import (
 	"github.com/tidwall/sjson"
 
 	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/apierror"
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/prefixkey"
 )
@@ -115,7 +116,7 @@ func (s *server) forwardDisagg(w http.ResponseWriter, r *http.Request, pr *parse
 			if err != nil { // the body parsed as an object: not reached
 				d.Done(kvroute.Outcome{})
 				s.log.Error("cannot add kv_transfer_params to the request", "err", err)
-				writeAPIError(w, pr.format, http.StatusInternalServerError, "internal_error", "", "cannot build the decode request")
+				apierror.Write(w, pr.format, http.StatusInternalServerError, "internal_error", "", "cannot build the decode request")
 				return
 			}
 			up.body = body
@@ -142,7 +143,7 @@ func (s *server) forwardDisagg(w http.ResponseWriter, r *http.Request, pr *parse
 		return
 	}
 	s.failedBeforeAnswer(ctx, up, err)
-	d2, err2 := s.routeAvoiding(ctx, pr.req, up.backend, err)
+	d2, err2 := s.routeAvoiding(ctx, pr.req, up.backend)
 	path := disagg.PathFallback
 	if d.Path == disagg.PathUnified { // no pools to fall back from: another unified backend
 		path = disagg.PathUnified

@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -292,8 +293,14 @@ func TestE2EKVAwareRoutesToHolder(t *testing.T) {
 	if got, route := r.Header.Get(HeaderBackend), r.Header.Get(HeaderRoute); got != holder.Name || route != "kv_aware" {
 		t.Errorf("routed to %s (%s), want %s (kv_aware); the ring owner is %s", got, route, holder.Name, owner)
 	}
-	if ct := r.Header.Get("X-Enginesim-Cached-Tokens"); ct == "" || ct == "0" {
+	ct := r.Header.Get("X-Enginesim-Cached-Tokens")
+	if ct == "" || ct == "0" {
 		t.Errorf("engine reports %q cached tokens, want > 0", ct)
+	}
+	// The proxy's prediction of the chosen backend's cached prefix, in whole blocks of what the
+	// engine reused.
+	if pred, err := strconv.Atoi(r.Header.Get(HeaderCachedTokens)); err != nil || pred <= 0 {
+		t.Errorf("%s %q, want the holder's predicted cached tokens (engine: %s)", HeaderCachedTokens, r.Header.Get(HeaderCachedTokens), ct)
 	}
 	var st kvStatsBody
 	getJSON(t, p.URL+"/admin/kv-index/stats", &st)

@@ -881,8 +881,8 @@ func fwdErrorView(t *testing.T, mode string, body string) (view, detail string) 
 
 // TestForwardFailures compares what a client sees, and what the Router and the circuit breaker
 // record, when backends fail: one that closes the connection before answering (retried on the
-// other backend when there are two, else 502), one that answers 502, 503 or 504 first (retried
-// on the other), one that dies in the middle of the body (the client's response is cut short, the
+// other backend when there are two, else 502), one that answers 502 or 504 first (retried on the
+// other), one that refuses with 429 or 503 (retried on the other, counted as a refusal), one that dies in the middle of the body (the client's response is cut short, the
 // lease is released as a failure).
 func TestForwardFailures(t *testing.T) {
 	closeConn := func(c net.Conn, _ fwdSeen) bool { return false }
@@ -892,13 +892,15 @@ func TestForwardFailures(t *testing.T) {
 	}
 	t.Run("retried on the other backend", func(t *testing.T) {
 		tests := []struct {
-			name  string
-			first func(net.Conn, fwdSeen) bool // the first request's answer, whichever backend gets it
+			name    string
+			first   func(net.Conn, fwdSeen) bool // the first request's answer, whichever backend gets it
+			refusal bool                         // the answer is a refusal for lack of room, not a failure
 		}{
-			{"closed before answering", closeConn},
-			{"502", status(502)},
-			{"503", status(503)},
-			{"504", status(504)},
+			{"closed before answering", closeConn, false},
+			{"502", status(502), false},
+			{"503", status(503), true},
+			{"429", status(429), true},
+			{"504", status(504), false},
 		}
 		for _, tc := range tests {
 			t.Run(tc.name, func(t *testing.T) {
@@ -947,7 +949,10 @@ func TestForwardFailures(t *testing.T) {
 						waitFor(t, 2*time.Second, "the leases released", func() bool {
 							return fwdState(p, "a").InFlight == 0 && fwdState(p, "b").InFlight == 0
 						})
-						if st := fwdState(p, from); st.BreakerFailures != 1 || !st.RouterFailed {
+						switch st := fwdState(p, from); {
+						case tc.refusal && (st.BreakerFailures != 0 || st.RouterFailed || st.Refusals != 1):
+							t.Errorf("refusing backend %s: %+v; want the refusal counted, and no failure", from, st)
+						case !tc.refusal && (st.BreakerFailures != 1 || !st.RouterFailed):
 							t.Errorf("failed backend %s: %+v; want the failure counted", from, st)
 						}
 						if st := fwdState(p, to); st.BreakerFailures != 0 || st.RouterFailed {
@@ -1032,16 +1037,17 @@ func TestForwardFailures(t *testing.T) {
 
 // fwdBackendState is what the proxy recorded of one backend.
 type fwdBackendState struct {
-	InFlight        int  // the Router's requests in flight
-	RouterFailed    bool // the Router's success rate fell below 1
-	BreakerFailures int  // the circuit breaker's consecutive failures
+	InFlight        int    // the Router's requests in flight
+	RouterFailed    bool   // the Router's success rate fell below 1
+	BreakerFailures int    // the circuit breaker's consecutive failures
+	Refusals        uint64 // the Router's refusals counted (Outcome.Refused)
 }
 
 func fwdState(p *fwdProxy, name string) fwdBackendState {
 	var st fwdBackendState
 	for _, l := range p.srv.router.Stats().BackendDistribution {
 		if l.Backend == name {
-			st.InFlight, st.RouterFailed = l.InFlightRequests, l.SuccessRate < 1
+			st.InFlight, st.RouterFailed, st.Refusals = l.InFlightRequests, l.SuccessRate < 1, l.Refusals
 		}
 	}
 	for _, h := range p.srv.health.Statuses() {

@@ -13,6 +13,7 @@ import (
 	"github.com/tidwall/gjson"
 
 	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/apierror"
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/prefixkey"
 )
@@ -46,30 +47,22 @@ func framingGuard(next http.Handler) http.Handler {
 			return
 		}
 		w.Header().Set("Connection", "close")
-		format := prefixkey.FormatOpenAIChat
-		if r.URL.Path == "/v1/messages" {
-			format = prefixkey.FormatAnthropicMessages
-		}
-		writeAPIError(w, format, http.StatusBadRequest, "invalid_request_error", "",
+		apierror.Write(w, prefixkey.FormatOfPath(r.URL.Path), http.StatusBadRequest, "invalid_request_error", "",
 			"request bodies must be sent with Content-Length: Transfer-Encoding is not accepted")
 	})
 }
 
 // methodNotAllowed answers a request to an LLM endpoint with another method than POST.
 func methodNotAllowed(w http.ResponseWriter, r *http.Request) {
-	format := prefixkey.FormatOpenAIChat
-	if r.URL.Path == "/v1/messages" {
-		format = prefixkey.FormatAnthropicMessages
-	}
 	w.Header().Set("Allow", http.MethodPost)
-	writeAPIError(w, format, http.StatusMethodNotAllowed, "invalid_request_error", "", r.Method+" "+r.URL.Path+": use POST")
+	apierror.Write(w, prefixkey.FormatOfPath(r.URL.Path), http.StatusMethodNotAllowed, "invalid_request_error", "", r.Method+" "+r.URL.Path+": use POST")
 }
 
 // unavailable answers 503 with Retry-After: the time until the next health probe may bring a
 // backend back (at least a second).
 func (s *server) unavailable(w http.ResponseWriter, format prefixkey.Format, msg string) {
 	w.Header().Set("Retry-After", s.retryAfter())
-	writeAPIError(w, format, http.StatusServiceUnavailable, "no_healthy_backend", "", msg)
+	apierror.Write(w, format, http.StatusServiceUnavailable, "no_healthy_backend", "", msg)
 }
 
 // retryAfter is Retry-After in seconds: the health-check interval, or the circuit breaker's
@@ -98,7 +91,7 @@ func (s *server) model(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
-	writeAPIError(w, prefixkey.FormatOpenAIChat, http.StatusNotFound, "model_not_found", "model", "no backend serves the model "+strconv.Quote(id))
+	apierror.Write(w, prefixkey.FormatOpenAIChat, http.StatusNotFound, "model_not_found", "model", "no backend serves the model "+strconv.Quote(id))
 }
 
 // modelList asks the backends in rotation for their models, in parallel, within modelsTimeout.
@@ -199,7 +192,7 @@ func (s *server) passthrough(w http.ResponseWriter, r *http.Request) {
 	}
 	switch {
 	case len(configured) == 0:
-		writeAPIError(w, format, http.StatusNotFound, "model_not_found", "model", "no backend serves the model "+strconv.Quote(model))
+		apierror.Write(w, format, http.StatusNotFound, "model_not_found", "model", "no backend serves the model "+strconv.Quote(model))
 		return
 	case len(cands) == 0:
 		s.unavailable(w, format, "no healthy backend is available")

@@ -3,7 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"io"
 	"log/slog"
@@ -17,7 +16,9 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/apierror"
 	"github.com/kvroute/kvroute/disagg"
+	"github.com/kvroute/kvroute/health"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
 )
@@ -26,9 +27,12 @@ import (
 const (
 	// HeaderBackend names the backend that answered.
 	HeaderBackend = "X-Kvroute-Backend"
-	// HeaderRoute is the routing decision's label: prefix_hash, overflow, fallback, kv_aware or
-	// imbalance.
+	// HeaderRoute is the routing decision's label (kvroute.Reason): prefix_hash, overflow,
+	// fallback, strategy, kv_aware, load_bound, imbalance or least_work.
 	HeaderRoute = "X-Kvroute-Route"
+	// HeaderCachedTokens is how many of the prompt's tokens the chosen backend holds according to
+	// the KV index; set when the KV index took part in the decision (kvroute.Reason.FromKVIndex).
+	HeaderCachedTokens = "X-Kvroute-Cached-Tokens"
 	// HeaderRetriedFrom names the backend whose failure made the proxy retry the request.
 	HeaderRetriedFrom = "X-Kvroute-Retried-From"
 )
@@ -58,6 +62,7 @@ type lease interface {
 type upstream struct {
 	backend string
 	route   string       // X-Kvroute-Route
+	cached  string       // X-Kvroute-Cached-Tokens, when set
 	plan    *disagg.Plan // the routing-path headers, when disaggregation is on
 	lease   lease
 	body    []byte // the request body to send
@@ -86,6 +91,7 @@ type attempt struct {
 	requestID string // X-Request-Id to set, when not empty
 	body      []byte // the upstream request's body
 	status    int    // the upstream's status, 0 before its response
+	refused   bool   // the upstream declined the request for lack of capacity (health.Classify)
 	err       error  // the transport's (or ModifyResponse's) error, before anything was written
 	// headers is headersWaiting until the response headers arrive (headersArrived) or the header
 	// timeout fires (headersTimedOut), whichever comes first.
@@ -95,7 +101,7 @@ type attempt struct {
 	grace   atomic.Pointer[time.Timer] // the stream-end grace timer, once the client has left
 	bodyR   bytes.Reader
 	reqBody io.ReadCloser // bodyR, as net/http recognises an in-memory body
-	hdrs    [2]string     // the values of X-Kvroute-Backend and X-Kvroute-Route
+	hdrs    [3]string     // the values of X-Kvroute-Backend, X-Kvroute-Route and X-Kvroute-Cached-Tokens
 	plan    *disagg.Plan  // the routing-path headers, when set
 	retried string        // X-Kvroute-Retried-From, when set
 }
@@ -126,6 +132,11 @@ func (a *attempt) clientGone() {
 func (a *attempt) setHeaders(h http.Header) {
 	h[HeaderBackend] = a.hdrs[0:1:1]
 	h[HeaderRoute] = a.hdrs[1:2:2]
+	if a.hdrs[2] != "" {
+		h[HeaderCachedTokens] = a.hdrs[2:3:3]
+	} else {
+		h.Del(HeaderCachedTokens)
+	}
 	if a.plan != nil {
 		a.plan.SetHeaders(h)
 	}
@@ -156,15 +167,22 @@ type timeoutError string
 func (e timeoutError) Error() string { return string(e) }
 func (e timeoutError) Timeout() bool { return true }
 
-// errRetryStatus marks an upstream answer that the proxy retries on another backend (502, 503 or
-// 504 on a first attempt: the backend cannot serve now, and nothing reached the client).
-type errRetryStatus struct{ code int }
+// errRetryStatus marks an upstream answer that the proxy retries on another backend on a first
+// attempt, before anything reached the client: one that health.Classify finds failed or refused.
+type errRetryStatus struct {
+	code int
+	ans  health.Answer
+}
 
 // Error says which status the upstream answered.
-func (e *errRetryStatus) Error() string { return "upstream answered " + strconv.Itoa(e.code) }
+func (e *errRetryStatus) Error() string {
+	return "upstream answered " + strconv.Itoa(e.code) + " (" + e.ans.String() + ")"
+}
 
-func retryableStatus(code int) bool {
-	return code == http.StatusBadGateway || code == http.StatusServiceUnavailable || code == http.StatusGatewayTimeout
+// refusal reports whether err is a backend's refusal for lack of room (health.AnswerRefused).
+func refusal(err error) bool {
+	e, ok := errors.AsType[*errRetryStatus](err)
+	return ok && e.ans == health.AnswerRefused
 }
 
 // errCircuitOpen is the failure of an attempt whose backend's circuit breaker refused it: open, or
@@ -239,8 +257,11 @@ func (s *server) newReverseProxy() *httputil.ReverseProxy {
 				return errKVTransferTimeout
 			}
 			a.status = res.StatusCode
-			if a.canRetry && retryableStatus(res.StatusCode) {
-				return &errRetryStatus{code: res.StatusCode}
+			if ans := health.Classify(res); ans != health.AnswerServed {
+				a.refused = ans == health.AnswerRefused
+				if a.canRetry {
+					return &errRetryStatus{code: res.StatusCode, ans: ans}
+				}
 			}
 			// The proxy's headers go with the final answer (ReverseProxy copies them over;
 			// informational answers before it are relayed as the backend sent them), replacing
@@ -294,7 +315,7 @@ func (s *server) llmHandler(format prefixkey.Format, endpoint string) http.Handl
 					msg = "malformed request: " + fe.Field + ": " + fe.Reason
 				}
 			}
-			writeAPIError(sw, format, http.StatusBadRequest, "invalid_request_error", param, msg)
+			apierror.Write(sw, format, http.StatusBadRequest, "invalid_request_error", param, msg)
 			return
 		}
 		if format == prefixkey.FormatAnthropicMessages && s.cfg.PrefixRouting.AnthropicCacheControlInjection {
@@ -382,19 +403,19 @@ func (s *server) bodyError(w http.ResponseWriter, format prefixkey.Format, err e
 		// The rest of the body is not read: close the connection rather than let net/http
 		// drain up to 256 KiB of it before the answer goes out.
 		w.Header().Set("Connection", "close")
-		writeAPIError(w, format, http.StatusRequestEntityTooLarge, "request_too_large", "",
+		apierror.Write(w, format, http.StatusRequestEntityTooLarge, "request_too_large", "",
 			"request body exceeds the limit of "+strconv.FormatInt(mb.Limit, 10)+" bytes")
 		return
 	}
 	switch {
 	case errors.Is(err, errBodyBudget):
 		w.Header().Set("Retry-After", "1")
-		writeAPIError(w, format, http.StatusServiceUnavailable, "overloaded", "", "the proxy is holding too many request bodies; retry shortly")
+		apierror.Write(w, format, http.StatusServiceUnavailable, "overloaded", "", "the proxy is holding too many request bodies; retry shortly")
 	case errors.Is(err, os.ErrDeadlineExceeded):
 		w.Header().Set("Connection", "close")
-		writeAPIError(w, format, http.StatusRequestTimeout, "request_timeout", "", "the request body did not arrive within server.read_timeout")
+		apierror.Write(w, format, http.StatusRequestTimeout, "request_timeout", "", "the request body did not arrive within server.read_timeout")
 	default:
-		writeAPIError(w, format, http.StatusBadRequest, "invalid_request_error", "", "cannot read the request body: "+err.Error())
+		apierror.Write(w, format, http.StatusBadRequest, "invalid_request_error", "", "cannot read the request body: "+err.Error())
 	}
 }
 
@@ -415,28 +436,46 @@ func (s *server) forward(w http.ResponseWriter, r *http.Request, pr *parsedReque
 	}
 	// Only a first attempt is retried, and only when another backend could take it: with one
 	// backend in rotation its own answer (a 503, say) is more useful to the client than ours.
-	up := &upstream{backend: d.Backend, route: d.Reason.String(), lease: d, body: pr.body}
+	up := &upstream{backend: d.Backend, route: d.Reason.String(), cached: cachedTokens(d), lease: d, body: pr.body}
 	retry, err := s.proxyTo(w, r, pr, up, "", s.health.HealthyCount() > 1)
 	if !retry {
 		return
 	}
 	s.failedBeforeAnswer(ctx, up, err)
-	d2, err2 := s.routeAvoiding(ctx, pr.req, up.backend, err)
+	d2, err2 := s.routeAvoiding(ctx, pr.req, up.backend)
 	s.retryOn(w, r, pr, up.backend, err, d2, err2, nil)
+}
+
+// cachedTokens is X-Kvroute-Cached-Tokens for d: its backend's cached prompt tokens when the KV
+// index took part in the decision, else "".
+func cachedTokens(d *kvroute.Decision) string {
+	if !d.Reason.FromKVIndex() {
+		return ""
+	}
+	return strconv.Itoa(d.ExpectedCachedTokens)
 }
 
 // failedBeforeAnswer records the failure of an attempt that the proxy is about to retry (its
 // circuit breaker already has it): it releases its lease with the error and counts it in the
 // metrics. A backend whose circuit refused the attempt is not blamed.
 func (s *server) failedBeforeAnswer(ctx context.Context, up *upstream, err error) {
-	if errors.Is(err, errCircuitOpen) {
-		up.lease.Done(kvroute.Outcome{})
-	} else {
+	switch {
+	case errors.Is(err, errCircuitOpen):
+		up.lease.Done(kvroute.Outcome{NotSent: true})
+	case refusal(err):
+		up.lease.Done(kvroute.Outcome{Refused: true})
+	default:
 		up.lease.Done(kvroute.Outcome{Err: err})
+	}
+	if !errors.Is(err, errCircuitOpen) {
 		s.tel.upstreamError(ctx, up.backend, errKind(err))
 	}
 	s.tel.retry(ctx, up.backend)
-	s.log.Warn("upstream failed before answering; retrying on another backend", "backend", up.backend, "err", err)
+	lvl := slog.LevelWarn
+	if refusal(err) { // an engine out of room: routine under load
+		lvl = slog.LevelInfo
+	}
+	s.log.Log(ctx, lvl, "upstream did not answer; retrying on another backend", "backend", up.backend, "err", err)
 }
 
 // retryOn sends the request, whose first attempt on failed ended in cause, to d2 (the Router's
@@ -446,14 +485,14 @@ func (s *server) retryOn(w http.ResponseWriter, r *http.Request, pr *parsedReque
 	d2 *kvroute.Decision, err2 error, plan *disagg.Plan) {
 	if err2 != nil {
 		if errors.Is(err2, kvroute.ErrNoBackend) {
-			writeAPIError(w, pr.format, http.StatusBadGateway, "upstream_error", "",
+			apierror.Write(w, pr.format, http.StatusBadGateway, "upstream_error", "",
 				"backend "+failed+" failed ("+cause.Error()+") and no other healthy backend is available")
 			return
 		}
 		s.routeError(w, pr, err2)
 		return
 	}
-	up := &upstream{backend: d2.Backend, route: d2.Reason.String(), plan: plan, lease: d2, body: pr.body}
+	up := &upstream{backend: d2.Backend, route: d2.Reason.String(), cached: cachedTokens(d2), plan: plan, lease: d2, body: pr.body}
 	if plan != nil {
 		plan.Decode = d2.Backend
 	}
@@ -469,19 +508,19 @@ func (s *server) routeError(w http.ResponseWriter, pr *parsedRequest, err error)
 		// The client is gone; nobody reads an answer.
 	default:
 		s.log.Error("route failed", "err", err)
-		writeAPIError(w, pr.format, http.StatusInternalServerError, "internal_error", "", "routing failed")
+		apierror.Write(w, pr.format, http.StatusInternalServerError, "internal_error", "", "routing failed")
 	}
 }
 
 // routeAvoiding routes req again, to any backend but failed: decisions that land on failed are
 // held (raising its load, so that the ring overflows and the strategies move on) until another
-// backend comes up, then released with cause. It returns ErrNoBackend when no other backend takes
+// backend comes up, then released as never sent. It returns ErrNoBackend when no other backend takes
 // the request.
-func (s *server) routeAvoiding(ctx context.Context, req *prefixkey.Request, failed string, cause error) (*kvroute.Decision, error) {
+func (s *server) routeAvoiding(ctx context.Context, req *prefixkey.Request, failed string) (*kvroute.Decision, error) {
 	var held []*kvroute.Decision
 	defer func() {
 		for _, h := range held {
-			h.Done(kvroute.Outcome{Err: cause})
+			h.Done(kvroute.Outcome{NotSent: true})
 		}
 	}()
 	for range 2*len(s.cfg.Backends) + 2 {
@@ -508,7 +547,7 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 		if canRetry {
 			return true, errCircuitOpen
 		}
-		d.Done(kvroute.Outcome{})
+		d.Done(kvroute.Outcome{NotSent: true})
 		s.unavailable(w, pr.format, "backend "+up.backend+" is not taking requests (circuit breaker)")
 		return false, errCircuitOpen
 	}
@@ -516,7 +555,7 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 		stream: pr.req.Params.Stream, canRetry: canRetry, requestID: up.requestID, body: up.body}
 	a.w = attemptWriter{ResponseWriter: w, a: a}
 	aw := &a.w
-	a.hdrs, a.plan, a.retried = [2]string{up.backend, up.route}, up.plan, retriedFrom
+	a.hdrs, a.plan, a.retried = [3]string{up.backend, up.route, up.cached}, up.plan, retriedFrom
 	// The upstream call follows the client's cancellation, except that a stream whose terminal
 	// event has already gone out is let finish: SDK clients close the connection as soon as they
 	// read "data: [DONE]", and cancelling the upstream read then would abort a complete response
@@ -579,7 +618,11 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 			tk.Cancel()
 			return false, a.err
 		}
-		tk.Done(a.err)
+		if refusal(a.err) { // room, not health: the circuit breaker does not count it
+			tk.Cancel()
+		} else {
+			tk.Done(a.err)
+		}
 		if a.canRetry {
 			return true, a.err
 		}
@@ -590,22 +633,32 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 			msg = "backends " + retriedFrom + " and " + up.backend + " failed: " + a.err.Error()
 		}
 		a.setHeaders(w.Header())
-		writeAPIError(w, pr.format, http.StatusBadGateway, "upstream_error", "", msg)
+		apierror.Write(w, pr.format, http.StatusBadGateway, "upstream_error", "", msg)
 		return false, a.err
 	}
 	var outcome error
-	if a.status >= 500 {
+	switch {
+	case a.refused: // relayed as the engine sent it: room, not health
+		s.tel.upstreamError(r.Context(), up.backend, "refused")
+	case a.status >= 500:
 		outcome = &statusError{code: a.status}
 		s.tel.upstreamError(r.Context(), up.backend, "status_5xx")
 	}
-	d.Done(kvroute.Outcome{Err: outcome})
-	tk.Done(outcome)
+	d.Done(kvroute.Outcome{Err: outcome, Refused: a.refused})
+	if a.refused { // refusals never count toward the circuit breaker
+		tk.Cancel()
+	} else {
+		tk.Done(outcome)
+	}
 	return false, nil
 }
 
 // errKind classifies an upstream error for metrics.
 func errKind(err error) string {
-	if _, ok := errors.AsType[*errRetryStatus](err); ok {
+	if e, ok := errors.AsType[*errRetryStatus](err); ok {
+		if e.ans == health.AnswerRefused {
+			return "refused"
+		}
 		return "status_5xx"
 	}
 	if ne, ok := errors.AsType[interface {
@@ -747,43 +800,4 @@ type statusError struct{ code int }
 // Error returns "HTTP <code> <text>".
 func (e *statusError) Error() string {
 	return "HTTP " + strconv.Itoa(e.code) + " " + http.StatusText(e.code)
-}
-
-// writeAPIError answers with an error body in the endpoint's API style: OpenAI's
-// {"error":{"message","type","param","code"}} or Anthropic's {"type":"error","error":{"type",
-// "message"}}. kind is the error's code: invalid_request_error, request_too_large,
-// no_healthy_backend, upstream_error, internal_error.
-func writeAPIError(w http.ResponseWriter, format prefixkey.Format, status int, kind, param, msg string) {
-	h := w.Header()
-	h.Del("Content-Length")
-	h.Set("Content-Type", "application/json")
-	h.Set("X-Content-Type-Options", "nosniff")
-	var body any
-	if format == prefixkey.FormatAnthropicMessages {
-		typ := "invalid_request_error"
-		switch {
-		case status == http.StatusRequestEntityTooLarge:
-			typ = "request_too_large"
-		case status == http.StatusServiceUnavailable:
-			typ = "overloaded_error"
-		case status >= 500:
-			typ = "api_error"
-		}
-		body = map[string]any{"type": "error", "error": map[string]any{"type": typ, "message": msg}}
-	} else {
-		typ := "invalid_request_error"
-		if status >= 500 {
-			typ = "server_error"
-		}
-		var p, c any
-		if param != "" {
-			p = param
-		}
-		if kind != "invalid_request_error" {
-			c = kind
-		}
-		body = map[string]any{"error": map[string]any{"message": msg, "type": typ, "param": p, "code": c}}
-	}
-	w.WriteHeader(status)
-	_ = json.NewEncoder(w).Encode(body)
 }

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/health"
 )
@@ -266,6 +267,94 @@ func TestRetryOnUnavailableStatus(t *testing.T) {
 	r, _ = post(t, p.URL+"/v1/chat/completions", chatBody("client error", "u", ""))
 	if r.StatusCode != 400 || a.requests.Load()+b.requests.Load() != before+1 {
 		t.Errorf("400 retried or changed: %d", r.StatusCode)
+	}
+}
+
+// An engine that refuses a request for lack of room (429, 503, or a 500 that says so) is retried
+// on another backend before the first byte, counted as a refusal in the Router's load, and not
+// held against the engine's circuit breaker; a plain 500 passes through.
+func TestRetryOnRefusal(t *testing.T) {
+	var status, refusals atomic.Int32
+	var plain atomic.Bool // a 500 that says nothing of capacity
+	full := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/health" {
+			return
+		}
+		_, _ = io.Copy(io.Discard, r.Body)
+		refusals.Add(1)
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(int(status.Load()))
+		if status.Load() == 500 && !plain.Load() {
+			_, _ = io.WriteString(w, `{"error":{"message":"Insufficient KV cache capacity: cannot schedule the request"}}`)
+			return
+		}
+		_, _ = io.WriteString(w, `{"error":{"message":"busy"}}`)
+	}))
+	t.Cleanup(full.Close)
+	b := newFakeUpstream(t, "b")
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "full", URL: full.URL}, {Name: "b", URL: b.URL}},
+		func(c *config.Config) { c.CircuitBreaker.FailureThreshold = 2 }))
+	var st struct {
+		BackendDistribution []kvroute.BackendLoad `json:"backend_distribution"`
+	}
+	idle := func() bool {
+		getJSON(t, p.URL+"/admin/prefix-routing/stats", &st)
+		for _, l := range st.BackendDistribution {
+			if l.InFlightRequests != 0 {
+				return false
+			}
+		}
+		return true
+	}
+	for _, code := range []int32{500, 429, 503} {
+		// The refused requests' slots weigh on the engine for a second (RefusalHold): while
+		// they do, new requests go to b.
+		waitFor(t, 5*time.Second, "the refusals' slots released", idle)
+		status.Store(code)
+		before := refusals.Load()
+		for i := range 12 {
+			r, body := post(t, p.URL+"/v1/chat/completions", chatBody(fmt.Sprintf("s%d-%d", code, i), "u", ""))
+			if r.StatusCode != 200 || r.Header.Get(HeaderBackend) != "b" {
+				t.Fatalf("%d refusal, request %d: %d from %s: %s", code, i, r.StatusCode, r.Header.Get(HeaderBackend), body)
+			}
+		}
+		if refusals.Load() == before {
+			t.Fatalf("%d: no request went to the full engine first", code)
+		}
+	}
+	var hz struct {
+		Backends []health.Status `json:"backends"`
+	}
+	getJSON(t, p.URL+"/admin/backends", &hz)
+	for _, st := range hz.Backends {
+		if st.Circuit != "closed" {
+			t.Errorf("%s: circuit %s after refusals, want closed (a refusal is load, not a failure)", st.Name, st.Circuit)
+		}
+	}
+	getJSON(t, p.URL+"/admin/prefix-routing/stats", &st)
+	for _, l := range st.BackendDistribution {
+		if l.Backend == "full" && (l.Refusals != uint64(refusals.Load()) || l.SuccessRate != 1) {
+			t.Errorf("full: %+v, want %d refusals and an untouched success rate", l, refusals.Load())
+		}
+	}
+
+	// A 500 that is no refusal is the engine's answer: relayed, not retried.
+	status.Store(500)
+	plain.Store(true)
+	b.status.Store(500)
+	for i := range 4 {
+		r, body := post(t, p.URL+"/v1/chat/completions", chatBody(fmt.Sprintf("plain %d", i), "u", ""))
+		if r.StatusCode != 500 || r.Header.Get(HeaderRetriedFrom) != "" {
+			t.Errorf("plain 500: %d retried from %q: %s", r.StatusCode, r.Header.Get(HeaderRetriedFrom), body)
+		}
+	}
+
+	// Alone, a refusing engine's own answer reaches the client.
+	status.Store(429)
+	p1 := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "full", URL: full.URL}}, nil))
+	r, body := post(t, p1.URL+"/v1/chat/completions", chatBody("alone", "u", ""))
+	if r.StatusCode != 429 || !strings.Contains(string(body), "busy") {
+		t.Errorf("single refusing backend: %d %s", r.StatusCode, body)
 	}
 }
 
