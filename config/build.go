@@ -393,7 +393,8 @@ func (c *Config) KVConfig(index kvindex.KvCacheIndex, tok prefixkey.Tokenizer) *
 }
 
 // EventConsumer is an events transport built by NewEventConsumers: an *events.SSEConsumer or an
-// *events.ZMQConsumer (type-assert for the latter's Addr, e.g. the address a bind to port 0 got).
+// *events.ZMQConsumer (type-assert for the latter's Addrs, e.g. the addresses binds to port 0
+// got, and Listeners, the bound sockets' status).
 // Start starts its goroutines (a bound ZMQ consumer binds then; ctx bounds that); Status
 // reports each source; Close stops it and waits for its goroutines, and is idempotent. All
 // methods are safe for concurrent use.
@@ -410,18 +411,25 @@ var (
 
 // NewEventConsumers builds the consumers of kv_cache_index.event_sources, all applying to sink:
 // one SSE consumer for the http(s) sources, one ZMQ consumer connecting to the tcp:// sources,
-// and one ZMQ consumer bound to the bind: true endpoint, in that order, each present only when
-// some source needs it. The first reconnection delay of each transport is the least
-// reconnect_interval_ms of its sources (the library's default when none is set), and its
-// largest delay is at least the library's default maximum. SSE streams clear their backend on
-// reconnection (events sent while a stream was down are lost); the bound endpoint's model
-// defaults to the first backend's.
+// and one ZMQ consumer binding every bind: true endpoint (one events.ZMQListener each, in
+// configuration order), in that order, each present only when some source needs it. The first
+// reconnection delay of each transport is the least reconnect_interval_ms of its sources (the
+// library's default when none is set), and its largest delay is at least the library's default
+// maximum. SSE streams clear their backend on reconnection (events sent while a stream was down
+// are lost).
+//
+// Each bound endpoint places its messages by its own rules: topic_backends, else its
+// backend_name, else the <pod> of a kv@<pod>@<model> topic when <pod> is a configured backend
+// that no SSE or connect-mode source feeds (Validate makes sure that every backend gets its
+// events through one consumer); its model defaults to its backend's, else the first backend's.
+// All the bound endpoints share one consumer, so a backend may be fed through several (one per
+// data-parallel rank) in order.
 //
 // It returns nil and no error when kv_cache_index is not enabled or has no event sources.
 // Nothing is started: call Start on each consumer, and Close on each when done (before closing
 // the sink). The error names the transport (kv_cache_index.event_sources (SSE), (ZMQ) or (ZMQ
 // bind)) and wraps the library's; the consumers built before the failure have been closed.
-// NewEventConsumers only reads c.
+// NewEventConsumers only reads c; c should be valid.
 func (c *Config) NewEventConsumers(sink events.Sink, o Options) ([]EventConsumer, error) {
 	if !c.KVCacheIndex.Enabled {
 		return nil, nil
@@ -432,7 +440,8 @@ func (c *Config) NewEventConsumers(sink events.Sink, o Options) ([]EventConsumer
 		sseBackoff   time.Duration
 		zmqBackoff   time.Duration
 		out          []EventConsumer
-		bindSource   *EventSourceConfig
+		listeners    []events.ZMQListener
+		pods         = c.podBackends()
 		minBackoffOf = func(cur time.Duration, ms int) time.Duration {
 			if ms <= 0 {
 				return cur
@@ -448,7 +457,17 @@ func (c *Config) NewEventConsumers(sink events.Sink, o Options) ([]EventConsumer
 		es := &c.KVCacheIndex.EventSources[i]
 		switch {
 		case es.Bind:
-			bindSource = es
+			if es.BackendName == "" && len(pods) == 0 {
+				// An empty Backends would accept any pod: refuse rather than invent backends.
+				return nil, fmt.Errorf("kv_cache_index.event_sources (ZMQ bind): event_sources[%d] has no backend_name "+
+					"and every backend gets its events from another source", i)
+			}
+			model := es.Model
+			if model == "" {
+				model = c.defaultModel()
+			}
+			listeners = append(listeners, events.ZMQListener{Bind: es.Endpoint, TopicBackend: es.TopicBackends,
+				DefaultBackend: es.BackendName, Backends: pods, Model: model})
 		case IsZMQEndpoint(es.Endpoint):
 			zmq = append(zmq, events.ZMQEndpoint{Backend: es.BackendName, Endpoint: es.Endpoint,
 				ReplayEndpoint: es.ReplayEndpoint, Model: es.Model})
@@ -482,18 +501,9 @@ func (c *Config) NewEventConsumers(sink events.Sink, o Options) ([]EventConsumer
 		}
 		out = append(out, zc)
 	}
-	if bindSource != nil {
-		model := bindSource.Model
-		if model == "" {
-			model = c.defaultModel()
-		}
-		names := make([]string, 0, len(c.Backends))
-		for _, b := range c.Backends {
-			names = append(names, b.Name)
-		}
-		zc, err := events.NewZMQConsumer(events.ZMQConfig{Sink: sink, Bind: bindSource.Endpoint,
-			TopicBackend: bindSource.TopicBackends, DefaultBackend: bindSource.BackendName, Backends: names,
-			Model: model, MeterProvider: o.MeterProvider, Logger: logger})
+	if len(listeners) > 0 {
+		zc, err := events.NewZMQConsumer(events.ZMQConfig{Sink: sink, Listeners: listeners,
+			MeterProvider: o.MeterProvider, Logger: logger})
 		if err != nil {
 			closeAll()
 			return nil, fmt.Errorf("kv_cache_index.event_sources (ZMQ bind): %w", err)

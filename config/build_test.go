@@ -612,6 +612,7 @@ func TestNewEventConsumers(t *testing.T) {
 backends:
   - {name: a, url: "http://127.0.0.1:8001", model: m-a}
   - {name: b, url: "http://127.0.0.1:8002", model: m-b}
+  - {name: c, url: "http://127.0.0.1:8003", model: m-c}
 `
 	for _, tc := range []struct {
 		name, sources string
@@ -632,8 +633,13 @@ backends:
 		{"all three", `
     - {backend_name: a, endpoint: "tcp://127.0.0.1:${P1}"}
     - {endpoint: "tcp://127.0.0.1:0", bind: true, backend_name: b}
-    - {backend_name: b, endpoint: "http://127.0.0.1:${P2}/v1/kv_events"}
+    - {backend_name: c, endpoint: "http://127.0.0.1:${P2}/v1/kv_events"}
 `, []string{"sse", "zmq", "zmq bind"}, []int{1, 1, 0}},
+		{"several bound endpoints, one consumer", `
+    - {endpoint: "tcp://127.0.0.1:0", bind: true, backend_name: a}
+    - {endpoint: "tcp://127.0.0.1:0", bind: true, backend_name: b}
+    - {endpoint: "tcp://127.0.0.1:0", bind: true}
+`, []string{"zmq bind"}, []int{0}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := mustParse(t, backends+"kv_cache_index:\n  enabled: true\n  event_sources:"+tc.sources,
@@ -669,8 +675,10 @@ backends:
 				if n := len(c.Status()); n != tc.statuses[i] {
 					t.Errorf("%s: %d statuses, want %d: %+v", got[i], n, tc.statuses[i], c.Status())
 				}
-				if z, ok := c.(*events.ZMQConsumer); ok && got[i] == "zmq bind" && z.Addr() == nil {
-					t.Errorf("bound consumer has no address")
+				if z, ok := c.(*events.ZMQConsumer); ok && got[i] == "zmq bind" {
+					if n := strings.Count(tc.sources, "bind: true"); len(z.Addrs()) != n || len(z.Listeners()) != n {
+						t.Errorf("bound consumer has addresses %v and listeners %+v, want %d", z.Addrs(), z.Listeners(), n)
+					}
 				}
 			}
 			for i, c := range cons {

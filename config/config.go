@@ -268,22 +268,37 @@ type StorageOffloadingConfig struct {
 }
 
 // EventSourceConfig is one entry of kv_cache_index.event_sources.
+//
+// A backend gets its events through one consumer (see Config.NewEventConsumers): from one SSE
+// source, or from connect-mode ZMQ sources (one per data-parallel rank), or from bound ZMQ
+// endpoints, never from two of these kinds, since each consumer clears a backend and repairs
+// its sequences on its own. Validate rejects a backend named by sources of two kinds.
 type EventSourceConfig struct {
 	// BackendName is the backend the events belong to (required, except for a bound ZMQ
-	// endpoint, where it is the default for topics that name no known backend).
+	// endpoint, where it takes every topic TopicBackends does not map: the backend of the
+	// engine that connects to this endpoint).
 	BackendName string `yaml:"backend_name"`
 	// Endpoint is an SSE URL (http://vllm-1:8000/v1/kv_events) or a ZMQ endpoint
 	// (tcp://vllm-1:5557 to connect to an engine's PUB socket; with Bind, the address engines
-	// connect to, e.g. tcp://0.0.0.0:5557).
+	// connect to, e.g. tcp://0.0.0.0:5557). Bound endpoints need addresses that do not overlap:
+	// distinct ports (or the same port on distinct hosts, none of them 0.0.0.0 or *).
 	Endpoint string `yaml:"endpoint"`
 	// ReplayEndpoint is the engine's ZMQ replay socket (connect mode), used to fill sequence gaps
 	// and, on each new connection, to catch up on the engine's last 10,000 batches, so the index
 	// learns what the engine cached before the proxy subscribed.
 	ReplayEndpoint string `yaml:"replay_endpoint"`
-	// Bind makes the proxy bind Endpoint (centralized mode): engines connect to it and their
-	// messages are placed by topic (kv@<pod>@<model>: <pod> is the backend name, or TopicBackends).
+	// Bind makes the proxy bind Endpoint (centralized mode): engines connect to it, and their
+	// messages are placed by topic: TopicBackends[topic], else BackendName, else the <pod> of a
+	// kv@<pod>@<model> topic (llm-d's form; <pod> is often host:port) when <pod> is the name of
+	// a configured backend that no SSE or connect-mode source feeds. Any other topic is counted,
+	// warned about and dropped, never indexed under an invented name. Several entries may bind:
+	// one endpoint per engine (with its BackendName; the way to tell engines apart that keep
+	// vLLM's default topic ""), one per data-parallel rank (vLLM adds the rank to the port it
+	// connects to), or one per group of engines.
 	Bind bool `yaml:"bind"`
-	// TopicBackends maps exact topics to backend names (bind mode).
+	// TopicBackends maps exact topics to backend names (bind mode), e.g. {"": vllm-1} for
+	// vLLM's default topic or {"kv@10.0.0.7:8000@llama": vllm-1} for a pod that is no backend
+	// name.
 	TopicBackends map[string]string `yaml:"topic_backends"`
 	// Model roots the events' block keys when they name none (default: the backend's model).
 	Model string `yaml:"model"`

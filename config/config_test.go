@@ -508,7 +508,7 @@ func TestKVDefaults(t *testing.T) {
 		{"auto, no sources", "", "auto", TokenizerEstimate, "approximate"},
 		{"ZMQ", `[{backend_name: vllm-1, endpoint: "tcp://127.0.0.1:5557"}]`, "", TokenizerEngine, "speculate"},
 		{"SSE", `[{backend_name: vllm-1, endpoint: "http://127.0.0.1:8001/v1/kv_events"}]`, "", TokenizerNone, "speculate"},
-		{"mixed", `[{backend_name: vllm-1, endpoint: "http://127.0.0.1:8001/v1/kv_events"}, {endpoint: "tcp://127.0.0.1:5557", bind: true}]`,
+		{"mixed", `[{backend_name: vllm-1, endpoint: "http://127.0.0.1:8001/v1/kv_events"}, {endpoint: "tcp://127.0.0.1:5557", bind: true, backend_name: vllm-2}]`,
 			"", TokenizerEngine, "speculate"},
 		{"explicit", `[{backend_name: vllm-1, endpoint: "tcp://127.0.0.1:5557"}]`, "estimate", TokenizerEstimate, "speculate"},
 	} {
@@ -516,6 +516,7 @@ func TestKVDefaults(t *testing.T) {
 			y := `
 backends:
   - {name: vllm-1, url: "http://127.0.0.1:8001", model: llama}
+  - {name: vllm-2, url: "http://127.0.0.1:8002", model: llama}
 kv_cache_index:
   enabled: true
 `

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"net"
 	"net/url"
 	"strconv"
 	"strings"
@@ -348,38 +349,112 @@ func (c *Config) validateKV(fe *fieldErrors) {
 		}
 	}
 
-	binds := 0
-	perBackend := map[string]int{}
-	for i, es := range kv.EventSources {
+	c.validateEventSources(fe)
+}
+
+// eventConsumer names the consumer NewEventConsumers builds for an event source: one for the SSE
+// sources, one for the connect-mode ZMQ sources, one for the bound ZMQ endpoints.
+type eventConsumer int
+
+const (
+	consumerSSE eventConsumer = iota
+	consumerZMQ
+	consumerBind
+)
+
+func (k eventConsumer) String() string {
+	return [...]string{"an SSE source", "a connect-mode ZMQ source", "a bound ZMQ endpoint"}[k]
+}
+
+func consumerOf(es *EventSourceConfig) eventConsumer {
+	switch {
+	case es.Bind:
+		return consumerBind
+	case IsZMQEndpoint(es.Endpoint):
+		return consumerZMQ
+	}
+	return consumerSSE
+}
+
+// validateEventSources checks kv_cache_index.event_sources. Beyond each entry's own fields:
+//
+//   - A backend gets its events through one consumer. Each consumer has one worker per backend
+//     that applies the backend's batches in order, clears it when a sequence breaks and repairs
+//     its sequences; a second consumer feeding the same backend would clear what the first
+//     applied and miss the first's clears (and the sink would see two goroutines for one
+//     backend). So a backend may have one SSE source, or any number of connect-mode ZMQ sources
+//     (its data-parallel ranks), or any number of bound endpoints naming it (backend_name or
+//     topic_backends: one per rank), but not two of these kinds.
+//   - Two bound endpoints may not bind overlapping addresses (same port, and the same host or
+//     either a wildcard one; the same ipc path).
+//   - A bound endpoint without backend_name places a kv@<pod>@<model> topic on <pod> only when
+//     no SSE or connect-mode source feeds it (see podBackends); if that leaves no backend, the
+//     endpoint could place nothing and is rejected.
+func (c *Config) validateEventSources(fe *fieldErrors) {
+	type feeder struct {
+		kind eventConsumer
+		idx  int
+	}
+	fed := map[string]feeder{} // backend → the first source that feeds it
+	claim := func(path, backend string, kind eventConsumer, i int) {
+		if c.Backend(backend) == nil {
+			fe.add(path, "%q is not a configured backend", backend)
+			return
+		}
+		f, ok := fed[backend]
+		switch {
+		case !ok:
+			fed[backend] = feeder{kind, i}
+		case kind == consumerSSE && f.kind == consumerSSE:
+			// The SSE consumer keys its streams by backend.
+			fe.add(path, "%q already has an SSE event source (event_sources[%d])", backend, f.idx)
+		case f.kind != kind:
+			fe.add(path, "%q already gets its events from event_sources[%d] (%s), and this is %s: a backend's events must all come "+
+				"through one consumer (the SSE sources, the connect-mode ZMQ sources and the bound ZMQ endpoints have one each), "+
+				"or each would clear the backend and repair its sequences without the other's knowledge",
+				backend, f.idx, f.kind, kind)
+		}
+	}
+	type boundAddr struct {
+		idx                 int
+		network, host, port string
+	}
+	var bound []boundAddr
+	for i := range c.KVCacheIndex.EventSources {
+		es := &c.KVCacheIndex.EventSources[i]
 		p := fmt.Sprintf("kv_cache_index.event_sources[%d]", i)
 		if es.ReconnectIntervalMS < 0 {
 			fe.add(p+".reconnect_interval_ms", "%d must not be negative", es.ReconnectIntervalMS)
 		}
 		if es.Bind {
-			binds++
-			if binds > 1 {
-				fe.add(p+".bind", "only one bound ZMQ endpoint is supported")
-			}
 			if !IsZMQEndpoint(es.Endpoint) {
 				fe.add(p+".endpoint", "%q: a bound endpoint must be tcp://host:port", es.Endpoint)
+			} else if network, host, port, ok := splitBindAddr(es.Endpoint); ok {
+				for _, b := range bound {
+					if b.network == network && b.port == port && (network == "ipc" || b.host == host || isAnyHost(b.host) || isAnyHost(host)) {
+						fe.add(p+".endpoint", "%q overlaps the address event_sources[%d] binds (%q): give each bound endpoint "+
+							"its own port (one socket per address; several engines may connect to one)",
+							es.Endpoint, b.idx, c.KVCacheIndex.EventSources[b.idx].Endpoint)
+						break
+					}
+				}
+				bound = append(bound, boundAddr{i, network, host, port})
 			}
 			if es.ReplayEndpoint != "" {
 				fe.add(p+".replay_endpoint", "is not supported with bind (engines' replay endpoints are per engine)")
 			}
-			if es.BackendName != "" && c.Backend(es.BackendName) == nil {
-				fe.add(p+".backend_name", "%q is not a configured backend", es.BackendName)
+			if es.BackendName != "" {
+				claim(p+".backend_name", es.BackendName, consumerBind, i)
 			}
 			for topic, b := range es.TopicBackends {
-				if c.Backend(b) == nil {
-					fe.add(p+".topic_backends."+topic, "%q is not a configured backend", b)
-				}
+				claim(p+".topic_backends."+topic, b, consumerBind, i)
 			}
 			continue
 		}
 		if es.BackendName == "" {
 			fe.add(p+".backend_name", "is required")
-		} else if c.Backend(es.BackendName) == nil {
-			fe.add(p+".backend_name", "%q is not a configured backend", es.BackendName)
+		} else {
+			claim(p+".backend_name", es.BackendName, consumerOf(es), i)
 		}
 		if len(es.TopicBackends) > 0 {
 			fe.add(p+".topic_backends", "applies to a bound endpoint only (bind: true)")
@@ -398,13 +473,58 @@ func (c *Config) validateKV(fe *fieldErrors) {
 			if es.ReplayEndpoint != "" {
 				fe.add(p+".replay_endpoint", "applies to ZMQ endpoints only")
 			}
-			// One SSE stream per backend: the consumer keys its sources by backend.
-			perBackend[es.BackendName]++
-			if perBackend[es.BackendName] > 1 {
-				fe.add(p+".backend_name", "%q already has an SSE event source", es.BackendName)
+		}
+	}
+	if pods := c.podBackends(); len(pods) == 0 {
+		for i, es := range c.KVCacheIndex.EventSources {
+			if es.Bind && es.BackendName == "" && len(es.TopicBackends) == 0 {
+				fe.add(fmt.Sprintf("kv_cache_index.event_sources[%d].backend_name", i), "is required here: every backend gets its "+
+					"events from an SSE or connect-mode source, so no kv@<pod>@<model> topic could name a backend of this bound endpoint")
 			}
 		}
 	}
+}
+
+// podBackends are the backends the <pod> of a kv@<pod>@<model> topic may name on a bound
+// endpoint: the configured backends that no SSE or connect-mode source feeds (their events come
+// through another consumer), in configuration order.
+func (c *Config) podBackends() []string {
+	other := map[string]bool{}
+	for i := range c.KVCacheIndex.EventSources {
+		if es := &c.KVCacheIndex.EventSources[i]; !es.Bind {
+			other[es.BackendName] = true
+		}
+	}
+	var out []string
+	for _, b := range c.Backends {
+		if !other[b.Name] {
+			out = append(out, b.Name)
+		}
+	}
+	return out
+}
+
+// splitBindAddr splits a bound endpoint into its network ("tcp" or "ipc"), host and port (ipc:
+// the path as port, no host); ok is false when it has no fixed address (port 0 or * picks a
+// free one) or cannot be parsed.
+func splitBindAddr(ep string) (network, host, port string, ok bool) {
+	if path, found := strings.CutPrefix(ep, "ipc://"); found {
+		return "ipc", "", path, path != ""
+	}
+	host, port, err := net.SplitHostPort(strings.TrimPrefix(ep, "tcp://"))
+	if err != nil || port == "" || port == "*" {
+		return "", "", "", false
+	}
+	n, err := strconv.ParseUint(port, 10, 16)
+	if err != nil || n == 0 {
+		return "", "", "", false
+	}
+	return "tcp", host, strconv.FormatUint(n, 10), true
+}
+
+// isAnyHost reports whether a bind host means every interface.
+func isAnyHost(h string) bool {
+	return h == "" || h == "*" || h == "0.0.0.0" || h == "::"
 }
 
 // IsZMQEndpoint reports whether s is a tcp:// or ipc:// endpoint.

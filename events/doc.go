@@ -56,7 +56,10 @@
 // at a time. Their goroutines run between Start and Close; Status reports each source.
 //
 //   - ZMQ: a SUB socket connects to each engine's PUB endpoint (tcp://host:5557, one port per
-//     data-parallel rank), or binds one endpoint that every engine connects to. Messages are
+//     data-parallel rank), or binds one or more addresses that engines connect to (one per
+//     engine or per data-parallel rank, each with its own placement rules; one consumer owns
+//     them all, so a backend reached through several addresses is still applied in order by one
+//     goroutine). Messages are
 //     [topic, seq (8-byte big-endian), payload]; the topic kv@<pod>@<model> names the model. A
 //     jump in seq means lost batches: the consumer asks the engine's replay (ROUTER) endpoint for
 //     the missing ones when it has one, and otherwise calls Sink.ClearBackend so that the index

@@ -73,7 +73,8 @@ func stateAt(i int) SourceState {
 }
 
 // SourceStatus is a snapshot of one event source: an engine endpoint in ZMQ connect mode, a
-// backend seen on the bound socket in bind mode, or an SSE stream. Its JSON form carries what the
+// backend seen on one bound address in bind mode (one status per address and backend), or an SSE
+// stream. Its JSON form carries what the
 // kvroute's GET /admin/kv-index/backends shows per backend ("backend_name", "connection":
 // {"connected", "reconnect_count", "last_event_at"}, "events": {"received", "dropped", …}); the
 // index's own counts (index_created, …) come from the index.

@@ -71,9 +71,34 @@ type ZMQEndpoint struct {
 	Model string
 }
 
-// ZMQConfig configures a ZMQConsumer. Exactly one of Endpoints (pod-discovery mode: one SUB
-// connection per engine) and Bind (centralized mode: one SUB socket that engines connect to) is
-// set. Zero durations and sizes mean the Default* constants.
+// ZMQListener is one address a consumer binds in centralized mode, and the rules that place the
+// messages arriving on it on backends. The backend of a message comes from its topic:
+// TopicBackend[topic], else DefaultBackend, else <pod> of "kv@<pod>@<model>" when Backends names
+// it (or Backends is empty). Messages of any other topic are counted on the listener's status
+// (ZMQConsumer.Listeners), logged (at most once per 5 s) and dropped, never indexed under an
+// invented name.
+type ZMQListener struct {
+	// Bind is the address the SUB socket binds, e.g. "tcp://0.0.0.0:5557" ("tcp://127.0.0.1:0"
+	// picks a free port; see ZMQConsumer.Addrs) or "ipc:///path". Required.
+	Bind string
+	// TopicBackend maps exact topics to backends. vLLM's topic is configurable and "" by
+	// default: {"": "vllm-1"} names the backend of every engine that keeps the default.
+	TopicBackend map[string]string
+	// DefaultBackend receives the messages of every topic TopicBackend does not map: the backend
+	// of the engine that connects to this address (one address per engine). "" leaves them to
+	// the kv@<pod>@<model> form.
+	DefaultBackend string
+	// Backends are the backends a topic's <pod> may name (a gateway's configured backends,
+	// without those another consumer feeds); empty accepts any pod. A pod is compared as is: a
+	// pod given as host:port names a backend only if one has that name.
+	Backends []string
+	// Model roots block keys when the topic names no model.
+	Model string
+}
+
+// ZMQConfig configures a ZMQConsumer. Either Endpoints is set (pod-discovery mode: one SUB
+// connection per engine), or Bind, Listeners or both (centralized mode: SUB sockets that engines
+// connect to). Zero durations and sizes mean the Default* constants.
 type ZMQConfig struct {
 	// Sink receives the decoded batches. Required.
 	Sink Sink
@@ -81,25 +106,26 @@ type ZMQConfig struct {
 	// Endpoints lists the engines to connect to (pod-discovery mode).
 	Endpoints []ZMQEndpoint
 
-	// Bind is the address the SUB socket binds in centralized mode, e.g. "tcp://0.0.0.0:5557"
-	// ("tcp://127.0.0.1:0" picks a free port; see Addr). The backend of a message comes from its
-	// topic: TopicBackend[topic], else DefaultBackend, else <pod> of "kv@<pod>@<model>" when Backends
-	// names it (or Backends is empty); messages of any other topic are counted on the Listener
-	// status, logged (at most once per 5 s) and dropped, never indexed under an invented name.
-	Bind string
-	// TopicBackend maps exact topics to backends (bind mode).
-	TopicBackend map[string]string
-	// DefaultBackend receives the messages of every topic TopicBackend does not map (bind mode):
-	// the event source's own backend. "" leaves them to the kv@<pod>@<model> form.
+	// Bind, TopicBackend, DefaultBackend, Backends and Model describe one bound address, as the
+	// fields of a ZMQListener do; with Listeners it is the first one.
+	Bind           string
+	TopicBackend   map[string]string
 	DefaultBackend string
-	// Backends are the backends a topic's <pod> may name in bind mode (a gateway's configured
-	// backends); empty accepts any pod.
-	Backends []string
-	// Model roots block keys in bind mode when the topic names no model.
-	Model string
-	// MaxTopics caps the distinct topics accepted in bind mode, so that a misbehaving peer cannot
-	// grow the consumer's state without bound; messages of further topics are dropped. Open
-	// connections are capped at 4 × MaxTopics.
+	Backends       []string
+	Model          string
+	// Listeners are bound addresses (after Bind's, when set), each with its own placement rules:
+	// one per engine (an engine whose topic does not name it connects to an address of its own,
+	// whose DefaultBackend is its backend), one per data-parallel rank (vLLM adds the rank to the
+	// port of the endpoint it connects to, as to the one it binds), or one per group of engines.
+	// All the listeners of a consumer share its per-backend queues and workers, so that a
+	// backend fed through several of them (its ranks) still has one ordered writer to the sink.
+	// Two listeners may not have the same address; addresses that overlap otherwise
+	// (tcp://0.0.0.0:5557 and tcp://127.0.0.1:5557) make Start fail.
+	Listeners []ZMQListener
+	// MaxTopics caps the distinct topics accepted in bind mode (each listener's counted, summed
+	// over the listeners), so that a misbehaving peer cannot grow the consumer's state without
+	// bound; messages of further topics are dropped. Open connections, all listeners together,
+	// are capped at 4 × MaxTopics.
 	MaxTopics int
 
 	// Topic is the subscription prefix; "" subscribes to every topic.
@@ -168,9 +194,12 @@ type ZMQConfig struct {
 // has deadlines and is closed by Close.
 //
 // Goroutines, all started by Start and stopped by Close: one reader per endpoint (connect mode)
-// or an accept loop plus one reader per engine connection (bind mode), and one worker per
-// backend that applies the backend's batches to the sink in order (so the sink sees one
-// goroutine per backend). Between readers and workers sits a bounded queue per backend.
+// or one accept loop per bound address plus one reader per engine connection (bind mode), and
+// one worker per backend that applies the backend's batches to the sink in order (so the sink
+// sees one goroutine per backend, however many endpoints, addresses and connections feed it).
+// Between readers and workers sits a bounded queue per backend. Two consumers must not feed the
+// same backend of one sink: each would clear it and repair its sequences without the other's
+// knowledge (and the sink would see two goroutines for it).
 //
 // Sequence tracking, per publisher (connection, topic and data-parallel rank): the first
 // message sets the baseline, and with a ReplayEndpoint it is preceded by a catch-up: the up to
@@ -217,14 +246,11 @@ type ZMQConsumer struct {
 	pubs []*zmqPublisher
 
 	// bind mode
-	bindNet, bindAddr string
-	bound             string // the bound endpoint (Bind with the port resolved), set by Start
-	listenSrc         *source
-	listener          atomic.Pointer[net.Listener]
-	conns             atomic.Int64
-	connIDs           atomic.Uint64
-	routesMu          sync.RWMutex
-	routes            map[string]*zmqRoute
+	lns      []*zmqListener // Bind's first, then Listeners
+	conns    atomic.Int64   // open engine connections, all listeners
+	connIDs  atomic.Uint64
+	routesMu sync.RWMutex // guards every listener's routes and srcs, and nroutes
+	nroutes  int          // routes of all listeners, capped at MaxTopics
 
 	backendsMu sync.Mutex
 	backends   map[string]*zmqBackend
@@ -241,11 +267,27 @@ type zmqPublisher struct {
 	sent                  uint64 // items queued to be (stamps); owned by the reader goroutine
 }
 
-// zmqRoute is where a bind-mode topic goes.
+// zmqListener is one bound address (bind mode).
+type zmqListener struct {
+	cfg           ZMQListener
+	network, addr string
+	src           *source // the listener's own status: not reported as metrics (no backend)
+	ln            atomic.Pointer[net.Listener]
+	// bound is the bound endpoint (Bind with the port resolved), set by Start before any
+	// connection is served.
+	bound string
+	// routes maps the topics seen on this listener to their backends; srcs holds the source of
+	// each backend this listener feeds. Both guarded by ZMQConsumer.routesMu.
+	routes map[string]*zmqRoute
+	srcs   map[string]*source
+}
+
+// zmqRoute is where a bind-mode topic of one listener goes.
 type zmqRoute struct {
 	topic string
 	model string
 	be    *zmqBackend
+	src   *source // the backend's source on the listener
 }
 
 // zmqBackend is one backend's queue and the state of its worker goroutine.
@@ -258,8 +300,7 @@ type zmqRoute struct {
 type zmqBackend struct {
 	queue chan *zmqItem
 	wake  chan struct{} // capacity 1: lost has news
-	src   *source       // bind mode: the backend's source
-	first *source       // the backend's first source (bind mode: src), to count a reset no chain caused
+	first *source       // the backend's first source, to count a reset no chain caused
 
 	lostMu sync.Mutex
 	lost   map[lostKey]lostBatch // guarded by lostMu; at most maxChainsPerPipe
@@ -354,29 +395,36 @@ type zmqItem struct {
 // feed is a reader's stream of items into one backend's queue; owned by the reader goroutine.
 type feed struct {
 	be   *zmqBackend
-	sent uint64 // stamp of the last item queued
+	src  *source // the backend's source on the reader's listener
+	sent uint64  // stamp of the last item queued
 }
 
 // NewZMQConsumer validates cfg and returns a consumer that does nothing until Start.
 //
-// Errors wrap ErrInvalidConfig: no Sink, both or neither of Endpoints and Bind, an endpoint
-// without Backend or with an address that is not "tcp://host:port" (connect mode cannot use "*")
-// or "ipc://path", bind-mode options in connect mode, or negative durations and sizes
+// Errors wrap ErrInvalidConfig: no Sink, both or neither of Endpoints and a bound address (Bind
+// or Listeners), an endpoint without Backend or with an address that is not "tcp://host:port"
+// (connect mode cannot use "*") or "ipc://path", bind-mode options in connect mode, Bind's
+// options without Bind, two listeners with the same address, or negative durations and sizes
 // (CatchUpBatches excepted: negative disables catch-up). The metric instruments are registered
 // here; an error from the MeterProvider is returned as is.
 func NewZMQConsumer(cfg ZMQConfig) (*ZMQConsumer, error) {
 	if cfg.Sink == nil {
 		return nil, fmt.Errorf("%w: Sink is required", ErrInvalidConfig)
 	}
-	if (len(cfg.Endpoints) == 0) == (cfg.Bind == "") {
-		return nil, fmt.Errorf("%w: set exactly one of Endpoints (connect mode) and Bind (bind mode)", ErrInvalidConfig)
+	bind := cfg.Bind != "" || len(cfg.Listeners) > 0
+	if (len(cfg.Endpoints) == 0) == !bind {
+		return nil, fmt.Errorf("%w: set exactly one of Endpoints (connect mode) and Bind or Listeners (bind mode)", ErrInvalidConfig)
 	}
 	if cfg.QueueSize < 0 || cfg.ReplayTimeout < 0 || cfg.CatchUpTimeout < 0 || cfg.InitialBackoff < 0 ||
 		cfg.MaxBackoff < 0 || cfg.DialTimeout < 0 || cfg.MaxMessageSize < 0 || cfg.MaxTopics < 0 || cfg.MaxFrameBytes < 0 {
 		return nil, fmt.Errorf("%w: negative size or duration", ErrInvalidConfig)
 	}
-	if cfg.Bind == "" && (len(cfg.TopicBackend) > 0 || cfg.DefaultBackend != "" || len(cfg.Backends) > 0 || cfg.Model != "" || cfg.MaxTopics != 0) {
+	bindOpts := len(cfg.TopicBackend) > 0 || cfg.DefaultBackend != "" || len(cfg.Backends) > 0 || cfg.Model != ""
+	switch {
+	case !bind && (bindOpts || cfg.MaxTopics != 0):
 		return nil, fmt.Errorf("%w: TopicBackend, DefaultBackend, Backends, Model and MaxTopics apply to bind mode only", ErrInvalidConfig)
+	case cfg.Bind == "" && bindOpts:
+		return nil, fmt.Errorf("%w: TopicBackend, DefaultBackend, Backends and Model describe Bind's address; without Bind, set them in Listeners", ErrInvalidConfig)
 	}
 	setDefault(&cfg.QueueSize, DefaultZMQQueueSize)
 	setDefault(&cfg.ReplayTimeout, DefaultZMQReplayTimeout)
@@ -402,19 +450,43 @@ func NewZMQConsumer(cfg ZMQConfig) (*ZMQConsumer, error) {
 	c.items.New = func() any { return new(zmqItem) }
 	c.topic = []byte(cfg.Topic)
 
-	if cfg.Bind != "" {
-		for topic, backend := range cfg.TopicBackend {
-			if backend == "" {
-				return nil, fmt.Errorf("%w: TopicBackend[%q] is empty", ErrInvalidConfig, topic)
+	if bind {
+		lcfgs := cfg.Listeners
+		if cfg.Bind != "" {
+			lcfgs = append([]ZMQListener{{Bind: cfg.Bind, TopicBackend: cfg.TopicBackend,
+				DefaultBackend: cfg.DefaultBackend, Backends: cfg.Backends, Model: cfg.Model}}, lcfgs...)
+		}
+		seen := make(map[string]int, len(lcfgs))
+		for i, lc := range lcfgs {
+			name := "Bind"
+			if cfg.Bind == "" {
+				name = fmt.Sprintf("Listeners[%d]", i)
+			} else if i > 0 {
+				name = fmt.Sprintf("Listeners[%d]", i-1)
 			}
+			if lc.Bind == "" {
+				return nil, fmt.Errorf("%w: %s.Bind is required", ErrInvalidConfig, name)
+			}
+			for topic, backend := range lc.TopicBackend {
+				if backend == "" {
+					return nil, fmt.Errorf("%w: %s.TopicBackend[%q] is empty", ErrInvalidConfig, name, topic)
+				}
+			}
+			l := &zmqListener{cfg: lc, routes: make(map[string]*zmqRoute), srcs: make(map[string]*source),
+				src: newSource("", "zmq", lc.Bind, cfg.Topic, c.now, nil)}
+			var err error
+			if l.network, l.addr, err = parseZMQEndpoint(lc.Bind, true); err != nil {
+				return nil, fmt.Errorf("%w: %s.Bind: %w", ErrInvalidConfig, name, err)
+			}
+			if _, port, _ := net.SplitHostPort(l.addr); port != "0" || l.network != "tcp" {
+				key := l.network + " " + l.addr
+				if j, dup := seen[key]; dup {
+					return nil, fmt.Errorf("%w: %s.Bind: %q has the address of an earlier listener (%q)", ErrInvalidConfig, name, lc.Bind, lcfgs[j].Bind)
+				}
+				seen[key] = i
+			}
+			c.lns = append(c.lns, l)
 		}
-		var err error
-		if c.bindNet, c.bindAddr, err = parseZMQEndpoint(cfg.Bind, true); err != nil {
-			return nil, fmt.Errorf("%w: Bind: %w", ErrInvalidConfig, err)
-		}
-		c.routes = make(map[string]*zmqRoute)
-		// The listener's own status: not reported as metrics (no backend).
-		c.listenSrc = newSource("", "zmq", cfg.Bind, cfg.Topic, c.now, nil)
 	} else {
 		seen := make(map[ZMQEndpoint]bool, len(cfg.Endpoints))
 		for i, ep := range cfg.Endpoints {
@@ -436,7 +508,7 @@ func NewZMQConsumer(cfg ZMQConfig) (*ZMQConsumer, error) {
 				}
 			}
 			p.src = c.reg.add(ep.Backend, "zmq", ep.Endpoint, cfg.Topic, c.now)
-			p.be, _ = c.backend(ep.Backend, "", false)
+			p.be, _ = c.backend(ep.Backend)
 			if p.be.first == nil {
 				p.be.first = p.src
 			}
@@ -512,9 +584,9 @@ func ParseTopic(topic string) (pod, model string, ok bool) {
 	return pod, model, true
 }
 
-// backend returns the backend's queue, creating it on first use (in bind mode with its source)
-// and reporting whether it did; the caller starts the worker of a new backend.
-func (c *ZMQConsumer) backend(name, topic string, bind bool) (be *zmqBackend, created bool) {
+// backend returns the backend's queue, creating it on first use and reporting whether it did;
+// the caller sets the first source of a new backend and starts its worker.
+func (c *ZMQConsumer) backend(name string) (be *zmqBackend, created bool) {
 	c.backendsMu.Lock()
 	defer c.backendsMu.Unlock()
 	if be := c.backends[name]; be != nil {
@@ -528,37 +600,46 @@ func (c *ZMQConsumer) backend(name, topic string, bind bool) (be *zmqBackend, cr
 		chains: make(map[chainKey]*chain),
 		done:   make(map[uint64]uint64),
 	}
-	if bind {
-		be.src = c.reg.add(name, "zmq", c.bound, topic, c.now)
-		be.first = be.src
-	}
 	c.backends[name] = be
 	return be, true
 }
 
-// Start starts the consumer's goroutines and returns. In bind mode it binds first and returns
-// the bind error, if any (ctx bounds the bind; Start may then be called again); in connect mode
-// it does not wait for any connection: unreachable engines are retried in the background (see
-// Status). Cancelling ctx after Start returns has no effect: stop the consumer with Close. It
-// returns ErrStarted after a successful Start and ErrClosed after Close.
+// Start starts the consumer's goroutines and returns. In bind mode it binds every address first
+// and returns the first bind error, if any, having closed the addresses it bound (ctx bounds the
+// binds; Start may then be called again); in connect mode it does not wait for any connection:
+// unreachable engines are retried in the background (see Status). Cancelling ctx after Start
+// returns has no effect: stop the consumer with Close. It returns ErrStarted after a successful
+// Start and ErrClosed after Close.
 func (c *ZMQConsumer) Start(ctx context.Context) error {
 	return c.life.start(func() error {
-		if c.cfg.Bind != "" {
-			var lc net.ListenConfig
-			ln, err := lc.Listen(ctx, c.bindNet, c.bindAddr)
-			if err != nil {
-				c.listenSrc.setError(err)
-				c.listenSrc.setState(StateDisconnected)
-				return fmt.Errorf("events: zmq bind %s: %w", c.cfg.Bind, err)
+		if len(c.lns) > 0 {
+			lns := make([]net.Listener, 0, len(c.lns))
+			for _, l := range c.lns {
+				var lc net.ListenConfig
+				ln, err := lc.Listen(ctx, l.network, l.addr)
+				if err != nil {
+					for i, ln := range lns {
+						ln.Close()
+						c.lns[i].ln.Store(nil)
+						c.lns[i].src.setState(StateDisconnected)
+					}
+					l.src.setError(err)
+					l.src.setState(StateDisconnected)
+					return fmt.Errorf("events: zmq bind %s: %w", l.cfg.Bind, err)
+				}
+				lns = append(lns, ln)
+				l.bound = l.cfg.Bind
+				if a, ok := ln.Addr().(*net.TCPAddr); ok {
+					l.bound = "tcp://" + a.String()
+				}
+				l.ln.Store(&ln)
+				l.src.setState(StateConnected)
 			}
-			c.bound = c.cfg.Bind
-			if a, ok := ln.Addr().(*net.TCPAddr); ok {
-				c.bound = "tcp://" + a.String()
+			for i, l := range c.lns {
+				ln := lns[i]
+				context.AfterFunc(c.life.ctx, func() { ln.Close() })
+				c.life.goTracked(func() { c.acceptLoop(l, ln) })
 			}
-			c.listener.Store(&ln)
-			c.listenSrc.setState(StateConnected)
-			context.AfterFunc(c.life.ctx, func() { ln.Close() })
-			c.life.goTracked(func() { c.acceptLoop(ln) })
 			return nil
 		}
 		c.backendsMu.Lock()
@@ -581,30 +662,68 @@ func (c *ZMQConsumer) Close() error {
 		return nil
 	}
 	c.reg.closeAll()
-	if c.listenSrc != nil {
-		c.listenSrc.setState(StateClosed)
+	for _, l := range c.lns {
+		l.src.setState(StateClosed)
 	}
 	return c.metrics.close()
 }
 
 // Status returns a snapshot of every source: one per endpoint in connect mode (in
-// configuration order), one per backend seen in bind mode (in order of first message). Safe
-// for concurrent use; it never blocks on the network.
+// configuration order), one per bound address and backend seen on it in bind mode (in order of
+// first message; its Endpoint is the bound address, port resolved). Safe for concurrent use; it
+// never blocks on the network.
 func (c *ZMQConsumer) Status() []SourceStatus { return c.reg.statuses() }
 
-// Listener returns the status of the bound socket in bind mode (ok false in connect mode): its
-// connection state, and the messages that could not be placed on a backend (bad framing before
-// the topic is known, topics that map to no backend, over MaxTopics), counted as Malformed.
+// Listener returns the status of the first bound socket in bind mode (ok false in connect mode);
+// see Listeners.
 func (c *ZMQConsumer) Listener() (st SourceStatus, ok bool) {
-	if c.listenSrc == nil {
+	if len(c.lns) == 0 {
 		return SourceStatus{}, false
 	}
-	return c.listenSrc.status(), true
+	return c.lns[0].src.status(), true
 }
 
-// Addr returns the bound address in bind mode once Start succeeded, nil otherwise.
+// Listeners returns the status of each bound socket in bind mode, Bind's first and then those of
+// Listeners in order (nil in connect mode): its connection state (connected while it is bound),
+// and the messages that could not be placed on a backend (bad framing before the topic is
+// known, topics that map to no backend, over MaxTopics), counted as Malformed. Safe for
+// concurrent use.
+func (c *ZMQConsumer) Listeners() []SourceStatus {
+	if len(c.lns) == 0 {
+		return nil
+	}
+	out := make([]SourceStatus, len(c.lns))
+	for i, l := range c.lns {
+		out[i] = l.src.status()
+	}
+	return out
+}
+
+// Addr returns the first bound address in bind mode once Start succeeded, nil otherwise; see
+// Addrs.
 func (c *ZMQConsumer) Addr() net.Addr {
-	if ln := c.listener.Load(); ln != nil {
+	if len(c.lns) == 0 {
+		return nil
+	}
+	return c.lns[0].addrOf()
+}
+
+// Addrs returns the bound addresses in bind mode, in the order of Listeners (Bind's first), once
+// Start succeeded; nil in connect mode or before Start.
+func (c *ZMQConsumer) Addrs() []net.Addr {
+	if len(c.lns) == 0 || c.lns[0].addrOf() == nil {
+		return nil
+	}
+	out := make([]net.Addr, len(c.lns))
+	for i, l := range c.lns {
+		out[i] = l.addrOf()
+	}
+	return out
+}
+
+// addrOf returns the listener's bound address, nil when it is not bound.
+func (l *zmqListener) addrOf() net.Addr {
+	if ln := l.ln.Load(); ln != nil {
 		return (*ln).Addr()
 	}
 	return nil
@@ -700,8 +819,8 @@ func (c *ZMQConsumer) readPublisher(ctx context.Context, raw net.Conn, zc *zmq4.
 	}
 }
 
-// acceptLoop accepts engine connections in bind mode.
-func (c *ZMQConsumer) acceptLoop(ln net.Listener) {
+// acceptLoop accepts engine connections on one bound address.
+func (c *ZMQConsumer) acceptLoop(l *zmqListener, ln net.Listener) {
 	ctx := c.life.ctx
 	maxConns := int64(4 * c.cfg.MaxTopics)
 	for {
@@ -710,7 +829,7 @@ func (c *ZMQConsumer) acceptLoop(ln net.Listener) {
 			if ctx.Err() != nil {
 				return
 			}
-			c.listenSrc.setError(err)
+			l.src.setError(err)
 			if !sleepCtx(ctx, 50*time.Millisecond) {
 				return
 			}
@@ -718,19 +837,19 @@ func (c *ZMQConsumer) acceptLoop(ln net.Listener) {
 		}
 		if c.conns.Add(1) > maxConns {
 			c.conns.Add(-1)
-			c.listenSrc.setError(fmt.Errorf("connection from %s refused: %d connections open", raw.RemoteAddr(), maxConns))
+			l.src.setError(fmt.Errorf("connection from %s refused: %d connections open", raw.RemoteAddr(), maxConns))
 			raw.Close()
 			continue
 		}
 		c.life.goTracked(func() {
 			defer c.conns.Add(-1)
-			c.serveBound(ctx, raw)
+			c.serveBound(ctx, l, raw)
 		})
 	}
 }
 
-// serveBound reads one engine connection in bind mode.
-func (c *ZMQConsumer) serveBound(ctx context.Context, raw net.Conn) {
+// serveBound reads one engine connection of listener l.
+func (c *ZMQConsumer) serveBound(ctx context.Context, l *zmqListener, raw net.Conn) {
 	stop := context.AfterFunc(ctx, func() { raw.Close() })
 	defer stop()
 	defer raw.Close()
@@ -740,11 +859,11 @@ func (c *ZMQConsumer) serveBound(ctx context.Context, raw net.Conn) {
 	}
 	if err != nil {
 		if ctx.Err() == nil {
-			c.listenSrc.setError(fmt.Errorf("zmq handshake with %s: %w", raw.RemoteAddr(), err))
+			l.src.setError(fmt.Errorf("zmq handshake with %s: %w", raw.RemoteAddr(), err))
 		}
 		return
 	}
-	c.log.Debug("kvroute events: zmq publisher connected", "remote", raw.RemoteAddr().String())
+	c.log.Debug("kvroute events: zmq publisher connected", "remote", raw.RemoteAddr().String(), "bound", l.bound)
 	conn := c.connIDs.Add(1)
 	var seen []*feed // backends this connection carried: connected while it is open
 	defer func() {
@@ -752,10 +871,10 @@ func (c *ZMQConsumer) serveBound(ctx context.Context, raw net.Conn) {
 			return
 		}
 		for _, f := range seen {
-			if f.be.src.liveConns.Add(-1) == 0 {
-				f.be.src.setState(StateDisconnected)
+			if f.src.liveConns.Add(-1) == 0 {
+				f.src.setState(StateDisconnected)
 			}
-			c.queueReset(ctx, f.be, &f.sent, f.be.src, conn)
+			c.queueReset(ctx, f.be, &f.sent, f.src, conn)
 		}
 	}()
 	var last *zmqRoute
@@ -764,7 +883,7 @@ func (c *ZMQConsumer) serveBound(ctx context.Context, raw net.Conn) {
 		msg, err := zc.RecvMsg()
 		if err != nil {
 			if ctx.Err() == nil && !errors.Is(err, io.EOF) {
-				c.listenSrc.setError(fmt.Errorf("zmq connection from %s: %w", raw.RemoteAddr(), err))
+				l.src.setError(fmt.Errorf("zmq connection from %s: %w", raw.RemoteAddr(), err))
 			}
 			return
 		}
@@ -773,8 +892,8 @@ func (c *ZMQConsumer) serveBound(ctx context.Context, raw net.Conn) {
 		}
 		f := msg.Frames
 		if len(f) != 3 || len(f[1]) != 8 {
-			c.listenSrc.malformed.Add(1)
-			c.listenSrc.setError(fmt.Errorf("%w: zmq message of %d frames from %s (want [topic, 8-byte seq, payload])", ErrMalformed, len(f), raw.RemoteAddr()))
+			l.src.malformed.Add(1)
+			l.src.setError(fmt.Errorf("%w: zmq message of %d frames from %s (want [topic, 8-byte seq, payload])", ErrMalformed, len(f), raw.RemoteAddr()))
 			continue
 		}
 		if !bytes.HasPrefix(f[0], c.topic) {
@@ -782,9 +901,9 @@ func (c *ZMQConsumer) serveBound(ctx context.Context, raw net.Conn) {
 		}
 		r := last
 		if r == nil || string(f[0]) != r.topic {
-			if r = c.route(f[0]); r == nil {
-				c.listenSrc.malformed.Add(1)
-				c.listenSrc.setError(fmt.Errorf("topic %q maps to no backend", f[0]))
+			if r = c.route(l, f[0]); r == nil {
+				l.src.malformed.Add(1)
+				l.src.setError(fmt.Errorf("topic %q maps to no backend", f[0]))
 				continue
 			}
 			last = r
@@ -792,63 +911,71 @@ func (c *ZMQConsumer) serveBound(ctx context.Context, raw net.Conn) {
 			if i >= 0 {
 				lastFeed = seen[i]
 			} else {
-				lastFeed = &feed{be: r.be}
+				lastFeed = &feed{be: r.be, src: r.src}
 				seen = append(seen, lastFeed)
-				if r.be.src.liveConns.Add(1) == 1 {
-					if r.be.src.everConnected.Load() {
-						r.be.src.reconnects.Add(1)
+				if r.src.liveConns.Add(1) == 1 {
+					if r.src.everConnected.Load() {
+						r.src.reconnects.Add(1)
 					}
-					r.be.src.setState(StateConnected)
+					r.src.setState(StateConnected)
 				}
 			}
 		}
-		c.ingest(r.be.src, r.be, &lastFeed.sent, nil, conn, r.topic, r.model, f[1], f[2])
+		c.ingest(r.src, r.be, &lastFeed.sent, nil, conn, r.topic, r.model, f[1], f[2])
 	}
 }
 
-// route returns where a bind-mode topic goes, creating the backend on first sight; nil when the
-// topic maps to no backend or MaxTopics is reached.
-func (c *ZMQConsumer) route(topic []byte) *zmqRoute {
+// route returns where a topic of listener l goes, creating the backend and its source on the
+// listener on first sight; nil when the topic maps to no backend or MaxTopics is reached.
+func (c *ZMQConsumer) route(l *zmqListener, topic []byte) *zmqRoute {
 	c.routesMu.RLock()
-	r := c.routes[string(topic)]
+	r := l.routes[string(topic)]
 	c.routesMu.RUnlock()
 	if r != nil {
 		return r
 	}
 	t := string(topic)
-	backend, model := c.cfg.TopicBackend[t], c.cfg.Model
+	backend, model := l.cfg.TopicBackend[t], l.cfg.Model
 	if backend == "" {
 		pod, m, ok := ParseTopic(t)
 		if ok && m != "" {
 			model = m
 		}
 		switch {
-		case c.cfg.DefaultBackend != "":
-			backend = c.cfg.DefaultBackend
-		case ok && (len(c.cfg.Backends) == 0 || slices.Contains(c.cfg.Backends, pod)):
+		case l.cfg.DefaultBackend != "":
+			backend = l.cfg.DefaultBackend
+		case ok && (len(l.cfg.Backends) == 0 || slices.Contains(l.cfg.Backends, pod)):
 			backend = pod
 		}
 	}
 	if backend == "" {
-		if c.listenSrc.warnDue() {
-			c.log.Warn("kvroute events: zmq topic maps to no known backend; its events are dropped (set topic_backends or the source's backend_name)", "topic", t)
+		if l.src.warnDue() {
+			c.log.Warn("kvroute events: zmq topic maps to no known backend; its events are dropped (set topic_backends or the source's backend_name)",
+				"topic", t, "bound", l.bound)
 		}
 		return nil
 	}
 	c.routesMu.Lock()
 	defer c.routesMu.Unlock()
-	if r = c.routes[t]; r != nil {
+	if r = l.routes[t]; r != nil {
 		return r
 	}
-	if len(c.routes) >= c.cfg.MaxTopics {
+	if c.nroutes >= c.cfg.MaxTopics {
 		return nil
 	}
-	be, created := c.backend(backend, t, true)
+	be, created := c.backend(backend)
+	src := l.srcs[backend]
+	if src == nil {
+		src = c.reg.add(backend, "zmq", l.bound, t, c.now)
+		l.srcs[backend] = src
+	}
 	if created {
+		be.first = src
 		c.life.goTracked(func() { c.work(be) })
 	}
-	r = &zmqRoute{topic: t, model: model, be: be}
-	c.routes[t] = r
+	r = &zmqRoute{topic: t, model: model, be: be, src: src}
+	l.routes[t] = r
+	c.nroutes++
 	return r
 }
 
