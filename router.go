@@ -421,9 +421,12 @@ func (r *DefaultRouter) SetHealthy(name string, healthy bool) error {
 }
 
 // Route chooses a backend for req and takes an in-flight slot on it. See Router for the contract.
-// With a prefix key the CHWBL ring chooses (prefix_hash or overflow); without one the configured
-// Strategy does (fallback). Route does no I/O and never blocks on other requests for longer than
-// the ring's bound check.
+// With tier 4 on (Config.KV), the KV index and the scorer choose first (kv_aware, load_bound,
+// imbalance, least_work); otherwise, or when tier 4 leaves the request, the CHWBL ring chooses by
+// prefix key (prefix_hash or overflow), or the configured Strategy without one (fallback, or
+// strategy with prefix routing off). Tier 1 does no I/O and blocks on other requests no longer
+// than the ring's bound check; tier 4 calls the KV index (a remote one does I/O) and, for a
+// request without token IDs, KVConfig.Tokenizer, both bounded by ctx.
 func (r *DefaultRouter) Route(ctx context.Context, req *prefixkey.Request) (*Decision, error) {
 	if req == nil {
 		return nil, ErrNilRequest

@@ -209,12 +209,55 @@ func newTier4(cfg KVConfig) (*tier4, error) {
 }
 
 // routeKV runs tier 4 for a request with the caller's scratch s; it leaves the request's block
-// keys in s.keys. It returns true when it took a slot into d (reason kv_aware or imbalance); false
-// when the request must go the tier-1 way (no block keys, no overlap above the threshold, or the
-// index failed), in which case d is untouched.
+// keys in s.keys. It returns true when it took a slot into d (kv_aware, load_bound, imbalance or
+// least_work); false when the request must go the tier-1 way (no block keys, an index or scorer
+// error, every candidate at tier 4's bound, or too little cached with RingFallback or prefix
+// entries), in which case d is untouched. Its steps: blockKeys, lookup, candidates, then
+// chooseLeastWork or chooseScored.
 func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *Decision, s *scratch4) bool {
 	t := r.kv
+	tokens := r.blockKeys(ctx, req, s)
+	usePrefix := len(s.keys) == 0 && t.cfg.UsePrefixEntries && d.HasPrefixKey
+	// A prompt shorter than one block: no engine can hold any of it, so there is nothing to look
+	// up, and the backend with the least prefill work takes it rather than the ring.
+	short := len(s.keys) == 0 && len(tokens) > 0 && !usePrefix && !t.cfg.RingFallback
+	if len(s.keys) == 0 && !usePrefix && !short {
+		t.noTokens.Add(1)
+		return false
+	}
+	set := r.set.Load()
+	if !r.lookup(ctx, d, s, usePrefix, short) {
+		return false
+	}
+	r.candidates(s, set)
+	sreq := scorer.Request{Blocks: len(s.keys), Tokens: len(tokens)}
 
+	// Best overlap as a fraction of the request (for prefix entries: of the best backend's).
+	best := 0.0
+	for i := range s.cands {
+		best = math.Max(best, s.cands[i].Overlap)
+	}
+	ratio := 0.0
+	switch {
+	case sreq.Blocks > 0:
+		ratio = best / float64(sreq.Blocks)
+	case best > 0:
+		ratio = 1
+	}
+	r.metrics.recordOverlap(ctx, ratio)
+	if !t.holdsEnough(best, sreq.Blocks) {
+		if t.cfg.RingFallback || usePrefix {
+			return false
+		}
+		return r.chooseLeastWork(ctx, d, s, set)
+	}
+	return r.chooseScored(ctx, d, s, sreq)
+}
+
+// blockKeys puts the request's block keys in s.keys (none when it has no tokens) and returns its
+// tokens: the caller's, or the tokenizer's (a failure is counted and leaves none).
+func (r *DefaultRouter) blockKeys(ctx context.Context, req *prefixkey.Request, s *scratch4) []uint32 {
+	t := r.kv
 	tokens := req.TokenIDs
 	if tokens == nil && req.PromptTokens != nil {
 		tokens = req.PromptTokens
@@ -232,16 +275,14 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 		root := prefixkey.BlockRoot(req.ModelOrAdapter(), req.CacheSalt)
 		s.keys = prefixkey.AppendBlockKeys(s.keys, root, tokens, t.cfg.BlockSize, req.MultiModal)
 	}
-	usePrefix := len(s.keys) == 0 && t.cfg.UsePrefixEntries && d.HasPrefixKey
-	// A prompt shorter than one block: no engine can hold any of it, so there is nothing to look
-	// up, and the backend with the least prefill work takes it (below) rather than the ring.
-	short := len(s.keys) == 0 && len(tokens) > 0 && !usePrefix && !t.cfg.RingFallback
-	if len(s.keys) == 0 && !usePrefix && !short {
-		t.noTokens.Add(1)
-		return false
-	}
+	return tokens
+}
 
-	set := r.set.Load()
+// lookup fills s.loads, s.names (the healthy backends) and s.matches (what the index holds of the
+// request on each: by block keys, by prefix entry with usePrefix, nothing for a short prompt). It
+// returns false when no backend is healthy or the index failed (counted).
+func (r *DefaultRouter) lookup(ctx context.Context, d *Decision, s *scratch4, usePrefix, short bool) bool {
+	t := r.kv
 	s.loads = r.ring.Loads(s.loads[:0])
 	s.names = s.names[:0]
 	for i := range s.loads {
@@ -258,24 +299,28 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 	if short {
 		s.matches = s.matches[:len(s.names)]
 		clear(s.matches)
-	} else {
-		start := r.cfg.Now()
-		var err error
-		if usePrefix {
-			s.matches, err = t.prefix.LookupPrefix(ctx, d.PrefixKey.String(), s.names, s.matches[:len(s.names)])
-		} else {
-			s.matches, err = t.cfg.Index.Lookup(ctx, s.keys, s.names, s.matches[:len(s.names)])
-		}
-		r.metrics.recordLookup(ctx, r.cfg.Now().Sub(start))
-		t.lookups.Add(1)
-		if err != nil {
-			t.lookupErrs.Add(1)
-			return false
-		}
-		s.looked = true
+		return true
 	}
+	start := r.cfg.Now()
+	var err error
+	if usePrefix {
+		s.matches, err = t.prefix.LookupPrefix(ctx, d.PrefixKey.String(), s.names, s.matches[:len(s.names)])
+	} else {
+		s.matches, err = t.cfg.Index.Lookup(ctx, s.keys, s.names, s.matches[:len(s.names)])
+	}
+	r.metrics.recordLookup(ctx, r.cfg.Now().Sub(start))
+	t.lookups.Add(1)
+	if err != nil {
+		t.lookupErrs.Add(1)
+		return false
+	}
+	s.looked = true
+	return true
+}
 
-	// Candidates, in the order of s.names.
+// candidates builds s.cands, in the order of s.names, from the index's matches and the
+// backends' loads, health, prefill backlogs and (with KVConfig.Active) active sequences.
+func (r *DefaultRouter) candidates(s *scratch4, set *backendSet) {
 	s.cands = s.cands[:0]
 	li := 0
 	for i := range s.matches {
@@ -299,39 +344,29 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 		}
 		s.cands = append(s.cands, c)
 	}
-	if t.cfg.Active != nil {
-		t.cfg.Active.Fill(s.cands)
+	if r.kv.cfg.Active != nil {
+		r.kv.cfg.Active.Fill(s.cands)
 	}
-	sreq := scorer.Request{Blocks: len(s.keys), Tokens: len(tokens)}
+}
 
-	// Best overlap as a fraction of the request (for prefix entries: of the best backend's).
-	best, bestTokens := 0.0, 0
-	for i := range s.cands {
-		best = math.Max(best, s.cands[i].Overlap)
-		bestTokens = max(bestTokens, s.cands[i].CachedTokens)
+// chooseLeastWork takes, for a request no backend holds enough of, a slot on the backend with the
+// least prefill work ahead of it (least_work); false when every backend is at tier 4's bound.
+func (r *DefaultRouter) chooseLeastWork(ctx context.Context, d *Decision, s *scratch4, set *backendSet) bool {
+	i := r.acquireLeastWork(s, d, set)
+	if i < 0 { // every backend at tier 4's bound: the CHWBL walk decides
+		return false
 	}
-	ratio := 0.0
-	switch {
-	case sreq.Blocks > 0:
-		ratio = best / float64(sreq.Blocks)
-	case best > 0:
-		ratio = 1
-	}
-	r.metrics.recordOverlap(ctx, ratio)
-	if !t.holdsEnough(best, sreq.Blocks) {
-		if t.cfg.RingFallback || usePrefix {
-			return false
-		}
-		i := r.acquireLeastWork(s, d, set)
-		if i < 0 { // every backend at tier 4's bound: the CHWBL walk decides
-			return false
-		}
-		d.Reason = ReasonLeastWork
-		d.ExpectedCachedTokens = s.cands[i].CachedTokens
-		r.afterKVChoice(ctx, s, d, s.cands[i])
-		return true
-	}
+	d.Reason = ReasonLeastWork
+	d.ExpectedCachedTokens = s.cands[i].CachedTokens
+	r.afterKVChoice(ctx, s, d, s.cands[i])
+	return true
+}
 
+// chooseScored takes, for a request some backend holds enough of, a slot on the best-scored
+// backend under tier 4's bound, or on the least-loaded one when the imbalance guard finds the fleet
+// skewed; false when the scorer failed (counted) or every backend is at its bound.
+func (r *DefaultRouter) chooseScored(ctx context.Context, d *Decision, s *scratch4, sreq scorer.Request) bool {
+	t := r.kv
 	if cap(s.scores) < len(s.cands) {
 		s.scores = make([]float64, len(s.cands))
 	}
