@@ -10,8 +10,8 @@
 //     request, and placed on a consistent-hash ring with bounded loads, so that requests sharing
 //     a prefix meet a warm KV cache while no backend exceeds (1+ε) times the average load.
 //  2. A response cache for deterministic requests, streaming included (respcache).
-//  3. Shared stores behind one CacheStore interface: memory, Redis/Valkey with automatic
-//     fallback, S3 as a second level, tiered (respcache).
+//  3. Shared stores behind one CacheStore interface: memory and tiered (respcache), Redis/Valkey
+//     with automatic fallback (respcache/redisstore), S3 as a second level (respcache/s3store).
 //  4. A precise KV-block index fed by the engines' KV events, tier-aware and scored together
 //     with load and health (kvindex, events, scorer).
 //

@@ -14,9 +14,12 @@ import (
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/events/zmqevents"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
+	"github.com/kvroute/kvroute/respcache/redisstore"
+	"github.com/kvroute/kvroute/respcache/s3store"
 	"github.com/kvroute/kvroute/scorer"
 )
 
@@ -168,7 +171,7 @@ func (c *Config) defaultModel() string {
 //     response_cache.l1, response_cache.l2, response_cache.tiered) and wraps the library's
 //     (respcache.ErrInvalidConfig for values out of range).
 //
-// Building a Redis store dials it only within respcache.NewRedis's own limits (an unreachable
+// Building a Redis store dials it only within redisstore.New's own limits (an unreachable
 // Redis starts in fallback unless fallback_to_memory is false); building the S3 L2 checks the
 // bucket. NewResponseCache starts no goroutine of its own; the stores' background work is
 // theirs and ends with closeAll. c must be valid; NewResponseCache panics when its defaults were
@@ -228,7 +231,7 @@ func (c *Config) NewResponseCache(o Options) (cache *respcache.Cache, closeAll f
 			l1 = m
 		}
 		l2c := rc.L2
-		s3, err := respcache.NewS3(respcache.S3Config{
+		s3, err := s3store.New(s3store.Config{
 			Endpoint: l2c.Endpoint, Bucket: l2c.Bucket, KeyPrefix: l2c.KeyPrefix, Region: l2c.Region,
 			AccessKey: string(l2c.AccessKey), SecretKey: string(l2c.SecretKey), DefaultTTL: ttl,
 			TTLOverride: time.Duration(l2c.TTLOverride), MeterProvider: o.MeterProvider,
@@ -269,9 +272,9 @@ func (c *Config) NewResponseCache(o Options) (cache *respcache.Cache, closeAll f
 }
 
 // newRedisStore builds the store of response_cache.redis; the caller closes it.
-func (c *Config) newRedisStore(o Options) (*respcache.RedisStore, error) {
+func (c *Config) newRedisStore(o Options) (*redisstore.Store, error) {
 	r := c.ResponseCache.Redis
-	st, err := respcache.NewRedis(respcache.RedisConfig{
+	st, err := redisstore.New(redisstore.Config{
 		URL: string(r.URL), TLS: r.TLS, Username: r.Username, Password: string(r.Password), KeyPrefix: r.KeyPrefix,
 		PoolSize: r.PoolSize, ConnectTimeout: time.Duration(r.ConnectTimeoutMS) * time.Millisecond,
 		CommandTimeout: time.Duration(r.CommandTimeoutMS) * time.Millisecond, DefaultTTL: time.Duration(c.ResponseCache.TTL),
@@ -392,8 +395,8 @@ func (c *Config) KVConfig(index kvindex.KvCacheIndex, tok prefixkey.Tokenizer) *
 	}
 }
 
-// EventConsumer is an events transport built by NewEventConsumers: an *events.SSEConsumer or an
-// *events.ZMQConsumer (type-assert for the latter's Addrs, e.g. the addresses binds to port 0
+// EventConsumer is an events transport built by NewEventConsumers: an *events.SSEConsumer or a
+// *zmqevents.Consumer (type-assert for the latter's Addrs, e.g. the addresses binds to port 0
 // got, and Listeners, the bound sockets' status).
 // Start starts its goroutines (a bound ZMQ consumer binds then; ctx bounds that); Status
 // reports each source; Close stops it and waits for its goroutines, and is idempotent. All
@@ -406,12 +409,12 @@ type EventConsumer interface {
 
 var (
 	_ EventConsumer = (*events.SSEConsumer)(nil)
-	_ EventConsumer = (*events.ZMQConsumer)(nil)
+	_ EventConsumer = (*zmqevents.Consumer)(nil)
 )
 
 // NewEventConsumers builds the consumers of kv_cache_index.event_sources, all applying to sink:
 // one SSE consumer for the http(s) sources, one ZMQ consumer connecting to the tcp:// sources,
-// and one ZMQ consumer binding every bind: true endpoint (one events.ZMQListener each, in
+// and one ZMQ consumer binding every bind: true endpoint (one zmqevents.Listener each, in
 // configuration order), in that order, each present only when some source needs it. The first
 // reconnection delay of each transport is the least reconnect_interval_ms of its sources (the
 // library's default when none is set), and its largest delay is at least the library's default
@@ -436,11 +439,11 @@ func (c *Config) NewEventConsumers(sink events.Sink, o Options) ([]EventConsumer
 	}
 	var (
 		sse          []events.SSESource
-		zmq          []events.ZMQEndpoint
+		zmq          []zmqevents.Endpoint
 		sseBackoff   time.Duration
 		zmqBackoff   time.Duration
 		out          []EventConsumer
-		listeners    []events.ZMQListener
+		listeners    []zmqevents.Listener
 		pods         = c.podBackends()
 		minBackoffOf = func(cur time.Duration, ms int) time.Duration {
 			if ms <= 0 {
@@ -466,10 +469,10 @@ func (c *Config) NewEventConsumers(sink events.Sink, o Options) ([]EventConsumer
 			if model == "" {
 				model = c.defaultModel()
 			}
-			listeners = append(listeners, events.ZMQListener{Bind: es.Endpoint, TopicBackend: es.TopicBackends,
+			listeners = append(listeners, zmqevents.Listener{Bind: es.Endpoint, TopicBackend: es.TopicBackends,
 				DefaultBackend: es.BackendName, Backends: pods, Model: model})
 		case IsZMQEndpoint(es.Endpoint):
-			zmq = append(zmq, events.ZMQEndpoint{Backend: es.BackendName, Endpoint: es.Endpoint,
+			zmq = append(zmq, zmqevents.Endpoint{Backend: es.BackendName, Endpoint: es.Endpoint,
 				ReplayEndpoint: es.ReplayEndpoint, Model: es.Model})
 			zmqBackoff = minBackoffOf(zmqBackoff, es.ReconnectIntervalMS)
 		default:
@@ -493,8 +496,8 @@ func (c *Config) NewEventConsumers(sink events.Sink, o Options) ([]EventConsumer
 		out = append(out, sc)
 	}
 	if len(zmq) > 0 {
-		zc, err := events.NewZMQConsumer(events.ZMQConfig{Sink: sink, Endpoints: zmq, InitialBackoff: zmqBackoff,
-			MaxBackoff: max(zmqBackoff, events.DefaultZMQMaxBackoff), MeterProvider: o.MeterProvider, Logger: logger})
+		zc, err := zmqevents.New(zmqevents.Config{Sink: sink, Endpoints: zmq, InitialBackoff: zmqBackoff,
+			MaxBackoff: max(zmqBackoff, zmqevents.DefaultMaxBackoff), MeterProvider: o.MeterProvider, Logger: logger})
 		if err != nil {
 			closeAll()
 			return nil, fmt.Errorf("kv_cache_index.event_sources (ZMQ): %w", err)
@@ -502,7 +505,7 @@ func (c *Config) NewEventConsumers(sink events.Sink, o Options) ([]EventConsumer
 		out = append(out, zc)
 	}
 	if len(listeners) > 0 {
-		zc, err := events.NewZMQConsumer(events.ZMQConfig{Sink: sink, Listeners: listeners,
+		zc, err := zmqevents.New(zmqevents.Config{Sink: sink, Listeners: listeners,
 			MeterProvider: o.MeterProvider, Logger: logger})
 		if err != nil {
 			closeAll()

@@ -18,6 +18,7 @@ import (
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/events/zmqevents"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
@@ -653,7 +654,7 @@ backends:
 				switch c := c.(type) {
 				case *events.SSEConsumer:
 					got = append(got, "sse")
-				case *events.ZMQConsumer:
+				case *zmqevents.Consumer:
 					if _, ok := c.Listener(); ok {
 						got = append(got, "zmq bind")
 					} else {
@@ -675,7 +676,7 @@ backends:
 				if n := len(c.Status()); n != tc.statuses[i] {
 					t.Errorf("%s: %d statuses, want %d: %+v", got[i], n, tc.statuses[i], c.Status())
 				}
-				if z, ok := c.(*events.ZMQConsumer); ok && got[i] == "zmq bind" {
+				if z, ok := c.(*zmqevents.Consumer); ok && got[i] == "zmq bind" {
 					if n := strings.Count(tc.sources, "bind: true"); len(z.Addrs()) != n || len(z.Listeners()) != n {
 						t.Errorf("bound consumer has addresses %v and listeners %+v, want %d", z.Addrs(), z.Listeners(), n)
 					}

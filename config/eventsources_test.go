@@ -14,6 +14,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/events/zmqevents"
 )
 
 const fourBackends = `
@@ -168,7 +169,7 @@ func TestNewEventConsumersSeveralBound(t *testing.T) {
 		}
 		defer c.Close()
 	}
-	bound := cons[1].(*events.ZMQConsumer)
+	bound := cons[1].(*zmqevents.Consumer)
 	addrs := bound.Addrs()
 	if len(addrs) != 3 {
 		t.Fatalf("addresses %v, want 3", addrs)

@@ -1,5 +1,6 @@
 // Package events turns the KV-cache events that model servers publish into a small event model
-// and delivers them to a Sink (the KV index implements it). It imports nothing else from kvroute.
+// and delivers them to a Sink (the KV index implements it). It imports nothing else from kvroute,
+// and no client library: the ZMQ transport lives in package zmqevents.
 //
 // # Event model
 //
@@ -36,7 +37,7 @@
 // anything is allocated), each slice is sized once, and a payload whose decoded form would
 // exceed the budget (a frame of minimal 15-byte events would decode to 12× its size into
 // 184-byte Event slots) is rejected whole as malformed. The transports cap what reaches the
-// decoder: ZMQConfig.MaxFrameBytes (DefaultMaxFrameBytes, 16 MiB) per batch payload and
+// decoder: zmqevents.Config.MaxFrameBytes (16 MiB) per batch payload and
 // SSEConfig.MaxEventSize (1 MiB) per SSE event; larger input is dropped and counted
 // (Events.Malformed for ZMQ, Events.Oversized for SSE, both with LastError and a Warn at most
 // once per source every 5 s), never a panic or a disconnection. BenchmarkDecodeAmplification
@@ -52,31 +53,33 @@
 //
 // # Transports
 //
-// The transports feed the decoders and deliver every batch to a Sink, one goroutine per source
-// at a time. Their goroutines run between Start and Close; Status reports each source.
+// A transport feeds a decoder and delivers every batch to a Sink, one goroutine per backend at a
+// time. Its goroutines run between Start and Close; Status reports each source.
 //
-//   - ZMQ: a SUB socket connects to each engine's PUB endpoint (tcp://host:5557, one port per
-//     data-parallel rank), or binds one or more addresses that engines connect to (one per
-//     engine or per data-parallel rank, each with its own placement rules; one consumer owns
-//     them all, so a backend reached through several addresses is still applied in order by one
-//     goroutine). Messages are
-//     [topic, seq (8-byte big-endian), payload]; the topic kv@<pod>@<model> names the model. A
-//     jump in seq means lost batches: the consumer asks the engine's replay (ROUTER) endpoint for
-//     the missing ones when it has one, and otherwise calls Sink.ClearBackend so that the index
-//     forgets that backend's possibly stale state instead of over-reporting it. On each new
-//     connection it also catches up: before the first batch it asks the replay endpoint for the
-//     batches the engine still keeps from before (ZMQConfig.CatchUpBatches, vLLM keeps
-//     10,000), so that the index learns what the engine cached before the subscription. A
-//     batch over ZMQConfig.MaxFrameBytes is dropped undecoded and handled as a lost one.
-//     A Sink that can lose what it was given without being told (a Redis index whose server
-//     restarted empty) implements LossReporter: each backend's worker asks it every
-//     ZMQConfig.LossCheckInterval (1 s) whether the backend was lost, and heals a lost one at
-//     once, as it answers a failed Apply but without waiting for the engine's next batch — it
-//     clears the backend and catches each of its chains up on the batches through the last one
-//     applied. A backend that receives no traffic and whose engine publishes nothing is thus
-//     relearnt all the same. The same check performs a clear that a failed Apply left pending.
-//   - SSE: an HTTP client reads GET <engine>/v1/kv_events with a 1 MiB line and event cap
-//     (SSEConfig.MaxEventSize) and reconnects with exponential backoff from 1 s to 60 s.
+//   - SSE (this package): an HTTP client reads GET <engine>/v1/kv_events with a 1 MiB line and
+//     event cap (SSEConfig.MaxEventSize) and reconnects with exponential backoff from 1 s to
+//     60 s.
+//   - ZMQ (package zmqevents, which imports go-zeromq/zmq4 so that this package need not): SUB
+//     sockets that connect to the engines' PUB endpoints or bind addresses the engines connect
+//     to, with sequence tracking, replay of lost batches, catch-up on what an engine cached
+//     before the subscription, and LossReporter checks.
+//
+// Another transport (NATS, Kafka, a message queue of your own) needs only this package's
+// exported API, which the SSE and ZMQ transports use too:
+//
+//   - SourceSet holds its sources: Add returns a Source per engine stream or subscription,
+//     Status lists their SourceStatus, RegisterMetrics reports them as the Metric* instruments
+//     under ScopeName, and Close marks them closed.
+//   - Source is one source's counters and state: SetState as it connects, SetError, Touch
+//     and the Received, Malformed, Gaps, … atomics as it receives, WarnDue to rate-limit its
+//     logs.
+//   - BackendWriter applies one backend's batches to the Sink and keeps the sink's view whole:
+//     after a failed Apply, or a reset the transport requests (lost batches, a restarted
+//     publisher), it clears the backend before it applies anything else, and counts each outcome
+//     on the Source.
+//   - A Sink that implements LossReporter can tell the transport that it lost a backend.
+//
+// The package example "Transport" shows one, in forty lines.
 //
 // # Use
 //

@@ -181,10 +181,12 @@ type Sink interface {
 }
 
 // LossReporter is implemented by a Sink that can lose what it was given without being told: a
-// remote index shared by router replicas whose server restarted empty or failed over. The events
-// consumers ask it about each backend they feed (ZMQConfig.LossCheckInterval) and answer a loss as
-// they answer a failed Apply: they clear the backend and, where the engine has a replay endpoint,
-// catch up on what it still holds — also for a backend that publishes nothing.
+// remote index shared by router replicas whose server restarted empty or failed over. A
+// transport that checks for it (the ZMQ consumer of package zmqevents, every
+// zmqevents.Config.LossCheckInterval) asks it about each backend it feeds and answers a loss as
+// it answers a failed Apply: it clears the backend (BackendWriter.RequestReset) and, where the
+// engine has a replay endpoint, catches up on what it still holds — also for a backend that
+// publishes nothing.
 //
 // BackendLost reports whether entries the sink took for backend since its last ClearBackend may
 // be gone; a lost backend stays lost until ClearBackend succeeds. The error is non-nil only when

@@ -11,60 +11,77 @@ import (
 	"os"
 
 	"github.com/kvroute/kvroute/events"
-	"github.com/kvroute/kvroute/kvindex"
 )
 
-// Pod-discovery mode: one SUB connection per engine (and per data-parallel rank), with the
-// engines' replay endpoints to fill sequence gaps and to catch up, on each connection, on what
-// the engines cached before it. The in-memory index is the Sink.
-func ExampleNewZMQConsumer() {
-	index, err := kvindex.NewMemory(kvindex.MemoryConfig{})
-	if err != nil {
+// A transport of your own (NATS, Kafka, a queue) is made of the exported pieces the SSE and ZMQ
+// transports use: a SourceSet for status and metrics, a Source per stream, and a BackendWriter
+// per backend, which clears the backend before it applies anything after a hole.
+func Example_transport() {
+	type message struct {
+		seq     uint64
+		payload []byte // a vLLM msgpack batch: [ts, [["BlockRemoved", [hash], "GPU"]]]
+	}
+	removed := func(hash byte) []byte {
+		return append([]byte("\x92\xcb\x41\xda\x00\x00\x00\x00\x00\x00\x91\x93\xacBlockRemoved\x91"), hash, 0xa3, 'G', 'P', 'U')
+	}
+	ctx := context.Background()
+	srcs := events.NewSourceSet(nil)
+	if err := srcs.RegisterMetrics(nil); err != nil { // nil: your MeterProvider
 		log.Fatal(err)
 	}
-	defer index.Close()
+	defer srcs.Close()
+	src := srcs.Add(events.SourceInfo{Backend: "vllm-0", Transport: "nats", Endpoint: "nats://nats:4222", Topic: "kv.vllm-0"})
+	w := events.NewBackendWriter(printKinds{}, "vllm-0")
 
-	const model = "meta-llama/Llama-3.1-8B-Instruct"
-	c, err := events.NewZMQConsumer(events.ZMQConfig{
-		Sink: index,
-		Endpoints: []events.ZMQEndpoint{
-			{Backend: "vllm-0", Endpoint: "tcp://vllm-0:5557", ReplayEndpoint: "tcp://vllm-0:5558", Model: model},
-			{Backend: "vllm-1", Endpoint: "tcp://vllm-1:5557", ReplayEndpoint: "tcp://vllm-1:5558", Model: model},
-		},
-	})
-	if err != nil {
-		log.Fatal(err)
+	// The subscription's goroutine (one per backend at a time, as the Sink contract asks).
+	src.SetState(events.StateConnected)
+	var b events.Batch // reused for every message
+	var last uint64
+	for _, m := range []message{{1, removed(7)}, {2, removed(8)}, {4, removed(9)}} {
+		src.Batches.Add(1)
+		src.LastSeq.Store(m.seq)
+		skipped, err := events.DecodeMsgpackBatch(m.payload, &b)
+		if err != nil {
+			src.Malformed.Add(1)
+			src.SetError(err)
+			w.RequestReset() // a lost batch: what it removed may still be in the index
+			continue
+		}
+		if last != 0 && m.seq != last+1 {
+			src.Gaps.Add(1)
+			w.RequestReset() // batch 3 never came
+		}
+		last = m.seq
+		src.Received.Add(uint64(len(b.Events) + skipped))
+		src.Dropped.Add(uint64(skipped))
+		src.Touch()
+		b.Seq = m.seq
+		w.Apply(ctx, src, &b) // counts Processed or Dropped, and Resets
 	}
-	// Start returns at once: engines that are down are retried in the background.
-	if err := c.Start(context.Background()); err != nil {
-		log.Fatal(err)
-	}
-	defer c.Close()
-	// … route with index.Lookup; c.Status() feeds an admin endpoint.
+	st := srcs.Status()[0]
+	fmt.Printf("received %d, processed %d, gaps %d, resets %d\n",
+		st.Events.Received, st.Events.Processed, st.Sequence.Gaps, st.Sequence.Resets)
+	// Output:
+	// vllm-0 1 BlockRemoved [7]
+	// vllm-0 2 BlockRemoved [8]
+	// vllm-0 cleared
+	// vllm-0 4 BlockRemoved [9]
+	// received 3, processed 3, gaps 1, resets 1
 }
 
-// Centralized mode: the router binds, every engine connects to it (vLLM's publisher connects
-// when its endpoint names a host, e.g. tcp://router:5557), and the llm-d topic
-// kv@<pod>@<model> names each message's backend and model.
-func ExampleNewZMQConsumer_bind() {
-	index, err := kvindex.NewMemory(kvindex.MemoryConfig{})
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer index.Close()
+// printKinds prints what it is asked to do.
+type printKinds struct{}
 
-	c, err := events.NewZMQConsumer(events.ZMQConfig{
-		Sink:  index,
-		Bind:  "tcp://0.0.0.0:5557",
-		Topic: "kv@", // llm-d topics only
-	})
-	if err != nil {
-		log.Fatal(err)
+func (printKinds) Apply(_ context.Context, backend string, b *events.Batch) error {
+	for _, ev := range b.Events {
+		fmt.Println(backend, b.Seq, ev.Kind, ev.BlockHashes)
 	}
-	if err := c.Start(context.Background()); err != nil {
-		log.Fatal(err) // e.g. the port is taken
-	}
-	defer c.Close()
+	return nil
+}
+
+func (printKinds) ClearBackend(_ context.Context, backend string) error {
+	fmt.Println(backend, "cleared")
+	return nil
 }
 
 // printSink prints the events it receives.

@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
-	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -13,13 +11,16 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/metric/noop"
+
+	"github.com/kvroute/kvroute/events/internal/run"
 )
 
-// Instrumentation scope and metric names of the consumers. They follow kvroute's Tier-4 list
-// with the kvroute prefix in OpenTelemetry style; a Prometheus exporter renders them as
-// kvroute_kv_event_received_total, kvroute_kv_consumer_connected, … Every instrument carries a
-// "backend" attribute; the source-status gauge also carries "status" (one of the SourceState
-// values, 1 for the current state and 0 for the others).
+// Instrumentation scope and metric names of the transports: the SSE consumer, the ZMQ consumer
+// of package zmqevents and any transport that reports its sources with SourceSet.RegisterMetrics.
+// They follow kvroute's Tier-4 list with the kvroute prefix in OpenTelemetry style; a Prometheus
+// exporter renders them as kvroute_kv_event_received_total, kvroute_kv_consumer_connected, …
+// Every instrument carries a "backend" attribute; the source-status gauge also carries "status"
+// (one of the SourceState values, 1 for the current state and 0 for the others).
 //
 // The counters are observable: they report the same atomics Status reads, so counting an event
 // costs one atomic add and no OpenTelemetry call.
@@ -37,12 +38,13 @@ const (
 
 // Errors callers branch on.
 var (
-	// ErrInvalidConfig is wrapped by the constructors' errors for a configuration they reject.
+	// ErrInvalidConfig is wrapped by the transports' constructors' errors (NewSSEConsumer,
+	// zmqevents.New) for a configuration they reject.
 	ErrInvalidConfig = errors.New("events: invalid config")
-	// ErrClosed is returned by Start after Close.
-	ErrClosed = errors.New("events: consumer closed")
-	// ErrStarted is returned by Start after a successful Start.
-	ErrStarted = errors.New("events: consumer already started")
+	// ErrClosed is returned by a transport's Start after Close.
+	ErrClosed = run.ErrClosed // "events: consumer closed"
+	// ErrStarted is returned by a transport's Start after a successful Start.
+	ErrStarted = run.ErrStarted // "events: consumer already started"
 )
 
 // SourceState is the connection state of an event source.
@@ -72,15 +74,15 @@ func stateAt(i int) SourceState {
 	}
 }
 
-// SourceStatus is a snapshot of one event source: an engine endpoint in ZMQ connect mode, a
-// backend seen on one bound address in bind mode (one status per address and backend), or an SSE
-// stream. Its JSON form carries what the
+// SourceStatus is a snapshot of one event source (Source.Status): an engine endpoint in ZMQ
+// connect mode, a backend seen on one bound address in ZMQ bind mode (one status per address and
+// backend), an SSE stream, or a source of another transport. Its JSON form carries what the
 // kvroute's GET /admin/kv-index/backends shows per backend ("backend_name", "connection":
 // {"connected", "reconnect_count", "last_event_at"}, "events": {"received", "dropped", …}); the
 // index's own counts (index_created, …) come from the index.
 type SourceStatus struct {
 	Backend   string `json:"backend_name"`
-	Transport string `json:"transport"` // "zmq" or "sse"
+	Transport string `json:"transport"` // "zmq", "sse", or another transport's name
 	Endpoint  string `json:"endpoint"`  // the URL, the engine endpoint, or the bound address
 	Topic     string `json:"topic,omitempty"`
 
@@ -128,7 +130,7 @@ type SequenceStats struct {
 	Replays        uint64 `json:"replays"`  // gaps filled by replay
 	ReplayFailures uint64 `json:"replay_failures"`
 	// CatchUps counts catch-ups that completed: on a publisher's first batch, the batches its
-	// replay endpoint kept from before it were applied (ZMQConfig.CatchUpBatches).
+	// replay endpoint kept from before it were applied (zmqevents.Config.CatchUpBatches).
 	CatchUps        uint64 `json:"catch_ups"`
 	CatchUpFailures uint64 `json:"catch_up_failures"`
 	// CaughtUpBatches counts the batches the completed catch-ups applied.
@@ -141,58 +143,102 @@ type SequenceStats struct {
 	QueueOverflows uint64 `json:"queue_overflows"`
 }
 
-// source holds one event source's counters and state. Counters are atomics written by the
-// reader and worker goroutines and read by Status and the metrics callback.
-type source struct {
-	backend   string
-	transport string
-	endpoint  string
-	topic     string
-	now       func() time.Time
-	attrs     *backendAttrs // nil: not reported as metrics
+// SourceInfo names an event source: the backend its events belong to, its transport ("sse",
+// "zmq", or the name of another transport), its endpoint (a URL, an engine address, a bound
+// address, a subject) and, when it has one, its topic. It is reported as is in SourceStatus.
+type SourceInfo struct {
+	Backend   string
+	Transport string
+	Endpoint  string
+	Topic     string
+}
 
-	received, processed, dropped, malformed, oversized atomic.Uint64
-	batches, lastSeq, gaps, replays, replayFailures    atomic.Uint64
-	catchUps, catchUpFailures, caughtUpBatches         atomic.Uint64
-	resets, overflows, reconnects                      atomic.Uint64
-	state                                              atomic.Uint32 // stateAt index
-	lastEventAt, connectedSince                        atomic.Int64  // unix nanoseconds, 0 = never
-	liveConns                                          atomic.Int64  // bind mode: open connections that carried this backend
-	everConnected                                      atomic.Bool
-	lastWarnAt                                         atomic.Int64 // unix nanoseconds of the last rate-limited Warn
+// Source is one event source's counters and state: what Status reports, and for a source of a
+// SourceSet what the set's metrics report. It is the bookkeeping a transport keeps per source
+// (an engine stream, a subscription, one backend's messages on a bound address): the transport
+// sets its state as it connects and disconnects, records errors, counts what it receives and
+// decodes, and passes it to BackendWriter.Apply, which counts what the sink took.
+//
+// The counters are atomics that any goroutine may update, and every method is safe for
+// concurrent use. A Source must not be copied. The zero value is a source with an empty
+// SourceInfo, in state StateConnecting, on the wall clock; NewSource and SourceSet.Add name it.
+type Source struct {
+	// Counters of EventStats. A transport adds Received for every event of a decodable message
+	// (events the decoder skipped included), Malformed for undecodable input (whole messages, and
+	// skipped events, which it also adds to Dropped), Dropped for events it received but will
+	// not apply (a full queue, skipped events), and Oversized for input over its size cap.
+	// BackendWriter.Apply adds Processed and Dropped for the events it applied or not.
+	Received, Processed, Dropped, Malformed, Oversized atomic.Uint64
+	// Counters of SequenceStats, for a transport that numbers its batches: Batches (well-framed
+	// messages), LastSeq (stored, not added), Gaps, Replays, ReplayFailures, CatchUps,
+	// CatchUpFailures, CaughtUpBatches and QueueOverflows. BackendWriter.Apply adds Resets.
+	Batches, LastSeq, Gaps, Replays, ReplayFailures atomic.Uint64
+	CatchUps, CatchUpFailures, CaughtUpBatches      atomic.Uint64
+	Resets, QueueOverflows                          atomic.Uint64
+	// Reconnects is ConnectionStatus.ReconnectCount: connection attempts after the first one,
+	// or returns of a publisher after it disconnected.
+	Reconnects atomic.Uint64
+
+	info  SourceInfo
+	now   func() time.Time // nil: time.Now
+	attrs *backendAttrs    // nil: not reported as metrics
+
+	state                       atomic.Uint32 // stateAt index
+	lastEventAt, connectedSince atomic.Int64  // unix nanoseconds, 0 = never
+	everConnected               atomic.Bool
+	lastWarnAt                  atomic.Int64 // unix nanoseconds of the last rate-limited Warn
 
 	mu        sync.Mutex
 	lastErr   string
 	lastErrAt time.Time
 }
 
-func newSource(backend, transport, endpoint, topic string, now func() time.Time, attrs *backendAttrs) *source {
-	return &source{backend: backend, transport: transport, endpoint: endpoint, topic: topic, now: now, attrs: attrs}
+// NewSource returns a source that is reported on its own, not by a SourceSet's metrics (the
+// status of a bound socket, say, which belongs to no backend); now is the clock of its status
+// timestamps (nil: time.Now).
+func NewSource(info SourceInfo, now func() time.Time) *Source {
+	return &Source{info: info, now: now}
 }
 
-// setState records a state change; entering StateConnected stamps ConnectedSince.
-func (s *source) setState(st SourceState) {
+// Info returns the source's name, as given to NewSource or SourceSet.Add.
+func (s *Source) Info() SourceInfo { return s.info }
+
+func (s *Source) clock() time.Time {
+	if s.now == nil {
+		return time.Now()
+	}
+	return s.now()
+}
+
+// SetState records a state change; entering StateConnected stamps ConnectedSince and marks the
+// source as connected once (EverConnected), any other state clears ConnectedSince.
+func (s *Source) SetState(st SourceState) {
 	for i := range numStates {
 		if stateAt(i) == st {
 			s.state.Store(uint32(i))
 		}
 	}
 	if st == StateConnected {
-		s.connectedSince.Store(s.now().UnixNano())
+		s.connectedSince.Store(s.clock().UnixNano())
 		s.everConnected.Store(true)
 	} else {
 		s.connectedSince.Store(0)
 	}
 }
 
-func (s *source) getState() SourceState { return stateAt(int(s.state.Load())) }
+// State returns the current state.
+func (s *Source) State() SourceState { return stateAt(int(s.state.Load())) }
 
-// setError records err as the source's last error.
-func (s *source) setError(err error) {
+// EverConnected reports whether the source has been in StateConnected: a transport that
+// connects again counts a reconnection (Reconnects) or clears its backend.
+func (s *Source) EverConnected() bool { return s.everConnected.Load() }
+
+// SetError records err, with the time, as the source's LastError; a nil err is ignored.
+func (s *Source) SetError(err error) {
 	if err == nil {
 		return
 	}
-	msg, at := err.Error(), s.now()
+	msg, at := err.Error(), s.clock()
 	s.mu.Lock()
 	s.lastErr, s.lastErrAt = msg, at
 	s.mu.Unlock()
@@ -202,9 +248,11 @@ func (s *source) setError(err error) {
 // batches, oversized events): a publisher that sends nothing else must not flood the log.
 const warnEvery = 5 * time.Second
 
-// warnDue reports whether the source may log a rate-limited Warn now, and if so records it.
-func (s *source) warnDue() bool {
-	now := s.now().UnixNano()
+// WarnDue reports whether the source may log a rate-limited Warn now (at most one every 5 s), and
+// if so records it: a transport calls it before logging a problem that a publisher can repeat
+// at every message (dropped batches, oversized events, unknown topics).
+func (s *Source) WarnDue() bool {
+	now := s.clock().UnixNano()
 	last := s.lastWarnAt.Load()
 	if last != 0 && now-last < int64(warnEvery) {
 		return false
@@ -212,7 +260,8 @@ func (s *source) warnDue() bool {
 	return s.lastWarnAt.CompareAndSwap(last, now)
 }
 
-func (s *source) touch() { s.lastEventAt.Store(s.now().UnixNano()) }
+// Touch stamps LastEventAt: a message with events arrived.
+func (s *Source) Touch() { s.lastEventAt.Store(s.clock().UnixNano()) }
 
 func unixNanoTime(ns int64) time.Time {
 	if ns == 0 {
@@ -221,39 +270,39 @@ func unixNanoTime(ns int64) time.Time {
 	return time.Unix(0, ns).UTC()
 }
 
-// status returns a snapshot.
-func (s *source) status() SourceStatus {
-	st := s.getState()
+// Status returns a snapshot of the source.
+func (s *Source) Status() SourceStatus {
+	st := s.State()
 	out := SourceStatus{
-		Backend:   s.backend,
-		Transport: s.transport,
-		Endpoint:  s.endpoint,
-		Topic:     s.topic,
+		Backend:   s.info.Backend,
+		Transport: s.info.Transport,
+		Endpoint:  s.info.Endpoint,
+		Topic:     s.info.Topic,
 		Connection: ConnectionStatus{
 			Connected:      st == StateConnected,
 			State:          st,
-			ReconnectCount: s.reconnects.Load(),
+			ReconnectCount: s.Reconnects.Load(),
 			ConnectedSince: unixNanoTime(s.connectedSince.Load()),
 			LastEventAt:    unixNanoTime(s.lastEventAt.Load()),
 		},
 		Events: EventStats{
-			Received:  s.received.Load(),
-			Processed: s.processed.Load(),
-			Dropped:   s.dropped.Load(),
-			Malformed: s.malformed.Load(),
-			Oversized: s.oversized.Load(),
+			Received:  s.Received.Load(),
+			Processed: s.Processed.Load(),
+			Dropped:   s.Dropped.Load(),
+			Malformed: s.Malformed.Load(),
+			Oversized: s.Oversized.Load(),
 		},
 		Sequence: SequenceStats{
-			Batches:         s.batches.Load(),
-			LastSeq:         s.lastSeq.Load(),
-			Gaps:            s.gaps.Load(),
-			Replays:         s.replays.Load(),
-			ReplayFailures:  s.replayFailures.Load(),
-			CatchUps:        s.catchUps.Load(),
-			CatchUpFailures: s.catchUpFailures.Load(),
-			CaughtUpBatches: s.caughtUpBatches.Load(),
-			Resets:          s.resets.Load(),
-			QueueOverflows:  s.overflows.Load(),
+			Batches:         s.Batches.Load(),
+			LastSeq:         s.LastSeq.Load(),
+			Gaps:            s.Gaps.Load(),
+			Replays:         s.Replays.Load(),
+			ReplayFailures:  s.ReplayFailures.Load(),
+			CatchUps:        s.CatchUps.Load(),
+			CatchUpFailures: s.CatchUpFailures.Load(),
+			CaughtUpBatches: s.CaughtUpBatches.Load(),
+			Resets:          s.Resets.Load(),
+			QueueOverflows:  s.QueueOverflows.Load(),
 		},
 	}
 	s.mu.Lock()
@@ -262,13 +311,25 @@ func (s *source) status() SourceStatus {
 	return out
 }
 
-// registry is a consumer's set of sources and their per-backend metric attributes. Safe for
-// concurrent use.
-type registry struct {
+// SourceSet is a transport's sources, reported together: Status lists them in the order they
+// were added, and the metrics (RegisterMetrics) report them per backend, summing the counters of
+// a backend's sources and reporting its connection by its worst source. A transport holds one
+// set, adds a Source per source as it learns of it, and closes the set in its Close.
+//
+// Safe for concurrent use. The zero value is an empty set on the wall clock; NewSourceSet
+// injects a clock. A SourceSet must not be copied.
+type SourceSet struct {
+	now func() time.Time // nil: time.Now
+
 	mu      sync.Mutex
-	sources []*source
+	sources []*Source
 	attrs   map[string]*backendAttrs
+	reg     metric.Registration // set by RegisterMetrics
+	closed  bool
 }
+
+// NewSourceSet returns an empty set whose sources stamp their status with now (nil: time.Now).
+func NewSourceSet(now func() time.Time) *SourceSet { return &SourceSet{now: now} }
 
 // backendAttrs are one backend's pre-built attribute options.
 type backendAttrs struct {
@@ -278,7 +339,7 @@ type backendAttrs struct {
 }
 
 // attrsFor returns the backend's attribute options, building them once. Called with r.mu held.
-func (r *registry) attrsFor(backend string) *backendAttrs {
+func (r *SourceSet) attrsFor(backend string) *backendAttrs {
 	if a := r.attrs[backend]; a != nil {
 		return a
 	}
@@ -297,44 +358,49 @@ func (r *registry) attrsFor(backend string) *backendAttrs {
 	return a
 }
 
-// add registers a new source whose metrics are reported under its backend.
-func (r *registry) add(backend, transport, endpoint, topic string, now func() time.Time) *source {
+// Add returns a new source of the set, reported under info.Backend. Several sources may share a
+// backend (one per data-parallel rank, or per bound address): each has its own status, and the
+// metrics add them up.
+func (r *SourceSet) Add(info SourceInfo) *Source {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	s := newSource(backend, transport, endpoint, topic, now, r.attrsFor(backend))
+	s := &Source{info: info, now: r.now, attrs: r.attrsFor(info.Backend)}
 	r.sources = append(r.sources, s)
 	return s
 }
 
 // snapshot returns the current sources; the slice is the caller's.
-func (r *registry) snapshot() []*source {
+func (r *SourceSet) snapshot() []*Source {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return append([]*source(nil), r.sources...)
+	return append([]*Source(nil), r.sources...)
 }
 
-// statuses returns the status of every source, in registration order.
-func (r *registry) statuses() []SourceStatus {
+// Status returns the status of every source, in the order they were added. It never blocks on
+// anything but the set's lock.
+func (r *SourceSet) Status() []SourceStatus {
 	srcs := r.snapshot()
 	out := make([]SourceStatus, len(srcs))
 	for i, s := range srcs {
-		out[i] = s.status()
+		out[i] = s.Status()
 	}
 	return out
 }
 
-// closeAll marks every source closed.
-func (r *registry) closeAll() {
+// Close marks every source StateClosed and unregisters the metrics callback, if any. It is
+// idempotent and returns the error of unregistering the callback.
+func (r *SourceSet) Close() error {
+	r.mu.Lock()
+	reg, first := r.reg, !r.closed
+	r.closed, r.reg = true, nil
+	r.mu.Unlock()
 	for _, s := range r.snapshot() {
-		s.setState(StateClosed)
-		s.liveConns.Store(0)
+		s.SetState(StateClosed)
 	}
-}
-
-// consumerMetrics are a consumer's observable instruments.
-type consumerMetrics struct {
-	reg  metric.Registration
-	once sync.Once
+	if !first || reg == nil {
+		return nil
+	}
+	return reg.Unregister()
 }
 
 // stateRank orders states from best to worst, to report a backend with several sources (data-
@@ -352,9 +418,15 @@ func stateRank(st SourceState) int {
 	}
 }
 
-// newConsumerMetrics registers the instruments and a callback that reads r's sources. Sources
-// sharing a backend are summed (counters) or reported by their worst state (gauges).
-func newConsumerMetrics(mp metric.MeterProvider, r *registry) (*consumerMetrics, error) {
+// RegisterMetrics registers the set's observable instruments (ScopeName and the Metric* names)
+// on mp, and a callback that reports the sources at each collection: per backend, the counters
+// summed over its sources (received, processed, dropped, reconnects, gaps) and its connection by
+// its worst source (connected, and the source-status gauge). The counters report the atomics
+// Status reads, so counting an event costs a transport one atomic add and no OpenTelemetry call.
+// A nil mp registers nothing. Call it at most once, before or after adding sources; Close
+// unregisters the callback. The error is the MeterProvider's, wrapped; nothing is left
+// registered then.
+func (r *SourceSet) RegisterMetrics(mp metric.MeterProvider) error {
 	if mp == nil {
 		mp = noop.NewMeterProvider()
 	}
@@ -368,40 +440,39 @@ func newConsumerMetrics(mp metric.MeterProvider, r *registry) (*consumerMetrics,
 	}
 	received, err := counter(MetricEventReceived, "KV events received per backend.", "{event}")
 	if err != nil {
-		return nil, err
+		return err
 	}
 	processed, err := counter(MetricEventProcessed, "KV events successfully applied to the index per backend.", "{event}")
 	if err != nil {
-		return nil, err
+		return err
 	}
 	dropped, err := counter(MetricEventDropped, "KV events dropped per backend (queue backpressure, undecodable, sink errors).", "{event}")
 	if err != nil {
-		return nil, err
+		return err
 	}
 	reconnects, err := counter(MetricConsumerReconnects, "Event-stream reconnection attempts per backend.", "{reconnect}")
 	if err != nil {
-		return nil, err
+		return err
 	}
 	gaps, err := counter(MetricConsumerGaps, "Sequence gaps detected per backend (replayed or reset).", "{gap}")
 	if err != nil {
-		return nil, err
+		return err
 	}
 	connected, err := meter.Int64ObservableGauge(MetricConsumerConnected,
 		metric.WithDescription("1 when every event source of the backend is connected."))
 	if err != nil {
-		return nil, fmt.Errorf("events: metric %s: %w", MetricConsumerConnected, err)
+		return fmt.Errorf("events: metric %s: %w", MetricConsumerConnected, err)
 	}
 	status, err := meter.Int64ObservableGauge(MetricEventSourceStatus,
 		metric.WithDescription("Event source connection status per backend: 1 for the current status, 0 for the others."))
 	if err != nil {
-		return nil, fmt.Errorf("events: metric %s: %w", MetricEventSourceStatus, err)
+		return fmt.Errorf("events: metric %s: %w", MetricEventSourceStatus, err)
 	}
 	type agg struct {
 		received, processed, dropped, reconnects, gaps int64
 		worst                                          SourceState
 	}
-	m := &consumerMetrics{}
-	m.reg, err = meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+	reg, err := meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
 		srcs := r.snapshot()
 		byBackend := make(map[*backendAttrs]*agg, len(srcs))
 		order := make([]*backendAttrs, 0, len(srcs))
@@ -415,12 +486,12 @@ func newConsumerMetrics(mp metric.MeterProvider, r *registry) (*consumerMetrics,
 				byBackend[s.attrs] = a
 				order = append(order, s.attrs)
 			}
-			a.received += int64(s.received.Load())
-			a.processed += int64(s.processed.Load())
-			a.dropped += int64(s.dropped.Load())
-			a.reconnects += int64(s.reconnects.Load())
-			a.gaps += int64(s.gaps.Load())
-			if st := s.getState(); stateRank(st) > stateRank(a.worst) {
+			a.received += int64(s.Received.Load())
+			a.processed += int64(s.Processed.Load())
+			a.dropped += int64(s.Dropped.Load())
+			a.reconnects += int64(s.Reconnects.Load())
+			a.gaps += int64(s.Gaps.Load())
+			if st := s.State(); stateRank(st) > stateRank(a.worst) {
 				a.worst = st
 			}
 		}
@@ -447,158 +518,17 @@ func newConsumerMetrics(mp metric.MeterProvider, r *registry) (*consumerMetrics,
 		return nil
 	}, received, processed, dropped, reconnects, gaps, connected, status)
 	if err != nil {
-		return nil, fmt.Errorf("events: metric callback: %w", err)
+		return fmt.Errorf("events: metric callback: %w", err)
 	}
-	return m, nil
-}
-
-// close unregisters the callback; idempotent.
-func (m *consumerMetrics) close() error {
-	var err error
-	m.once.Do(func() {
-		if m.reg != nil {
-			err = m.reg.Unregister()
-		}
-	})
-	return err
-}
-
-// backoff is an exponential backoff with ±20% jitter. Not safe for concurrent use.
-type backoff struct {
-	initial, max, cur time.Duration
-}
-
-// next returns the delay before the next attempt and doubles the base, up to max.
-func (b *backoff) next() time.Duration {
-	if b.cur == 0 {
-		b.cur = b.initial
-	} else {
-		b.cur = min(b.cur*2, b.max)
-	}
-	d := b.cur
-	if j := int64(d) * 2 / 5; j > 0 {
-		d += time.Duration(rand.Int64N(j+1) - j/2)
-	}
-	return min(max(d, time.Millisecond), b.max)
-}
-
-// reset makes the next delay the initial one again (after a successful connection).
-func (b *backoff) reset() { b.cur = 0 }
-
-// sleepCtx waits d or until ctx ends; it reports whether the full delay elapsed.
-func sleepCtx(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
-}
-
-// lifecycle is the Start/Close state shared by the consumers: a context cancelled by Close and
-// the goroutines Close waits for.
-type lifecycle struct {
-	mu      sync.Mutex
-	started bool
-	closed  bool
-	ctx     context.Context
-	cancel  context.CancelFunc
-	wg      sync.WaitGroup
-}
-
-func (l *lifecycle) init() {
-	l.ctx, l.cancel = context.WithCancel(context.Background())
-}
-
-// start runs launch (which starts the goroutines with goTracked) under the lock, so that a
-// concurrent shutdown waits for every goroutine launch started. It fails after Close or after a
-// successful start, and returns launch's error (launch must then have started nothing).
-func (l *lifecycle) start(launch func() error) error {
-	l.mu.Lock()
-	defer l.mu.Unlock()
+	r.mu.Lock()
+	defer r.mu.Unlock()
 	switch {
-	case l.closed:
-		return ErrClosed
-	case l.started:
-		return ErrStarted
+	case r.reg != nil:
+		_ = reg.Unregister()
+		return errors.New("events: SourceSet.RegisterMetrics called twice")
+	case r.closed:
+		return reg.Unregister() // closed meanwhile: report nothing
 	}
-	if err := launch(); err != nil {
-		return err
-	}
-	l.started = true
+	r.reg = reg
 	return nil
-}
-
-// goTracked runs f as a goroutine Close waits for.
-func (l *lifecycle) goTracked(f func()) {
-	l.wg.Add(1)
-	go func() {
-		defer l.wg.Done()
-		f()
-	}()
-}
-
-// shutdown cancels the context and waits for the goroutines; it reports whether this call was
-// the first.
-func (l *lifecycle) shutdown() bool {
-	l.mu.Lock()
-	first := !l.closed
-	l.closed = true
-	l.mu.Unlock()
-	l.cancel()
-	l.wg.Wait()
-	return first
-}
-
-// discardLogger returns l, or a logger that drops everything when l is nil.
-func discardLogger(l *slog.Logger) *slog.Logger {
-	if l != nil {
-		return l
-	}
-	return slog.New(slog.DiscardHandler)
-}
-
-// backendWriter applies one backend's batches to the sink. It is owned by one goroutine at a
-// time (the Sink contract: one goroutine per backend). After a failed Apply, or when a reset was
-// requested (sequence gap, publisher restart), it clears the backend before it applies anything
-// else, so that the sink never builds on a view with a hole in it.
-type backendWriter struct {
-	sink      Sink
-	backend   string
-	needClear bool
-	clears    uint64 // successful ClearBackend calls
-}
-
-// requestReset makes the next apply clear the backend first.
-func (w *backendWriter) requestReset() { w.needClear = true }
-
-// apply delivers b (pending reset first) and counts the outcome on src. It reports whether b
-// was applied. A batch without events only performs the pending reset.
-func (w *backendWriter) apply(ctx context.Context, src *source, b *Batch) bool {
-	n := uint64(len(b.Events))
-	if w.needClear {
-		if err := w.sink.ClearBackend(ctx, w.backend); err != nil {
-			src.setError(fmt.Errorf("sink clear backend %q: %w", w.backend, err))
-			src.dropped.Add(n)
-			return false
-		}
-		w.needClear = false
-		w.clears++
-		src.resets.Add(1)
-	}
-	if n == 0 {
-		return true
-	}
-	if err := w.sink.Apply(ctx, w.backend, b); err != nil {
-		src.setError(fmt.Errorf("sink apply: %w", err))
-		src.dropped.Add(n)
-		if ctx.Err() == nil {
-			w.needClear = true // the sink missed these events: its view has a hole
-		}
-		return false
-	}
-	src.processed.Add(n)
-	return true
 }

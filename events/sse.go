@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/metric"
+
+	"github.com/kvroute/kvroute/events/internal/run"
 )
 
 // Defaults of SSEConfig (kvroute's values).
@@ -91,18 +93,17 @@ type SSEConsumer struct {
 	client *http.Client
 	now    func() time.Time
 	log    *slog.Logger
-	life   lifecycle
-	reg    registry
+	life   run.Lifecycle
+	srcs   *SourceSet
 
-	metrics *consumerMetrics
 	sources []*sseSource
 }
 
 // sseSource is one stream and the state of its goroutine.
 type sseSource struct {
 	cfg   SSESource
-	src   *source
-	w     backendWriter
+	src   *Source
+	w     *BackendWriter
 	batch Batch
 	id    string        // last event id
 	retry time.Duration // server's retry: hint, 0 = none
@@ -137,6 +138,7 @@ func NewSSEConsumer(cfg SSEConfig) (*SSEConsumer, error) {
 	if c.now == nil {
 		c.now = time.Now
 	}
+	c.srcs = NewSourceSet(c.now)
 	seen := make(map[string]bool, len(cfg.Sources))
 	for i, sc := range cfg.Sources {
 		if sc.Backend == "" {
@@ -151,17 +153,15 @@ func NewSSEConsumer(cfg SSEConfig) (*SSEConsumer, error) {
 		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 			return nil, fmt.Errorf("%w: Sources[%d]: URL %q is not an absolute http(s) URL", ErrInvalidConfig, i, sc.URL)
 		}
-		s := &sseSource{cfg: sc, w: backendWriter{sink: cfg.Sink, backend: sc.Backend}, log: c.log}
+		s := &sseSource{cfg: sc, w: NewBackendWriter(cfg.Sink, sc.Backend), log: c.log}
 		s.batch.Events = make([]Event, 1)
-		s.src = c.reg.add(sc.Backend, "sse", sc.URL, "", c.now)
+		s.src = c.srcs.Add(SourceInfo{Backend: sc.Backend, Transport: "sse", Endpoint: sc.URL})
 		c.sources = append(c.sources, s)
 	}
-	m, err := newConsumerMetrics(cfg.MeterProvider, &c.reg)
-	if err != nil {
+	if err := c.srcs.RegisterMetrics(cfg.MeterProvider); err != nil {
 		return nil, err
 	}
-	c.metrics = m
-	c.life.init()
+	c.life.Init()
 	return c, nil
 }
 
@@ -173,9 +173,9 @@ func (c *SSEConsumer) Start(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	return c.life.start(func() error {
+	return c.life.Start(func() error {
 		for _, s := range c.sources {
-			c.life.goTracked(func() { c.run(s) })
+			c.life.Go(func() { c.run(s) })
 		}
 		return nil
 	})
@@ -185,41 +185,40 @@ func (c *SSEConsumer) Start(ctx context.Context) error {
 // first (the sink sees a cancelled ctx). Idempotent; it returns the error of unregistering the
 // metric callback, if any.
 func (c *SSEConsumer) Close() error {
-	if !c.life.shutdown() {
+	if !c.life.Shutdown() {
 		return nil
 	}
-	c.reg.closeAll()
-	return c.metrics.close()
+	return c.srcs.Close()
 }
 
 // Status returns a snapshot of every source, in configuration order. Safe for concurrent use;
 // it never blocks on the network.
-func (c *SSEConsumer) Status() []SourceStatus { return c.reg.statuses() }
+func (c *SSEConsumer) Status() []SourceStatus { return c.srcs.Status() }
 
 // run connects, reads and reconnects one source until Close.
 func (c *SSEConsumer) run(s *sseSource) {
-	ctx := c.life.ctx
-	bo := backoff{initial: c.cfg.InitialBackoff, max: c.cfg.MaxBackoff}
+	ctx := c.life.Context()
+	bo := run.Backoff{Initial: c.cfg.InitialBackoff, Max: c.cfg.MaxBackoff}
 	for attempt := 0; ; attempt++ {
 		if attempt > 0 {
-			s.src.reconnects.Add(1)
+			s.src.Reconnects.Add(1)
 		}
-		s.src.setState(StateConnecting)
+		s.src.SetState(StateConnecting)
 		err := c.stream(ctx, s, &bo)
 		if ctx.Err() != nil {
 			return
 		}
-		s.src.setError(err)
-		if s.src.getState() == StateConnected {
+		s.src.SetError(err)
+		if s.src.State() == StateConnected {
 			c.log.Warn("kvroute events: sse stream lost", "backend", s.cfg.Backend, "url", s.cfg.URL, "err", err)
 		} else {
 			c.log.Debug("kvroute events: sse connect failed", "backend", s.cfg.Backend, "url", s.cfg.URL, "err", err)
 		}
-		s.src.setState(StateDisconnected)
+		s.src.SetState(StateDisconnected)
 		if s.retry > 0 {
-			bo.initial = min(s.retry, bo.max)
+			bo.Initial = min(s.retry, bo.Max)
 		}
-		if !sleepCtx(ctx, bo.next()) {
+		if !run.Sleep(ctx, bo.Next()) {
 			return
 		}
 	}
@@ -231,7 +230,7 @@ var errStreamEnded = errors.New("stream ended")
 // stream performs one request and reads its stream until it fails or ends. ctx is the
 // consumer's: it also bounds the sink calls, which the request's own cancellation (idle
 // timeout) must not abort.
-func (c *SSEConsumer) stream(ctx context.Context, s *sseSource, bo *backoff) error {
+func (c *SSEConsumer) stream(ctx context.Context, s *sseSource, bo *run.Backoff) error {
 	reqCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var idle *idleReader
@@ -269,14 +268,14 @@ func (c *SSEConsumer) stream(ctx context.Context, s *sseSource, bo *backoff) err
 			return fmt.Errorf("GET %s: content type %q is not text/event-stream", s.cfg.URL, ct)
 		}
 	}
-	bo.reset()
-	reconnect := s.src.everConnected.Load()
-	s.src.setState(StateConnected)
+	bo.Reset()
+	reconnect := s.src.EverConnected()
+	s.src.SetState(StateConnected)
 	c.log.Debug("kvroute events: sse connected", "backend", s.cfg.Backend, "url", s.cfg.URL)
 	if reconnect && c.cfg.ClearOnReconnect {
-		s.w.requestReset()
+		s.w.RequestReset()
 		var empty Batch
-		s.w.apply(ctx, s.src, &empty)
+		s.w.Apply(ctx, s.src, &empty)
 	}
 	var body io.Reader = resp.Body
 	if idle != nil {
@@ -299,15 +298,15 @@ func (c *SSEConsumer) stream(ctx context.Context, s *sseSource, bo *backoff) err
 func (c *SSEConsumer) dispatch(ctx context.Context, s *sseSource, typ string, data []byte) {
 	ev := &s.batch.Events[0]
 	if err := DecodeSSEEvent(typ, data, ev); err != nil {
-		s.src.malformed.Add(1)
-		s.src.setError(err)
+		s.src.Malformed.Add(1)
+		s.src.SetError(err)
 		return
 	}
-	s.src.received.Add(1)
-	s.src.touch()
+	s.src.Received.Add(1)
+	s.src.Touch()
 	s.batch.Model = s.cfg.Model
 	s.batch.Events = s.batch.Events[:1]
-	s.w.apply(ctx, s.src, &s.batch)
+	s.w.Apply(ctx, s.src, &s.batch)
 }
 
 // idleReader cancels the request (through t) when no byte arrives for d.
@@ -353,9 +352,9 @@ type sseHooks interface {
 }
 
 func (s *sseSource) oversized(limit int) {
-	s.src.oversized.Add(1)
-	s.src.setError(fmt.Errorf("%w: sse event larger than %d bytes dropped", ErrMalformed, limit))
-	if s.src.warnDue() {
+	s.src.Oversized.Add(1)
+	s.src.SetError(fmt.Errorf("%w: sse event larger than %d bytes dropped", ErrMalformed, limit))
+	if s.src.WarnDue() {
 		s.log.Warn("kvroute events: oversized sse event dropped", "backend", s.cfg.Backend, "url", s.cfg.URL, "max", limit)
 	}
 }
@@ -496,4 +495,18 @@ func (p *sseParser) appendLine(b []byte) {
 		return
 	}
 	p.line = append(p.line, b...)
+}
+
+func setDefault[T int | time.Duration](v *T, def T) {
+	if *v == 0 {
+		*v = def
+	}
+}
+
+// discardLogger returns l, or a logger that drops everything when l is nil.
+func discardLogger(l *slog.Logger) *slog.Logger {
+	if l != nil {
+		return l
+	}
+	return slog.New(slog.DiscardHandler)
 }

@@ -1,12 +1,15 @@
 // Package respcache serves repeated deterministic LLM requests from a cache: the response cache
-// (tier 2) and its stores (tier 3: memory, Redis/Valkey, S3, and the two in tiers).
+// (tier 2) and the contract of its stores (tier 3), CacheStore, with the stores that need no
+// client library (MemoryStore, and TieredStore over any two). The Redis/Valkey store is package
+// respcache/redisstore and the S3 store package respcache/s3store, so that a user of the
+// in-memory cache compiles neither client.
 //
 // A request that is eligible (an explicit temperature 0, at most one choice) is keyed by a SHA-256
 // digest of everything that changes its response, its tenant included (by default a digest of the
 // caller's credential); a stored response under that key is replayed without contacting any backend, as JSON or, for a streaming request, as the
 // Server-Sent Events stream that was recorded. Everything is safe for concurrent use, holds no
-// package-level state and starts no goroutine except where a type's doc says so (RedisStore's
-// health monitor, S3Store's reaper), and such a type has an idempotent Close.
+// package-level state and starts no goroutine (the remote stores' packages document theirs: the
+// Redis store's health monitor, the S3 store's reaper, each stopped by an idempotent Close).
 //
 // # Use
 //
@@ -29,11 +32,16 @@
 // CacheStore is kvroute's store contract (get, set with TTL, delete, clear, stats); every
 // implementation passes the conformance suite in package respcache/cachetest, which users can run
 // against their own. MemoryStore is an in-process LRU with a TTL per entry, bounded in entries and
-// optionally in bytes, optionally sharded. RedisStore keeps entries in Redis or Valkey under a key
-// prefix (SET … PX, so the server expires them) and falls back to an in-memory store while the
-// server is unreachable. S3Store keeps entries as objects in an S3-compatible bucket, with the
-// expiry in the object's metadata (an expired object is a miss). TieredStore puts a fast L1
-// (memory or Redis) in front of a large L2 (S3) and promotes L2 hits into L1.
+// optionally in bytes, optionally sharded. TieredStore puts a fast L1 (memory or Redis) in front
+// of a large L2 (S3) and promotes L2 hits into L1. In their own packages: redisstore.Store keeps
+// entries in Redis or Valkey under a key prefix (SET … PX, so the server expires them) and falls
+// back to an in-memory store while the server is unreachable; s3store.Store keeps entries as
+// objects in an S3-compatible bucket, with the expiry in the object's metadata (an expired object
+// is a miss).
+//
+// A store of one's own implements CacheStore and reports its errors in StoreStats.Errors by the
+// types ErrorTypeOf gives (ErrorCounts keeps the counts), wrapping ErrUnavailable when its server
+// cannot be reached, so that a TieredStore and the stats endpoint treat it like the stores here.
 //
 // # Cache key
 //

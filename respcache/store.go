@@ -7,9 +7,9 @@ import (
 )
 
 // CacheStore stores serialized responses under string keys: kvroute's CacheStore (get, set with
-// TTL, delete, clear, stats). Implementations: *MemoryStore, *RedisStore (with automatic in-memory
-// fallback), *S3Store, *TieredStore. Every method is safe for concurrent use and honours ctx for
-// I/O (a memory store ignores it).
+// TTL, delete, clear, stats). Implementations: *MemoryStore, *TieredStore, and in their own
+// packages *redisstore.Store (with automatic in-memory fallback) and *s3store.Store. Every method
+// is safe for concurrent use and honours ctx for I/O (a memory store ignores it).
 //
 // Get returns, case by case:
 //   - (value, true, nil): a hit; value belongs to the caller (the store keeps no reference to it);
@@ -45,7 +45,7 @@ type StoreStats struct {
 	L2        *StoreStats       `json:"l2,omitempty"` // tiered only
 }
 
-// RedisStats is the Redis section of the stats endpoint.
+// RedisStats is the Redis section of the stats endpoint, filled by redisstore.Store.
 type RedisStats struct {
 	Connections    RedisConnections  `json:"connections"`
 	FallbackActive bool              `json:"fallback_active"`
@@ -62,6 +62,7 @@ type RedisConnections struct {
 var (
 	ErrInvalidConfig = errors.New("respcache: invalid config")
 	ErrClosed        = errors.New("respcache: store closed")
-	// ErrUnavailable wraps failures of a remote store (connection refused, time-out).
+	// ErrUnavailable wraps failures of a remote store (connection refused, time-out); ErrorTypeOf
+	// counts it as a connection error.
 	ErrUnavailable = errors.New("respcache: store unavailable")
 )

@@ -21,8 +21,8 @@ const (
 // tierGuards is the number of write guards of a TieredStore (keys share them by hash).
 const tierGuards = 256
 
-// TieredConfig configures a TieredStore: a fast L1 (memory or Redis) in front of a large, durable
-// L2 (S3). L1 and L2 are required; the rest has defaults.
+// TieredConfig configures a TieredStore: a fast L1 (a MemoryStore or a redisstore.Store) in front
+// of a large, durable L2 (an s3store.Store). L1 and L2 are required; the rest has defaults.
 type TieredConfig struct {
 	// L1 and L2 are the tiers. The TieredStore does not own them: close them after it is done.
 	L1, L2 CacheStore
@@ -43,12 +43,12 @@ type TieredConfig struct {
 // Clear act on both. All methods are safe for concurrent use; it starts no goroutine and needs no
 // Close.
 //
-// A tier that fails is counted (StoreStats.Errors, by type) and treated as a miss: a Get fails only
-// when both tiers fail, a Set only when no tier stored the value. Delete and Clear report any
-// tier's failure, since an entry may then survive. A promotion that races with a Set, Delete or
-// Clear of the same key is undone, so that a promotion never resurrects a deleted or replaced
-// value; the cost is at most one extra L1 miss. Concurrent Sets of one key may leave L1 and L2
-// with different values of those Sets (equivalent responses, for a response cache).
+// A tier that fails is counted (StoreStats.Errors, by ErrorTypeOf) and treated as a miss: a Get
+// fails only when both tiers fail, a Set only when no tier stored the value. Delete and Clear
+// report any tier's failure, since an entry may then survive. A promotion that races with a Set,
+// Delete or Clear of the same key is undone, so that a promotion never resurrects a deleted or
+// replaced value; the cost is at most one extra L1 miss. Concurrent Sets of one key may leave L1
+// and L2 with different values of those Sets (equivalent responses, for a response cache).
 //
 // A promoted entry may outlive its L2 original by up to L1PromotionTTL (L2's remaining TTL is not
 // known); Delete removes both.
@@ -64,7 +64,7 @@ type TieredStore struct {
 	hits2      atomic.Uint64
 	misses     atomic.Uint64
 	promotions atomic.Uint64
-	errs       errCounts
+	errs       ErrorCounts
 }
 
 // tierGuard lets a promotion detect a concurrent write of a key sharing the guard: writers raise
@@ -121,7 +121,7 @@ func (g *tierGuard) end() {
 
 // tierErr counts a tier's error unless it is the caller's cancellation.
 func (s *TieredStore) tierErr(err error) {
-	s.errs.add(classify(err))
+	s.errs.Add(ErrorTypeOf(err))
 }
 
 // Get returns key's value from L1, else from L2 (then promoted into L1 unless disabled or larger
@@ -269,7 +269,7 @@ func (s *TieredStore) Stats(ctx context.Context) StoreStats {
 		Entries: -1,
 		Hits:    s.hits1.Load() + s.hits2.Load(),
 		Misses:  s.misses.Load(),
-		Errors:  s.errs.snapshot(),
+		Errors:  s.errs.Snapshot(),
 		L1:      &l1,
 		L2:      &l2,
 	}

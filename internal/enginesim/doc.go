@@ -184,7 +184,7 @@
 //	}
 //	defer f.Close()
 //	for _, in := range f.Info() {
-//		// in.URL: backend; in.ZMQEndpoint, in.ReplayEndpoint, in.Topic: events.ZMQEndpoint
+//		// in.URL: backend; in.ZMQEndpoint, in.ReplayEndpoint, in.Topic: zmqevents.Endpoint
 //	}
 //
 // A prefill/decode fleet sharing a bucket (the proxy then runs the two phases above):

@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/events/zmqevents"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 )
@@ -212,7 +213,7 @@ func TestZMQReplay(t *testing.T) {
 			require.Len(t, f, 3)
 			assert.Empty(t, f[0], "delimiter")
 			seq := binary.BigEndian.Uint64(f[1])
-			if seq == events.ReplayEndSeq {
+			if seq == zmqevents.ReplayEndSeq {
 				assert.Empty(t, f[2])
 				assert.Equal(t, max(start, uint64(len(msgs))), want, "every batch ≥ start replayed")
 				break
@@ -301,7 +302,7 @@ func newIndex(t *testing.T) *kvindex.MemoryIndex {
 	return idx
 }
 
-// TestInteropZMQConsumerIndex: engine PUB (binds) → events.ZMQConsumer (connects) →
+// TestInteropZMQConsumerIndex: engine PUB (binds) → zmqevents.Consumer (connects) →
 // kvindex.MemoryIndex; a lookup of each request's block keys shows exactly the blocks the
 // engine holds, on the right tier, through evictions, CPU offload and reloads.
 func TestInteropZMQConsumerIndex(t *testing.T) {
@@ -312,7 +313,7 @@ func TestInteropZMQConsumerIndex(t *testing.T) {
 					MapForm: mapForm, Hashes: HashBytes}})
 			require.NoError(t, e.Start(context.Background()))
 			idx := newIndex(t)
-			c, err := events.NewZMQConsumer(events.ZMQConfig{Sink: idx, Endpoints: []events.ZMQEndpoint{{
+			c, err := zmqevents.New(zmqevents.Config{Sink: idx, Endpoints: []zmqevents.Endpoint{{
 				Backend: "engine-0", Endpoint: e.ZMQEndpoint(), ReplayEndpoint: e.ReplayEndpoint(), Model: "llama"}}})
 			require.NoError(t, err)
 			require.NoError(t, c.Start(context.Background()))
@@ -342,7 +343,7 @@ func TestInteropZMQGapReplay(t *testing.T) {
 		ZMQEndpoint: "tcp://127.0.0.1:0", ZMQBind: true, ReplayEndpoint: "tcp://127.0.0.1:0"}})
 	require.NoError(t, e.Start(context.Background()))
 	idx := newIndex(t)
-	c, err := events.NewZMQConsumer(events.ZMQConfig{Sink: idx, Endpoints: []events.ZMQEndpoint{{
+	c, err := zmqevents.New(zmqevents.Config{Sink: idx, Endpoints: []zmqevents.Endpoint{{
 		Backend: "e", Endpoint: e.ZMQEndpoint(), ReplayEndpoint: e.ReplayEndpoint(), Model: "llama"}}})
 	require.NoError(t, err)
 	require.NoError(t, c.Start(context.Background()))
@@ -382,7 +383,7 @@ func TestInteropZMQGapReplay(t *testing.T) {
 // (centralized mode); the backend comes from the kv@<pod>@<model> topic.
 func TestInteropZMQConsumerBinds(t *testing.T) {
 	idx := newIndex(t)
-	c, err := events.NewZMQConsumer(events.ZMQConfig{Sink: idx, Bind: "tcp://127.0.0.1:0"})
+	c, err := zmqevents.New(zmqevents.Config{Sink: idx, Bind: "tcp://127.0.0.1:0"})
 	require.NoError(t, err)
 	require.NoError(t, c.Start(context.Background()))
 	t.Cleanup(func() { _ = c.Close() })

@@ -15,7 +15,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/events/zmqevents"
 )
 
 func TestServeKillRestart(t *testing.T) {
@@ -93,17 +93,17 @@ func TestFleet(t *testing.T) {
 	info := f.Info()
 	require.Len(t, info, 3)
 	assert.Len(t, f.URLs(), 3)
-	var eps []events.ZMQEndpoint
+	var eps []zmqevents.Endpoint
 	for i, in := range info {
 		assert.Equal(t, "enginesim-"+itoa(i), in.Name)
 		assert.Equal(t, "kv@"+in.Name+"@llama", in.Topic)
 		assert.True(t, strings.HasPrefix(in.ZMQEndpoint, "tcp://127.0.0.1:"))
 		assert.True(t, strings.HasPrefix(in.ReplayEndpoint, "tcp://127.0.0.1:"))
 		assert.Empty(t, in.KVEventsURL, "SSE off with ZMQ unless asked")
-		eps = append(eps, events.ZMQEndpoint{Backend: in.Name, Endpoint: in.ZMQEndpoint, ReplayEndpoint: in.ReplayEndpoint})
+		eps = append(eps, zmqevents.Endpoint{Backend: in.Name, Endpoint: in.ZMQEndpoint, ReplayEndpoint: in.ReplayEndpoint})
 	}
 	idx := newIndex(t)
-	c, err := events.NewZMQConsumer(events.ZMQConfig{Sink: idx, Endpoints: eps})
+	c, err := zmqevents.New(zmqevents.Config{Sink: idx, Endpoints: eps})
 	require.NoError(t, err)
 	require.NoError(t, c.Start(context.Background()))
 	engines := f.Engines()

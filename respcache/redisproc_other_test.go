@@ -1,8 +1,0 @@
-//go:build !unix
-
-package respcache_test
-
-import "os"
-
-// resumeProcess does nothing: without SIGSTOP no test stops a process here.
-func resumeProcess(*os.Process) {}

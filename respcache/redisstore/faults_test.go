@@ -1,0 +1,199 @@
+package redisstore_test
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/rueidis"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvroute/kvroute/respcache"
+	"github.com/kvroute/kvroute/respcache/redisstore"
+)
+
+// Fault tests: each against its own server process on its own port, so that killing it harms no
+// other test. "No failed call" means: no Get or Set returns an error while the fallback is on.
+
+// load runs Set/Get loops from several goroutines until stop is closed, counting calls and errors.
+type load struct {
+	calls, failures atomic.Int64
+	firstErr        atomic.Value // error
+	stop            chan struct{}
+	wg              sync.WaitGroup
+}
+
+func startLoad(s respcache.CacheStore, goroutines int) *load {
+	l := &load{stop: make(chan struct{})}
+	for g := range goroutines {
+		l.wg.Go(func() {
+			ctx := context.Background()
+			for i := 0; ; i++ {
+				select {
+				case <-l.stop:
+					return
+				default:
+				}
+				k := fmt.Sprintf("load-%d-%d", g, i%50)
+				var err error
+				if i%2 == 0 {
+					err = s.Set(ctx, k, []byte("value "+k), time.Minute)
+				} else {
+					_, _, err = s.Get(ctx, k)
+				}
+				l.calls.Add(1)
+				if err != nil {
+					l.failures.Add(1)
+					l.firstErr.CompareAndSwap(nil, err)
+				}
+				time.Sleep(time.Millisecond) // 2 cores shared: a steady trickle, not a flood
+			}
+		})
+	}
+	return l
+}
+
+// Stop ends the loops and returns (calls, failures, first error).
+func (l *load) Stop() (int64, int64, error) {
+	close(l.stop)
+	l.wg.Wait()
+	err, _ := l.firstErr.Load().(error)
+	return l.calls.Load(), l.failures.Load(), err
+}
+
+// directClient returns a plain rueidis client on addr, closed at cleanup.
+func directClient(t *testing.T, addr string) rueidis.Client {
+	t.Helper()
+	c, err := rueidis.NewClient(rueidis.ClientOption{InitAddress: []string{addr}, DisableCache: true,
+		ForceSingleClient: true})
+	require.NoError(t, err)
+	t.Cleanup(c.Close)
+	return c
+}
+
+// TestFaultKillAndRestart kills -9 a private Redis under load: no call may fail, the fallback
+// takes over, and when a new Redis starts on the same port the store goes back to it within the
+// health interval, with later Sets landing in Redis.
+func TestFaultKillAndRestart(t *testing.T) {
+	proc := startRedis(t, 0)
+	const interval = 200 * time.Millisecond
+	s, err := redisstore.New(redisstore.Config{
+		URL: proc.URL(), KeyPrefix: uniquePrefix("fault"), HealthInterval: interval,
+		CommandTimeout: 500 * time.Millisecond, ConnectTimeout: 500 * time.Millisecond,
+	})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = s.Close() })
+	require.False(t, s.FallbackActive())
+
+	l := startLoad(s, 6)
+	time.Sleep(300 * time.Millisecond)
+	before := l.calls.Load()
+	proc.Kill()
+	require.Eventually(t, s.FallbackActive, 2*time.Second, 5*time.Millisecond, "fallback did not activate after kill -9")
+	time.Sleep(500 * time.Millisecond) // keep serving from the fallback for a while
+	during := l.calls.Load()
+
+	proc.Start()
+	restarted := time.Now()
+	require.Eventually(t, func() bool { return !s.FallbackActive() }, 10*interval, 10*time.Millisecond,
+		"store did not return to Redis within the health interval")
+	t.Logf("back on Redis %v after the restart (health interval %v)", time.Since(restarted).Round(time.Millisecond), interval)
+	time.Sleep(200 * time.Millisecond)
+	calls, failures, firstErr := l.Stop()
+	require.Zerof(t, failures, "%d of %d calls failed; first: %v", failures, calls, firstErr)
+	require.Greater(t, before, int64(0))
+	require.Greater(t, during, before, "no calls served during the outage")
+
+	// Subsequent Sets land in Redis.
+	ctx := context.Background()
+	require.NoError(t, s.Set(ctx, "after-restart", []byte("in redis"), time.Minute))
+	c := directClient(t, proc.Addr())
+	keys, err := c.Do(ctx, c.B().Keys().Pattern("kvroute-test:fault:*after-restart").Build()).AsStrSlice()
+	require.NoError(t, err)
+	require.Len(t, keys, 1)
+	v, err := c.Do(ctx, c.B().Get().Key(keys[0]).Build()).ToString()
+	require.NoError(t, err)
+	require.Equal(t, "in redis", v)
+
+	st := s.Stats(ctx)
+	require.False(t, st.Redis.FallbackActive)
+	require.Positive(t, st.Errors[respcache.ErrorTypeConnection], "connection errors not counted: %+v", st.Errors)
+	t.Logf("calls %d, failures %d, errors %v", calls, failures, st.Errors)
+}
+
+// TestFaultDownAtStart: New with nothing listening works from the fallback and recovers
+// when a server appears on that port.
+func TestFaultDownAtStart(t *testing.T) {
+	proc := newRedisProc(t, 0) // not started
+	const interval = 200 * time.Millisecond
+	s, err := redisstore.New(redisstore.Config{
+		URL: proc.URL(), KeyPrefix: uniquePrefix("down"), HealthInterval: interval,
+		ConnectTimeout: 300 * time.Millisecond, CommandTimeout: 300 * time.Millisecond,
+	})
+	require.NoError(t, err, "New must not fail with Redis down while the fallback is on")
+	t.Cleanup(func() { _ = s.Close() })
+	require.True(t, s.FallbackActive())
+
+	ctx := context.Background()
+	require.NoError(t, s.Set(ctx, "k", []byte("from fallback"), time.Minute))
+	v, ok, err := s.Get(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, ok)
+	require.Equal(t, "from fallback", string(v))
+	require.NoError(t, s.Delete(ctx, "k"))
+
+	proc.Start()
+	require.Eventually(t, func() bool { return !s.FallbackActive() }, 10*interval, 10*time.Millisecond,
+		"store did not connect to the Redis that appeared")
+	require.NoError(t, s.Set(ctx, "k2", []byte("in redis"), time.Minute))
+	c := directClient(t, proc.Addr())
+	keys, err := c.Do(ctx, c.B().Keys().Pattern("kvroute-test:down:*k2").Build()).AsStrSlice()
+	require.NoError(t, err)
+	require.Len(t, keys, 1)
+}
+
+// TestFaultDownAtStartNoFallback: with the fallback off, New reports respcache.ErrUnavailable.
+func TestFaultDownAtStartNoFallback(t *testing.T) {
+	_, err := redisstore.New(redisstore.Config{
+		URL: "redis://127.0.0.1:" + strconv.Itoa(freePort(t)), DisableFallback: true,
+		ConnectTimeout: 300 * time.Millisecond,
+	})
+	require.ErrorIs(t, err, respcache.ErrUnavailable)
+}
+
+// TestFaultCallersClient kills -9 the Redis under a store on a caller's client (rueidis defaults:
+// retries on): no call fails, the fallback takes over once CommandTimeout fires, and the store
+// goes back to Redis when the client has reconnected to the restarted server. The client stays
+// the caller's: Close leaves it open.
+func TestFaultCallersClient(t *testing.T) {
+	proc := startRedis(t, 0)
+	c, err := rueidis.NewClient(rueidis.ClientOption{InitAddress: []string{proc.Addr()}, DisableCache: true})
+	require.NoError(t, err)
+	t.Cleanup(c.Close)
+	const interval = 200 * time.Millisecond
+	s, err := redisstore.NewWithClient(c, redisstore.Config{
+		KeyPrefix: uniquePrefix("shared-fault"), HealthInterval: interval, CommandTimeout: 300 * time.Millisecond,
+	})
+	require.NoError(t, err)
+	require.False(t, s.FallbackActive())
+
+	l := startLoad(s, 4)
+	time.Sleep(200 * time.Millisecond)
+	proc.Kill()
+	require.Eventually(t, s.FallbackActive, 3*time.Second, 5*time.Millisecond, "fallback did not activate after kill -9")
+	proc.Start()
+	require.Eventually(t, func() bool { return !s.FallbackActive() }, 20*interval, 10*time.Millisecond,
+		"store did not return to Redis after the restart")
+	calls, failures, firstErr := l.Stop()
+	require.Zerof(t, failures, "%d of %d calls failed; first: %v", failures, calls, firstErr)
+
+	ctx := context.Background()
+	require.NoError(t, s.Set(ctx, "after-restart", []byte("in redis"), time.Minute))
+	require.NoError(t, s.Close())
+	require.NoError(t, c.Do(ctx, c.B().Ping().Build()).Error(), "Close closed the caller's client")
+	require.Positive(t, s.Stats(ctx).Errors[respcache.ErrorTypeConnection]+s.Stats(ctx).Errors[respcache.ErrorTypeTimeout])
+}

@@ -1,0 +1,8 @@
+//go:build !unix
+
+package redisstore_test
+
+import "os"
+
+// resumeProcess does nothing: without SIGSTOP no test stops a process here.
+func resumeProcess(*os.Process) {}

@@ -1,0 +1,11 @@
+//go:build unix
+
+package redisstore_test
+
+import (
+	"os"
+	"syscall"
+)
+
+// resumeProcess sends SIGCONT to p, which a test may have stopped with SIGSTOP.
+func resumeProcess(p *os.Process) { _ = p.Signal(syscall.SIGCONT) }
