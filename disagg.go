@@ -15,7 +15,7 @@ import (
 	"github.com/kvroute/kvroute/prefixkey"
 )
 
-// disaggAttempts bounds how often RouteDisagg re-plans when a concurrent request took the last
+// disaggAttempts bounds how often DisaggRouter.Route re-plans when a concurrent request took the last
 // slot under a pool's bound between the snapshot and the acquisition; the last attempt takes its
 // slots regardless of the bound.
 const disaggAttempts = 3
@@ -39,7 +39,7 @@ type disaggState struct {
 	scratch  sync.Pool // *scratchD
 }
 
-// scratchD is one RouteDisagg call's working memory, pooled.
+// scratchD is one DisaggRouter.Route call's working memory, pooled.
 type scratchD struct {
 	keys    []uint64
 	names   []string
@@ -77,16 +77,27 @@ func (r *DefaultRouter) ringOf(role disagg.Role) *chwbl.Ring {
 	return r.ring
 }
 
-// DisaggConfig returns the disaggregation configuration in force, defaults applied (the timeouts
-// a gateway applies to the two phases among them), and false when disaggregation is off.
-func (r *DefaultRouter) DisaggConfig() (disagg.Config, bool) {
+// DisaggRouter is the prefill/decode side of a DefaultRouter (DefaultRouter.Disagg): it routes a
+// request to a path (fast_decode, prefill_then_decode, unified) and its backends, over the same
+// backends, health and KV index as the DefaultRouter's Route. It is a type of its own so that a gateway without disaggregation
+// never meets it.
+type DisaggRouter struct{ r *DefaultRouter }
+
+// Disagg returns the Router's prefill/decode side. Without Config.Disagg its Route sends every
+// request down the unified path (reason disabled) and its Stats are zero.
+func (r *DefaultRouter) Disagg() *DisaggRouter { return &r.disaggSide }
+
+// Config returns the disaggregation configuration in force, defaults applied (the timeouts a
+// gateway applies to the two phases among them), and false when disaggregation is off.
+func (dr *DisaggRouter) Config() (disagg.Config, bool) {
+	r := dr.r
 	if r.dis == nil {
 		return disagg.Config{}, false
 	}
 	return r.dis.planner.Config(), true
 }
 
-// DisaggDecision is the outcome of RouteDisagg: the embedded Plan (path, reason, prefill and decode
+// DisaggDecision is the outcome of DisaggRouter.Route: the embedded Plan (path, reason, prefill and decode
 // backends, expected cached tokens, storage) and the in-flight slots it holds — a prefill slot on
 // Prefill until PrefillDone (or Done), a decode slot on Decode until Done. For the unified and
 // fallback paths, Unified is the Route decision that holds the slot on the unified backend (Decode
@@ -110,7 +121,7 @@ type DisaggDecision struct {
 	specKeys   []uint64     // block keys PrefillDone speculates for Decode (prefill_then_decode)
 }
 
-// RouteDisagg chooses the routing path and backends for req and takes the slots of the phases it
+// Route chooses the routing path and backends for req and takes the slots of the phases it
 // needs: a prefill slot on the prefill backend (prefill_then_decode) and a decode slot on the decode
 // backend, each on its pool's CHWBL ring, under the pool's load bound. It looks the request's block
 // keys up in tier 4's index (when Config.KV is set) for every backend, builds one
@@ -126,7 +137,8 @@ type DisaggDecision struct {
 // the configuration allows has a healthy backend. ctx also bounds the tokenizer and a remote
 // index. The caller must call Done when the request ends, and PrefillDone or PrefillFailed when a
 // prefill phase ends. Safe for concurrent use.
-func (r *DefaultRouter) RouteDisagg(ctx context.Context, req *prefixkey.Request) (*DisaggDecision, error) {
+func (dr *DisaggRouter) Route(ctx context.Context, req *prefixkey.Request) (*DisaggDecision, error) {
+	r := dr.r
 	if req == nil {
 		return nil, ErrNilRequest
 	}
@@ -527,9 +539,10 @@ type DisaggBackendLoad struct {
 	Storage          *disagg.ExternalStorage `json:"external_storage,omitempty"`
 }
 
-// DisaggStats returns a snapshot of disaggregated serving; without Config.Disagg it is the zero
+// Stats returns a snapshot of disaggregated serving; without Config.Disagg it is the zero
 // DisaggStats. Safe for concurrent use; counters are read one by one.
-func (r *DefaultRouter) DisaggStats() DisaggStats {
+func (dr *DisaggRouter) Stats() DisaggStats {
+	r := dr.r
 	t := r.dis
 	if t == nil {
 		return DisaggStats{}

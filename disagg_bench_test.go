@@ -8,7 +8,7 @@ import (
 	"github.com/kvroute/kvroute/events"
 )
 
-// BenchmarkRouteDisagg measures RouteDisagg plus the release of its slots on the seeds' fleet (2
+// BenchmarkRouteDisagg measures DisaggRouter.Route plus the release of its slots on the seeds' fleet (2
 // prefill, 3 decode, 1 unified) with the in-memory index, for a 1,024-token prompt.
 func BenchmarkRouteDisagg(b *testing.B) {
 	for _, path := range []string{"fast_decode", "prefill_then_decode"} {
@@ -23,7 +23,7 @@ func BenchmarkRouteDisagg(b *testing.B) {
 			ctx := context.Background()
 			b.ReportAllocs()
 			for b.Loop() {
-				d, err := r.RouteDisagg(ctx, req)
+				d, err := r.Disagg().Route(ctx, req)
 				if err != nil {
 					b.Fatal(err)
 				}

@@ -12,7 +12,7 @@ import (
 )
 
 // The two-phase flow a gateway runs for each request of a disaggregated fleet.
-func ExampleDefaultRouter_RouteDisagg() {
+func ExampleDisaggRouter_Route() {
 	router, err := kvroute.New(kvroute.Config{
 		Backends: []kvroute.Backend{
 			{Name: "prefill-1", Role: disagg.RolePrefill},
@@ -30,10 +30,10 @@ func ExampleDefaultRouter_RouteDisagg() {
 	defer router.Close()
 	ctx := context.Background()
 	prefill := func(string) error { return errors.New("prefill timed out") } // the gateway's call
-	cfg, _ := router.DisaggConfig()                                          // cfg.PrefillTimeout bounds it
+	cfg, _ := router.Disagg().Config()                                       // cfg.PrefillTimeout bounds it
 
 	req := &prefixkey.Request{Model: "llama-3-8b", TokenIDs: make([]uint32, 4096)}
-	d, err := router.RouteDisagg(ctx, req)
+	d, err := router.Disagg().Route(ctx, req)
 	if err != nil {
 		panic(err) // errors.Is(err, kvroute.ErrNoBackend): answer 503
 	}
@@ -52,7 +52,7 @@ func ExampleDefaultRouter_RouteDisagg() {
 	fmt.Println(h.Get(disagg.HeaderRoutingPath), h.Get(disagg.HeaderDecodeBackend), d.Reason)
 	// … forward the request to d.Decode and stream the answer …
 	d.Done(kvroute.Outcome{})
-	fmt.Println(router.DisaggStats().Requests.PrefillFailures)
+	fmt.Println(router.Disagg().Stats().Requests.PrefillFailures)
 	// Output:
 	// prefill_then_decode cache_miss prefill-1 1m0s
 	// fallback unified-fallback prefill_failed

@@ -184,7 +184,7 @@ func TestRouteDisaggPaths(t *testing.T) {
 			if tt.setup != nil {
 				tt.setup(t, r, ix)
 			}
-			d, err := r.RouteDisagg(context.Background(), dgReq(tt.tokens))
+			d, err := r.Disagg().Route(context.Background(), dgReq(tt.tokens))
 			require.NoError(t, err)
 			defer d.Done(Outcome{})
 			assert.Equal(t, tt.path, d.Path)
@@ -201,7 +201,7 @@ func TestRouteDisaggPaths(t *testing.T) {
 			assert.Equal(t, tt.decode, h.Get(disagg.HeaderDecodeBackend))
 			assert.Equal(t, tt.prefill, h.Get(disagg.HeaderPrefillBackend))
 
-			st := r.DisaggStats()
+			st := r.Disagg().Stats()
 			assert.Equal(t, uint64(1), st.Requests.Path(tt.path))
 			assert.Equal(t, uint64(1), st.Requests.Total)
 		})
@@ -226,7 +226,7 @@ func TestRouteDisaggStoredPrefix(t *testing.T) {
 	long := dgTokens(9, 64*16+5) // 64 full blocks
 	route := func(what string) *DisaggDecision {
 		t.Helper()
-		d, err := r.RouteDisagg(context.Background(), dgReq(long))
+		d, err := r.Disagg().Route(context.Background(), dgReq(long))
 		require.NoError(t, err, what)
 		d.Done(Outcome{})
 		return d
@@ -265,19 +265,19 @@ func TestRouteDisaggNoBackend(t *testing.T) {
 	for _, n := range []string{"decode-1", "decode-2", "decode-3"} {
 		require.NoError(t, r.SetHealthy(n, false))
 	}
-	d, err := r.RouteDisagg(context.Background(), dgReq(dgTokens(3, 2000)))
+	d, err := r.Disagg().Route(context.Background(), dgReq(dgTokens(3, 2000)))
 	assert.Nil(t, d)
 	assert.ErrorIs(t, err, ErrNoBackend)
 	assert.ErrorIs(t, err, disagg.ErrNoBackend)
-	assert.Equal(t, uint64(1), r.DisaggStats().Requests.NoBackend)
+	assert.Equal(t, uint64(1), r.Disagg().Stats().Requests.NoBackend)
 	for name, n := range dgLoads(r) {
 		assert.Zero(t, n, name)
 	}
-	_, err = r.RouteDisagg(context.Background(), nil)
+	_, err = r.Disagg().Route(context.Background(), nil)
 	assert.ErrorIs(t, err, ErrNilRequest)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	_, err = r.RouteDisagg(ctx, dgReq(nil))
+	_, err = r.Disagg().Route(ctx, dgReq(nil))
 	assert.ErrorIs(t, err, context.Canceled)
 }
 
@@ -286,7 +286,7 @@ func TestRouteDisaggPhases(t *testing.T) {
 	r := dgRouter(t, ix, disagg.Config{})
 	ctx := context.Background()
 	toks := dgTokens(4, 80*16)
-	d, err := r.RouteDisagg(ctx, dgReq(toks))
+	d, err := r.Disagg().Route(ctx, dgReq(toks))
 	require.NoError(t, err)
 	require.Equal(t, disagg.PathPrefillThenDecode, d.Path)
 	loads := dgLoads(r)
@@ -294,7 +294,7 @@ func TestRouteDisaggPhases(t *testing.T) {
 	assert.Equal(t, 1, loads[d.Decode])
 
 	// Before the prefill is done nobody holds the prompt: a twin request is no hit anywhere.
-	twin, err := r.RouteDisagg(ctx, dgReq(toks))
+	twin, err := r.Disagg().Route(ctx, dgReq(toks))
 	require.NoError(t, err)
 	assert.Equal(t, disagg.PathPrefillThenDecode, twin.Path, "%+v", twin.Plan)
 	assert.Zero(t, twin.ExpectedCachedTokens)
@@ -310,13 +310,13 @@ func TestRouteDisaggPhases(t *testing.T) {
 	for name, n := range dgLoads(r) {
 		assert.Zero(t, n, name)
 	}
-	for _, b := range r.DisaggStats().Backends {
+	for _, b := range r.Disagg().Stats().Backends {
 		assert.Equal(t, 1.0, b.SuccessRate, b.Backend)
 	}
 
 	// Speculation told the index where the prompt went: the same prompt is now a local hit on
 	// that decode backend.
-	again, err := r.RouteDisagg(ctx, dgReq(toks))
+	again, err := r.Disagg().Route(ctx, dgReq(toks))
 	require.NoError(t, err)
 	defer again.Done(Outcome{})
 	assert.Equal(t, disagg.PathFastDecode, again.Path)
@@ -336,7 +336,7 @@ func TestRouteDisaggDecodeFailed(t *testing.T) {
 		t.Run(fmt.Sprintf("fallback=%v", fallback), func(t *testing.T) {
 			r := dgRouter(t, dgIndex(t), disagg.Config{DisableFallback: !fallback})
 			ctx := context.Background()
-			d, err := r.RouteDisagg(ctx, dgReq(dgTokens(6, 3000)))
+			d, err := r.Disagg().Route(ctx, dgReq(dgTokens(6, 3000)))
 			require.NoError(t, err)
 			require.Equal(t, disagg.PathPrefillThenDecode, d.Path)
 			d.PrefillDone(Outcome{})
@@ -362,7 +362,7 @@ func TestRouteDisaggDecodeFailed(t *testing.T) {
 			for name, n := range dgLoads(r) {
 				assert.Zero(t, n, name)
 			}
-			st := r.DisaggStats()
+			st := r.Disagg().Stats()
 			assert.Equal(t, uint64(1), st.Requests.DecodeFailures)
 			if fallback {
 				assert.Equal(t, uint64(1), st.Requests.Reasons.DecodeFailed)
@@ -383,7 +383,7 @@ func TestRouteDisaggPrefillFailed(t *testing.T) {
 		t.Run(fmt.Sprintf("fallback=%v", fallback), func(t *testing.T) {
 			r := dgRouter(t, dgIndex(t), disagg.Config{DisableFallback: !fallback})
 			ctx := context.Background()
-			d, err := r.RouteDisagg(ctx, dgReq(dgTokens(5, 3000)))
+			d, err := r.Disagg().Route(ctx, dgReq(dgTokens(5, 3000)))
 			require.NoError(t, err)
 			require.Equal(t, disagg.PathPrefillThenDecode, d.Path)
 			cause := errors.New("prefill timed out")
@@ -411,7 +411,7 @@ func TestRouteDisaggPrefillFailed(t *testing.T) {
 			for name, n := range dgLoads(r) {
 				assert.Zero(t, n, name)
 			}
-			st := r.DisaggStats()
+			st := r.Disagg().Stats()
 			assert.Equal(t, uint64(1), st.Requests.PrefillFailures)
 			for _, b := range st.Backends {
 				if b.Backend == d.Prefill {
@@ -460,7 +460,7 @@ func TestRouteDisaggLoadReturnsToZero(t *testing.T) {
 		wg.Go(func() {
 			rnd := rand.New(rand.NewPCG(uint64(g), 1))
 			for i := range 150 {
-				d, err := r.RouteDisagg(ctx, dgReq(prompts[rnd.IntN(len(prompts))]))
+				d, err := r.Disagg().Route(ctx, dgReq(prompts[rnd.IntN(len(prompts))]))
 				if err != nil {
 					failed.Store(fmt.Sprint(g, i), err)
 					continue
@@ -507,7 +507,7 @@ func TestRouteDisaggLoadReturnsToZero(t *testing.T) {
 		_, ok := routed.Load(p)
 		assert.True(t, ok, "no request took %v", p)
 	}
-	st := r.DisaggStats()
+	st := r.Disagg().Stats()
 	assert.Equal(t, uint64(16*150), st.Requests.FastDecode+st.Requests.PrefillThenDecode+st.Requests.Fallback-st.Requests.Reasons.PrefillFailed)
 }
 
@@ -533,14 +533,14 @@ func TestDisaggBackendsStayOffTheUnifiedRing(t *testing.T) {
 	assert.ErrorIs(t, r.AddBackend(Backend{Name: "decode-4", Role: disagg.RoleDecode}), ErrDuplicate)
 	assert.ErrorIs(t, r.SetHealthy("decode-3", false), ErrUnknownBackend)
 	require.NoError(t, r.SetHealthy("decode-4", false))
-	st := r.DisaggStats()
+	st := r.Disagg().Stats()
 	assert.Equal(t, 2, st.PrefillBackends)
 	assert.Equal(t, 3, st.DecodeBackends)
 	assert.Equal(t, 2, st.UnifiedBackends)
 	assert.Len(t, r.Stats().BackendDistribution, 2)
 
 	// A decode slot held across its backend's removal is released once, harmlessly.
-	d, err := r.RouteDisagg(ctx, dgReq(dgTokens(9, 100)))
+	d, err := r.Disagg().Route(ctx, dgReq(dgTokens(9, 100)))
 	require.NoError(t, err)
 	require.NoError(t, r.RemoveBackend(d.Decode))
 	d.Done(Outcome{})
@@ -557,9 +557,9 @@ func TestDisaggNeedsConfig(t *testing.T) {
 	_, err = New(Config{Disagg: &disagg.Config{MaxUncachedRatio: 2}})
 	assert.ErrorIs(t, err, ErrInvalidConfig)
 
-	// Without Config.Disagg, RouteDisagg is Route with a unified label.
+	// Without Config.Disagg, Disagg().Route is Route with a unified label.
 	r := newRouter(t, Config{Backends: backends(2)})
-	d, err := r.RouteDisagg(context.Background(), chatReq("s", "u"))
+	d, err := r.Disagg().Route(context.Background(), chatReq("s", "u"))
 	require.NoError(t, err)
 	assert.Equal(t, disagg.PathUnified, d.Path)
 	assert.Equal(t, disagg.ReasonDisabled, d.Reason)
@@ -570,8 +570,8 @@ func TestDisaggNeedsConfig(t *testing.T) {
 	d.Done(Outcome{})
 	inflight, _ = r.ring.InFlight(d.Decode)
 	assert.Zero(t, inflight)
-	assert.Equal(t, DisaggStats{}, r.DisaggStats())
-	_, ok := r.DisaggConfig()
+	assert.Equal(t, DisaggStats{}, r.Disagg().Stats())
+	_, ok := r.Disagg().Config()
 	assert.False(t, ok)
 }
 
@@ -581,10 +581,10 @@ func TestDisaggStatsRedactAndReset(t *testing.T) {
 		c.Backends[0].Storage = &own
 	})
 	own.Endpoint = "http://changed" // the Router keeps its own copy
-	d, err := r.RouteDisagg(context.Background(), dgReq(dgTokens(6, 5000)))
+	d, err := r.Disagg().Route(context.Background(), dgReq(dgTokens(6, 5000)))
 	require.NoError(t, err)
 	d.Done(Outcome{})
-	b, err := json.Marshal(r.DisaggStats())
+	b, err := json.Marshal(r.Disagg().Stats())
 	require.NoError(t, err)
 	out := string(b)
 	for _, secret := range []string{"cred-own-33", dgStore.AccessKey, dgStore.SecretKey} {
@@ -594,12 +594,12 @@ func TestDisaggStatsRedactAndReset(t *testing.T) {
 	assert.Contains(t, out, `"prefill_timeout":"1m0s"`)
 	assert.Contains(t, out, `"prefill_then_decode":1`)
 	assert.True(t, strings.Contains(out, disagg.Redacted))
-	cfg, ok := r.DisaggConfig()
+	cfg, ok := r.Disagg().Config()
 	assert.True(t, ok)
 	assert.Equal(t, disagg.DefaultKVTransferTimeout, cfg.KVTransferTimeout)
 
 	r.ResetStats()
-	assert.Zero(t, r.DisaggStats().Requests.Total)
+	assert.Zero(t, r.Disagg().Stats().Requests.Total)
 }
 
 func TestDisaggMetrics(t *testing.T) {
@@ -609,15 +609,15 @@ func TestDisaggMetrics(t *testing.T) {
 	ix := dgIndex(t)
 	r := dgRouter(t, ix, disagg.Config{}, func(c *Config) { c.MeterProvider = mp })
 	ctx := context.Background()
-	held, err := r.RouteDisagg(ctx, dgReq(dgTokens(7, 3000)))
+	held, err := r.Disagg().Route(ctx, dgReq(dgTokens(7, 3000)))
 	require.NoError(t, err)
-	short, err := r.RouteDisagg(ctx, dgReq(dgTokens(8, 50)))
+	short, err := r.Disagg().Route(ctx, dgReq(dgTokens(8, 50)))
 	require.NoError(t, err)
 	short.Done(Outcome{})
 	fb, err := held.PrefillFailed(ctx, errors.New("x"))
 	require.NoError(t, err)
 	defer fb.Done(Outcome{})
-	pinned, err := r.RouteDisagg(ctx, dgReq(dgTokens(10, 3000)))
+	pinned, err := r.Disagg().Route(ctx, dgReq(dgTokens(10, 3000)))
 	require.NoError(t, err)
 	defer pinned.Done(Outcome{})
 

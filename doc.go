@@ -31,7 +31,7 @@
 // The response cache (tiers 2 and 3) is respcache's HTTP middleware, in front of Route.
 //
 // Disaggregated prefill/decode serving is on when Config.Disagg is set and backends carry a
-// prefill or decode Role (package disagg). RouteDisagg then plans each request: fast_decode on a
+// prefill or decode Role (package disagg). DefaultRouter.Disagg().Route then plans each request: fast_decode on a
 // decode backend that holds the prompt's prefix or loads it from shared storage (or computes a
 // short uncached part itself), prefill_then_decode on a prefill backend chosen by its cached prefix
 // and prefill load and a decode backend chosen by decode load, or unified/fallback through Route

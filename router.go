@@ -131,7 +131,7 @@ type Backend struct {
 	Name   string
 	Weight float64 // 0 means 1; scales the backend's ring share and its load bound
 	// Role is the backend's part in disaggregated serving; the zero value, unified, serves whole
-	// requests. Prefill and decode backends need Config.Disagg; they are routed by RouteDisagg only
+	// requests. Prefill and decode backends need Config.Disagg; they are routed by DisaggRouter.Route only
 	// (Route never chooses them), each pool with its own load bound.
 	Role disagg.Role
 	// Storage is the backend's external storage for KV transfer (external_storage); nil means
@@ -172,7 +172,7 @@ type Config struct {
 	Now func() time.Time
 	// KV turns on tier 4 (precise KV-aware routing); nil leaves it off.
 	KV *KVConfig
-	// Disagg turns on disaggregated prefill/decode serving (RouteDisagg) for backends with a
+	// Disagg turns on disaggregated prefill/decode serving (DefaultRouter.Disagg) for backends with a
 	// prefill or decode Role; nil leaves it off, and such backends are then refused.
 	Disagg *disagg.Config
 	// RefusalHold is how long a request that its backend refused for lack of capacity
@@ -267,6 +267,8 @@ type DefaultRouter struct {
 	metrics *routerMetrics
 	kv      *tier4       // nil when tier 4 is off
 	dis     *disaggState // nil when disaggregation is off
+
+	disaggSide DisaggRouter // Disagg's answer
 }
 
 // New builds the default Router from cfg, after validating it (errors wrap ErrInvalidConfig).
@@ -280,6 +282,7 @@ func New(cfg Config) (*DefaultRouter, error) {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	r := &DefaultRouter{cfg: cfg, ring: ring}
+	r.disaggSide.r = r
 	if cfg.KV != nil {
 		if r.kv, err = newTier4(*cfg.KV); err != nil {
 			return nil, err

@@ -204,7 +204,7 @@ func TestRouterConfigDisaggregated(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer r.Close()
-	if got, ok := r.DisaggConfig(); !ok || got.MaxUncachedTokens != 512 {
+	if got, ok := r.Disagg().Config(); !ok || got.MaxUncachedTokens != 512 {
 		t.Errorf("router's disagg config %+v, %v", got, ok)
 	}
 }

@@ -59,7 +59,7 @@
 // # Prefill/decode disaggregation
 //
 // RunPD replays a workload on a fleet of prefill and decode engines (PDConfig) routed by
-// kvroute's RouteDisagg (PolicyPD): a prefill engine computes the prompt and writes its blocks to
+// kvroute's DisaggRouter (PolicyPD): a prefill engine computes the prompt and writes its blocks to
 // an enginesim.VirtualStorage (announced as storage-tier KV events), a decode engine reads the
 // blocks it lacks and decodes; transfers take bytes over bandwidth. PDComparison runs P/D fleets
 // against unified fleets of as many engines at the same arrival times.

@@ -16,7 +16,7 @@ import (
 	"github.com/kvroute/kvroute/prefixkey"
 )
 
-// PolicyPD routes a prefill/decode-disaggregated fleet with kvroute's RouteDisagg: the kvroute
+// PolicyPD routes a prefill/decode-disaggregated fleet with kvroute's DisaggRouter: the kvroute
 // policy's setup (tier 1, tier 4 with an index fed by the engines' KV events, every default)
 // plus Config.Disagg at its defaults with the fleet's shared storage as DefaultStorage. It runs
 // with RunPD on a PDConfig fleet, not with Run.
@@ -47,7 +47,7 @@ type PDConfig struct {
 	BytesPerToken        int64
 	BandwidthBytesPerSec float64
 	// Speculation is tier 4's speculation mode (kvroute.KVConfig.Speculation; the zero value is
-	// kvroute's default, short speculation). For a remote prefill, RouteDisagg speculates for the
+	// kvroute's default, short speculation). For a remote prefill, DisaggRouter.Route speculates for the
 	// prefill and decode engines when the prefill is done (PrefillDone), not when it routes.
 	Speculation kvroute.Speculation
 	// Disagg is the router's disaggregation configuration; its zero value is disagg's defaults.
@@ -276,7 +276,7 @@ func newPDSim(w *Workload, cfg Config, pd PDConfig) (*pdSim, error) {
 		_ = s.ix.Close()
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
-	s.dcfg, _ = s.r.DisaggConfig()
+	s.dcfg, _ = s.r.Disagg().Config()
 	s.heap = make(eventHeap, 0, len(w.Requests))
 	var t0 time.Duration
 	if len(w.Requests) > 0 {
@@ -328,7 +328,7 @@ func (s *pdSim) run() error {
 // inFlight returns the phases the router counts in flight.
 func (s *pdSim) inFlight() int {
 	n := 0
-	for _, b := range s.r.DisaggStats().Backends {
+	for _, b := range s.r.Disagg().Stats().Backends {
 		n += b.PrefillsInFlight + b.DecodesInFlight
 	}
 	return n
@@ -341,7 +341,7 @@ func (s *pdSim) arrive(i int) error {
 	r.prompt = len(r.tokens)
 	req := &prefixkey.Request{Format: prefixkey.FormatOpenAIChat, Model: DefaultModel, System: anchorText(wr, s.cfg.Seed),
 		HasSystem: len(wr.Segments) > 0, TokenIDs: r.tokens}
-	d, err := s.r.RouteDisagg(s.ctx, req)
+	d, err := s.r.Disagg().Route(s.ctx, req)
 	if err != nil {
 		return fmt.Errorf("replay: routing request %d: %w", i, err)
 	}

@@ -101,7 +101,7 @@ func (s *server) disaggregationStats(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]any{"enabled": false})
 		return
 	}
-	writeJSON(w, http.StatusOK, s.router.DisaggStats())
+	writeJSON(w, http.StatusOK, s.router.Disagg().Stats())
 }
 
 // GET /admin/response-cache/stats.

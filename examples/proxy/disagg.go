@@ -22,7 +22,7 @@ import (
 	"github.com/kvroute/kvroute/prefixkey"
 )
 
-// The two-phase flow of disaggregated serving. RouteDisagg chooses a path:
+// The two-phase flow of disaggregated serving. Router.Disagg().Route chooses a path:
 //
 //   - fast_decode, unified, fallback: the client's request goes to the chosen backend as it came
 //     (a decode backend whose cache, or storage, holds the prefix loads it by itself);
@@ -74,7 +74,7 @@ type relayedResponse struct {
 // forwardDisagg serves one request with disaggregation on.
 func (s *server) forwardDisagg(w http.ResponseWriter, r *http.Request, pr *parsedRequest) {
 	ctx := r.Context()
-	d, err := s.router.RouteDisagg(ctx, pr.req)
+	d, err := s.router.Disagg().Route(ctx, pr.req)
 	if err != nil {
 		s.routeError(w, pr, err)
 		return

@@ -9,7 +9,7 @@
 //
 // Request flow (proxy.go): body checks → response cache → Router.Route (tokenization inside, when
 // tier 4 is on) → ReverseProxy → Decision.Done. A backend that fails before anything reached the
-// client is replaced once by another; with disaggregated_serving, Router.RouteDisagg may run a
+// client is replaced once by another; with disaggregated_serving, Router.Disagg().Route may run a
 // one-token prefill on a prefill backend first (disagg.go). Admin, models and the other /v1
 // endpoints are in admin.go and gateway.go. README.md lists the endpoints, headers and errors.
 package main
