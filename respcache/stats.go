@@ -197,7 +197,8 @@ type Stats struct {
 	Evictions   uint64       `json:"evictions"`
 	SizeBytes   int64        `json:"size_bytes"`
 	Config      StatsConfig  `json:"config"`
-	Redis       *RedisStats  `json:"redis,omitempty"` // when the store (or a tier of it) is Redis
+	Redis       *RemoteStats `json:"redis,omitempty"`  // when the store (or a tier of it) is Redis
+	Remote      *RemoteStats `json:"remote,omitempty"` // when it is another remote store
 	// Coalesced counts requests served by a concurrent identical request's call (also counted in
 	// Requests.Hit).
 	Coalesced uint64 `json:"coalesced"`
@@ -253,7 +254,6 @@ func (c *Cache) Stats(ctx context.Context) Stats {
 			MaxResponseSize:     c.maxResp,
 			MaxStreamBufferSize: c.maxStream,
 		},
-		Redis:         findRedis(&st),
 		Coalesced:     c.counters.coalesced.Load(),
 		StoreErrors:   make(map[string]uint64, numSE),
 		BackendErrors: st.Errors,
@@ -261,21 +261,27 @@ func (c *Cache) Stats(ctx context.Context) Stats {
 	for i, n := range seNames {
 		s.StoreErrors[n] = c.counters.storeErrs[i].Load()
 	}
+	if remote, backend := findRemote(&st); backend == "redis" {
+		s.Redis = remote
+	} else {
+		s.Remote = remote
+	}
 	return s
 }
 
-// findRedis returns the Redis section of a store or of one of its tiers.
-func findRedis(st *StoreStats) *RedisStats {
+// findRemote returns the remote section of a store or of one of its tiers, and that store's
+// backend name.
+func findRemote(st *StoreStats) (*RemoteStats, string) {
 	if st == nil {
-		return nil
+		return nil, ""
 	}
-	if st.Redis != nil {
-		return st.Redis
+	if st.Remote != nil {
+		return st.Remote, st.Backend
 	}
-	if r := findRedis(st.L1); r != nil {
-		return r
+	if r, b := findRemote(st.L1); r != nil {
+		return r, b
 	}
-	return findRedis(st.L2)
+	return findRemote(st.L2)
 }
 
 // compactDuration formats d as time.Duration.String does, without zero trailing units: "5m",

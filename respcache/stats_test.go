@@ -94,8 +94,8 @@ type mwRedisStatsStore struct{ mwFailStore }
 
 func (s *mwRedisStatsStore) Stats(context.Context) StoreStats {
 	return StoreStats{Backend: "tiered", Entries: 1243, Capacity: 5000,
-		L1: &StoreStats{Backend: "redis", Redis: &RedisStats{
-			Connections:    RedisConnections{Active: 3, Idle: 5},
+		L1: &StoreStats{Backend: "redis", Remote: &RemoteStats{
+			Connections:    Connections{Active: 3, Idle: 5},
 			FallbackActive: false,
 			Errors:         map[string]uint64{"connection": 0, "timeout": 2, "other": 0},
 		}}}
@@ -112,6 +112,21 @@ func TestStatsRedisSection(t *testing.T) {
 	}
 	if string(top["hit_rate"]) != `"0.0000"` || string(top["entries"]) != "1243" {
 		t.Fatalf("hit_rate %s entries %s", top["hit_rate"], top["entries"])
+	}
+}
+
+// mwRemoteStore is a third party's store on another server: its section shows as "remote".
+type mwRemoteStore struct{ mwFailStore }
+
+func (s *mwRemoteStore) Stats(context.Context) StoreStats {
+	return StoreStats{Backend: "memcached", Remote: &RemoteStats{Connections: Connections{Active: 1}, FallbackActive: true}}
+}
+
+func TestStatsRemoteSection(t *testing.T) {
+	c := mwNew(t, Config{Store: &mwRemoteStore{}})
+	st := c.Stats(context.Background())
+	if st.Redis != nil || st.Remote == nil || !st.Remote.FallbackActive || st.BackendType != "memcached" {
+		t.Fatalf("stats %+v: want the store's section as remote, none as redis", st)
 	}
 }
 

@@ -40,20 +40,23 @@ type StoreStats struct {
 	Hits      uint64            `json:"hits"`
 	Misses    uint64            `json:"misses"`
 	Errors    map[string]uint64 `json:"errors,omitempty"` // by type: connection, timeout, other
-	Redis     *RedisStats       `json:"redis,omitempty"`
-	L1        *StoreStats       `json:"l1,omitempty"` // tiered only
-	L2        *StoreStats       `json:"l2,omitempty"` // tiered only
+	// Remote is the section of a store backed by a server (connections, fallback, errors); nil
+	// for a local store. The stats endpoint shows Redis's as "redis", another's as "remote".
+	Remote *RemoteStats `json:"remote,omitempty"`
+	L1     *StoreStats  `json:"l1,omitempty"` // tiered only
+	L2     *StoreStats  `json:"l2,omitempty"` // tiered only
 }
 
-// RedisStats is the Redis section of the stats endpoint, filled by redisstore.Store.
-type RedisStats struct {
-	Connections    RedisConnections  `json:"connections"`
-	FallbackActive bool              `json:"fallback_active"`
-	Errors         map[string]uint64 `json:"errors"` // connection, timeout, other
+// RemoteStats describes the connection of a store to its server (redisstore.Store fills it; a
+// store of your own on another server may too).
+type RemoteStats struct {
+	Connections    Connections       `json:"connections"`
+	FallbackActive bool              `json:"fallback_active"` // serving from a local fallback while the server is away
+	Errors         map[string]uint64 `json:"errors"`          // connection, timeout, other (ErrorTypeOf)
 }
 
-// RedisConnections counts the client's connections.
-type RedisConnections struct {
+// Connections counts a client's connections to its server.
+type Connections struct {
 	Active int `json:"active"`
 	Idle   int `json:"idle"`
 }

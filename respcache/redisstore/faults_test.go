@@ -120,7 +120,7 @@ func TestFaultKillAndRestart(t *testing.T) {
 	require.Equal(t, "in redis", v)
 
 	st := s.Stats(ctx)
-	require.False(t, st.Redis.FallbackActive)
+	require.False(t, st.Remote.FallbackActive)
 	require.Positive(t, st.Errors[respcache.ErrorTypeConnection], "connection errors not counted: %+v", st.Errors)
 	t.Logf("calls %d, failures %d, errors %v", calls, failures, st.Errors)
 }

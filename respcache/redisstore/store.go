@@ -781,8 +781,8 @@ func (s *Store) Stats(context.Context) respcache.StoreStats {
 		Hits:    s.hits.Load(),
 		Misses:  s.misses.Load(),
 		Errors:  errs,
-		Redis: &respcache.RedisStats{
-			Connections:    respcache.RedisConnections{Active: active, Idle: max(s.cfg.PoolSize-active, 0)},
+		Remote: &respcache.RemoteStats{
+			Connections:    respcache.Connections{Active: active, Idle: max(s.cfg.PoolSize-active, 0)},
 			FallbackActive: s.active.Load(),
 			Errors:         s.errs.Snapshot(),
 		},

@@ -338,9 +338,9 @@ func TestMetrics(t *testing.T) {
 	st := s.Stats(ctx)
 	require.Equal(t, "redis", st.Backend)
 	require.Equal(t, -1, st.Entries)
-	require.NotNil(t, st.Redis)
-	require.Equal(t, redisstore.DefaultPoolSize, st.Redis.Connections.Idle)
-	require.Equal(t, st.Errors, st.Redis.Errors)
+	require.NotNil(t, st.Remote)
+	require.Equal(t, redisstore.DefaultPoolSize, st.Remote.Connections.Idle)
+	require.Equal(t, st.Errors, st.Remote.Errors)
 }
 
 // unusedClient is a rueidis.Client for tests that must fail before the client is used: every
@@ -405,7 +405,7 @@ func TestNewWithClientShares(t *testing.T) {
 	require.Equal(t, "a", string(got))
 
 	st := a.Stats(ctx)
-	require.Equal(t, respcache.RedisConnections{}, st.Redis.Connections)
+	require.Equal(t, respcache.Connections{}, st.Remote.Connections)
 	require.NoError(t, b.Close())
 	require.NoError(t, c.Do(ctx, c.B().Ping().Build()).Error(), "Close closed the caller's client")
 	_, ok, err = a.Get(ctx, "k")
