@@ -53,20 +53,26 @@ type MemoryConfig struct {
 	// a hot prefix the engine keeps without re-announcing it stays fresh). Blocks expire between
 	// EntryTTL and EntryTTL × 65/64 after their evidence; the evidence is per block, so a
 	// backend's membership lasts as long as any holder's. A prefix entry expires exactly EntryTTL
-	// after its last event. Expired entries count as absent at once and are removed by the sweep.
+	// after its last event. Expired entries count as absent at once and are removed by the sweep
+	// (until then, Stats counts them).
 	EntryTTL time.Duration
 	// SweepInterval is the period of the goroutine that removes expired entries and reclaims
 	// cleared backends (DefaultSweepInterval when 0). A negative value starts no goroutine:
-	// expired entries then leave only when evicted or overwritten (for tests and for callers that
-	// run their own schedule).
+	// expired confirmed and prefix entries then leave only when evicted or overwritten (for
+	// tests and for callers that run their own schedule). Speculative entries do not wait for
+	// the sweep (see SpeculativeTTL).
 	SweepInterval time.Duration
 	// SpeculativeTTL is the lifetime of a speculative entry when Speculate is given ttl 0
-	// (DefaultSpeculativeTTL when 0; at most MaxTTL).
+	// (DefaultSpeculativeTTL when 0; at most MaxTTL). Expired speculative entries count as
+	// absent at once, and leave the table without waiting for the sweep: each Speculate drops
+	// its backend's expired entries about as fast as it adds new ones, and Stats drops them all
+	// before counting (see Speculate and Stats).
 	SpeculativeTTL time.Duration
 	// ApproximateCapacityBlocks, when > 0, caps each backend's speculative blocks: past it, the
-	// backend's oldest speculative blocks are dropped first. In approximate mode (no events),
-	// set it to the engine's real cache size in blocks of BlockSize tokens (GPU plus offload
-	// tiers), so that the index forgets what the engine has evicted. 0 means no cap.
+	// backend's oldest speculative blocks (those soonest to expire) are dropped first. In
+	// approximate mode (no events), set it to the engine's real cache size in blocks of
+	// BlockSize tokens (GPU plus offload tiers), so that the index forgets what the engine has
+	// evicted. 0 means no cap.
 	ApproximateCapacityBlocks int
 	// TierWeights weight a matched block by the best tier it is held on; the zero value means
 	// DefaultTierWeights. Each weight must be in [0, 1].
@@ -188,7 +194,9 @@ const tickShift = 22
 // Memory: per block, a 56-byte body (its holders on every tier) and an 8-byte probe word in an
 // array kept 76–87.5% full; per (block, backend) membership confirmed by an event, a 16-byte
 // engine-hash map entry, the maps kept likewise. With blocks held by 2.7 backends on average
-// that is about 46 bytes per membership (BenchmarkMemoryPerMembership).
+// that is about 46 bytes per membership (BenchmarkMemoryPerMembership). Per speculative
+// membership, an 8-byte entry in its backend's expiry queue (16 when queued out of order), kept
+// until the entry's expiry even when a BlockStored confirms it sooner.
 type MemoryIndex struct {
 	cfg       MemoryConfig
 	epoch     time.Time // the clock's origin
@@ -707,9 +715,7 @@ func (m *MemoryIndex) retire(backend string) {
 	bs.emu.Lock()
 	bs.em = engineMap{}
 	bs.emu.Unlock()
-	bs.specMu.Lock()
-	bs.ring = specRing{}
-	bs.specMu.Unlock()
+	bs.resetSpec()
 	m.mut[mutCleared].Add(1)
 }
 
@@ -718,7 +724,8 @@ func (m *MemoryIndex) retire(backend string) {
 func (m *MemoryIndex) reclaim() { m.sweep() }
 
 // sweep removes expired entries from every shard and the prefix store, clears the bits of
-// retired backends and frees their ids, and retires idle empty backends.
+// retired backends and frees their ids, empties the speculative queues of their due entries
+// (compacting them), and retires idle empty backends.
 func (m *MemoryIndex) sweep() {
 	m.reclaimMu.Lock()
 	defer m.reclaimMu.Unlock()
@@ -743,6 +750,11 @@ func (m *MemoryIndex) sweep() {
 		}
 		m.storageIDs.And(^mask)
 		m.reg.release(mask)
+	}
+	// The shards swept, the queues' due entries name memberships already dropped: they are
+	// discarded without shard locks. Compacting drops the confirmed entries not yet due.
+	for _, bs := range m.reg.active() {
+		m.settleSpec(bs, c, true)
 	}
 	// Backends that hold nothing and sent nothing for an EntryTTL give their id back: a fleet
 	// whose pods come and go under new names never runs out of ids.
@@ -772,9 +784,7 @@ func (m *MemoryIndex) retireIdle(bs *backendState, now uint32) {
 	bs.emu.Lock()
 	bs.em = engineMap{}
 	bs.emu.Unlock()
-	bs.specMu.Lock()
-	bs.ring = specRing{}
-	bs.specMu.Unlock()
+	bs.resetSpec()
 }
 
 func (m *MemoryIndex) sweepLoop(every time.Duration) {
@@ -857,11 +867,21 @@ func (m *MemoryIndex) LookupPrefix(_ context.Context, prefix string, candidates 
 // Speculate records that backend will soon hold keys on the GPU tier (Speculator): each key it
 // does not already hold becomes a speculative entry until ttl (SpeculativeTTL when ttl ≤ 0)
 // passes, unless a BlockStored confirms it first. Speculative entries count in lookups like
-// ordinary GPU entries. One expiry is kept per block: when several backends speculate on one
-// block, each entry lasts until the latest of their expiries. With ApproximateCapacityBlocks set,
-// the backend's oldest speculative blocks beyond that cap are dropped. Keys already held cost a
-// lock-free read each; new ones a shard lock each. It returns ErrClosed after Close, nil
-// otherwise (a backend beyond MaxBackends is counted as dropped).
+// ordinary GPU entries. One expiry is kept per block: a backend speculating again on a block
+// restarts its entry's TTL; when several backends speculate on one block, each entry lasts until
+// the latest of their expiries. With ApproximateCapacityBlocks set, the backend's oldest
+// speculative blocks (soonest to expire) beyond that cap are dropped.
+//
+// Each backend's speculative entries are queued in order of expiry, and each call drops from the
+// table (and from the counters Stats reports) up to as many of the backend's expired entries as
+// it wrote, plus a few: expired speculation leaves about as fast as it arrives; the table holds
+// little more than the live speculation, and the queue little more than the entries queued
+// within the last TTL (confirmed ones stay queued until due). Keys already held cost a lock-free
+// read each; new ones a shard lock each, then, at their expiry, a lock-free read and, if still
+// speculative, a shard lock. The backend's queue mutex is taken once per call that queues or
+// finds an expired entry (and once per 64 queued entries). Once the queue has grown to its
+// steady size, Speculate allocates nothing. It returns ErrClosed after Close, nil otherwise (a
+// backend beyond MaxBackends is counted as dropped).
 func (m *MemoryIndex) Speculate(_ context.Context, backend string, keys []uint64, ttl time.Duration) error {
 	if m.closed.Load() {
 		return ErrClosed
@@ -883,12 +903,9 @@ func (m *MemoryIndex) Speculate(_ context.Context, backend string, keys []uint64
 	bs.lastActive.Store(c.now)
 	exp += c.now
 	bit := uint64(1) << bs.id
-	capBlocks := m.cfg.ApproximateCapacityBlocks
-	if capBlocks > 0 {
-		bs.specMu.Lock()
-		defer bs.specMu.Unlock()
-	}
-	added := 0
+	// Entries to queue are batched, so that the queue's mutex is taken once per batch.
+	var batch [specBatch]uint64
+	nb, queued, added, written := 0, 0, 0, 0
 	var parentH uint64
 	for _, k := range keys {
 		h := mix(k)
@@ -899,28 +916,162 @@ func (m *MemoryIndex) Speculate(_ context.Context, backend string, keys []uint64
 		}
 		cc := c
 		sh := m.lockShard(h, &cc)
-		isNew := m.speculate(sh, h, ph, bs.id, exp, cc)
+		isNew, queue := m.speculate(sh, h, ph, bs.id, exp, cc)
 		sh.mu.Unlock()
+		written++
 		if isNew {
 			added++
-			if capBlocks > 0 {
-				bs.ring.push(h)
+		}
+		if queue {
+			batch[nb] = h
+			if nb++; nb == len(batch) {
+				bs.specMu.Lock()
+				bs.queueSpec(batch[:nb], exp)
+				bs.specMu.Unlock()
+				queued += nb
+				nb = 0
 			}
 		}
 	}
 	m.mut[mutSpeculated].Add(uint64(added))
-	if capBlocks > 0 {
+	if queued+nb == 0 && !bs.specDueAt(c.now) {
+		return nil
+	}
+	bs.specMu.Lock()
+	bs.queueSpec(batch[:nb], exp)
+	// Each key written pays for one entry's expiry: its own, or the requeueing of an entry it
+	// extended.
+	m.expireSpecs(bs, c, written+specExpireSlack)
+	if capBlocks := m.cfg.ApproximateCapacityBlocks; capBlocks > 0 {
 		m.trimSpeculative(bs, capBlocks, c)
 	}
+	bs.noteSpecDue()
+	bs.specMu.Unlock()
 	return nil
 }
 
-// trimSpeculative drops bs's oldest speculative blocks until it has at most capBlocks. Under
-// bs.specMu and bs.life (shared).
+const (
+	// specBatch is the most entries Speculate queues at once.
+	specBatch = 64
+	// specExpireSlack is how many due entries Speculate expires beyond as many as it wrote:
+	// enough to catch up with a backlog (a burst, a clock jump) in a few calls.
+	specExpireSlack = 32
+	// specCompactSlack is how far a backend's queue may outgrow twice its speculative entries
+	// before the sweep compacts it.
+	specCompactSlack = 1024
+)
+
+// queueSpec queues blocks hs (mixed) expiring at tick exp. Under bs.specMu.
+func (bs *backendState) queueSpec(hs []uint64, exp uint32) {
+	for _, h := range hs {
+		bs.spec.push(h, exp)
+	}
+}
+
+// noteSpecDue publishes the soonest expiry of bs's queue in specDue. Under bs.specMu.
+func (bs *backendState) noteSpecDue() {
+	if exp, ok := bs.spec.next(); ok {
+		bs.specDue.Store(1<<32 | uint64(exp))
+	} else {
+		bs.specDue.Store(0)
+	}
+}
+
+// specDueAt reports whether bs's queue may hold entries due at tick now.
+func (bs *backendState) specDueAt(now uint32) bool {
+	d := bs.specDue.Load()
+	return d != 0 && int32(uint32(d)-now) <= 0
+}
+
+// resetSpec empties bs's queue.
+func (bs *backendState) resetSpec() {
+	bs.specMu.Lock()
+	bs.spec = specQueue{}
+	bs.specDue.Store(0)
+	bs.specMu.Unlock()
+}
+
+// expireSpecs pops bs's queued entries that are due at c.now, at most budget of them (all when
+// budget < 0). An entry whose block bs still speculates on is either expired — the membership is
+// dropped under the shard lock, with the counters, as normalize drops it — or was extended since
+// it was queued: it is queued again with the block's expiry. Other entries (confirmed, evicted,
+// dropped, cleared) are discarded after a lock-free read. Every speculative membership of bs has
+// a queued entry no later than its expiry (Speculate queues new memberships and shortened
+// expiries; expiries otherwise only grow), so that once the due entries are popped, the
+// counters hold no expired speculation of bs. Under bs.specMu and bs.life (shared), bs not
+// retired.
+//
+// Due entries are taken a batch at a time, whose blocks are touched first, so that their cache
+// misses overlap.
+func (m *MemoryIndex) expireSpecs(bs *backendState, c clock, budget int) {
+	q := &bs.spec
+	bit := uint64(1) << bs.id
+	var due [expireBatch]uint64
+	for budget != 0 {
+		n := 0
+		for ; n < len(due) && budget != 0; budget-- {
+			if exp, ok := q.next(); !ok || int32(exp-c.now) > 0 {
+				break
+			}
+			due[n], _, _ = q.pop()
+			n++
+		}
+		if n == 0 {
+			break
+		}
+		m.touchBlocks(due[:n])
+		for _, h := range due[:n] {
+			v, ok := m.shardOf(h).read(h)
+			if !ok || v.spec&bit == 0 {
+				continue
+			}
+			if c.specLive(&v) {
+				q.push(h, v.specExp())
+				continue
+			}
+			cc := c
+			sh := m.lockShard(h, &cc)
+			exp, live := m.dropExpiredSpec(sh, h, bit, cc)
+			sh.mu.Unlock()
+			if live {
+				q.push(h, exp)
+			}
+		}
+		if n < len(due) {
+			break
+		}
+	}
+}
+
+// expireBatch is how many due entries expireSpecs touches at once.
+const expireBatch = 16
+
+// touchBlocks loads the probe-array home slots of blocks hs (mixed), then the bodies they name,
+// so that the cache misses of reading the blocks overlap.
+func (m *MemoryIndex) touchBlocks(hs []uint64) {
+	var touched uint64
+	for _, h := range hs {
+		t := m.shardOf(h).tab.Load()
+		touched += t.keys[t.home(h)].Load()
+	}
+	for _, h := range hs {
+		t := m.shardOf(h).tab.Load()
+		if b := t.body(t.keys[t.home(h)].Load()); b.hot != nil {
+			touched += b.hot.hx.Load()
+		}
+	}
+	if touched == 1 {
+		runtime.KeepAlive(touched) // keeps the prefetching loads
+	}
+}
+
+// trimSpeculative drops bs's speculative blocks soonest to expire (the oldest, but for those
+// extended since they were queued) until it has at most capBlocks. Under bs.specMu and bs.life
+// (shared).
 func (m *MemoryIndex) trimSpeculative(bs *backendState, capBlocks int, c clock) {
 	ic := &m.ids[bs.id]
 	for ic.specs.Load() > int64(capBlocks) {
-		h, ok := bs.ring.pop()
+		h, _, ok := bs.spec.pop()
 		if !ok {
 			break
 		}
@@ -929,24 +1080,68 @@ func (m *MemoryIndex) trimSpeculative(bs *backendState, capBlocks int, c clock) 
 		m.unspeculate(sh, h, bs.id)
 		sh.mu.Unlock()
 	}
-	// Entries whose speculation ended otherwise (confirmed, expired, evicted) linger in the ring;
-	// compact it when they outnumber the cap.
-	if bs.ring.n > 2*capBlocks+16 {
-		bit := uint64(1) << bs.id
-		bs.ring.retain(func(h uint64) bool {
-			v, ok := m.shardOf(h).read(h)
-			return ok && v.spec&bit != 0 && c.specLive(&v)
-		})
+	// Entries whose speculation ended otherwise (confirmed, evicted) linger in the queue until
+	// due; compact it when they outnumber the cap.
+	if bs.spec.len() > 2*capBlocks+16 {
+		m.compactSpec(bs)
 	}
 }
 
-// Stats returns the index's counters and sizes (KvCacheIndex). Blocks counts table slots (until
-// the next sweep, that includes blocks whose holders were all cleared or have expired); Entries
-// the live backends' (block, backend) memberships, speculative ones included, plus their prefix
-// entries; MemoryBytes the bytes of the block table, the engine-hash maps, the speculative rings
-// and an estimate for the prefix entries. It locks nothing but the prefix shards (shared) and
-// each backend's maps briefly; the error is always nil.
+// compactSpec drops from bs's queue the entries of blocks bs no longer speculates on. Expired
+// speculative entries stay: popping them fixes the counters. Under bs.specMu and bs.life
+// (shared).
+func (m *MemoryIndex) compactSpec(bs *backendState) {
+	bit := uint64(1) << bs.id
+	bs.spec.retain(func(h uint64) bool {
+		v, ok := m.shardOf(h).read(h)
+		return ok && v.spec&bit != 0
+	})
+}
+
+// settleSpec expires every due entry of bs's queue, compacts the queue when compact and it holds
+// more than twice bs's speculative entries (plus specCompactSlack), gives back the memory of a
+// queue that has shrunk (Speculate never does, so that a queue's size swinging with the load
+// does not reallocate on the request path), and returns the queue's bytes. It takes bs.life
+// (shared) and bs.specMu; it does nothing for a retired bs.
+func (m *MemoryIndex) settleSpec(bs *backendState, c clock, compact bool) int64 {
+	bs.life.RLock()
+	defer bs.life.RUnlock()
+	if bs.retired {
+		return 0
+	}
+	bs.specMu.Lock()
+	defer bs.specMu.Unlock()
+	m.expireSpecs(bs, c, -1)
+	if compact && bs.spec.len() > 2*int(m.ids[bs.id].specs.Load())+specCompactSlack {
+		m.compactSpec(bs)
+	}
+	bs.spec.shrink()
+	bs.noteSpecDue()
+	return bs.spec.bytes()
+}
+
+// Stats returns the index's counters and sizes (KvCacheIndex). Entries counts the live
+// backends' (block, backend) memberships, speculative ones included, plus their prefix entries;
+// PerBackend the same per backend; SpeculativeCount the speculative memberships; Blocks the
+// table's blocks; MemoryBytes the bytes of the block table, the engine-hash maps, the
+// speculative queues and an estimate for the prefix entries.
+//
+// Speculative counts are exact at the call: Stats first drops every expired speculative entry
+// (see Speculate), so that SpeculativeCount, and the speculative part of Entries and
+// PerBackend, count the memberships neither expired nor confirmed. Confirmed memberships and
+// prefix entries past EntryTTL count as absent in lookups at once, but stay in the counts until
+// the sweep (or a write to their block) removes them: Entries, PerBackend and Blocks (which also
+// counts blocks whose holders were all cleared) are upper bounds by that much.
+//
+// It takes each backend's queue mutex, a shard lock per expired speculative entry, each
+// backend's maps briefly and the prefix shards (shared). The error is always nil.
 func (m *MemoryIndex) Stats(context.Context) (Stats, error) {
+	active := m.reg.active()
+	c := m.clock()
+	var bytes int64
+	for _, bs := range active {
+		bytes += m.settleSpec(bs, c, false)
+	}
 	s := Stats{
 		Backend:    "memory",
 		Mutations:  make(map[string]uint64, numMutations),
@@ -964,14 +1159,13 @@ func (m *MemoryIndex) Stats(context.Context) (Stats, error) {
 	for i := range m.dropped {
 		s.Dropped[dropNames[i]] = m.dropped[i].Load()
 	}
-	var bytes int64
 	for i := range m.shards {
 		sh := &m.shards[i]
 		s.Blocks += int(sh.blocks.Load())
 		t := sh.tab.Load()
 		bytes += int64(len(t.keys))*8 + int64(len(t.chunks))*chunkSize*bodyBytes
 	}
-	for name, bs := range m.reg.active() {
+	for name, bs := range active {
 		ic := &m.ids[bs.id]
 		n := int(ic.members.Load() + ic.prefix.Load())
 		s.PerBackend[name] = n
@@ -980,9 +1174,6 @@ func (m *MemoryIndex) Stats(context.Context) (Stats, error) {
 		bs.emu.Lock()
 		bytes += bs.em.bytes()
 		bs.emu.Unlock()
-		bs.specMu.Lock()
-		bytes += bs.ring.bytes()
-		bs.specMu.Unlock()
 	}
 	s.PrefixCount = int(m.prefix.count.Load())
 	s.MemoryBytes = bytes + m.prefixBytes()
@@ -996,6 +1187,11 @@ func (m *MemoryIndex) Stats(context.Context) (Stats, error) {
 func (m *MemoryIndex) Clear(context.Context) (int, error) {
 	if m.closed.Load() {
 		return 0, ErrClosed
+	}
+	// The speculative queues are emptied before the shards: a speculative membership created
+	// meanwhile is queued after, or cleared with its shard.
+	for _, bs := range m.reg.active() {
+		bs.resetSpec()
 	}
 	n := 0
 	c := m.clock()
@@ -1011,9 +1207,6 @@ func (m *MemoryIndex) Clear(context.Context) (int, error) {
 		bs.emu.Lock()
 		bs.em = engineMap{}
 		bs.emu.Unlock()
-		bs.specMu.Lock()
-		bs.ring = specRing{}
-		bs.specMu.Unlock()
 	}
 	m.mut[mutCleared].Add(1)
 	return n, nil

@@ -12,8 +12,7 @@ const MaxMemoryBackends = 64
 const DefaultMaxBackends = MaxMemoryBackends
 
 // backendState is what MemoryIndex keeps per backend: its small integer id (its bit in the block
-// table's holder sets), its engine-hash map and, in approximate mode, the order of its speculative
-// blocks.
+// table's holder sets), its engine-hash map and the queue of its speculative blocks.
 type backendState struct {
 	name string
 	id   uint8
@@ -26,8 +25,12 @@ type backendState struct {
 	emu sync.Mutex
 	em  engineMap // under emu
 
+	// specMu guards spec. Lock order: life (shared), then specMu, then shard locks.
 	specMu sync.Mutex
-	ring   specRing // under specMu
+	spec   specQueue // under specMu
+	// specDue is 1<<32 | spec's soonest expiry, 0 when spec is empty: written under specMu, read
+	// without it by Speculate to skip the queue when nothing is due.
+	specDue atomic.Uint64
 
 	lastActive atomic.Uint32 // tick of the last Apply or Speculate
 }
@@ -140,47 +143,217 @@ func (r *registry) release(mask uint64) {
 // active returns the live backends (a snapshot).
 func (r *registry) active() map[string]*backendState { return *r.names.Load() }
 
-// specRing is a FIFO of one backend's speculative blocks (mixed keys), oldest first, kept only
-// when MemoryConfig.ApproximateCapacityBlocks is set. Entries whose speculation has ended since
-// (confirmed, expired, evicted) stay until popped or compacted.
-type specRing struct {
-	buf  []uint64
+// specQueue is one backend's speculative entries in order of expiry, so that each leaves the
+// table, and the counters, as it expires (MemoryIndex.expireSpecs), and so that with
+// MemoryConfig.ApproximateCapacityBlocks the oldest go first. An entry is a block's mixed key and
+// the expiry tick it was queued with, never later than the block's speculative expiry while the
+// backend's speculation on it lasts (a block's expiry only grows, and an entry is queued again
+// when one shrinks). Entries arrive in order of expiry when the backend's callers use one TTL:
+// they go to a FIFO whose expiries never decrease, stored once per run of equal expiries (one
+// Speculate call), 8 bytes an entry. The others, whose expiry is before the FIFO's last (a
+// shorter TTL, or an entry queued again with its extended expiry), go to a min-heap of 16-byte
+// entries. Entries whose speculation ended otherwise (confirmed, evicted, cleared) stay until
+// popped or compacted. Under backendState.specMu.
+type specQueue struct {
+	keys ring[uint64]  // the FIFO's mixed keys, oldest first
+	runs ring[specRun] // the FIFO's expiries: the first runs.front().n keys expire at its exp, …
+	late []specEntry   // min-heap by exp
+}
+
+type specRun struct{ exp, n uint32 }
+
+type specEntry struct {
+	h   uint64
+	exp uint32
+}
+
+// before reports whether tick a is before tick b (ticks wrap; see MaxTTL).
+func before(a, b uint32) bool { return int32(a-b) < 0 }
+
+func (q *specQueue) len() int { return q.keys.n + len(q.late) }
+
+// push queues block h (mixed) expiring at tick exp.
+func (q *specQueue) push(h uint64, exp uint32) {
+	if q.runs.n > 0 {
+		last := q.runs.back()
+		if last.exp == exp {
+			last.n++
+			q.keys.push(h)
+			return
+		}
+		if before(exp, last.exp) {
+			q.pushLate(specEntry{h, exp})
+			return
+		}
+	}
+	q.runs.push(specRun{exp, 1})
+	q.keys.push(h)
+}
+
+// next returns the soonest expiry queued; ok is false when the queue is empty.
+func (q *specQueue) next() (exp uint32, ok bool) {
+	switch {
+	case q.runs.n > 0 && (len(q.late) == 0 || !before(q.late[0].exp, q.runs.front().exp)):
+		return q.runs.front().exp, true
+	case len(q.late) > 0:
+		return q.late[0].exp, true
+	}
+	return 0, false
+}
+
+// pop removes and returns the entry with the soonest expiry; ok is false when the queue is empty.
+func (q *specQueue) pop() (h uint64, exp uint32, ok bool) {
+	switch {
+	case q.runs.n > 0 && (len(q.late) == 0 || !before(q.late[0].exp, q.runs.front().exp)):
+		r := q.runs.front()
+		exp = r.exp
+		if r.n--; r.n == 0 {
+			q.runs.popFront()
+		}
+		return q.keys.popFront(), exp, true
+	case len(q.late) > 0:
+		e := q.popLate()
+		return e.h, e.exp, true
+	}
+	return 0, 0, false
+}
+
+func (q *specQueue) pushLate(e specEntry) {
+	q.late = append(q.late, e)
+	a := q.late
+	for i := len(a) - 1; i > 0; {
+		p := (i - 1) / 2
+		if !before(a[i].exp, a[p].exp) {
+			break
+		}
+		a[i], a[p] = a[p], a[i]
+		i = p
+	}
+}
+
+func (q *specQueue) popLate() specEntry {
+	a := q.late
+	top := a[0]
+	n := len(a) - 1
+	a[0] = a[n]
+	q.late = a[:n]
+	siftDown(q.late, 0)
+	return top
+}
+
+func siftDown(a []specEntry, i int) {
+	for {
+		c := 2*i + 1
+		if c >= len(a) {
+			return
+		}
+		if c+1 < len(a) && before(a[c+1].exp, a[c].exp) {
+			c++
+		}
+		if !before(a[c].exp, a[i].exp) {
+			return
+		}
+		a[i], a[c] = a[c], a[i]
+		i = c
+	}
+}
+
+// retain keeps, in order, the entries for which keep returns true.
+func (q *specQueue) retain(keep func(h uint64) bool) {
+	kept, runs, i := 0, 0, 0
+	for r := range q.runs.n {
+		run := *q.runs.at(r)
+		from := kept
+		for range run.n {
+			if h := *q.keys.at(i); keep(h) {
+				*q.keys.at(kept) = h
+				kept++
+			}
+			i++
+		}
+		if kept > from {
+			*q.runs.at(runs) = specRun{run.exp, uint32(kept - from)}
+			runs++
+		}
+	}
+	q.keys.n, q.runs.n = kept, runs
+	late := q.late[:0]
+	for _, e := range q.late {
+		if keep(e.h) {
+			late = append(late, e)
+		}
+	}
+	clear(q.late[len(late):])
+	q.late = late
+	for i := len(late)/2 - 1; i >= 0; i-- {
+		siftDown(late, i)
+	}
+	q.shrink()
+}
+
+// shrink gives back the memory of a queue that has shrunk to a quarter of its capacity. Buffers
+// are not shrunk below minShrink entries, so that a small queue that empties and fills again
+// does not reallocate.
+func (q *specQueue) shrink() {
+	q.keys.shrink()
+	q.runs.shrink()
+	if c := cap(q.late); c > minShrink && 4*len(q.late) < c {
+		q.late = append(make([]specEntry, 0, max(minShrink, 2*len(q.late))), q.late...)
+	}
+}
+
+func (q *specQueue) bytes() int64 {
+	return int64(len(q.keys.buf))*8 + int64(len(q.runs.buf))*8 + int64(cap(q.late))*16
+}
+
+// ring is a FIFO in a circular buffer whose length is 0 or a power of two.
+type ring[T any] struct {
+	buf  []T
 	head int
 	n    int
 }
 
-func (q *specRing) push(h uint64) {
-	if q.n == len(q.buf) {
-		nb := make([]uint64, max(16, 2*len(q.buf)))
-		for i := range q.n {
-			nb[i] = q.buf[(q.head+i)%len(q.buf)]
+func (r *ring[T]) push(x T) {
+	if r.n == len(r.buf) {
+		r.resize(max(16, 2*len(r.buf)))
+	}
+	r.buf[(r.head+r.n)&(len(r.buf)-1)] = x
+	r.n++
+}
+
+// front and back return the first and the last element; the ring must not be empty.
+func (r *ring[T]) front() *T { return &r.buf[r.head] }
+func (r *ring[T]) back() *T  { return r.at(r.n - 1) }
+
+// at returns the i-th element from the front.
+func (r *ring[T]) at(i int) *T { return &r.buf[(r.head+i)&(len(r.buf)-1)] }
+
+// popFront removes and returns the first element; the ring must not be empty.
+func (r *ring[T]) popFront() T {
+	x := r.buf[r.head]
+	r.head = (r.head + 1) & (len(r.buf) - 1)
+	r.n--
+	return x
+}
+
+// resize moves the elements to a new buffer of size (a power of two ≥ n).
+func (r *ring[T]) resize(size int) {
+	nb := make([]T, size)
+	for i := range r.n {
+		nb[i] = *r.at(i)
+	}
+	r.buf, r.head = nb, 0
+}
+
+// minShrink is the size (a power of two) below which specQueue.shrink shrinks no buffer.
+const minShrink = 256
+
+// shrink halves the buffer (or more, down to minShrink) when it is less than a quarter full.
+func (r *ring[T]) shrink() {
+	if size := len(r.buf); size > minShrink && 4*r.n < size {
+		for size > minShrink && 4*r.n < size {
+			size /= 2
 		}
-		q.buf, q.head = nb, 0
+		r.resize(size)
 	}
-	q.buf[(q.head+q.n)%len(q.buf)] = h
-	q.n++
 }
-
-func (q *specRing) pop() (uint64, bool) {
-	if q.n == 0 {
-		return 0, false
-	}
-	h := q.buf[q.head]
-	q.head = (q.head + 1) % len(q.buf)
-	q.n--
-	return h, true
-}
-
-// retain keeps, in order, the entries for which keep returns true.
-func (q *specRing) retain(keep func(h uint64) bool) {
-	nb := make([]uint64, 0, max(16, q.n))
-	for i := range q.n {
-		if h := q.buf[(q.head+i)%len(q.buf)]; keep(h) {
-			nb = append(nb, h)
-		}
-	}
-	q.n = len(nb)
-	q.buf, q.head = nb[:cap(nb)], 0
-}
-
-func (q *specRing) bytes() int64 { return int64(cap(q.buf)) * 8 }

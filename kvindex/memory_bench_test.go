@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"runtime"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -342,6 +343,113 @@ func BenchmarkMemoryPerMembership(b *testing.B) {
 				runtime.KeepAlive(f)
 				f.ix.Close()
 			}
+		})
+	}
+}
+
+// benchClock is a clock that benchmarks advance by hand.
+type benchClock struct{ ns atomic.Int64 }
+
+func (c *benchClock) Now() time.Time          { return time.Unix(0, c.ns.Load()) }
+func (c *benchClock) Advance(d time.Duration) { c.ns.Add(int64(d)) }
+
+// BenchmarkSpeculate measures Speculate of a 512-block request on one of 16 backends in turn,
+// the clock advancing SpeculativeTTL/64 per call (so that about 64 requests' speculation, 4 per
+// backend, is live at a time), and the sweep running every DefaultSweepInterval of that clock
+// (its time included). Scenarios:
+//
+//   - held: the backend holds every block (confirmed by events): a lock-free read per key.
+//   - new: every key is new to the index and never confirmed (approximate mode): a shard lock
+//     per key, and as many earlier entries expire.
+//   - extend: the keys are the backend's live speculative entries (approximate mode, a hot
+//     prefix): each call extends them.
+//   - capped: new keys, ApproximateCapacityBlocks 1,024: each call drops about as many of the
+//     backend's oldest speculative blocks as it adds.
+//
+// ns/key is per key of the request; spec-entries the SpeculativeCount at the end (Stats), and
+// blocks the table's blocks.
+func BenchmarkSpeculate(b *testing.B) {
+	for _, sc := range []string{"held", "new", "extend", "capped"} {
+		b.Run(fmt.Sprintf("backends=16/blocks=512/%s", sc), func(b *testing.B) {
+			clk := &benchClock{}
+			cfg := MemoryConfig{DefaultModel: fleetModel, SweepInterval: -1, Now: clk.Now, MaxEntries: 1 << 20,
+				EntryTTL: MaxTTL} // "held" stays held however long the run
+			if sc == "capped" {
+				cfg.ApproximateCapacityBlocks = 1024
+			}
+			ix, err := NewMemory(cfg)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer ix.Close()
+			ctx := context.Background()
+			names := make([]string, fleetBackends)
+			for i := range names {
+				names[i] = fmt.Sprintf("vllm-%02d", i)
+			}
+			var reqs [][]uint64
+			switch sc {
+			case "held":
+				toks := make([]uint32, 0, fleetChainBlocks*16)
+				hs := make([]uint64, fleetEventBlocks)
+				batch := &events.Batch{Model: fleetModel, Events: make([]events.Event, 1)}
+				for be := range fleetBackends {
+					toks = chainTokens(toks, be)
+					for blk := 0; blk < fleetChainBlocks; blk += fleetEventBlocks {
+						for i := range hs {
+							hs[i] = engineHash(be, be, blk+i)
+						}
+						ev := events.Event{Kind: events.KindBlockStored, BlockHashes: hs,
+							TokenIDs: toks[blk*16 : (blk+fleetEventBlocks)*16], BlockSize: 16}
+						if blk > 0 {
+							ev.Parent, ev.HasParent = engineHash(be, be, blk-1), true
+						}
+						batch.Events[0] = ev
+						if err := ix.Apply(ctx, names[be], batch); err != nil {
+							b.Fatal(err)
+						}
+					}
+					reqs = append(reqs, prefixkey.AppendBlockKeys(nil, prefixkey.BlockRoot(fleetModel, ""), toks, 16, nil))
+				}
+			case "extend":
+				for be := range fleetBackends {
+					reqs = append(reqs, prefixkey.AppendBlockKeys(nil, prefixkey.BlockRoot(fleetModel, ""), chainTokens(nil, be), 16, nil))
+					if err := ix.Speculate(ctx, names[be], reqs[be], 0); err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+			fresh := make([]uint64, fleetChainBlocks)
+			step := DefaultSpeculativeTTL / 64
+			sweepEvery := int(DefaultSweepInterval / step)
+			b.ReportAllocs()
+			b.ResetTimer()
+			cpu0 := cpuClock()
+			for i := 0; b.Loop(); i++ {
+				clk.Advance(step)
+				keys := fresh
+				if reqs != nil {
+					keys = reqs[i%len(reqs)]
+				} else {
+					for j := range fresh {
+						fresh[j] = uint64(i)<<20 | uint64(j)
+					}
+				}
+				if err := ix.Speculate(ctx, names[i%fleetBackends], keys, 0); err != nil {
+					b.Fatal(err)
+				}
+				if i%sweepEvery == sweepEvery-1 {
+					ix.sweep()
+				}
+			}
+			b.StopTimer()
+			if cpu0 > 0 {
+				b.ReportMetric(float64(cpuClock()-cpu0)/float64(b.N), "cpu-ns/op")
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*fleetChainBlocks), "ns/key")
+			s, _ := ix.Stats(ctx)
+			b.ReportMetric(float64(s.SpeculativeCount), "spec-entries")
+			b.ReportMetric(float64(s.Blocks), "blocks")
 		})
 	}
 }

@@ -589,8 +589,10 @@ func (m *MemoryIndex) removeTier(sh *shard, h uint64, id uint8, tier events.Tier
 }
 
 // speculate records that backend id will soon hold block h (child of parent, mixed), until tick
-// exp. It returns whether the speculative membership is new. Under mu.
-func (m *MemoryIndex) speculate(sh *shard, h, parent uint64, id uint8, exp uint32, c clock) (isNew bool) {
+// exp. It returns whether the speculative membership is new, and whether the caller must queue
+// (h, exp) on the backend's specQueue: the membership is new, or its expiry moved earlier (a
+// sole speculator's shorter TTL), so that its queued entries would come too late. Under mu.
+func (m *MemoryIndex) speculate(sh *shard, h, parent uint64, id uint8, exp uint32, c clock) (isNew, queue bool) {
 	bit := uint64(1) << id
 	t := sh.tab.Load()
 	pos, b := t.find(h)
@@ -601,7 +603,7 @@ func (m *MemoryIndex) speculate(sh *shard, h, parent uint64, id uint8, exp uint3
 		m.add(sh, v, c)
 		m.ids[id].members.Add(1)
 		m.ids[id].specs.Add(1)
-		return true
+		return true, true
 	}
 	v := b.load()
 	if e := m.normalize(&v, c); e != 0 {
@@ -609,7 +611,7 @@ func (m *MemoryIndex) speculate(sh *shard, h, parent uint64, id uint8, exp uint3
 	}
 	conf := v.confirmed()
 	if conf&bit != 0 {
-		return false // already an ordinary entry
+		return false, false // already an ordinary entry
 	}
 	if conf == 0 && v.spec == 0 {
 		v.setStamp(c.epoch)
@@ -618,8 +620,9 @@ func (m *MemoryIndex) speculate(sh *shard, h, parent uint64, id uint8, exp uint3
 		v.parent = parent
 	}
 	isNew = v.spec&bit == 0
+	old := v.specExp()
 	v.spec |= bit
-	if v.spec == bit || int32(exp-v.specExp()) > 0 {
+	if v.spec == bit || before(v.specExp(), exp) {
 		v.setSpecExp(exp)
 	}
 	sh.put(b, v)
@@ -627,7 +630,33 @@ func (m *MemoryIndex) speculate(sh *shard, h, parent uint64, id uint8, exp uint3
 		m.ids[id].members.Add(1)
 		m.ids[id].specs.Add(1)
 	}
-	return isNew
+	return isNew, isNew || before(v.specExp(), old)
+}
+
+// dropExpiredSpec drops the speculative membership of the backends of bit in block h if it has
+// expired, with every other expired holder of h (normalize), and deletes h when nothing is left.
+// When bit's speculation on h is live (extended since it was queued) it returns the block's
+// speculative expiry and true. Under mu.
+func (m *MemoryIndex) dropExpiredSpec(sh *shard, h, bit uint64, c clock) (exp uint32, live bool) {
+	t := sh.tab.Load()
+	pos, b := t.find(h)
+	if pos < 0 {
+		return 0, false
+	}
+	v := b.load()
+	if v.spec&bit == 0 {
+		return 0, false
+	}
+	if c.specLive(&v) {
+		return v.specExp(), true
+	}
+	m.expired.Add(uint64(m.normalize(&v, c)))
+	if v.confirmed()|v.spec == 0 {
+		sh.deleteAt(t, pos)
+	} else {
+		sh.put(b, v)
+	}
+	return 0, false
 }
 
 // unspeculate drops backend id's speculative membership of h, if any. Under mu.
