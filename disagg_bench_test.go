@@ -8,7 +8,7 @@ import (
 	"github.com/kvroute/kvroute/events"
 )
 
-// BenchmarkRouteDisagg measures DisaggRouter.Route plus the release of its slots on the seeds' fleet (2
+// BenchmarkRouteDisagg measures DisaggRouter.Route plus the release of its slots on the example config's fleet (2
 // prefill, 3 decode, 1 unified) with the in-memory index, for a 1,024-token prompt.
 func BenchmarkRouteDisagg(b *testing.B) {
 	for _, path := range []string{"fast_decode", "prefill_then_decode"} {

@@ -26,7 +26,7 @@ import (
 var dgStore = disagg.ExternalStorage{Endpoint: "http://kv-store:8080", Namespace: "inference/kv-cache",
 	AccessKey: "AK-dg-91", SecretKey: "SK-dg-77"}
 
-// dgFleet is the seeds' disaggregated fleet: two prefill, three decode (weight 2) and one unified
+// dgFleet is the disaggregated fleet of kvroute's example config: two prefill, three decode (weight 2) and one unified
 // backend.
 func dgFleet() []Backend {
 	return []Backend{

@@ -204,7 +204,7 @@ func TestKVShortPromptLeastWork(t *testing.T) {
 	assert.Equal(t, uint64(1), st.Lookups, "short prompts are not looked up")
 	assert.Zero(t, st.NoTokens)
 
-	// RingFallback keeps the seeds' behaviour: the ring takes what tier 4 cannot look up.
+	// RingFallback keeps the ring-first behaviour: the ring takes what tier 4 cannot look up.
 	r2 := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: newMemIndex(t), RingFallback: true}})
 	d, err := r2.Route(ctx, tokReq("system S", promptTokens(10, 9)))
 	require.NoError(t, err)

@@ -260,7 +260,7 @@ response_cache:
 	}
 }
 
-// The shipped example configurations load (with their environment) and so do the seeds' own.
+// The shipped example configurations load (with their environment) and so do the deployment shapes of kvroute's reference.
 func TestExampleConfigs(t *testing.T) {
 	vars := map[string]string{"ADMIN_TOKEN": "t0ken", "S3_ENDPOINT": "http://127.0.0.1:7070",
 		"S3_ACCESS_KEY": "AKIAEXAMPLE", "S3_SECRET_KEY": "wJalrXUtnFEMI/K7MDENG", "REDIS_URL": "redis://127.0.0.1:6379",

@@ -482,7 +482,7 @@ func TestInvalidate(t *testing.T) {
 	if _, err := c.Invalidate(ctx, InvalidateRequest{}); !errors.Is(err, ErrEmptyInvalidate) {
 		t.Fatalf("empty Invalidate err %v", err)
 	}
-	// The seeds' wire form.
+	// The admin endpoint's wire form.
 	var ir InvalidateRequest
 	if err := json.Unmarshal([]byte(`{ "clear_all": true }`), &ir); err != nil || !ir.ClearAll {
 		t.Fatal(ir, err)

@@ -207,7 +207,7 @@ func TestCompositeActive(t *testing.T) {
 		{name: "no overlap", req: Request{Blocks: 10}, cands: []Candidate{{Healthy: true}}, best: 0},
 		{name: "no overlap tiny threshold", threshold: 1e-12, req: Request{Blocks: 10}, cands: []Candidate{{Healthy: true}}, best: 0},
 		{name: "any overlap tiny threshold", threshold: 1e-12, req: Request{Blocks: 1000}, cands: []Candidate{{Overlap: 0.01, Healthy: true}}, best: 1e-5, active: true},
-		{name: "unknown length uses the seeds' normalisation", req: Request{}, cands: []Candidate{{Overlap: 0.1, Healthy: true}}, best: 1, active: true},
+		{name: "unknown length uses the default normalisation", req: Request{}, cands: []Candidate{{Overlap: 0.1, Healthy: true}}, best: 1, active: true},
 		{name: "no candidates", req: Request{Blocks: 10}, best: 0},
 	}
 	for _, tt := range tests {
@@ -237,7 +237,7 @@ func TestCompositeAllocs(t *testing.T) {
 
 // A backend with a long prompt still to prefill is busier than its request count says: with the
 // default PrefillTokensPerRequest its pending tokens count, and a negative value restores the
-// seeds' load ratio of requests alone.
+// the documented load ratio of requests alone.
 func TestCompositePendingPrefillTokens(t *testing.T) {
 	cands := []Candidate{
 		{Backend: "one-short", Overlap: 4, InFlight: 1, Healthy: true, Health: 1},
