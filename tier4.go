@@ -57,7 +57,7 @@ type KVConfig struct {
 	// than kvindex.KvCacheIndex: kvindex.Speculator is required unless Speculation is
 	// SpeculateOff, kvindex.PrefixLookuper when UsePrefixEntries is set, and Stats and Clear (as
 	// KvCacheIndex declares them) back KVStats and ClearKVIndex, which report ErrUnsupported
-	// without them. kvindex.MemoryIndex and RedisIndex implement all of it.
+	// without them. kvindex.MemoryIndex and redisindex.Index implement all of it.
 	Index kvindex.Lookuper
 	// BlockSize is the index's block size in tokens; 0 means kvindex.DefaultBlockSize. It must be
 	// the block size the index was built with.

@@ -16,6 +16,7 @@ import (
 	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/events/zmqevents"
 	"github.com/kvroute/kvroute/kvindex"
+	"github.com/kvroute/kvroute/kvindex/redisindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
 	"github.com/kvroute/kvroute/respcache/redisstore"
@@ -289,7 +290,7 @@ func (c *Config) newRedisStore(o Options) (*redisstore.Store, error) {
 }
 
 // NewKVIndex builds the index of kv_cache_index (tier 4): a kvindex.MemoryIndex (backend
-// memory) or a kvindex.RedisIndex (backend redis, on kv_cache_index.redis.url or, when that is
+// memory) or a redisindex.Index (backend redis, on kv_cache_index.redis.url or, when that is
 // empty, response_cache.redis.url). Its block size, entry TTL, tier weights and storage
 // offloading come from kv_cache_index, and the model of events that name none is the first
 // backend's.
@@ -317,7 +318,7 @@ func (c *Config) NewKVIndex() (index kvindex.KvCacheIndex, closeIndex func() err
 		if u == "" {
 			u = c.ResponseCache.Redis.URL
 		}
-		ix, err := kvindex.NewRedis(kvindex.RedisConfig{
+		ix, err := redisindex.New(redisindex.Config{
 			URL: string(u), KeyPrefix: kc.Redis.KeyPrefix, BlockSize: kc.BlockSize, DefaultModel: c.defaultModel(),
 			EntryTTL: ttl, TierWeights: tiers, StorageOffloading: kc.StorageOffloading.Enabled,
 			TreatEvictionAsOffload: *kc.StorageOffloading.TreatEvictionAsOffload,

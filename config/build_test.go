@@ -20,6 +20,7 @@ import (
 	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/events/zmqevents"
 	"github.com/kvroute/kvroute/kvindex"
+	"github.com/kvroute/kvroute/kvindex/redisindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
 )
@@ -505,7 +506,7 @@ kv_cache_index: {enabled: true, backend: redis, redis: {key_prefix: "${PREFIX}"}
 			t.Fatal(err)
 		}
 		defer closeIndex()
-		if _, ok := ix.(*kvindex.RedisIndex); !ok {
+		if _, ok := ix.(*redisindex.Index); !ok {
 			t.Errorf("index %T", ix)
 		}
 		if _, err := ix.Stats(context.Background()); err != nil {

@@ -13,7 +13,7 @@
 // The builders turn a valid Config into library values and hand them to the caller to close:
 // RouterConfig (kvroute.Config), DisaggConfig (disagg.Config), NewResponseCache
 // (respcache.Cache over a memory, Redis or tiered store), NewKVIndex (kvindex.MemoryIndex or
-// RedisIndex), KVConfig (kvroute.KVConfig) and NewEventConsumers (events' SSE and ZMQ
+// redisindex.Index), KVConfig (kvroute.KVConfig) and NewEventConsumers (events' SSE and ZMQ
 // consumers). What is gateway plumbing stays out: the HTTP server, the engines' /tokenize
 // client, health probes and the circuit breaker read their sections as plain data.
 //

@@ -192,8 +192,9 @@ type Sink interface {
 // be gone; a lost backend stays lost until ClearBackend succeeds. The error is non-nil only when
 // the sink could not tell (lost is then false); ctx bounds remote I/O. Implementations are safe
 // for concurrent use and answer quickly (they may read a remote marker at most every second or
-// so, sharing the answer between backends). kvindex.RedisIndex implements it; CountingSink
-// forwards it.
+// so, sharing the answer between backends), and their Apply returns an error (kvindex's
+// ErrBackendLost) for a lost backend until ClearBackend. The Redis index of package
+// kvindex/redisindex implements it; CountingSink forwards it.
 type LossReporter interface {
 	BackendLost(ctx context.Context, backend string) (lost bool, err error)
 }

@@ -4,9 +4,11 @@
 // already holds.
 //
 // KvCacheIndex is the interface; it embeds events.Sink (Apply, ClearBackend), Lookuper,
-// PrefixLookuper and Speculator. MemoryIndex, from NewMemory, is the in-process default; the
-// Redis/Valkey index shares one view between router replicas. Package kvindex/indextest is the
-// conformance suite every implementation passes.
+// PrefixLookuper and Speculator. MemoryIndex, from NewMemory, is the in-process default; package
+// kvindex/redisindex keeps the index in Redis or Valkey, one view shared by router replicas.
+// Package kvindex/indextest is the conformance suite every implementation passes. This package
+// imports no client library: an index on another store is written against its exported API
+// alone (see below).
 //
 // # Keys
 //
@@ -48,21 +50,35 @@
 // bounds each backend's share. Prefix-granular entries (the SSE events cache_created, …) are
 // kept apart, per prefix key, with kvroute's tier transitions (MemoryConfig.StorageOffloading).
 //
-// # RedisIndex and a lost Redis
+// # Other stores
 //
-// RedisIndex keeps the same entries in Redis or Valkey, shared by router replicas. A Redis that
-// restarts empty (or fails over to a replica that had not seen the writes, or is flushed) loses
-// them while the engines keep their caches — and a cache hit publishes nothing, so events alone
-// never bring them back. The index detects the loss with a registry epoch: a random token
-// P epoch, created by the first write (SET NX) and read by every round trip the index makes
-// anyway (Lookup, LookupPrefix, Apply, Speculate, ClearBackend), so detection does not depend on
-// which call comes first. An epoch a write had to create, or found missing or changed, starts a
-// new loss generation: every backend this process had written for is lost until its next
-// ClearBackend — Apply refuses its batches with ErrBackendLost, and RedisIndex.BackendLost
-// (events.LossReporter) reports it. A process that makes no call at all reads the epoch itself
-// when asked, at most every DefaultRedisLossCheckInterval. The events consumers ask for every
-// backend they feed once a second and heal a lost one at once — clear, then catch up from the
-// engine's replay buffer — whether or not it receives traffic or publishes events.
+// An index of one's own (on a database, a cache service, another process) follows the event rules
+// this package exports, so that it answers as the built-in ones do and passes kvindex/indextest;
+// package kvindex/redisindex is built on them and the rest of this package's exported API alone.
+// A BlockStored event becomes entries so:
+//
+//  1. CheckStored validates it, or names the DropReason to count it under in Stats.Dropped.
+//  2. A tokenless event (CheckStored's perBlock 0) adds EventTier(ev.Tier) to the blocks the
+//     backend stored earlier under ev.BlockHashes; an unknown hash counts as DropUnknownBlock.
+//  3. Otherwise the chain starts at StoredRoot when the event has no parent, else at the last key
+//     the backend's earlier event gave engine hash ev.Parent: the index keeps, per backend, a map
+//     from engine hash to its keys (bounded as it likes; a parent missing from it counts as
+//     DropUnknownParent, and the event is skipped).
+//  4. AppendStoredKeys computes the keys; the backend holds each on EventTier(ev.Tier) until
+//     EntryTTL from now, which confirms a speculative entry of the same key, and the map records
+//     engine block i → keys [i·perBlock, (i+1)·perBlock).
+//
+// A BlockRemoved (attention group 0) takes EventTier(ev.Tier) off each block its hashes map to
+// (unknown hashes: DropUnknownBlock); a block on no tier any more is forgotten with its map entry.
+// An AllBlocksCleared is a ClearBackend between the events before and after it. A prefix event
+// changes the backend's entry for its prefix as PrefixRule says. Block events of another attention
+// group count as DropGroup, unknown kinds as DropUnknownKind; Mutation names the changes Stats
+// counts. Errors wrap ErrUnavailable when the store cannot answer. An index that can lose entries
+// behind its callers' back — a shared server that restarts empty, while the engines keep their
+// caches and publish nothing about them — also implements events.LossReporter and returns
+// ErrBackendLost from Apply until the lost backend is cleared: the events consumers then clear it
+// and catch up from the engine's replay buffer (kvindex/redisindex detects the loss with a
+// registry epoch).
 //
 // # Use
 //

@@ -3,6 +3,7 @@ package kvindex_test
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/kvroute/kvroute/events"
@@ -109,4 +110,26 @@ func ExampleMemoryIndex_LookupPrefix() {
 	// cache_evicted   tokens 2048, tier storage score 1229
 	// cache_reloaded  tokens 2048, tier gpu     score 2048
 	// cache_purged    tokens    0, tier gpu     score 0
+}
+
+// An index of one's own re-keys a BlockStored event by the rules the built-in indexes follow: the
+// keys it stores are the keys a request with the same tokens looks up, whatever the engine's
+// block hashes and block size.
+func ExampleAppendStoredKeys() {
+	prompt := tokens(128)
+	ev := &events.Event{Kind: events.KindBlockStored, BlockHashes: []uint64{0xa1, 0xa2}, TokenIDs: prompt, BlockSize: 64}
+	perBlock, reason, ok := kvindex.CheckStored(ev, kvindex.DefaultBlockSize)
+	if !ok {
+		fmt.Println("dropped:", reason) // count it in Stats.Dropped[reason.String()]
+		return
+	}
+	// No parent: the chain starts at the model's root (with a parent, at the last key the
+	// backend's earlier event gave ev.Parent).
+	root := kvindex.StoredRoot(ev, "llama-3-8b", "")
+	keys := kvindex.AppendStoredKeys(nil, ev, root, kvindex.DefaultBlockSize, perBlock)
+	// Engine block i holds keys[i*perBlock : (i+1)*perBlock] on kvindex.EventTier(ev.Tier).
+	req := &prefixkey.Request{Model: "llama-3-8b", TokenIDs: prompt}
+	fmt.Println(perBlock, len(keys), slices.Equal(keys, req.BlockKeys(nil, kvindex.DefaultBlockSize)))
+	// Output:
+	// 4 8 true
 }

@@ -25,7 +25,6 @@ const (
 	DefaultSpeculativeTTL  = 2 * time.Second
 	DefaultApproximateTTL  = 120 * time.Second
 	DefaultSweepInterval   = 30 * time.Second
-	DefaultRedisKeyPrefix  = "kvroute:kvidx:"
 	DefaultPrefixEntryTTL  = DefaultEntryTTL
 	DefaultMaxPrefixScores = 64 // backends reported per prefix entry
 )
@@ -83,8 +82,14 @@ type Speculator interface {
 
 // KvCacheIndex is the KV-block index: it applies engines' KV events (events.Sink), answers
 // lookups, takes speculative entries, and reports stats. Implementations: *MemoryIndex (the
-// default) and *RedisIndex (shared by several router replicas). Every method is safe for
-// concurrent use.
+// default) and redisindex.Index (package kvindex/redisindex, shared by several router replicas).
+// Every method is safe for concurrent use.
+//
+// To write one on another store, follow the event rules of CheckStored, StoredRoot,
+// AppendStoredKeys and PrefixRule, count Stats under the Mutation and DropReason names, wrap
+// ErrUnavailable when the store cannot answer, and run kvindex/indextest against it. An index that
+// can lose entries behind its callers' back (a shared server restarting empty) also implements
+// events.LossReporter and returns ErrBackendLost from Apply until the lost backend is cleared.
 type KvCacheIndex interface {
 	events.Sink
 	Lookuper
@@ -116,4 +121,16 @@ type Stats struct {
 var (
 	ErrInvalidConfig = errors.New("kvindex: invalid config")
 	ErrClosed        = errors.New("kvindex: index closed")
+
+	// ErrUnavailable is wrapped by every error of a remote index that could not reach its store
+	// or got a failure from it (connection refused or lost, deadline exceeded, error reply). The
+	// Router treats a failed lookup as "no KV information" and routes by consistent hashing alone.
+	ErrUnavailable = errors.New("kvindex: index unavailable")
+
+	// ErrBackendLost is returned by Apply of an index whose store lost the backend's entries
+	// since its last ClearBackend without being told (a shared server that restarted empty; see
+	// events.LossReporter). Such an index refuses the backend's batches until ClearBackend, since
+	// they would build on a hole. The events consumers answer it as any failed Apply: they clear
+	// the backend and, where the engine has a replay endpoint, replay what it still holds.
+	ErrBackendLost = errors.New("kvindex: the backend's entries were lost")
 )

@@ -12,7 +12,7 @@
 // stops it. Errors wrap respcache's sentinels (ErrInvalidConfig, ErrUnavailable, ErrClosed).
 //
 // The store dials Redis itself (New) or uses a caller's client (NewWithClient), so that one
-// client per server can serve the response cache and a kvindex.RedisIndex alike.
+// client per server can serve the response cache and a KV index (kvindex/redisindex) alike.
 //
 //	store, err := redisstore.New(redisstore.Config{URL: "redis://127.0.0.1:6379/0"})
 //	if err != nil {

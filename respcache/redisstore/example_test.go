@@ -29,8 +29,8 @@ func ExampleNew() {
 	_ = cache // cache.Middleware(proxy) serves repeated deterministic requests
 }
 
-// One client for the response cache and for other users of the same Redis (a kvindex.RedisIndex
-// takes it as kvindex.RedisConfig.Client): the store uses it and leaves closing it to its owner.
+// One client for the response cache and for other users of the same Redis (the KV index takes it
+// as redisindex.NewWithClient(client, cfg)): the store uses it and leaves closing it to its owner.
 func ExampleNewWithClient() {
 	client, err := rueidis.NewClient(rueidis.ClientOption{InitAddress: []string{"127.0.0.1:6379"}})
 	if err != nil {

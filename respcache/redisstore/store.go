@@ -241,7 +241,7 @@ func New(cfg Config) (*Store, error) {
 }
 
 // NewWithClient validates cfg and returns a store on the caller's client, for example one shared
-// with a kvindex.RedisIndex on the same server. The store never closes client: close it after the
+// with a redisindex.Index on the same server. The store never closes client: close it after the
 // store. cfg's connection fields (URL, TLS, TLSConfig, Username, Password, PoolSize,
 // ConnectTimeout, ClientCacheBytes) must be zero, since they describe a client New would create;
 // the rest apply as for New. NewWithClient does no I/O: an unreachable Redis is noticed by the

@@ -1,4 +1,4 @@
-package kvindex
+package redisindex
 
 import (
 	"bufio"
@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/kvindex"
 )
 
 // redisChild is a private redis-server (no persistence) on a loopback port of its own, kept
@@ -99,27 +100,27 @@ func (rc *redisChild) command(cmd string) string {
 	return strings.TrimRight(line, "\r\n")
 }
 
-// TestRedisLossDetected: Redis loses the index (restarted empty, or flushed) while this process
+// TestLossDetected: Redis loses the index (restarted empty, or flushed) while this process
 // caches the backends' ids and registry. Whichever call comes first afterwards — a Lookup, a
 // Speculate, another backend's Apply, or nothing at all (BackendLost's own check) — every
 // backend this process wrote for is reported lost, including one that only ever speculated;
 // Apply refuses a lost backend's batches until ClearBackend, after which it is learnt again.
-func TestRedisLossDetected(t *testing.T) {
+func TestLossDetected(t *testing.T) {
 	type first struct {
 		name string
-		do   func(ctx context.Context, idx *RedisIndex, keys []uint64) error
+		do   func(ctx context.Context, idx *Index, keys []uint64) error
 	}
 	firsts := []first{
-		{"lookup", func(ctx context.Context, idx *RedisIndex, keys []uint64) error {
-			_, err := idx.Lookup(ctx, keys, []string{"a", "b"}, make([]Match, 2))
+		{"lookup", func(ctx context.Context, idx *Index, keys []uint64) error {
+			_, err := idx.Lookup(ctx, keys, []string{"a", "b"}, make([]kvindex.Match, 2))
 			return err
 		}},
-		{"speculate", func(ctx context.Context, idx *RedisIndex, keys []uint64) error {
+		{"speculate", func(ctx context.Context, idx *Index, keys []uint64) error {
 			return idx.Speculate(ctx, "spec", keys, 0)
 		}},
-		{"apply of a new backend", func(ctx context.Context, idx *RedisIndex, keys []uint64) error {
+		{"apply of a new backend", func(ctx context.Context, idx *Index, keys []uint64) error {
 			err := idx.Apply(ctx, "new", redisBatch(redisStored([]uint64{9}, 0, false, redisTokens(99, 16), 16, events.TierGPU)))
-			if errors.Is(err, ErrBackendLost) {
+			if errors.Is(err, kvindex.ErrBackendLost) {
 				// An earlier attempt failed on a connection that had not noticed the restart
 				// yet, and may have landed: "new" is lost too, and cleared, as a consumer would.
 				_ = idx.ClearBackend(ctx, "new")
@@ -132,7 +133,7 @@ func TestRedisLossDetected(t *testing.T) {
 		for _, f := range firsts {
 			t.Run(how+"/"+f.name, func(t *testing.T) {
 				rc := newRedisChild(t)
-				idx, err := NewRedis(RedisConfig{Addr: rc.addr, CommandTimeout: 2 * time.Second, UnavailableBackoff: 10 * time.Millisecond})
+				idx, err := New(Config{Addr: rc.addr, CommandTimeout: 2 * time.Second, UnavailableBackoff: 10 * time.Millisecond})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -166,9 +167,9 @@ func TestRedisLossDetected(t *testing.T) {
 					waitUntil(t, 10*time.Second, "the first call to succeed", func() bool { return f.do(ctx, idx, keysA) == nil })
 				}
 				// Every backend is lost, at once after a call that read the epoch, or within
-				// DefaultRedisLossCheckInterval when nothing else talks to Redis.
+				// DefaultLossCheckInterval when nothing else talks to Redis.
 				for _, b := range []string{"a", "b", "spec"} {
-					waitUntil(t, 3*DefaultRedisLossCheckInterval, b+" reported lost", func() bool {
+					waitUntil(t, 3*DefaultLossCheckInterval, b+" reported lost", func() bool {
 						lost, _ := idx.BackendLost(ctx, b)
 						return lost
 					})
@@ -177,11 +178,11 @@ func TestRedisLossDetected(t *testing.T) {
 					t.Errorf("BackendLost of a backend never written for: %v %v", lost, err)
 				}
 				// a's next batch is refused: the index would build on a hole.
-				if err := idx.Apply(ctx, "a", redisBatch(evA)); !errors.Is(err, ErrBackendLost) {
-					t.Fatalf("Apply(a) after the loss: %v, want ErrBackendLost", err)
+				if err := idx.Apply(ctx, "a", redisBatch(evA)); !errors.Is(err, kvindex.ErrBackendLost) {
+					t.Fatalf("Apply(a) after the loss: %v, want kvindex.ErrBackendLost", err)
 				}
-				if err := idx.Apply(ctx, "a", redisBatch(evA)); !errors.Is(err, ErrBackendLost) {
-					t.Fatalf("second Apply(a) after the loss: %v, want ErrBackendLost until ClearBackend", err)
+				if err := idx.Apply(ctx, "a", redisBatch(evA)); !errors.Is(err, kvindex.ErrBackendLost) {
+					t.Fatalf("second Apply(a) after the loss: %v, want kvindex.ErrBackendLost until ClearBackend", err)
 				}
 				// The consumer's answer: clear, then replay what the engine holds.
 				for _, b := range []string{"a", "b", "spec"} {
@@ -204,13 +205,13 @@ func TestRedisLossDetected(t *testing.T) {
 	}
 }
 
-// TestRedisLossSeenByReplica: after a restart, another replica writes first (recreating the
+// TestLossSeenByReplica: after a restart, another replica writes first (recreating the
 // epoch); this process's next Lookup sees an epoch it does not know and reports its backends lost.
-func TestRedisLossSeenByReplica(t *testing.T) {
+func TestLossSeenByReplica(t *testing.T) {
 	rc := newRedisChild(t)
 	ctx := context.Background()
-	open := func() *RedisIndex {
-		idx, err := NewRedis(RedisConfig{Addr: rc.addr, CommandTimeout: 2 * time.Second, UnavailableBackoff: 10 * time.Millisecond})
+	open := func() *Index {
+		idx, err := New(Config{Addr: rc.addr, CommandTimeout: 2 * time.Second, UnavailableBackoff: 10 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -232,13 +233,13 @@ func TestRedisLossSeenByReplica(t *testing.T) {
 		// A backend new to b. (A write that failed on a connection that had not noticed the
 		// restart yet may have landed: z is then lost too, and cleared, as a consumer would.)
 		err := b.Apply(ctx, "z", redisBatch(ev))
-		if errors.Is(err, ErrBackendLost) {
+		if errors.Is(err, kvindex.ErrBackendLost) {
 			_ = b.ClearBackend(ctx, "z")
 		}
 		return err == nil
 	})
 	waitUntil(t, 10*time.Second, "a's Lookup", func() bool {
-		_, err := a.Lookup(ctx, keys, []string{"x"}, make([]Match, 1))
+		_, err := a.Lookup(ctx, keys, []string{"x"}, make([]kvindex.Match, 1))
 		return err == nil
 	})
 	if lost, err := a.BackendLost(ctx, "x"); !lost || err != nil {
@@ -252,14 +253,14 @@ func TestRedisLossSeenByReplica(t *testing.T) {
 	}
 }
 
-// TestRedisNoFalseLoss: replicas that start together on a fresh Redis, the index's Clear and the
+// TestNoFalseLoss: replicas that start together on a fresh Redis, the index's Clear and the
 // ordinary traffic never report a backend lost.
-func TestRedisNoFalseLoss(t *testing.T) {
+func TestNoFalseLoss(t *testing.T) {
 	rc := newRedisChild(t)
 	ctx := context.Background()
-	var idxs []*RedisIndex
+	var idxs []*Index
 	for range 2 {
-		idx, err := NewRedis(RedisConfig{Addr: rc.addr, CommandTimeout: 2 * time.Second})
+		idx, err := New(Config{Addr: rc.addr, CommandTimeout: 2 * time.Second})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -286,7 +287,7 @@ func TestRedisNoFalseLoss(t *testing.T) {
 		t.Fatal(err)
 	}
 	redisApply(t, idxs[1], "b1", redisStored([]uint64{100}, 0, false, tok[:16], 16, events.TierGPU))
-	time.Sleep(DefaultRedisLossCheckInterval + 100*time.Millisecond) // BackendLost reads the epoch itself
+	time.Sleep(DefaultLossCheckInterval + 100*time.Millisecond) // BackendLost reads the epoch itself
 	for i, idx := range idxs {
 		for _, b := range []string{"b0", "b1", "s0", "s1"} {
 			if lost, err := idx.BackendLost(ctx, b); lost || err != nil {

@@ -1,4 +1,4 @@
-package kvindex
+package redisindex
 
 import (
 	"crypto/sha1"
@@ -26,8 +26,9 @@ func newRedisScript(src string, readOnly bool) redisScript {
 // ARGV[1]: the backend; ARGV[2]: now (ms); ARGV[3]: idle time (ms) after which a backend's id may
 // be given to another (its entries have all expired by then); ARGV[4]: the number of ids.
 //
-// A new backend (or one registered with id -1 by prefix events, which need no slot) takes the id
-// of the backend idle the longest, when it has been idle long enough, else the next new id. Returns the id, or -1 when every id is taken. Marks the backend seen now.
+// A new backend (or one registered with id -1 by prefix events, which need no slot) takes the id of
+// the backend idle the longest, when it has been idle long enough, else the next new id. Returns
+// the id, or -1 when every id is taken. Marks the backend seen now.
 const luaAssignID = `
 local id = redis.call('HGET', KEYS[1], ARGV[1])
 if id and tonumber(id) < 0 then id = nil end
@@ -56,10 +57,10 @@ return tonumber(id)
 // order. ARGV[1]: now (ms); ARGV[2]: the most block memberships counted exactly.
 //
 // Returns {distinct blocks, exact (1 or 0), distinct prefixes, then per backend: its (block,
-// backend) memberships, its speculative ones not also confirmed, its prefix entries}. Exact when the confirmed and
-// speculative memberships of all backends number at most the limit (the script then reads them
-// all); otherwise a block both confirmed and speculative counts twice, speculative counts are the
-// live speculative members, and distinct blocks is the largest backend's count.
+// backend) memberships, its speculative ones not also confirmed, its prefix entries}. Exact when
+// the confirmed and speculative memberships of all backends number at most the limit (the script
+// then reads them all); otherwise a block both confirmed and speculative counts twice, speculative
+// counts are the live speculative members, and distinct blocks is the largest backend's count.
 const luaStats = `
 local live = '(' .. ARGV[1]
 local lim = tonumber(ARGV[2])

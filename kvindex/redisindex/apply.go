@@ -1,4 +1,4 @@
-package kvindex
+package redisindex
 
 import (
 	"context"
@@ -10,7 +10,7 @@ import (
 	"github.com/redis/rueidis"
 
 	"github.com/kvroute/kvroute/events"
-	"github.com/kvroute/kvroute/prefixkey"
+	"github.com/kvroute/kvroute/kvindex"
 )
 
 // redisWriter accumulates the commands of one Apply and the counts to add once they are written.
@@ -29,7 +29,7 @@ type redisWriter struct {
 	stamp     redisStamp // the epoch state when the batch (or its part after a clear) began
 	blocks    bool       // block entries or engine mappings written: refresh the backend's keys
 	prefixes  bool       // prefix entries written
-	mutations [redisNumMutations]uint64
+	mutations [kvindex.NumMutations]uint64
 }
 
 // reset empties w for another batch, keeping its buffers (up to a bound).
@@ -44,13 +44,14 @@ func (w *redisWriter) reset() {
 		w.scratch, w.cmds = nil, nil
 	}
 	w.blocks, w.prefixes = false, false
-	w.mutations = [redisNumMutations]uint64{}
+	w.mutations = [kvindex.NumMutations]uint64{}
 }
 
 // redisZeroSlot is an empty slot.
 const redisZeroSlot = "\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00"
 
-// Apply implements events.Sink: it applies b's events, in order, as coming from backend.
+// Apply implements events.Sink: it applies b's events, in order, as coming from backend, by the
+// rules package kvindex exports (kvindex.CheckStored, StoredRoot, AppendStoredKeys, PrefixRule):
 //
 //   - BlockStored (attention group 0): the event's blocks are re-keyed with prefixkey.NextBlockKey
 //     — block 0 from its parent's key (the key this backend's earlier event gave that engine hash)
@@ -76,18 +77,17 @@ const redisZeroSlot = "\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00"
 // only when some parent or removed block is neither earlier in the batch nor in the in-process
 // cache; an AllBlocksCleared splits the batch. Each round trip is bounded by WriteTimeout.
 //
-// It returns nil when every round trip succeeded (dropped events included), ErrClosed after
-// Close, ErrBackendLost when the backend's entries were lost — Redis lost its state since the
-// backend's last ClearBackend (the registry epoch changed: the batch is refused, writing
+// It returns nil when every round trip succeeded (dropped events included), kvindex.ErrClosed after
+// Close, kvindex.ErrBackendLost when the backend's entries were lost — Redis lost its state since
+// the backend's last ClearBackend (the registry epoch changed: the batch is refused, writing
 // nothing, until ClearBackend; this call's own write may be the one that noticed), or Redis no
-// longer held the backend's id (this batch's block writes are ignored and the next call takes a
-// new id) — or an error wrapping ErrUnavailable: some of the batch's writes may then have been
-// applied. After an error the backend's in-process cache is reset so that later events re-read
-// the map.
-// Safe for concurrent use; calls for one backend are serialised. b is not retained.
-func (x *RedisIndex) Apply(ctx context.Context, backend string, b *events.Batch) error {
+// longer held the backend's id (this batch's block writes are ignored and the next call takes a new
+// id) — or an error wrapping kvindex.ErrUnavailable: some of the batch's writes may then have been
+// applied. After an error the backend's in-process cache is reset so that later events re-read the
+// map. Safe for concurrent use; calls for one backend are serialised. b is not retained.
+func (x *Index) Apply(ctx context.Context, backend string, b *events.Batch) error {
 	if x.closed.Load() {
-		return ErrClosed
+		return kvindex.ErrClosed
 	}
 	if b == nil || len(b.Events) == 0 {
 		return nil
@@ -96,7 +96,7 @@ func (x *RedisIndex) Apply(ctx context.Context, backend string, b *events.Batch)
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if x.lostSince(st) {
-		return ErrBackendLost // until ClearBackend: what follows would build on a hole
+		return kvindex.ErrBackendLost // until ClearBackend: what follows would build on a hole
 	}
 	stamp := x.stamp()
 	now := x.now()
@@ -120,11 +120,11 @@ func (x *RedisIndex) Apply(ctx context.Context, backend string, b *events.Batch)
 		switch ev.Kind {
 		case events.KindBlockStored, events.KindBlockRemoved:
 			if ev.GroupIdx != 0 {
-				x.counters.dropped[redisDropGroup].Add(1)
+				x.counters.dropped[kvindex.DropGroup].Add(1)
 				continue
 			}
 			if w.off < 0 {
-				x.counters.dropped[redisDropTooManyBackends].Add(1)
+				x.counters.dropped[kvindex.DropTooManyBackends].Add(1)
 				continue
 			}
 			if ev.Kind == events.KindBlockStored {
@@ -141,16 +141,16 @@ func (x *RedisIndex) Apply(ctx context.Context, backend string, b *events.Batch)
 			if err != nil {
 				return err
 			}
-			x.counters.mutations[redisMutCleared].Add(1)
+			x.counters.mutations[kvindex.MutationCleared].Add(1)
 			x.cleared(st, gen)
 			if x.lostSince(st) {
-				return ErrBackendLost
+				return kvindex.ErrBackendLost
 			}
 			w.stamp = x.stamp()
 		case events.KindPrefix:
 			x.writePrefix(w, st, ev)
 		default:
-			x.counters.dropped[redisDropUnknownKind].Add(1)
+			x.counters.dropped[kvindex.DropUnknownKind].Add(1)
 		}
 	}
 	if err := x.flush(ctx, st, w); err != nil {
@@ -161,16 +161,16 @@ func (x *RedisIndex) Apply(ctx context.Context, backend string, b *events.Batch)
 }
 
 // idReuseAfter is how long a backend must be idle before another may take its id.
-func (x *RedisIndex) idReuseAfter() time.Duration { return x.entryTTL + redisIDReuseMargin }
+func (x *Index) idReuseAfter() time.Duration { return x.entryTTL + redisIDReuseMargin }
 
 // idFresh reports whether st's cached id may be used at now: it was confirmed by a write less than
 // half the reuse delay ago, so no replica can have handed it to another backend since.
-func (x *RedisIndex) idFresh(st *redisBackend, now time.Time) bool {
+func (x *Index) idFresh(st *redisBackend, now time.Time) bool {
 	return st.id.Load() >= 0 && now.UnixMilli()-st.idAt.Load() < x.idReuseAfter().Milliseconds()/2
 }
 
 // assignCall returns the script call that gets or assigns st's id.
-func (x *RedisIndex) assignCall(st *redisBackend, now time.Time) redisScriptCall {
+func (x *Index) assignCall(st *redisBackend, now time.Time) redisScriptCall {
 	return redisScriptCall{
 		keys: []string{x.idsKey, x.seenKey, x.idSeqKey},
 		args: []string{st.name, strconv.FormatInt(now.UnixMilli(), 10),
@@ -183,7 +183,7 @@ func (x *RedisIndex) assignCall(st *redisBackend, now time.Time) redisScriptCall
 // otherwise (the registry was lost or the id reassigned) it is dropped, the next call asks for an
 // id again, and checkID reports false. The writes just made under a stale id are ignored by
 // readers (the slot's tag).
-func (x *RedisIndex) checkID(st *redisBackend, id int64, r rueidis.RedisResult, now time.Time) bool {
+func (x *Index) checkID(st *redisBackend, id int64, r rueidis.RedisResult, now time.Time) bool {
 	s, err := r.ToString()
 	if err == nil {
 		if got, err := strconv.ParseInt(s, 10, 64); err == nil && got == id {
@@ -196,7 +196,7 @@ func (x *RedisIndex) checkID(st *redisBackend, id int64, r rueidis.RedisResult, 
 }
 
 // setID records the reply of an assign call (-1: every id is taken).
-func (x *RedisIndex) setID(st *redisBackend, r rueidis.RedisResult, now time.Time) error {
+func (x *Index) setID(st *redisBackend, r rueidis.RedisResult, now time.Time) error {
 	id, err := r.AsInt64()
 	if err != nil {
 		return err
@@ -208,7 +208,7 @@ func (x *RedisIndex) setID(st *redisBackend, r rueidis.RedisResult, now time.Tim
 
 // backendID returns st's id, asking Redis (one round trip) when the cached one is stale; -1 when
 // every id is taken.
-func (x *RedisIndex) backendID(ctx context.Context, st *redisBackend, timeout time.Duration, now time.Time) (int, error) {
+func (x *Index) backendID(ctx context.Context, st *redisBackend, timeout time.Duration, now time.Time) (int, error) {
 	if x.idFresh(st, now) {
 		return int(st.id.Load()), nil
 	}
@@ -225,7 +225,7 @@ func (x *RedisIndex) backendID(ctx context.Context, st *redisBackend, timeout ti
 // prepare makes sure, in at most one round trip (two the first time a script is loaded), that
 // st's id is known when evs hold block events, and that st's engine-hash cache holds the mappings
 // evs need that are neither cached nor stored earlier in evs. st.mu is held.
-func (x *RedisIndex) prepare(ctx context.Context, st *redisBackend, evs []events.Event, now time.Time) error {
+func (x *Index) prepare(ctx context.Context, st *redisBackend, evs []events.Event, now time.Time) error {
 	var miss []uint64
 	blockEvents := false
 	need := func(i int, h uint64) {
@@ -335,73 +335,41 @@ func redisStoredBefore(evs []events.Event, h uint64) bool {
 	return false
 }
 
-// redisClampTier maps tiers beyond the known ones to TierStorage.
-func redisClampTier(t Tier) Tier {
-	if t >= events.NumTiers {
-		return events.TierStorage
-	}
-	return t
-}
-
 // writeStored adds the writes of a BlockStored event (group 0) to w. st.mu is held.
-func (x *RedisIndex) writeStored(w *redisWriter, st *redisBackend, model string, ev *events.Event) {
-	n := len(ev.BlockHashes)
-	if n == 0 {
-		x.counters.dropped[redisDropBadTokens].Add(1)
+func (x *Index) writeStored(w *redisWriter, st *redisBackend, model string, ev *events.Event) {
+	r, reason, ok := kvindex.CheckStored(ev, x.blockSize)
+	if !ok {
+		x.counters.dropped[reason].Add(1)
 		return
 	}
-	tier := redisClampTier(ev.Tier)
-	if len(ev.TokenIDs) == 0 {
+	tier := kvindex.EventTier(ev.Tier)
+	if r == 0 {
 		x.writeTierOfKnown(w, st, tier, ev.BlockHashes)
 		return
 	}
-	bs := ev.BlockSize
-	if bs <= 0 {
-		bs = len(ev.TokenIDs) / n
-	}
-	if bs <= 0 || len(ev.TokenIDs) != bs*n {
-		x.counters.dropped[redisDropBadTokens].Add(1)
-		return
-	}
-	if bs%x.blockSize != 0 {
-		x.counters.dropped[redisDropBadBlockSize].Add(1)
-		return
-	}
-	r := bs / x.blockSize
 	var parent uint64
 	if ev.HasParent {
 		node := st.cache.get(ev.Parent)
 		if node == nil {
-			x.counters.dropped[redisDropUnknownParent].Add(1)
+			x.counters.dropped[kvindex.DropUnknownParent].Add(1)
 			return
 		}
 		parent = node.tailKey()
 	} else {
-		name := ev.LoRAName
-		if name == "" {
-			name = model
-		}
-		parent = prefixkey.BlockRoot(name, ev.CacheSalt)
+		parent = kvindex.StoredRoot(ev, model, x.defaultModel)
 	}
+	n := len(ev.BlockHashes)
 	var keys []uint64
 	if r == 1 {
-		keys = slices.Grow(w.scratch[:0], n)[:n]
+		keys = kvindex.AppendStoredKeys(w.scratch[:0], ev, parent, x.blockSize, r)
 		w.scratch = keys
 	} else {
-		keys = make([]uint64, n*r) // kept by the engine-hash cache
+		// The engine-hash cache keeps subslices of these keys.
+		keys = kvindex.AppendStoredKeys(make([]uint64, 0, n*r), ev, parent, x.blockSize, r)
 	}
 	w.offs, w.tiers = w.offs[:0], w.tiers[:0]
 	for i, h := range ev.BlockHashes {
-		var extra []uint64
-		if i < len(ev.ExtraKeys) {
-			extra = ev.ExtraKeys[i]
-		}
 		w.offs = append(w.offs, i*r)
-		for j := 0; j < r; j++ {
-			lo := (i*r + j) * x.blockSize
-			parent = prefixkey.NextBlockKey(parent, ev.TokenIDs[lo:lo+x.blockSize], extra)
-			keys[i*r+j] = parent
-		}
 		st.cache.put(h, keys[i*r:(i+1)*r], 1<<tier)
 		w.tiers = append(w.tiers, st.cache.get(h).tiers)
 	}
@@ -411,13 +379,13 @@ func (x *RedisIndex) writeStored(w *redisWriter, st *redisBackend, model string,
 
 // writeTierOfKnown adds tier to the blocks that hashes map to (a BlockStored without tokens);
 // unknown hashes are dropped as unknown_block. st.mu is held.
-func (x *RedisIndex) writeTierOfKnown(w *redisWriter, st *redisBackend, tier Tier, hashes []uint64) {
+func (x *Index) writeTierOfKnown(w *redisWriter, st *redisBackend, tier kvindex.Tier, hashes []uint64) {
 	keys := w.scratch[:0]
 	w.offs, w.hashes, w.tiers = w.offs[:0], w.hashes[:0], w.tiers[:0]
 	for _, h := range hashes {
 		node := st.cache.get(h)
 		if node == nil {
-			x.counters.dropped[redisDropUnknownBlock].Add(1)
+			x.counters.dropped[kvindex.DropUnknownBlock].Add(1)
 			continue
 		}
 		node.tiers |= 1 << tier
@@ -440,7 +408,7 @@ func (x *RedisIndex) writeTierOfKnown(w *redisWriter, st *redisBackend, tier Tie
 // whole slot when confirm, which drops a speculative entry; else the confirmed half) and PEXPIRE;
 // per event, one ZADD of the memberships, a ZREM of the speculative ones (when confirm) and one
 // HSET of the engine-hash map.
-func (x *RedisIndex) writeEntries(w *redisWriter, st *redisBackend, hashes, keys []uint64, confirm bool) {
+func (x *Index) writeEntries(w *redisWriter, st *redisBackend, hashes, keys []uint64, confirm bool) {
 	// One string holds, per key, "P b:<k>" (its last 16 bytes are the membership member); per
 	// engine block its slot value, then "<h>" and "<tiers><keys' hex>" for the engine-hash map.
 	kl := x.redisBlockKeyLen()
@@ -489,12 +457,12 @@ func (x *RedisIndex) writeEntries(w *redisWriter, st *redisBackend, hashes, keys
 		w.cmds = append(w.cmds, x.zremMembers(st.specKey, s, len(keys)))
 	}
 	w.blocks = true
-	w.mutations[redisMutStored] += uint64(len(keys))
+	w.mutations[kvindex.MutationStored] += uint64(len(keys))
 }
 
 // zremMembers returns a ZREM from key of the members of the first n block key names in s (each
 // name's last 16 bytes).
-func (x *RedisIndex) zremMembers(key, s string, n int) rueidis.Completed {
+func (x *Index) zremMembers(key, s string, n int) rueidis.Completed {
 	kl := x.redisBlockKeyLen()
 	mem := make([]string, n)
 	for i := range mem {
@@ -506,14 +474,14 @@ func (x *RedisIndex) zremMembers(key, s string, n int) rueidis.Completed {
 // writeRemoved adds the writes of a BlockRemoved event (group 0) to w: each block leaves the
 // event's tier (a removal from GPU also drops a speculative entry); a block on no tier any more
 // loses its membership and its engine-hash mapping. st.mu is held.
-func (x *RedisIndex) writeRemoved(w *redisWriter, st *redisBackend, ev *events.Event) {
-	tier := redisClampTier(ev.Tier)
+func (x *Index) writeRemoved(w *redisWriter, st *redisBackend, ev *events.Event) {
+	tier := kvindex.EventTier(ev.Tier)
 	keys := w.scratch[:0]
 	w.offs, w.hashes, w.tiers = w.offs[:0], w.hashes[:0], w.tiers[:0]
 	for _, h := range ev.BlockHashes {
 		node := st.cache.get(h)
 		if node == nil {
-			x.counters.dropped[redisDropUnknownBlock].Add(1)
+			x.counters.dropped[kvindex.DropUnknownBlock].Add(1)
 			continue
 		}
 		if node.tiers&(1<<tier) == 0 {
@@ -596,37 +564,24 @@ func (x *RedisIndex) writeRemoved(w *redisWriter, st *redisBackend, ev *events.E
 		w.cmds = append(w.cmds, x.zremMembers(st.specKey, s, len(keys)))
 	}
 	w.blocks = true
-	w.mutations[redisMutRemoved] += uint64(len(keys))
+	w.mutations[kvindex.MutationRemoved] += uint64(len(keys))
 }
 
 // writePrefix adds the writes of a prefix-granular event to w.
-func (x *RedisIndex) writePrefix(w *redisWriter, st *redisBackend, ev *events.Event) {
+func (x *Index) writePrefix(w *redisWriter, st *redisBackend, ev *events.Event) {
 	h := ev.PrefixHash
 	if h == "" || strings.ContainsAny(h, "*?[]\\") {
-		x.counters.dropped[redisDropBadPrefix].Add(1)
+		x.counters.dropped[kvindex.DropBadPrefix].Add(1)
 		return
 	}
 	h = strings.ToLower(h)
-	var tier Tier
-	remove := false
-	switch ev.PrefixOp {
-	case events.PrefixCreated:
-		w.mutations[redisMutPrefixCreated]++
-	case events.PrefixReloaded:
-		w.mutations[redisMutPrefixReloaded]++
-	case events.PrefixOffloaded:
-		w.mutations[redisMutPrefixOffloaded]++
-		tier, remove = events.TierStorage, !x.offloading
-	case events.PrefixEvicted:
-		w.mutations[redisMutPrefixEvicted]++
-		tier, remove = events.TierStorage, !(x.offloading && x.evictOffload)
-	case events.PrefixPurged:
-		w.mutations[redisMutPrefixPurged]++
-		remove = true
-	default:
-		x.counters.dropped[redisDropBadPrefix].Add(1)
+	c, ok := kvindex.PrefixRule(ev.PrefixOp, x.offloading, x.evictOffload)
+	if !ok {
+		x.counters.dropped[kvindex.DropBadPrefix].Add(1)
 		return
 	}
+	w.mutations[c.Mutation]++
+	tier, remove := c.Tier, c.Remove
 	pk, tk := x.prefix+"p:"+h, x.prefix+"pt:"+h
 	w.prefixes = true
 	if remove {
@@ -651,7 +606,7 @@ func (x *RedisIndex) writePrefix(w *redisWriter, st *redisBackend, ev *events.Ev
 
 // flush sends w's commands in one round trip, with the refresh of the backend's own keys' TTLs
 // and the pruning of its expired memberships, then adds w's counts. st.mu is held.
-func (x *RedisIndex) flush(ctx context.Context, st *redisBackend, w *redisWriter) error {
+func (x *Index) flush(ctx context.Context, st *redisBackend, w *redisWriter) error {
 	if len(w.cmds) == 0 {
 		return nil
 	}
@@ -717,23 +672,23 @@ func (x *RedisIndex) flush(ctx context.Context, st *redisBackend, w *redisWriter
 	}
 	w.blocks, w.prefixes = false, false
 	if lost {
-		return ErrBackendLost
+		return kvindex.ErrBackendLost
 	}
 	return nil
 }
 
 // ClearBackend implements events.Sink: it removes every entry of backend (all tiers, speculative
-// and prefix entries included) and its engine-hash map; the backend keeps the id the registry
-// holds for it (a cached id the registry no longer holds is dropped, and the next Apply takes a
-// new one), and stops being lost (BackendLost) unless another loss is detected meanwhile. Its
-// last round trip checks the registry epoch. It pops the
-// backend's membership sets 512 entries per round trip (ZPOPMIN, pipelined with the zeroing of the
-// previous page's slots): the cost is proportional to the backend's entries, never a keyspace
-// scan. Round trips are bounded by WriteTimeout; errors wrap ErrUnavailable and leave the entries
-// not yet reached in place. Safe for concurrent use; serialised with the backend's Apply.
-func (x *RedisIndex) ClearBackend(ctx context.Context, backend string) error {
+// and prefix entries included) and its engine-hash map; the backend keeps the id the registry holds
+// for it (a cached id the registry no longer holds is dropped, and the next Apply takes a new one),
+// and stops being lost (BackendLost) unless another loss is detected meanwhile. Its last round trip
+// checks the registry epoch. It pops the backend's membership sets 512 entries per round trip
+// (ZPOPMIN, pipelined with the zeroing of the previous page's slots): the cost is proportional to
+// the backend's entries, never a keyspace scan. Round trips are bounded by WriteTimeout; errors
+// wrap kvindex.ErrUnavailable and leave the entries not yet reached in place. Safe for concurrent
+// use; serialised with the backend's Apply.
+func (x *Index) ClearBackend(ctx context.Context, backend string) error {
 	if x.closed.Load() {
-		return ErrClosed
+		return kvindex.ErrClosed
 	}
 	st := x.backend(backend)
 	st.mu.Lock()
@@ -742,7 +697,7 @@ func (x *RedisIndex) ClearBackend(ctx context.Context, backend string) error {
 	if err != nil {
 		return err
 	}
-	x.counters.mutations[redisMutCleared].Add(1)
+	x.counters.mutations[kvindex.MutationCleared].Add(1)
 	x.cleared(st, gen)
 	return nil
 }
@@ -753,7 +708,7 @@ const redisClearPage = 512
 // clearBackendLocked removes st's entries; its last round trip checks the registry epoch. stamp
 // is the epoch state when the clear began; it returns the loss generation the cleared state
 // belongs to (epochVerdict). st.mu is held.
-func (x *RedisIndex) clearBackendLocked(ctx context.Context, st *redisBackend, stamp redisStamp) (uint64, error) {
+func (x *Index) clearBackendLocked(ctx context.Context, st *redisBackend, stamp redisStamp) (uint64, error) {
 	st.cache.reset()
 	// The id the registry holds, read without assigning one, rather than the cached id: a clear
 	// often follows an outage, and the registry may have been lost since (a restart) or the id
@@ -846,9 +801,9 @@ func (x *RedisIndex) clearBackendLocked(ctx context.Context, st *redisBackend, s
 // speculated again keeps the later expiry only if the later call asks for it (the last write
 // wins). The first call for a backend in a while costs one more round trip (its id). Bounded by
 // CommandTimeout; errors as Lookup. Safe for concurrent use; never waits for Apply.
-func (x *RedisIndex) Speculate(ctx context.Context, backend string, keys []uint64, ttl time.Duration) error {
+func (x *Index) Speculate(ctx context.Context, backend string, keys []uint64, ttl time.Duration) error {
 	if x.closed.Load() {
-		return ErrClosed
+		return kvindex.ErrClosed
 	}
 	if len(keys) == 0 {
 		return nil
@@ -867,7 +822,7 @@ func (x *RedisIndex) Speculate(ctx context.Context, backend string, keys []uint6
 		return redisUnavailable("speculate", err)
 	}
 	if id < 0 {
-		x.counters.dropped[redisDropTooManyBackends].Add(1)
+		x.counters.dropped[kvindex.DropTooManyBackends].Add(1)
 		return nil
 	}
 	exp := now.Add(ttl).UnixMilli()
@@ -909,7 +864,7 @@ func (x *RedisIndex) Speculate(ctx context.Context, backend string, keys []uint6
 	}
 	x.endWrite(st, stamp.gen, got, clean)
 	_ = x.checkID(st, int64(id), res[hget], now)
-	x.counters.mutations[redisMutSpeculated].Add(uint64(len(keys)))
+	x.counters.mutations[kvindex.MutationSpeculated].Add(uint64(len(keys)))
 	return nil
 }
 
@@ -922,10 +877,10 @@ const redisClearScanCount = 1000
 // (a Clear is no loss: no backend is reported lost), and forgets this
 // process's engine-hash mappings. No other index's prefix may start with this one. It costs a full
 // keyspace scan: use it for resets, not routinely. Entries written concurrently may survive. Each
-// round trip is bounded by WriteTimeout; errors wrap ErrUnavailable.
-func (x *RedisIndex) Clear(ctx context.Context) (int, error) {
+// round trip is bounded by WriteTimeout; errors wrap kvindex.ErrUnavailable.
+func (x *Index) Clear(ctx context.Context) (int, error) {
 	if x.closed.Load() {
-		return 0, ErrClosed
+		return 0, kvindex.ErrClosed
 	}
 	before, err := x.Stats(ctx)
 	if err != nil {
@@ -980,6 +935,6 @@ func (x *RedisIndex) Clear(ctx context.Context) (int, error) {
 			}
 		}
 	}
-	x.counters.mutations[redisMutCleared].Add(1)
+	x.counters.mutations[kvindex.MutationCleared].Add(1)
 	return before.Entries, nil
 }

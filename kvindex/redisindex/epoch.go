@@ -1,4 +1,4 @@
-package kvindex
+package redisindex
 
 import (
 	"context"
@@ -10,15 +10,16 @@ import (
 	"github.com/redis/rueidis"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/kvindex"
 )
 
-// DefaultRedisLossCheckInterval is how long a verdict on the registry epoch stays fresh for
-// RedisIndex.BackendLost: a call finding none newer (no Lookup, Apply, Speculate or
+// DefaultLossCheckInterval is how long a verdict on the registry epoch stays fresh for
+// Index.BackendLost: a call finding none newer (no Lookup, Apply, Speculate or
 // ClearBackend has read the epoch since) reads it from Redis, one GET shared by every backend.
-const DefaultRedisLossCheckInterval = time.Second
+const DefaultLossCheckInterval = time.Second
 
-// Compile-time check that RedisIndex reports lost backends to the events consumers.
-var _ events.LossReporter = (*RedisIndex)(nil)
+// Compile-time check that Index reports lost backends to the events consumers.
+var _ events.LossReporter = (*Index)(nil)
 
 // The registry epoch.
 //
@@ -46,12 +47,12 @@ func redisNewEpoch() string {
 
 // epochWriteCmds returns the two commands a write pipeline ends with: SET P epoch <fresh token>
 // NX and GET P epoch.
-func (x *RedisIndex) epochWriteCmds() (set, get rueidis.Completed) {
+func (x *Index) epochWriteCmds() (set, get rueidis.Completed) {
 	return x.client.B().Set().Key(x.epochKey).Value(redisNewEpoch()).Nx().Build(), x.epochGetCmd()
 }
 
 // epochGetCmd returns GET P epoch.
-func (x *RedisIndex) epochGetCmd() rueidis.Completed {
+func (x *Index) epochGetCmd() rueidis.Completed {
 	return x.client.B().Get().Key(x.epochKey).Build()
 }
 
@@ -60,7 +61,7 @@ func (x *RedisIndex) epochGetCmd() rueidis.Completed {
 type redisStamp struct{ ver, gen uint64 }
 
 // stamp returns the current epoch state, to be passed to the verdict of a round trip sent now.
-func (x *RedisIndex) stamp() redisStamp {
+func (x *Index) stamp() redisStamp {
 	v := x.epochVer.Load() // first: a change between the loads makes the stamp stale, not wrong
 	return redisStamp{ver: v, gen: x.lossGen.Load()}
 }
@@ -68,7 +69,7 @@ func (x *RedisIndex) stamp() redisStamp {
 // epochWriteReply checks the replies of epochWriteCmds (set, get), made by a round trip sent at
 // s, and returns the loss generation the round trip's writes belong to (see epochVerdict), or the
 // error of an unexpected reply (the verdict is then skipped).
-func (x *RedisIndex) epochWriteReply(s redisStamp, set, get rueidis.RedisResult) (uint64, error) {
+func (x *Index) epochWriteReply(s redisStamp, set, get rueidis.RedisResult) (uint64, error) {
 	if err := set.Error(); err != nil && !rueidis.IsRedisNil(err) {
 		return s.gen, err
 	}
@@ -80,7 +81,7 @@ func (x *RedisIndex) epochWriteReply(s redisStamp, set, get rueidis.RedisResult)
 }
 
 // epochReadReply checks the reply of epochGetCmd made by a round trip sent at s.
-func (x *RedisIndex) epochReadReply(s redisStamp, get rueidis.RedisResult) error {
+func (x *Index) epochReadReply(s redisStamp, get rueidis.RedisResult) error {
 	got, err := get.ToString()
 	if err != nil && !rueidis.IsRedisNil(err) {
 		return err
@@ -89,10 +90,10 @@ func (x *RedisIndex) epochReadReply(s redisStamp, get rueidis.RedisResult) error
 	return nil
 }
 
-// epochVerdict judges the epoch got ("" when missing) that a round trip sent at s read. The first epoch seen is adopted (nothing of this process can have been lost before it).
-// Afterwards an epoch missing or changed is a loss: the generation is bumped, every backend is
-// lost until its next ClearBackend, and the ids this process caches are re-read before their
-// next use.
+// epochVerdict judges the epoch got ("" when missing) that a round trip sent at s read. The first
+// epoch seen is adopted (nothing of this process can have been lost before it). Afterwards an epoch
+// missing or changed is a loss: the generation is bumped, every backend is lost until its next
+// ClearBackend, and the ids this process caches are re-read before their next use.
 //
 // A verdict of a round trip sent before the known epoch last changed is moot: its reply may
 // predate the change (a read from before the first write created the epoch, say), and a loss it
@@ -102,7 +103,7 @@ func (x *RedisIndex) epochReadReply(s redisStamp, get rueidis.RedisResult) error
 // verdict detected the loss (the round trip ran wholly on the new state, since it read the new
 // epoch), otherwise s.gen (older than the current generation when a loss was detected while the
 // round trip was in flight: its commands may have run before the loss).
-func (x *RedisIndex) epochVerdict(s redisStamp, got string) uint64 {
+func (x *Index) epochVerdict(s redisStamp, got string) uint64 {
 	x.epochCheckedAt.Store(time.Now().UnixNano())
 	if k := x.epochKnown.Load(); k != nil && got == *k && x.epochVer.Load() == s.ver {
 		return s.gen // the common case, without the lock
@@ -140,14 +141,14 @@ func (x *RedisIndex) epochVerdict(s redisStamp, got string) uint64 {
 
 // lostSince reports whether st has state in Redis that belongs to a loss generation older than the
 // current one.
-func (x *RedisIndex) lostSince(st *redisBackend) bool {
+func (x *Index) lostSince(st *redisBackend) bool {
 	return st.dirty.Load() && st.gen.Load() < x.lossGen.Load()
 }
 
 // beginWrite is called before a round trip, sent at loss generation gen, that writes st's
 // entries. A backend without state in Redis takes gen as its generation; it reports whether the
 // backend had none.
-func (x *RedisIndex) beginWrite(st *redisBackend, gen uint64) (clean bool) {
+func (x *Index) beginWrite(st *redisBackend, gen uint64) (clean bool) {
 	clean = !st.dirty.Load()
 	if clean {
 		st.gen.Store(gen)
@@ -159,7 +160,7 @@ func (x *RedisIndex) beginWrite(st *redisBackend, gen uint64) (clean bool) {
 // endWrite is called after such a round trip whose epoch verdict says its commands belong to
 // generation got (epochVerdict): a backend that had no state before, written by the very round
 // trip that detected a loss, has its whole state in the new generation.
-func (x *RedisIndex) endWrite(st *redisBackend, gen, got uint64, clean bool) {
+func (x *Index) endWrite(st *redisBackend, gen, got uint64, clean bool) {
 	if clean && got > gen {
 		st.gen.Store(got)
 	}
@@ -168,7 +169,7 @@ func (x *RedisIndex) endWrite(st *redisBackend, gen, got uint64, clean bool) {
 // cleared records that st's entries were cleared by a clear whose epoch verdict says it belongs to
 // generation got: the backend has no state, unless a loss another round trip detected meanwhile
 // leaves the clear in doubt (it may have run partly before the loss): it is then still lost.
-func (x *RedisIndex) cleared(st *redisBackend, got uint64) {
+func (x *Index) cleared(st *redisBackend, got uint64) {
 	st.gen.Store(got)
 	st.dirty.Store(got < x.lossGen.Load())
 }
@@ -177,17 +178,17 @@ func (x *RedisIndex) cleared(st *redisBackend, got uint64) {
 // wrote for backend since backend's last ClearBackend (the index's first write for it, if none) —
 // Redis restarted without persistence, failed over to a replica that had not seen the writes, or
 // was flushed. A lost backend stays lost until ClearBackend; Apply refuses its batches with
-// ErrBackendLost meanwhile. A backend this process never wrote for is never lost.
+// kvindex.ErrBackendLost meanwhile. A backend this process never wrote for is never lost.
 //
-// The loss is detected from the registry epoch (see RedisIndex), which every Lookup, Apply,
-// Speculate and ClearBackend reads in the round trip it makes anyway; when no call has read it for
-// DefaultRedisLossCheckInterval, BackendLost reads it itself (one GET, bounded by
-// CommandTimeout, shared by concurrent callers, whose answer is the last verdict). Errors: ErrClosed
-// after Close, or an error wrapping ErrUnavailable when that GET failed (lost is then false: not
-// known). Safe for concurrent use; ctx bounds the GET.
-func (x *RedisIndex) BackendLost(ctx context.Context, backend string) (lost bool, err error) {
+// The loss is detected from the registry epoch (see Index), which every Lookup, Apply, Speculate
+// and ClearBackend reads in the round trip it makes anyway; when no call has read it for
+// DefaultLossCheckInterval, BackendLost reads it itself (one GET, bounded by CommandTimeout, shared
+// by concurrent callers, whose answer is the last verdict). Errors: kvindex.ErrClosed after Close,
+// or an error wrapping kvindex.ErrUnavailable when that GET failed (lost is then false: not known).
+// Safe for concurrent use; ctx bounds the GET.
+func (x *Index) BackendLost(ctx context.Context, backend string) (lost bool, err error) {
 	if x.closed.Load() {
-		return false, ErrClosed
+		return false, kvindex.ErrClosed
 	}
 	x.mu.RLock()
 	st := x.backends[backend]
@@ -200,7 +201,7 @@ func (x *RedisIndex) BackendLost(ctx context.Context, backend string) (lost bool
 	}
 	last := x.epochCheckedAt.Load()
 	now := time.Now().UnixNano()
-	if now-last < int64(DefaultRedisLossCheckInterval) || !x.epochCheckedAt.CompareAndSwap(last, now) {
+	if now-last < int64(DefaultLossCheckInterval) || !x.epochCheckedAt.CompareAndSwap(last, now) {
 		return false, nil
 	}
 	stamp := x.stamp()

@@ -1,4 +1,4 @@
-package kvindex
+package redisindex
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	"github.com/redis/rueidis"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/kvindex"
 )
 
 // Lookup implements Lookuper: for each candidate, the longest consecutive prefix of keys it holds
@@ -18,21 +19,21 @@ import (
 // not; StoredTokens = StoredBlocks × BlockSize). Unknown candidates, and candidates whose entries
 // all expired, get a zero Match.
 //
-// It makes one round trip per DefaultRedisLookupChunk blocks — HMGET of the candidates' ids
+// It makes one round trip per DefaultLookupChunk blocks — HMGET of the candidates' ids
 // pipelined with MGET of the chunk's block strings — and reads a further chunk only while some
 // candidate has matched every block so far; no keys or no candidates cost no round trip. The
 // whole call is bounded by CommandTimeout (or ctx's earlier deadline).
 //
-// Errors: ErrClosed after Close; otherwise they wrap ErrUnavailable (Redis unreachable, too slow,
-// backing off after a failure, or an error reply) and, when ctx ended, ctx.Err(); out is then
-// undefined. Safe for concurrent use.
-func (x *RedisIndex) Lookup(ctx context.Context, keys []uint64, candidates []string, out []Match) ([]Match, error) {
+// Errors: kvindex.ErrClosed after Close; otherwise they wrap kvindex.ErrUnavailable (Redis
+// unreachable, too slow, backing off after a failure, or an error reply) and, when ctx ended,
+// ctx.Err(); out is then undefined. Safe for concurrent use.
+func (x *Index) Lookup(ctx context.Context, keys []uint64, candidates []string, out []kvindex.Match) ([]kvindex.Match, error) {
 	out = out[:len(candidates)]
 	for i, c := range candidates {
-		out[i] = Match{Backend: c}
+		out[i] = kvindex.Match{Backend: c}
 	}
 	if x.closed.Load() {
-		return out, ErrClosed
+		return out, kvindex.ErrClosed
 	}
 	x.counters.lookups.Add(1)
 	if len(keys) == 0 || len(candidates) == 0 {
@@ -50,8 +51,8 @@ func (x *RedisIndex) Lookup(ctx context.Context, keys []uint64, candidates []str
 	// block so far was (the stored prefix has not ended).
 	stored := make([]int, len(candidates))
 	storedOn := make([]bool, len(candidates))
-	for lo := 0; lo < len(keys); lo += DefaultRedisLookupChunk {
-		chunk := keys[lo:min(lo+DefaultRedisLookupChunk, len(keys))]
+	for lo := 0; lo < len(keys); lo += DefaultLookupChunk {
+		chunk := keys[lo:min(lo+DefaultLookupChunk, len(keys))]
 		cmds := make([]rueidis.Completed, 0, 3)
 		if lo == 0 {
 			cmds = append(cmds, x.client.B().Hmget().Key(x.idsKey).Field(candidates...).Build(), x.epochGetCmd())
@@ -116,7 +117,7 @@ func (x *RedisIndex) Lookup(ctx context.Context, keys []uint64, candidates []str
 			if n > 0 {
 				m.Blocks += n
 				m.Score += float64(n) * x.weights[t]
-				m.Tier = Tier(t)
+				m.Tier = kvindex.Tier(t)
 			}
 		}
 		m.Tokens = m.Blocks * x.blockSize
@@ -139,13 +140,13 @@ func redisReplyErr(err error) error {
 // live entry: Tokens is its token count, Blocks = Tokens / BlockSize, Score = Tokens × the weight
 // of its tier; StoredTokens and StoredBlocks equal Tokens and Blocks for an entry on TierStorage.
 // prefix is compared case-insensitively. Timeouts and errors as Lookup.
-func (x *RedisIndex) LookupPrefix(ctx context.Context, prefix string, candidates []string, out []Match) ([]Match, error) {
+func (x *Index) LookupPrefix(ctx context.Context, prefix string, candidates []string, out []kvindex.Match) ([]kvindex.Match, error) {
 	out = out[:len(candidates)]
 	for i, c := range candidates {
-		out[i] = Match{Backend: c}
+		out[i] = kvindex.Match{Backend: c}
 	}
 	if x.closed.Load() {
-		return out, ErrClosed
+		return out, kvindex.ErrClosed
 	}
 	x.counters.lookups.Add(1)
 	if prefix == "" || len(candidates) == 0 {
@@ -198,7 +199,7 @@ func (x *RedisIndex) LookupPrefix(ctx context.Context, prefix string, candidates
 }
 
 // redisParsePrefixTier parses a prefix entry's "<t>:<expiry ms>".
-func redisParsePrefixTier(v string) (Tier, int64, bool) {
+func redisParsePrefixTier(v string) (kvindex.Tier, int64, bool) {
 	if len(v) < 3 || v[1] != ':' || v[0] < '0' || v[0] >= '0'+events.NumTiers {
 		return 0, 0, false
 	}
@@ -206,7 +207,7 @@ func redisParsePrefixTier(v string) (Tier, int64, bool) {
 	if err != nil {
 		return 0, 0, false
 	}
-	return Tier(v[0] - '0'), exp, true
+	return kvindex.Tier(v[0] - '0'), exp, true
 }
 
 // Stats returns this process's counters and the shared index's sizes, read in two round trips
@@ -214,30 +215,30 @@ func redisParsePrefixTier(v string) (Tier, int64, bool) {
 // Entries and PerBackend count live (block, backend) memberships, speculative ones included, plus
 // (prefix, backend) entries; SpeculativeCount the live speculative memberships not confirmed
 // since; PrefixCount the distinct prefixes held; Blocks the distinct blocks held. All are exact
-// while the backends hold at most DefaultRedisStatsExactLimit block memberships in all (the script
+// while the backends hold at most DefaultStatsExactLimit block memberships in all (the script
 // then reads them all, blocking Redis for a few milliseconds); above that, Blocks is the largest
 // backend's count and a block both confirmed and speculative counts twice. Lookups, Mutations,
 // Dropped and Expired (memberships pruned by this process's Applies) are per process; Evictions is
 // 0 (Redis expires entries, counted in Expired; its maxmemory evictions are invisible to the
-// index). Each round trip is bounded by WriteTimeout; errors wrap ErrUnavailable, and the
+// index). Each round trip is bounded by WriteTimeout; errors wrap kvindex.ErrUnavailable, and the
 // per-process counters are returned with them.
-func (x *RedisIndex) Stats(ctx context.Context) (Stats, error) {
-	s := Stats{
+func (x *Index) Stats(ctx context.Context) (kvindex.Stats, error) {
+	s := kvindex.Stats{
 		Backend:    "redis",
 		Lookups:    x.counters.lookups.Load(),
 		Expired:    x.counters.expired.Load(),
-		Mutations:  make(map[string]uint64, redisNumMutations),
-		Dropped:    make(map[string]uint64, redisNumDrops),
+		Mutations:  make(map[string]uint64, kvindex.NumMutations),
+		Dropped:    make(map[string]uint64, kvindex.NumDropReasons),
 		PerBackend: make(map[string]int),
 	}
-	for i := range x.counters.mutations {
-		s.Mutations[redisMutationName(i)] = x.counters.mutations[i].Load()
+	for m := range kvindex.NumMutations {
+		s.Mutations[m.String()] = x.counters.mutations[m].Load()
 	}
-	for i := range x.counters.dropped {
-		s.Dropped[redisDropName(i)] = x.counters.dropped[i].Load()
+	for r := range kvindex.NumDropReasons {
+		s.Dropped[r.String()] = x.counters.dropped[r].Load()
 	}
 	if x.closed.Load() {
-		return s, ErrClosed
+		return s, kvindex.ErrClosed
 	}
 	res, err := x.do(ctx, x.writeTimeout, x.client.B().Hkeys().Key(x.idsKey).Build())
 	if err != nil {
@@ -254,7 +255,7 @@ func (x *RedisIndex) Stats(ctx context.Context) (Stats, error) {
 	for _, b := range names {
 		keys = append(keys, x.prefix+"mb:"+b, x.prefix+"ms:"+b, x.prefix+"mp:"+b)
 	}
-	args := []string{strconv.FormatInt(x.now().UnixMilli(), 10), strconv.Itoa(DefaultRedisStatsExactLimit)}
+	args := []string{strconv.FormatInt(x.now().UnixMilli(), 10), strconv.Itoa(DefaultStatsExactLimit)}
 	rs, err := x.runScript(ctx, x.writeTimeout, &x.statsScript, []redisScriptCall{{keys: keys, args: args}})
 	if err != nil {
 		return s, redisUnavailable("stats", err)

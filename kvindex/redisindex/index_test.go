@@ -1,8 +1,9 @@
-package kvindex
+package redisindex
 
 import (
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	"encoding/hex"
 	"errors"
 	"io"
@@ -17,6 +18,7 @@ import (
 	"github.com/redis/rueidis"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 )
 
@@ -125,16 +127,16 @@ func (c *redisCountingClient) reset()            { c.dos.Store(0); c.multis.Stor
 
 // redisFixture is an index on a fresh prefix, with a counting shared client and a fake clock.
 type redisFixture struct {
-	idx    *RedisIndex
+	idx    *Index
 	client *redisCountingClient
 	clock  *redisTestClock
 	prefix string
 	addr   string
 }
 
-// newRedisFixture returns an index configured by cfg (Client, KeyPrefix and Now filled in when
-// unset) on REDIS_ADDR.
-func newRedisFixture(tb testing.TB, cfg RedisConfig) *redisFixture {
+// newRedisFixture returns an index on REDIS_ADDR through a counting client, configured by cfg
+// (KeyPrefix, Now and CommandTimeout filled in when unset).
+func newRedisFixture(tb testing.TB, cfg Config) *redisFixture {
 	tb.Helper()
 	addr := redisTestAddr(tb)
 	f := &redisFixture{addr: addr, clock: newRedisTestClock()}
@@ -148,16 +150,13 @@ func newRedisFixture(tb testing.TB, cfg RedisConfig) *redisFixture {
 	}
 	tb.Cleanup(raw.Close)
 	f.client = &redisCountingClient{Client: raw}
-	if cfg.Client == nil {
-		cfg.Client = f.client
-	}
 	if cfg.Now == nil {
 		cfg.Now = f.clock.Now
 	}
 	if cfg.CommandTimeout == 0 {
 		cfg.CommandTimeout = 2 * time.Second // -race on a shared machine: not a timing test
 	}
-	f.idx, err = NewRedis(cfg)
+	f.idx, err = NewWithClient(f.client, cfg)
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -166,9 +165,9 @@ func newRedisFixture(tb testing.TB, cfg RedisConfig) *redisFixture {
 }
 
 // replica returns a second index on the same prefix and clock (another router replica).
-func (f *redisFixture) replica(tb testing.TB) *RedisIndex {
+func (f *redisFixture) replica(tb testing.TB) *Index {
 	tb.Helper()
-	idx, err := NewRedis(RedisConfig{Client: f.client.Client, KeyPrefix: f.prefix, Now: f.clock.Now, CommandTimeout: 2 * time.Second})
+	idx, err := NewWithClient(f.client.Client, Config{KeyPrefix: f.prefix, Now: f.clock.Now, CommandTimeout: 2 * time.Second})
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -206,16 +205,16 @@ func redisBatch(evs ...events.Event) *events.Batch {
 	return &events.Batch{Model: redisTestModel, Events: evs}
 }
 
-func redisApply(tb testing.TB, idx *RedisIndex, backend string, evs ...events.Event) {
+func redisApply(tb testing.TB, idx *Index, backend string, evs ...events.Event) {
 	tb.Helper()
 	if err := idx.Apply(context.Background(), backend, redisBatch(evs...)); err != nil {
 		tb.Fatalf("Apply(%s): %v", backend, err)
 	}
 }
 
-func redisLookup(tb testing.TB, idx *RedisIndex, keys []uint64, cands ...string) []Match {
+func redisLookup(tb testing.TB, idx *Index, keys []uint64, cands ...string) []kvindex.Match {
 	tb.Helper()
-	out, err := idx.Lookup(context.Background(), keys, cands, make([]Match, len(cands)))
+	out, err := idx.Lookup(context.Background(), keys, cands, make([]kvindex.Match, len(cands)))
 	if err != nil {
 		tb.Fatalf("Lookup: %v", err)
 	}
@@ -234,36 +233,81 @@ func approx(a, b float64) bool { d := a - b; return d < 1e-9 && d > -1e-9 }
 
 // ---- tests without Redis ----
 
-func TestRedisConfigValidation(t *testing.T) {
+func TestConfigValidation(t *testing.T) {
 	for _, tc := range []struct {
 		name string
-		cfg  RedisConfig
+		cfg  Config
 	}{
-		{"no address", RedisConfig{}},
-		{"addr and url", RedisConfig{Addr: "127.0.0.1:1", URL: "redis://127.0.0.1:1"}},
-		{"glob star", RedisConfig{Addr: "127.0.0.1:1", KeyPrefix: "kv*:"}},
-		{"glob question", RedisConfig{Addr: "127.0.0.1:1", KeyPrefix: "kv?:"}},
-		{"glob bracket", RedisConfig{Addr: "127.0.0.1:1", KeyPrefix: "kv[a]:"}},
-		{"backslash", RedisConfig{Addr: "127.0.0.1:1", KeyPrefix: `kv\:`}},
-		{"negative block size", RedisConfig{Addr: "127.0.0.1:1", BlockSize: -1}},
-		{"negative ttl", RedisConfig{Addr: "127.0.0.1:1", EntryTTL: -time.Second}},
-		{"negative timeout", RedisConfig{Addr: "127.0.0.1:1", CommandTimeout: -1}},
-		{"tier weight above 1", RedisConfig{Addr: "127.0.0.1:1", TierWeights: TierWeights{1, 2, 0}}},
-		{"bad url", RedisConfig{URL: "http://x"}},
+		{"no address", Config{}},
+		{"addr and url", Config{Addr: "127.0.0.1:1", URL: "redis://127.0.0.1:1"}},
+		{"glob star", Config{Addr: "127.0.0.1:1", KeyPrefix: "kv*:"}},
+		{"glob question", Config{Addr: "127.0.0.1:1", KeyPrefix: "kv?:"}},
+		{"glob bracket", Config{Addr: "127.0.0.1:1", KeyPrefix: "kv[a]:"}},
+		{"backslash", Config{Addr: "127.0.0.1:1", KeyPrefix: `kv\:`}},
+		{"negative block size", Config{Addr: "127.0.0.1:1", BlockSize: -1}},
+		{"negative ttl", Config{Addr: "127.0.0.1:1", EntryTTL: -time.Second}},
+		{"negative timeout", Config{Addr: "127.0.0.1:1", CommandTimeout: -1}},
+		{"tier weight above 1", Config{Addr: "127.0.0.1:1", TierWeights: kvindex.TierWeights{1, 2, 0}}},
+		{"bad url", Config{URL: "http://x"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			idx, err := NewRedis(tc.cfg)
-			if !errors.Is(err, ErrInvalidConfig) {
+			idx, err := New(tc.cfg)
+			if !errors.Is(err, kvindex.ErrInvalidConfig) {
 				if idx != nil {
 					idx.Close()
 				}
-				t.Fatalf("NewRedis: err = %v, want ErrInvalidConfig", err)
+				t.Fatalf("New: err = %v, want kvindex.ErrInvalidConfig", err)
 			}
 		})
 	}
 }
 
-func TestRedisHashTag(t *testing.T) {
+// modeClient is a client that answers Mode and nothing else: NewWithClient does no I/O.
+type modeClient struct {
+	rueidis.Client
+	mode rueidis.ClientMode
+}
+
+func (c modeClient) Mode() rueidis.ClientMode { return c.mode }
+
+func TestNewWithClientValidation(t *testing.T) {
+	single := modeClient{mode: rueidis.ClientModeStandalone}
+	for _, tc := range []struct {
+		name   string
+		client rueidis.Client
+		cfg    Config
+		ok     bool
+	}{
+		{"zero config", single, Config{}, true},
+		{"nil client", nil, Config{}, false},
+		{"addr", single, Config{Addr: "127.0.0.1:1"}, false},
+		{"url", single, Config{URL: "redis://127.0.0.1:1"}, false},
+		{"password", single, Config{Password: "secret"}, false},
+		{"tls", single, Config{TLS: &tls.Config{}}, false},
+		{"connect timeout", single, Config{ConnectTimeout: time.Second}, false},
+		{"glob prefix", single, Config{KeyPrefix: "kv*:"}, false},
+		{"cluster without hash tag", modeClient{mode: rueidis.ClientModeCluster}, Config{}, false},
+		{"cluster with hash tag", modeClient{mode: rueidis.ClientModeCluster}, Config{KeyPrefix: "kvroute:{kvidx}:"}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			idx, err := NewWithClient(tc.client, tc.cfg)
+			if tc.ok {
+				if err != nil {
+					t.Fatalf("NewWithClient: %v", err)
+				}
+				if err := idx.Close(); err != nil { // leaves the caller's client alone
+					t.Fatalf("Close: %v", err)
+				}
+				return
+			}
+			if !errors.Is(err, kvindex.ErrInvalidConfig) {
+				t.Fatalf("NewWithClient: err = %v, want ErrInvalidConfig", err)
+			}
+		})
+	}
+}
+
+func TestHashTag(t *testing.T) {
 	for s, want := range map[string]bool{
 		"kvroute:{kvidx}:": true, "{a}": true, "kvroute:kvidx:": false, "{}x": false, "}{": false, "{x": false,
 	} {
@@ -273,7 +317,7 @@ func TestRedisHashTag(t *testing.T) {
 	}
 }
 
-func TestRedisEngineCache(t *testing.T) {
+func TestEngineCache(t *testing.T) {
 	c := newRedisEngineCache(3)
 	c.put(1, []uint64{10}, 1)
 	c.put(2, []uint64{20, 21}, 1)
@@ -326,44 +370,44 @@ func redisClosedAddr(t *testing.T) string {
 	return addr
 }
 
-func TestRedisDown(t *testing.T) {
+func TestDown(t *testing.T) {
 	const timeout = 50 * time.Millisecond
-	idx, err := NewRedis(RedisConfig{Addr: redisClosedAddr(t), CommandTimeout: timeout, ConnectTimeout: 200 * time.Millisecond})
+	idx, err := New(Config{Addr: redisClosedAddr(t), CommandTimeout: timeout, ConnectTimeout: 200 * time.Millisecond})
 	if err != nil {
-		t.Fatalf("NewRedis on a closed port: %v (a router must start while Redis is down)", err)
+		t.Fatalf("New on a closed port: %v (a router must start while Redis is down)", err)
 	}
 	defer idx.Close()
 	ctx := context.Background()
 	keys := redisReqKeys(redisTokens(1, 64), 16)
 	for i := range 3 { // the first call dials; the next ones back off
 		start := time.Now()
-		_, err := idx.Lookup(ctx, keys, []string{"a", "b"}, make([]Match, 2))
+		_, err := idx.Lookup(ctx, keys, []string{"a", "b"}, make([]kvindex.Match, 2))
 		took := time.Since(start)
-		if !errors.Is(err, ErrUnavailable) {
-			t.Fatalf("Lookup %d: err = %v, want ErrUnavailable", i, err)
+		if !errors.Is(err, kvindex.ErrUnavailable) {
+			t.Fatalf("Lookup %d: err = %v, want kvindex.ErrUnavailable", i, err)
 		}
 		// Generous bound (loaded CI machine, -race): what matters is "not ConnectTimeout or more".
 		if took > timeout+150*time.Millisecond {
 			t.Errorf("Lookup %d took %v with CommandTimeout %v", i, took, timeout)
 		}
 	}
-	if _, err := idx.LookupPrefix(ctx, "abcd", []string{"a"}, make([]Match, 1)); !errors.Is(err, ErrUnavailable) {
+	if _, err := idx.LookupPrefix(ctx, "abcd", []string{"a"}, make([]kvindex.Match, 1)); !errors.Is(err, kvindex.ErrUnavailable) {
 		t.Errorf("LookupPrefix: err = %v", err)
 	}
-	if err := idx.Speculate(ctx, "a", keys, 0); !errors.Is(err, ErrUnavailable) {
+	if err := idx.Speculate(ctx, "a", keys, 0); !errors.Is(err, kvindex.ErrUnavailable) {
 		t.Errorf("Speculate: err = %v", err)
 	}
 	b := redisBatch(redisStored([]uint64{1}, 0, false, redisTokens(1, 16), 16, events.TierGPU))
-	if err := idx.Apply(ctx, "a", b); !errors.Is(err, ErrUnavailable) {
+	if err := idx.Apply(ctx, "a", b); !errors.Is(err, kvindex.ErrUnavailable) {
 		t.Errorf("Apply: err = %v", err)
 	}
-	if err := idx.ClearBackend(ctx, "a"); !errors.Is(err, ErrUnavailable) {
+	if err := idx.ClearBackend(ctx, "a"); !errors.Is(err, kvindex.ErrUnavailable) {
 		t.Errorf("ClearBackend: err = %v", err)
 	}
-	if s, err := idx.Stats(ctx); !errors.Is(err, ErrUnavailable) || s.Backend != "redis" {
+	if s, err := idx.Stats(ctx); !errors.Is(err, kvindex.ErrUnavailable) || s.Backend != "redis" {
 		t.Errorf("Stats: %+v, %v", s, err)
 	}
-	if _, err := idx.Clear(ctx); !errors.Is(err, ErrUnavailable) {
+	if _, err := idx.Clear(ctx); !errors.Is(err, kvindex.ErrUnavailable) {
 		t.Errorf("Clear: err = %v", err)
 	}
 }
@@ -438,12 +482,12 @@ func (p *redisProxy) stop() {
 	p.wg.Wait()
 }
 
-func TestRedisGoesAwayAndComesBack(t *testing.T) {
+func TestGoesAwayAndComesBack(t *testing.T) {
 	addr := redisTestAddr(t)
 	prefix := redisTestPrefix(t, addr)
 	proxy := newRedisProxy(t, addr)
 	clock := newRedisTestClock()
-	idx, err := NewRedis(RedisConfig{Addr: proxy.addr, KeyPrefix: prefix, Now: clock.Now,
+	idx, err := New(Config{Addr: proxy.addr, KeyPrefix: prefix, Now: clock.Now,
 		CommandTimeout: time.Second, UnavailableBackoff: 50 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
@@ -459,18 +503,18 @@ func TestRedisGoesAwayAndComesBack(t *testing.T) {
 	proxy.stop()
 	ctx := context.Background()
 	for i := range 5 {
-		if _, err := idx.Lookup(ctx, keys, []string{"a"}, make([]Match, 1)); !errors.Is(err, ErrUnavailable) {
-			t.Fatalf("Lookup %d during the outage: err = %v, want ErrUnavailable", i, err)
+		if _, err := idx.Lookup(ctx, keys, []string{"a"}, make([]kvindex.Match, 1)); !errors.Is(err, kvindex.ErrUnavailable) {
+			t.Fatalf("Lookup %d during the outage: err = %v, want kvindex.ErrUnavailable", i, err)
 		}
 	}
-	if err := idx.Apply(ctx, "a", redisBatch(redisRemoved(redisHashes(100, 1), events.TierGPU))); !errors.Is(err, ErrUnavailable) {
+	if err := idx.Apply(ctx, "a", redisBatch(redisRemoved(redisHashes(100, 1), events.TierGPU))); !errors.Is(err, kvindex.ErrUnavailable) {
 		t.Fatalf("Apply during the outage: err = %v", err)
 	}
 
 	proxy.start(t, proxy.addr)
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		out, err := idx.Lookup(ctx, keys, []string{"a"}, make([]Match, 1))
+		out, err := idx.Lookup(ctx, keys, []string{"a"}, make([]kvindex.Match, 1))
 		if err == nil {
 			if out[0].Blocks != 4 {
 				t.Fatalf("after the outage: %+v", out)
@@ -491,15 +535,15 @@ func TestRedisGoesAwayAndComesBack(t *testing.T) {
 
 // ---- integration ----
 
-func TestRedisStoreAndLookup(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{})
+func TestStoreAndLookup(t *testing.T) {
+	f := newRedisFixture(t, Config{})
 	tokens := redisTokens(1, 6*16+5) // 6 full blocks and a partial one
 	keys := redisReqKeys(tokens, 16)
 	redisApply(t, f.idx, "a", redisStored(redisHashes(1000, 4), 0, false, tokens[:64], 16, events.TierGPU))
 	redisApply(t, f.idx, "b", redisStored(redisHashes(2000, 2), 0, false, tokens[:32], 16, events.TierGPU))
 
 	out := redisLookup(t, f.idx, keys, "a", "b", "unknown")
-	want := []Match{
+	want := []kvindex.Match{
 		{Backend: "a", Blocks: 4, Tokens: 64, Score: 4, Tier: events.TierGPU},
 		{Backend: "b", Blocks: 2, Tokens: 32, Score: 2, Tier: events.TierGPU},
 		{Backend: "unknown"},
@@ -521,7 +565,7 @@ func TestRedisStoreAndLookup(t *testing.T) {
 	}
 	// No keys, no candidates: no I/O.
 	f.client.reset()
-	if out := redisLookup(t, f.idx, nil, "a"); out[0] != (Match{Backend: "a"}) {
+	if out := redisLookup(t, f.idx, nil, "a"); out[0] != (kvindex.Match{Backend: "a"}) {
 		t.Errorf("no keys: %+v", out)
 	}
 	if out := redisLookup(t, f.idx, keys); len(out) != 0 {
@@ -532,8 +576,8 @@ func TestRedisStoreAndLookup(t *testing.T) {
 	}
 }
 
-func TestRedisChainAcrossEvents(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{})
+func TestChainAcrossEvents(t *testing.T) {
+	f := newRedisFixture(t, Config{})
 	tokens := redisTokens(2, 5*16)
 	keys := redisReqKeys(tokens, 16)
 	redisApply(t, f.idx, "a", redisStored([]uint64{1, 2}, 0, false, tokens[:32], 16, events.TierGPU))
@@ -557,8 +601,8 @@ func TestRedisChainAcrossEvents(t *testing.T) {
 	}
 }
 
-func TestRedisEngineBlocksLargerThanOurs(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{})
+func TestEngineBlocksLargerThanOurs(t *testing.T) {
+	f := newRedisFixture(t, Config{})
 	tokens := redisTokens(3, 4*32)
 	keys := redisReqKeys(tokens, 16)
 	redisApply(t, f.idx, "a", redisStored([]uint64{1, 2}, 0, false, tokens[:64], 32, events.TierGPU))
@@ -584,8 +628,8 @@ func TestRedisEngineBlocksLargerThanOurs(t *testing.T) {
 	}
 }
 
-func TestRedisTiers(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{})
+func TestTiers(t *testing.T) {
+	f := newRedisFixture(t, Config{})
 	tokens := redisTokens(4, 3*16)
 	keys := redisReqKeys(tokens, 16)
 	hs := []uint64{1, 2, 3}
@@ -612,15 +656,15 @@ func TestRedisTiers(t *testing.T) {
 		t.Fatalf("storage: %+v", out[0])
 	}
 	// Custom weights.
-	g := newRedisFixture(t, RedisConfig{TierWeights: TierWeights{1, 0.5, 0.25}})
+	g := newRedisFixture(t, Config{TierWeights: kvindex.TierWeights{1, 0.5, 0.25}})
 	redisApply(t, g.idx, "b", redisStored(hs, 0, false, tokens, 16, events.TierCPU))
 	if out := redisLookup(t, g.idx, keys, "b"); !approx(out[0].Score, 1.5) {
 		t.Fatalf("custom weights: %+v", out[0])
 	}
 }
 
-func TestRedisConsecutiveOnly(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{})
+func TestConsecutiveOnly(t *testing.T) {
+	f := newRedisFixture(t, Config{})
 	tokens := redisTokens(5, 6*16)
 	keys := redisReqKeys(tokens, 16)
 	redisApply(t, f.idx, "a", redisStored(redisHashes(10, 6), 0, false, tokens, 16, events.TierGPU))
@@ -632,8 +676,8 @@ func TestRedisConsecutiveOnly(t *testing.T) {
 	}
 }
 
-func TestRedisManyCandidates(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{})
+func TestManyCandidates(t *testing.T) {
+	f := newRedisFixture(t, Config{})
 	tokens := redisTokens(6, 2*16)
 	keys := redisReqKeys(tokens, 16)
 	cands := make([]string, 600) // more than one script call's worth
@@ -661,8 +705,8 @@ func TestRedisManyCandidates(t *testing.T) {
 	}
 }
 
-func TestRedisOneRoundTrip(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{})
+func TestOneRoundTrip(t *testing.T) {
+	f := newRedisFixture(t, Config{})
 	ctx := context.Background()
 	tokens := redisTokens(8, 512*16)
 	keys := redisReqKeys(tokens, 16)
@@ -708,7 +752,7 @@ func TestRedisOneRoundTrip(t *testing.T) {
 		t.Errorf("2 Speculates took %d round trips, want 2", n)
 	}
 	f.client.reset()
-	if _, err := f.idx.LookupPrefix(ctx, "abcd", cands, make([]Match, len(cands))); err != nil {
+	if _, err := f.idx.LookupPrefix(ctx, "abcd", cands, make([]kvindex.Match, len(cands))); err != nil {
 		t.Fatal(err)
 	}
 	if n := f.client.roundTrips(); n != 1 {
@@ -716,8 +760,8 @@ func TestRedisOneRoundTrip(t *testing.T) {
 	}
 }
 
-func TestRedisReplicasShareTheIndex(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{})
+func TestReplicasShareTheIndex(t *testing.T) {
+	f := newRedisFixture(t, Config{})
 	other := f.replica(t)
 	tokens := redisTokens(9, 4*16)
 	keys := redisReqKeys(tokens, 16)
@@ -736,7 +780,7 @@ func TestRedisReplicasShareTheIndex(t *testing.T) {
 	redisApply(t, f.idx, "a", redisStored([]uint64{3, 4}, 2, true, tokens[32:], 16, events.TierGPU))
 	redisApply(t, other, "a", redisRemoved([]uint64{4}, events.TierGPU))
 	redisApply(t, f.idx, "a", redisRemoved([]uint64{4}, events.TierGPU))
-	for _, idx := range []*RedisIndex{f.idx, other} {
+	for _, idx := range []*Index{f.idx, other} {
 		if out := redisLookup(t, idx, keys, "a"); out[0].Blocks != 3 {
 			t.Fatalf("after a duplicated removal: %+v, want 3", out[0])
 		}
@@ -750,8 +794,8 @@ func TestRedisReplicasShareTheIndex(t *testing.T) {
 	}
 }
 
-func TestRedisSpeculate(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{SpeculativeTTL: 2 * time.Second})
+func TestSpeculate(t *testing.T) {
+	f := newRedisFixture(t, Config{SpeculativeTTL: 2 * time.Second})
 	ctx := context.Background()
 	tokens := redisTokens(10, 4*16)
 	keys := redisReqKeys(tokens, 16)
@@ -796,8 +840,8 @@ func TestRedisSpeculate(t *testing.T) {
 	}
 }
 
-func TestRedisExpiryAndPruning(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{EntryTTL: time.Minute})
+func TestExpiryAndPruning(t *testing.T) {
+	f := newRedisFixture(t, Config{EntryTTL: time.Minute})
 	ctx := context.Background()
 	tokens := redisTokens(11, 4*16)
 	keys := redisReqKeys(tokens, 16)
@@ -838,8 +882,8 @@ func TestRedisExpiryAndPruning(t *testing.T) {
 	}
 }
 
-func TestRedisBackendIDs(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{EntryTTL: time.Minute, MaxBackends: 2})
+func TestBackendIDs(t *testing.T) {
+	f := newRedisFixture(t, Config{EntryTTL: time.Minute, MaxBackends: 2})
 	ctx := context.Background()
 	tokens := redisTokens(20, 16)
 	keys := redisReqKeys(tokens, 16)
@@ -874,8 +918,8 @@ func TestRedisBackendIDs(t *testing.T) {
 	}
 }
 
-func TestRedisClearBackendAndAllBlocksCleared(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{})
+func TestClearBackendAndAllBlocksCleared(t *testing.T) {
+	f := newRedisFixture(t, Config{})
 	ctx := context.Background()
 	tokens := redisTokens(13, 1100*16) // more than two pages of ClearBackend
 	keys := redisReqKeys(tokens, 16)
@@ -896,7 +940,7 @@ func TestRedisClearBackendAndAllBlocksCleared(t *testing.T) {
 	if out[0].Blocks != 0 || out[1].Blocks != 2 {
 		t.Fatalf("after ClearBackend(a): %+v", out)
 	}
-	if out, _ := f.idx.LookupPrefix(ctx, "ab12", []string{"a"}, make([]Match, 1)); out[0].Tokens != 0 {
+	if out, _ := f.idx.LookupPrefix(ctx, "ab12", []string{"a"}, make([]kvindex.Match, 1)); out[0].Tokens != 0 {
 		t.Fatalf("prefix entry survived ClearBackend: %+v", out)
 	}
 	for _, k := range []string{"e:a", "mb:a", "ms:a", "mp:a"} {
@@ -921,21 +965,21 @@ func TestRedisClearBackendAndAllBlocksCleared(t *testing.T) {
 	}
 }
 
-func TestRedisPrefixEntries(t *testing.T) {
+func TestPrefixEntries(t *testing.T) {
 	ctx := context.Background()
 	prefixEv := func(op events.PrefixOp, hash string, tokens int) events.Event {
 		return events.Event{Kind: events.KindPrefix, PrefixOp: op, PrefixHash: hash, TokenCount: tokens}
 	}
-	lookup := func(t *testing.T, idx *RedisIndex, hash string, cands ...string) []Match {
+	lookup := func(t *testing.T, idx *Index, hash string, cands ...string) []kvindex.Match {
 		t.Helper()
-		out, err := idx.LookupPrefix(ctx, hash, cands, make([]Match, len(cands)))
+		out, err := idx.LookupPrefix(ctx, hash, cands, make([]kvindex.Match, len(cands)))
 		if err != nil {
 			t.Fatal(err)
 		}
 		return out
 	}
 	t.Run("offloading", func(t *testing.T) {
-		f := newRedisFixture(t, RedisConfig{StorageOffloading: true, TreatEvictionAsOffload: true})
+		f := newRedisFixture(t, Config{StorageOffloading: true, TreatEvictionAsOffload: true})
 		redisApply(t, f.idx, "a", prefixEv(events.PrefixCreated, "ABCD", 2048))
 		redisApply(t, f.idx, "b", prefixEv(events.PrefixCreated, "abcd", 512))
 		out := lookup(t, f.idx, "abcd", "a", "b", "c")
@@ -963,13 +1007,13 @@ func TestRedisPrefixEntries(t *testing.T) {
 		if s.PerBackend["a"] != 1 || s.PrefixCount != 1 || s.Mutations["prefix_created"] != 2 {
 			t.Errorf("stats: %+v", s)
 		}
-		f.clock.Advance(DefaultEntryTTL + time.Second)
+		f.clock.Advance(kvindex.DefaultEntryTTL + time.Second)
 		if out := lookup(t, f.idx, "abcd", "a"); out[0].Tokens != 0 {
 			t.Fatalf("expired: %+v", out)
 		}
 	})
 	t.Run("no offloading", func(t *testing.T) {
-		f := newRedisFixture(t, RedisConfig{TreatEvictionAsOffload: true})
+		f := newRedisFixture(t, Config{TreatEvictionAsOffload: true})
 		redisApply(t, f.idx, "a", prefixEv(events.PrefixCreated, "01", 64))
 		redisApply(t, f.idx, "b", prefixEv(events.PrefixCreated, "01", 64))
 		redisApply(t, f.idx, "a", prefixEv(events.PrefixOffloaded, "01", 0))
@@ -979,7 +1023,7 @@ func TestRedisPrefixEntries(t *testing.T) {
 		}
 	})
 	t.Run("bad", func(t *testing.T) {
-		f := newRedisFixture(t, RedisConfig{})
+		f := newRedisFixture(t, Config{})
 		redisApply(t, f.idx, "a", prefixEv(events.PrefixCreated, "", 64), prefixEv(events.PrefixCreated, "a*", 64))
 		s, _ := f.idx.Stats(ctx)
 		if s.Dropped["bad_prefix"] != 2 {
@@ -988,8 +1032,8 @@ func TestRedisPrefixEntries(t *testing.T) {
 	})
 }
 
-func TestRedisClear(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{})
+func TestClear(t *testing.T) {
+	f := newRedisFixture(t, Config{})
 	ctx := context.Background()
 	tokens := redisTokens(14, 3*16)
 	keys := redisReqKeys(tokens, 16)
@@ -1025,8 +1069,8 @@ func TestRedisClear(t *testing.T) {
 	}
 }
 
-func TestRedisSharedClientAndClose(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{})
+func TestSharedClientAndClose(t *testing.T) {
+	f := newRedisFixture(t, Config{})
 	ctx := context.Background()
 	if err := f.idx.Close(); err != nil {
 		t.Fatal(err)
@@ -1038,20 +1082,20 @@ func TestRedisSharedClientAndClose(t *testing.T) {
 	if err := f.client.Do(ctx, f.client.B().Ping().Build()).Error(); err != nil {
 		t.Fatalf("shared client closed by the index: %v", err)
 	}
-	if _, err := f.idx.Lookup(ctx, []uint64{1}, []string{"a"}, make([]Match, 1)); !errors.Is(err, ErrClosed) {
+	if _, err := f.idx.Lookup(ctx, []uint64{1}, []string{"a"}, make([]kvindex.Match, 1)); !errors.Is(err, kvindex.ErrClosed) {
 		t.Errorf("Lookup after Close: %v", err)
 	}
-	if err := f.idx.Apply(ctx, "a", redisBatch(redisRemoved([]uint64{1}, 0))); !errors.Is(err, ErrClosed) {
+	if err := f.idx.Apply(ctx, "a", redisBatch(redisRemoved([]uint64{1}, 0))); !errors.Is(err, kvindex.ErrClosed) {
 		t.Errorf("Apply after Close: %v", err)
 	}
-	if err := f.idx.Speculate(ctx, "a", []uint64{1}, 0); !errors.Is(err, ErrClosed) {
+	if err := f.idx.Speculate(ctx, "a", []uint64{1}, 0); !errors.Is(err, kvindex.ErrClosed) {
 		t.Errorf("Speculate after Close: %v", err)
 	}
-	if _, err := f.idx.Clear(ctx); !errors.Is(err, ErrClosed) {
+	if _, err := f.idx.Clear(ctx); !errors.Is(err, kvindex.ErrClosed) {
 		t.Errorf("Clear after Close: %v", err)
 	}
 	// An index with its own client closes it.
-	own, err := NewRedis(RedisConfig{Addr: f.addr, KeyPrefix: f.prefix})
+	own, err := New(Config{Addr: f.addr, KeyPrefix: f.prefix})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1062,8 +1106,8 @@ func TestRedisSharedClientAndClose(t *testing.T) {
 	}
 }
 
-func TestRedisConcurrent(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{})
+func TestConcurrent(t *testing.T) {
+	f := newRedisFixture(t, Config{})
 	other := f.replica(t)
 	ctx := context.Background()
 	tokens := redisTokens(15, 64*16)
@@ -1092,7 +1136,7 @@ func TestRedisConcurrent(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			out := make([]Match, len(cands))
+			out := make([]kvindex.Match, len(cands))
 			for range 20 {
 				if _, err := f.idx.Lookup(ctx, keys, cands, out); err != nil {
 					t.Error(err)
@@ -1116,10 +1160,10 @@ func TestRedisConcurrent(t *testing.T) {
 	}
 }
 
-func TestRedisNewWithURL(t *testing.T) {
+func TestNewWithURL(t *testing.T) {
 	addr := redisTestAddr(t)
 	prefix := redisTestPrefix(t, addr)
-	idx, err := NewRedis(RedisConfig{URL: "redis://" + addr + "/0", KeyPrefix: prefix})
+	idx, err := New(Config{URL: "redis://" + addr + "/0", KeyPrefix: prefix})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1134,16 +1178,16 @@ func TestRedisNewWithURL(t *testing.T) {
 	}
 }
 
-func TestRedisContextEnded(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{})
+func TestContextEnded(t *testing.T) {
+	f := newRedisFixture(t, Config{})
 	tokens := redisTokens(30, 32)
 	keys := redisReqKeys(tokens, 16)
 	redisApply(t, f.idx, "a", redisStored([]uint64{1, 2}, 0, false, tokens, 16, events.TierGPU))
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	_, err := f.idx.Lookup(ctx, keys, []string{"a"}, make([]Match, 1))
-	if !errors.Is(err, ErrUnavailable) || !errors.Is(err, context.Canceled) {
-		t.Fatalf("Lookup with an ended ctx: %v, want ErrUnavailable and context.Canceled", err)
+	_, err := f.idx.Lookup(ctx, keys, []string{"a"}, make([]kvindex.Match, 1))
+	if !errors.Is(err, kvindex.ErrUnavailable) || !errors.Is(err, context.Canceled) {
+		t.Fatalf("Lookup with an ended ctx: %v, want kvindex.ErrUnavailable and context.Canceled", err)
 	}
 	// The caller's ended ctx is not Redis's fault: the next call is not backed off.
 	if out := redisLookup(t, f.idx, keys, "a"); out[0].Blocks != 2 {
@@ -1151,28 +1195,28 @@ func TestRedisContextEnded(t *testing.T) {
 	}
 }
 
-func TestRedisBreaker(t *testing.T) {
-	idx, err := NewRedis(RedisConfig{Addr: redisClosedAddr(t), UnavailableBackoff: time.Hour})
+func TestBreaker(t *testing.T) {
+	idx, err := New(Config{Addr: redisClosedAddr(t), UnavailableBackoff: time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer idx.Close()
 	ctx := context.Background()
-	if _, err := idx.Lookup(ctx, []uint64{1}, []string{"a"}, make([]Match, 1)); !errors.Is(err, ErrUnavailable) {
+	if _, err := idx.Lookup(ctx, []uint64{1}, []string{"a"}, make([]kvindex.Match, 1)); !errors.Is(err, kvindex.ErrUnavailable) {
 		t.Fatal(err)
 	}
 	// Backing off: no dial at all.
-	_, err = idx.Lookup(ctx, []uint64{1}, []string{"a"}, make([]Match, 1))
-	if !errors.Is(err, ErrUnavailable) || !errors.Is(err, errRedisBackingOff) {
-		t.Fatalf("second Lookup: %v, want a fail-fast ErrUnavailable", err)
+	_, err = idx.Lookup(ctx, []uint64{1}, []string{"a"}, make([]kvindex.Match, 1))
+	if !errors.Is(err, kvindex.ErrUnavailable) || !errors.Is(err, errRedisBackingOff) {
+		t.Fatalf("second Lookup: %v, want a fail-fast kvindex.ErrUnavailable", err)
 	}
 }
 
 // Redis lost the index (a restart without persistence, say) and the events consumer clears the
 // backend before it replays the engine's buffer: the clear drops the stale cached id, so that
 // the replayed batches are written under a new one and are readable at once.
-func TestRedisClearAfterLostRegistry(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{})
+func TestClearAfterLostRegistry(t *testing.T) {
+	f := newRedisFixture(t, Config{})
 	ctx := context.Background()
 	tok := redisTokens(50, 32)
 	keys := redisReqKeys(tok, 16)
@@ -1193,8 +1237,8 @@ func TestRedisClearAfterLostRegistry(t *testing.T) {
 	}
 }
 
-func TestRedisLostIDRegistry(t *testing.T) {
-	f := newRedisFixture(t, RedisConfig{})
+func TestLostIDRegistry(t *testing.T) {
+	f := newRedisFixture(t, Config{})
 	ctx := context.Background()
 	shared := redisTokens(40, 16) // a block both backends hold
 	tokA := append(append([]uint32(nil), shared...), redisTokens(41, 16)...)
@@ -1216,8 +1260,8 @@ func TestRedisLostIDRegistry(t *testing.T) {
 	}
 	// a's next write goes to the stale id once, notices and says so (its entries are gone: the
 	// caller should replay them), and the one after gets a new id.
-	if err := f.idx.Apply(ctx, "a", redisBatch(evA)); !errors.Is(err, ErrBackendLost) {
-		t.Fatalf("Apply(a) with a stale id: %v, want ErrBackendLost", err)
+	if err := f.idx.Apply(ctx, "a", redisBatch(evA)); !errors.Is(err, kvindex.ErrBackendLost) {
+		t.Fatalf("Apply(a) with a stale id: %v, want kvindex.ErrBackendLost", err)
 	}
 	if id := f.idx.backend("a").id.Load(); id != -1 {
 		t.Fatalf("a's stale id %d was kept", id)

@@ -1,4 +1,4 @@
-package kvindex_test
+package redisindex_test
 
 import (
 	"context"
@@ -12,13 +12,14 @@ import (
 
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/kvindex/indextest"
+	"github.com/kvroute/kvroute/kvindex/redisindex"
 )
 
-// TestRedisConformance runs the exported conformance suite against RedisIndex on REDIS_ADDR
+// TestConformance runs the exported conformance suite kvindex/indextest against Index on REDIS_ADDR
 // (skipped when unset, failed when KVROUTE_REQUIRE_INTEGRATION=1). Every subtest gets a fresh key
 // prefix, deleted when it ends; the index reads time through the suite's clock (entry expiries are
 // written in that clock), so the TTL subtests run too.
-func TestRedisConformance(t *testing.T) {
+func TestConformance(t *testing.T) {
 	addr := os.Getenv("REDIS_ADDR")
 	if addr == "" {
 		if os.Getenv("KVROUTE_REQUIRE_INTEGRATION") == "1" {
@@ -37,8 +38,7 @@ func TestRedisConformance(t *testing.T) {
 			t.Fatal(err)
 		}
 		prefix := "kvroute:test:" + hex.EncodeToString(b[:]) + ":"
-		ix, err := kvindex.NewRedis(kvindex.RedisConfig{
-			Client:                 client,
+		ix, err := redisindex.NewWithClient(client, redisindex.Config{
 			KeyPrefix:              prefix,
 			BlockSize:              opts.BlockSize,
 			DefaultModel:           opts.DefaultModel,

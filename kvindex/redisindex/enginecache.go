@@ -1,7 +1,9 @@
-package kvindex
+package redisindex
 
-// redisEngineCache is a bounded LRU map from one backend's engine block hashes to the kvroute block keys
-// they were re-keyed to, and the tiers the backend holds them on. RedisIndex keeps one per backend
+import "github.com/kvroute/kvroute/kvindex"
+
+// redisEngineCache is a bounded LRU map from one backend's engine block hashes to the kvroute block
+// keys they were re-keyed to, and the tiers the backend holds them on. Index keeps one per backend
 // so that applying a BlockStored whose parent was stored recently, or a BlockRemoved of a recently
 // stored block, needs no read round trip to Redis.
 //
@@ -101,7 +103,7 @@ func (c *redisEngineCache) put(hash uint64, keys []uint64, tierBits uint8) {
 }
 
 // clearTier records that hash left tier t; it drops the entry when no tier holds it any more.
-func (c *redisEngineCache) clearTier(hash uint64, t Tier) {
+func (c *redisEngineCache) clearTier(hash uint64, t kvindex.Tier) {
 	i, ok := c.index[hash]
 	if !ok {
 		return

@@ -1,4 +1,4 @@
-package kvindex
+package redisindex
 
 import (
 	"context"
@@ -16,54 +16,38 @@ import (
 	"github.com/zeebo/xxh3"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/kvindex"
 )
 
-// ErrUnavailable is wrapped by every error of a RedisIndex that could not reach Redis or got a
-// failure from it (connection refused or lost, deadline exceeded, error reply). The Router treats
-// it as "no KV information" and routes by consistent hashing alone.
-var ErrUnavailable = errors.New("kvindex: redis unavailable")
-
-// ErrBackendLost is returned by RedisIndex.Apply when the backend's entries were lost:
-//
-//   - Redis lost its state since the backend's last ClearBackend (it restarted without
-//     persistence, failed over to a replica that had not seen the writes, or was flushed), which
-//     the index learns from the registry epoch whichever call reads it first — a Lookup, a
-//     Speculate, any backend's Apply, or BackendLost. Apply then refuses the backend's batches,
-//     writing nothing, until ClearBackend, and BackendLost reports the backend lost;
-//   - or the batch's block writes went to an id that Redis no longer holds for the backend (the
-//     id registry alone was deleted or, after the backend was idle longer than EntryTTL, another
-//     replica took the id): readers ignore those writes, and the next Apply takes a new id.
-//
-// The events package's consumers answer it as any failed Apply, and a loss BackendLost reports
-// even for a backend that publishes nothing: they clear the backend and, where the engine has a
-// replay socket, replay what it still holds.
-var ErrBackendLost = errors.New("kvindex: redis no longer holds the backend's id (its entries were lost)")
-
-// Defaults of RedisConfig.
+// Defaults of Config; the defaults shared with the in-memory index (block size, entry and
+// speculative TTLs, tier weights) are kvindex's.
 const (
-	DefaultRedisConnectTimeout = 3 * time.Second
-	// DefaultRedisCommandTimeout bounds each Lookup, LookupPrefix and Speculate: Route waits on
+	// DefaultKeyPrefix starts every key of an index whose Config.KeyPrefix is "".
+	DefaultKeyPrefix = "kvroute:kvidx:"
+	// DefaultConnectTimeout bounds dialling the client New creates.
+	DefaultConnectTimeout = 3 * time.Second
+	// DefaultCommandTimeout bounds each Lookup, LookupPrefix and Speculate: Route waits on
 	// them, so a slow or unreachable Redis costs a request at most this long before the Router
 	// falls back to consistent hashing.
-	DefaultRedisCommandTimeout = 50 * time.Millisecond
-	// DefaultRedisWriteTimeout bounds each round trip of Apply, ClearBackend, Stats and Clear,
+	DefaultCommandTimeout = 50 * time.Millisecond
+	// DefaultWriteTimeout bounds each round trip of Apply, ClearBackend, Stats and Clear,
 	// which run off the request path and may carry large pipelines.
-	DefaultRedisWriteTimeout = 2 * time.Second
-	// DefaultRedisUnavailableBackoff is how long calls fail fast with ErrUnavailable after a
+	DefaultWriteTimeout = 2 * time.Second
+	// DefaultUnavailableBackoff is how long calls fail fast with kvindex.ErrUnavailable after a
 	// connection failure before one call probes Redis again.
-	DefaultRedisUnavailableBackoff = 500 * time.Millisecond
-	// DefaultRedisEngineCacheSize is the number of engine-hash → our-key mappings each backend
+	DefaultUnavailableBackoff = 500 * time.Millisecond
+	// DefaultEngineCacheSize is the number of engine-hash → our-key mappings each backend
 	// keeps in process memory (about 80 bytes each).
-	DefaultRedisEngineCacheSize = 1 << 15
-	// DefaultRedisMaxBackends is the number of backend ids (slots per block) a key prefix hands
+	DefaultEngineCacheSize = 1 << 15
+	// DefaultMaxBackends is the number of backend ids (slots per block) a key prefix hands
 	// out; ids of backends idle for longer than EntryTTL (plus a minute) are reused.
-	DefaultRedisMaxBackends = 1024
-	// DefaultRedisLookupChunk is the number of blocks one Lookup round trip reads; a request with
+	DefaultMaxBackends = 1024
+	// DefaultLookupChunk is the number of blocks one Lookup round trip reads; a request with
 	// more blocks costs one more round trip per chunk, only while some candidate still matches.
-	DefaultRedisLookupChunk = 1024
-	// DefaultRedisStatsExactLimit is the number of live memberships up to which Stats counts
+	DefaultLookupChunk = 1024
+	// DefaultStatsExactLimit is the number of live memberships up to which Stats counts
 	// distinct blocks and speculative entries exactly.
-	DefaultRedisStatsExactLimit = 50_000
+	DefaultStatsExactLimit = 50_000
 
 	// redisMaxTTL bounds EntryTTL.
 	redisMaxTTL = 365 * 24 * time.Hour
@@ -72,18 +56,18 @@ const (
 	redisIDReuseMargin = time.Minute
 )
 
-// RedisConfig configures a RedisIndex. The zero value of every field means its documented default;
-// one of Client, Addr or URL is required.
+// Config configures an Index. The zero value of every field means its documented default; New
+// needs one of Addr or URL.
 //
-// kvroute's YAML (kv_cache_index with backend: redis) maps onto it as for MemoryConfig:
+// The connection fields (Addr, URL, Username, Password, TLS and ConnectTimeout) configure the
+// client New creates; NewWithClient, which uses the caller's client, rejects them.
+//
+// kvroute's YAML (kv_cache_index with backend: redis) maps onto it as for kvindex.MemoryConfig:
 // entry_ttl_seconds → EntryTTL, storage_offloading.enabled → StorageOffloading,
 // storage_offloading.treat_eviction_as_offload → TreatEvictionAsOffload (the YAML's default is
 // true; the proxy sets it), gpu/storage_tier_weight → TierWeights; the Redis URL and key prefix
 // (kvroute's cr:kvidx:) → URL and KeyPrefix.
-type RedisConfig struct {
-	// Client is an existing client to share (for example the response cache's). The index never
-	// closes it. When nil, the index creates its own client from Addr or URL and closes it on Close.
-	Client rueidis.Client
+type Config struct {
 	// Addr is the host:port of a Redis or Valkey server (or of one node of a cluster). URL is a
 	// redis:// or rediss:// URL (rueidis.ParseURL); set at most one of them. Username, Password and
 	// TLS, when set, override what the URL says.
@@ -92,44 +76,43 @@ type RedisConfig struct {
 	Username string
 	Password string
 	TLS      *tls.Config
-	// ConnectTimeout bounds dialling (default DefaultRedisConnectTimeout). When Redis cannot be
-	// reached at construction, NewRedis still succeeds for a single address (Addr or URL): the
+	// ConnectTimeout bounds dialling (default DefaultConnectTimeout). When Redis cannot be
+	// reached at construction, New still succeeds for a single address (Addr or URL): the
 	// index then talks to it as a standalone server and dials again on later calls. A Redis
-	// Cluster deployment that must start while Redis is down should pass its own Client.
+	// Cluster deployment that must start while Redis is down should use NewWithClient.
 	ConnectTimeout time.Duration
 	// CommandTimeout is the deadline of one Lookup, LookupPrefix or Speculate, all of which run on
-	// the routing path (default DefaultRedisCommandTimeout, 50 ms). The caller's ctx deadline wins
-	// when it is earlier. A call that misses it returns an error wrapping ErrUnavailable.
+	// the routing path (default DefaultCommandTimeout, 50 ms). The caller's ctx deadline wins
+	// when it is earlier. A call that misses it returns an error wrapping kvindex.ErrUnavailable.
 	CommandTimeout time.Duration
 	// WriteTimeout is the deadline of each round trip of Apply, ClearBackend, Stats and Clear
-	// (default DefaultRedisWriteTimeout).
+	// (default DefaultWriteTimeout).
 	WriteTimeout time.Duration
-	// UnavailableBackoff is how long every call fails fast with ErrUnavailable after a connection
-	// failure or timeout, before one call probes Redis again (default
-	// DefaultRedisUnavailableBackoff). It keeps a dead Redis from costing every request
-	// CommandTimeout.
+	// UnavailableBackoff is how long every call fails fast with kvindex.ErrUnavailable after a
+	// connection failure or timeout, before one call probes Redis again (default
+	// DefaultUnavailableBackoff). It keeps a dead Redis from costing every request CommandTimeout.
 	UnavailableBackoff time.Duration
 
-	// KeyPrefix starts every key the index writes (default DefaultRedisKeyPrefix). It must not
+	// KeyPrefix starts every key the index writes (default DefaultKeyPrefix). It must not
 	// contain the glob characters * ? [ ] or a backslash, since Clear deletes the keys matching
 	// KeyPrefix*. In Redis Cluster the keys of one lookup must live in one hash slot: put a hash
-	// tag in the prefix, e.g. "kvroute:{kvidx}:" (NewRedis rejects a cluster client without one);
+	// tag in the prefix, e.g. "kvroute:{kvidx}:" (New rejects a cluster client without one);
 	// the whole index then lives on one shard. Give each index sharing a server its own prefix.
 	KeyPrefix string
-	// BlockSize is the number of tokens per kvroute block (default DefaultBlockSize). Every
+	// BlockSize is the number of tokens per kvroute block (default kvindex.DefaultBlockSize). Every
 	// replica sharing a KeyPrefix must use the same.
 	BlockSize int
 	// DefaultModel roots the block keys of events from batches that name no model and no LoRA.
 	DefaultModel string
 	// EntryTTL is how long an entry lives after the last event that stored or refreshed it
-	// (default DefaultEntryTTL).
+	// (default kvindex.DefaultEntryTTL).
 	EntryTTL time.Duration
 	// SpeculativeTTL is the lifetime of Speculate's entries when it is passed 0 (default
-	// DefaultSpeculativeTTL). Speculative entries live at most EntryTTL.
+	// kvindex.DefaultSpeculativeTTL). Speculative entries live at most EntryTTL.
 	SpeculativeTTL time.Duration
 	// TierWeights weight matched blocks (and prefix entries) by tier; all zero means
-	// DefaultTierWeights. Each must be in [0, 1].
-	TierWeights TierWeights
+	// kvindex.DefaultTierWeights. Each must be in [0, 1].
+	TierWeights kvindex.TierWeights
 	// StorageOffloading tracks the storage tier of prefix entries (kvroute's
 	// storage_offloading.enabled): cache_offloaded moves an entry to TierStorage. When false,
 	// cache_offloaded removes the entry. Block events carry their own tier and are unaffected.
@@ -138,10 +121,10 @@ type RedisConfig struct {
 	// removing it. It applies only with StorageOffloading.
 	TreatEvictionAsOffload bool
 	// EngineCacheSize is the number of engine-hash → our-key mappings kept in process memory per
-	// backend (default DefaultRedisEngineCacheSize); a miss costs one extra read round trip.
+	// backend (default DefaultEngineCacheSize); a miss costs one extra read round trip.
 	EngineCacheSize int
 	// MaxBackends is the number of backend ids the key prefix hands out (default
-	// DefaultRedisMaxBackends, at most 65536). Every block string is 14 bytes × (highest id + 1).
+	// DefaultMaxBackends, at most 65536). Every block string is 14 bytes × (highest id + 1).
 	// Events and speculation of a backend beyond the limit are dropped (Dropped
 	// ["too_many_backends"]). Every replica sharing a KeyPrefix should use the same.
 	MaxBackends int
@@ -152,7 +135,7 @@ type RedisConfig struct {
 	Now func() time.Time
 }
 
-// RedisIndex is a KvCacheIndex kept in Redis or Valkey, shared by every router replica that uses
+// Index is a kvindex.KvCacheIndex kept in Redis or Valkey, shared by every router replica that uses
 // the same server and KeyPrefix. All its methods are safe for concurrent use. Apply and
 // ClearBackend of one backend are serialised by a per-backend mutex held across their round trips;
 // Lookups take no lock besides a read lock on the backend table and never wait on writers in
@@ -208,7 +191,7 @@ type RedisConfig struct {
 // that a write had to create, or that is missing or changed, means the state was lost, whichever
 // call comes first after the loss. The process then counts a new loss generation: every backend
 // it has written for is lost until its next ClearBackend — Apply refuses its batches with
-// ErrBackendLost, and BackendLost (events.LossReporter) reports it, so that the events
+// kvindex.ErrBackendLost, and BackendLost (events.LossReporter) reports it, so that the events
 // consumers clear it and catch up from the engine's replay buffer even when it receives neither
 // traffic nor events. Another replica that recreated the epoch first changed it, so every
 // replica notices. A Redis that reloads a snapshot keeps the snapshot's epoch: the writes made
@@ -217,21 +200,21 @@ type RedisConfig struct {
 //
 // # Costs
 //
-// Lookup is one round trip for up to DefaultRedisLookupChunk blocks: HMGET of the candidates' ids
-// and GET of the epoch pipelined with MGET of the block strings; the walk (longest consecutive prefix per candidate,
-// best tier per block) runs in Go. Redis does O(blocks) work whatever the number of candidates.
-// Apply is one pipelined round trip of two commands per block (SETRANGE, PEXPIRE) and a few per
-// event, plus one read round trip (HMGET of the engine-hash map, and the backend's id when this
-// process has not used it lately) only when an event's parent or a removed block is neither in
+// Lookup is one round trip for up to DefaultLookupChunk blocks: HMGET of the candidates' ids and
+// GET of the epoch pipelined with MGET of the block strings; the walk (longest consecutive prefix
+// per candidate, best tier per block) runs in Go. Redis does O(blocks) work whatever the number of
+// candidates. Apply is one pipelined round trip of two commands per block (SETRANGE, PEXPIRE) and a
+// few per event, plus one read round trip (HMGET of the engine-hash map, and the backend's id when
+// this process has not used it lately) only when an event's parent or a removed block is neither in
 // the batch nor in the in-process cache. Speculate is one round trip of two commands per block.
 // ClearBackend costs one round trip per 512 of the backend's entries (ZPOPMIN of its membership
-// sets, pipelined with the zeroing of the previous page's slots). Clear scans the keyspace
-// (SCAN MATCH P*, UNLINK). Memory: 14 bytes × (highest backend id + 1) per block string plus
-// Redis's per-key overhead, and one membership member per (block, backend).
+// sets, pipelined with the zeroing of the previous page's slots). Clear scans the keyspace (SCAN
+// MATCH P*, UNLINK). Memory: 14 bytes × (highest backend id + 1) per block string plus Redis's
+// per-key overhead, and one membership member per (block, backend).
 //
 // Stats counters (lookups, mutations, dropped events, expired memberships) are per process;
 // sizes are read from the membership sets.
-type RedisIndex struct {
+type Index struct {
 	client    rueidis.Client
 	ownClient bool
 	closeOnce sync.Once
@@ -248,7 +231,7 @@ type RedisIndex struct {
 	cmdTimeout     time.Duration
 	writeTimeout   time.Duration
 	backoff        time.Duration
-	weights        TierWeights
+	weights        kvindex.TierWeights
 	evictOffload   bool
 	offloading     bool
 	engineCacheCap int
@@ -275,8 +258,8 @@ type RedisIndex struct {
 	counters redisCounters
 }
 
-// Compile-time check that RedisIndex implements KvCacheIndex.
-var _ KvCacheIndex = (*RedisIndex)(nil)
+// Compile-time check that Index implements kvindex.KvCacheIndex.
+var _ kvindex.KvCacheIndex = (*Index)(nil)
 
 // redisBackend is the per-process state of one backend.
 type redisBackend struct {
@@ -286,7 +269,7 @@ type redisBackend struct {
 	id    atomic.Int64 // slot index; -1 until known (or when every id is taken)
 	tag   uint16       // redisTag(name)
 	idAt  atomic.Int64 // when id was last confirmed by a write, unix ms of the index clock
-	// gen is the loss generation (RedisIndex.lossGen) the backend's state in Redis belongs to,
+	// gen is the loss generation (Index.lossGen) the backend's state in Redis belongs to,
 	// and dirty says that it has some: this process wrote for the backend (or may have) since it
 	// last cleared it. The backend is lost while it is dirty and gen is older than the index's.
 	gen   atomic.Uint64
@@ -299,12 +282,79 @@ type redisBackend struct {
 	prefixesKey string // P mp:<b>
 }
 
-// NewRedis returns an index on the Redis or Valkey server that cfg names. It validates cfg
-// (errors wrap ErrInvalidConfig) and connects (ConnectTimeout); an unreachable single server is
-// not an error (see RedisConfig.ConnectTimeout), other client errors wrap ErrUnavailable. The
-// index starts no goroutine besides the client's own; Close releases a client it created.
-func NewRedis(cfg RedisConfig) (*RedisIndex, error) {
-	x := &RedisIndex{
+// New returns an index on the Redis or Valkey server that cfg's Addr or URL names, through a
+// client of its own (client-side caching off: entries change with every engine event), which
+// Close closes. It validates cfg (errors wrap kvindex.ErrInvalidConfig, also for a cfg without
+// Addr and URL) and connects within ConnectTimeout; an unreachable single server is not an error
+// (see Config.ConnectTimeout), other client errors wrap kvindex.ErrUnavailable. The index starts
+// no goroutine besides the client's own.
+func New(cfg Config) (*Index, error) {
+	if cfg.Addr == "" && cfg.URL == "" {
+		return nil, fmt.Errorf("%w: one of Addr or URL is required", kvindex.ErrInvalidConfig)
+	}
+	x, err := newIndex(cfg)
+	if err != nil {
+		return nil, err
+	}
+	connect := cfg.ConnectTimeout
+	if connect == 0 {
+		connect = DefaultConnectTimeout
+	}
+	c, err := newRedisClient(cfg, connect)
+	if err != nil {
+		return nil, err
+	}
+	x.client, x.ownClient = c, true
+	if err := x.checkCluster(); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return x, nil
+}
+
+// NewWithClient returns an index on the caller's client, for example one shared with the
+// response cache's redisstore.Store (redisstore.NewWithClient) on the same server: one client per
+// Redis URL. The index never closes client: close it after the index. cfg's connection fields
+// (Addr, URL, Username, Password, TLS, ConnectTimeout) must be zero, since they describe a client
+// New would create; the rest apply as for New. A client with client-side caching on works but
+// gains nothing (the index reads no key twice between writes). NewWithClient does no I/O: an
+// unreachable Redis is noticed by the first call. Errors wrap
+// kvindex.ErrInvalidConfig: a nil client, a connection field set, a bad field, or a Redis
+// Cluster client with a KeyPrefix without a hash tag.
+func NewWithClient(client rueidis.Client, cfg Config) (*Index, error) {
+	if client == nil {
+		return nil, fmt.Errorf("%w: NewWithClient needs a client", kvindex.ErrInvalidConfig)
+	}
+	var set []string
+	for _, f := range []struct {
+		name string
+		set  bool
+	}{
+		{"Addr", cfg.Addr != ""}, {"URL", cfg.URL != ""}, {"Username", cfg.Username != ""},
+		{"Password", cfg.Password != ""}, {"TLS", cfg.TLS != nil}, {"ConnectTimeout", cfg.ConnectTimeout != 0},
+	} {
+		if f.set {
+			set = append(set, f.name)
+		}
+	}
+	if len(set) > 0 {
+		return nil, fmt.Errorf("%w: %s configure a client of the index's own; set them on the client passed to NewWithClient",
+			kvindex.ErrInvalidConfig, strings.Join(set, ", "))
+	}
+	x, err := newIndex(cfg)
+	if err != nil {
+		return nil, err
+	}
+	x.client = client
+	if err := x.checkCluster(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// newIndex returns an index configured by cfg (defaults applied and validated), without a client.
+func newIndex(cfg Config) (*Index, error) {
+	x := &Index{
 		prefix:         cfg.KeyPrefix,
 		blockSize:      cfg.BlockSize,
 		defaultModel:   cfg.DefaultModel,
@@ -328,47 +378,34 @@ func NewRedis(cfg RedisConfig) (*RedisIndex, error) {
 	}
 	x.idsKey, x.seenKey, x.idSeqKey = x.prefix+"ids", x.prefix+"seen", x.prefix+"idseq"
 	x.epochKey = x.prefix + "epoch"
-	if cfg.Client != nil {
-		x.client = cfg.Client
-	} else {
-		connect := cfg.ConnectTimeout
-		if connect == 0 {
-			connect = DefaultRedisConnectTimeout
-		}
-		c, err := newRedisClient(cfg, connect)
-		if err != nil {
-			return nil, err
-		}
-		x.client, x.ownClient = c, true
-	}
-	if x.client.Mode() == rueidis.ClientModeCluster && !redisHasHashTag(x.prefix) {
-		if x.ownClient {
-			x.client.Close()
-		}
-		return nil, fmt.Errorf("%w: KeyPrefix %q needs a hash tag such as {kvidx} for Redis Cluster", ErrInvalidConfig, x.prefix)
-	}
 	return x, nil
 }
 
-// applyDefaults fills in defaults and validates cfg.
-func (x *RedisIndex) applyDefaults(cfg RedisConfig) error {
-	bad := func(format string, args ...any) error {
-		return fmt.Errorf("%w: %s", ErrInvalidConfig, fmt.Sprintf(format, args...))
+// checkCluster rejects a Redis Cluster client when the key prefix has no hash tag: the keys of
+// one lookup must live in one slot.
+func (x *Index) checkCluster() error {
+	if x.client.Mode() == rueidis.ClientModeCluster && !redisHasHashTag(x.prefix) {
+		return fmt.Errorf("%w: KeyPrefix %q needs a hash tag such as {kvidx} for Redis Cluster", kvindex.ErrInvalidConfig, x.prefix)
 	}
-	if cfg.Client == nil && cfg.Addr == "" && cfg.URL == "" {
-		return bad("one of Client, Addr or URL is required")
+	return nil
+}
+
+// applyDefaults fills in defaults and validates cfg.
+func (x *Index) applyDefaults(cfg Config) error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: %s", kvindex.ErrInvalidConfig, fmt.Sprintf(format, args...))
 	}
 	if cfg.Addr != "" && cfg.URL != "" {
 		return bad("set Addr or URL, not both")
 	}
 	if x.prefix == "" {
-		x.prefix = DefaultRedisKeyPrefix
+		x.prefix = DefaultKeyPrefix
 	}
 	if strings.ContainsAny(x.prefix, "*?[]\\") {
 		return bad("KeyPrefix %q contains a glob character (* ? [ ] \\)", x.prefix)
 	}
 	if x.blockSize == 0 {
-		x.blockSize = DefaultBlockSize
+		x.blockSize = kvindex.DefaultBlockSize
 	}
 	if x.blockSize < 1 || x.blockSize > 1<<16 {
 		return bad("BlockSize %d not in [1, 65536]", x.blockSize)
@@ -378,11 +415,11 @@ func (x *RedisIndex) applyDefaults(cfg RedisConfig) error {
 		v    *time.Duration
 		def  time.Duration
 	}{
-		{"EntryTTL", &x.entryTTL, DefaultEntryTTL},
-		{"SpeculativeTTL", &x.specTTL, DefaultSpeculativeTTL},
-		{"CommandTimeout", &x.cmdTimeout, DefaultRedisCommandTimeout},
-		{"WriteTimeout", &x.writeTimeout, DefaultRedisWriteTimeout},
-		{"UnavailableBackoff", &x.backoff, DefaultRedisUnavailableBackoff},
+		{"EntryTTL", &x.entryTTL, kvindex.DefaultEntryTTL},
+		{"SpeculativeTTL", &x.specTTL, kvindex.DefaultSpeculativeTTL},
+		{"CommandTimeout", &x.cmdTimeout, DefaultCommandTimeout},
+		{"WriteTimeout", &x.writeTimeout, DefaultWriteTimeout},
+		{"UnavailableBackoff", &x.backoff, DefaultUnavailableBackoff},
 	} {
 		if *d.v == 0 {
 			*d.v = d.def
@@ -401,22 +438,22 @@ func (x *RedisIndex) applyDefaults(cfg RedisConfig) error {
 		return bad("EntryTTL %v > %v", x.entryTTL, redisMaxTTL)
 	}
 	x.specTTL = min(x.specTTL, x.entryTTL)
-	if x.weights == (TierWeights{}) {
-		x.weights = DefaultTierWeights
+	if x.weights == (kvindex.TierWeights{}) {
+		x.weights = kvindex.DefaultTierWeights
 	}
 	for t, w := range x.weights {
 		if !(w >= 0 && w <= 1) {
-			return bad("TierWeights[%s] = %v is outside [0, 1]", Tier(t), w)
+			return bad("TierWeights[%s] = %v is outside [0, 1]", kvindex.Tier(t), w)
 		}
 	}
 	if x.engineCacheCap == 0 {
-		x.engineCacheCap = DefaultRedisEngineCacheSize
+		x.engineCacheCap = DefaultEngineCacheSize
 	}
 	if x.engineCacheCap < 0 {
 		return bad("EngineCacheSize %d < 0", x.engineCacheCap)
 	}
 	if x.maxBackends == 0 {
-		x.maxBackends = DefaultRedisMaxBackends
+		x.maxBackends = DefaultMaxBackends
 	}
 	if x.maxBackends < 1 || x.maxBackends > 1<<16 {
 		return bad("MaxBackends %d not in [1, 65536]", x.maxBackends)
@@ -427,8 +464,8 @@ func (x *RedisIndex) applyDefaults(cfg RedisConfig) error {
 	return nil
 }
 
-// redisHasHashTag reports whether s holds a Redis Cluster hash tag: a '{' followed later by '}' with
-// at least one byte between them.
+// redisHasHashTag reports whether s holds a Redis Cluster hash tag: a '{' followed later by '}'
+// with at least one byte between them.
 func redisHasHashTag(s string) bool {
 	i := strings.IndexByte(s, '{')
 	if i < 0 {
@@ -441,12 +478,12 @@ func redisHasHashTag(s string) bool {
 // newRedisClient creates the index's own client. When the first connection fails for a network
 // reason and cfg names a single server, it returns a single-server client that dials again on each
 // later call instead of failing: a router must start while Redis is down.
-func newRedisClient(cfg RedisConfig, connectTimeout time.Duration) (rueidis.Client, error) {
+func newRedisClient(cfg Config, connectTimeout time.Duration) (rueidis.Client, error) {
 	var opt rueidis.ClientOption
 	if cfg.URL != "" {
 		o, err := rueidis.ParseURL(cfg.URL)
 		if err != nil {
-			return nil, fmt.Errorf("%w: URL: %v", ErrInvalidConfig, err)
+			return nil, fmt.Errorf("%w: URL: %v", kvindex.ErrInvalidConfig, err)
 		}
 		opt = o
 	} else {
@@ -468,7 +505,7 @@ func newRedisClient(cfg RedisConfig, connectTimeout time.Duration) (rueidis.Clie
 		return c, nil
 	}
 	if _, isRedis := rueidis.IsRedisErr(err); isRedis || len(opt.InitAddress) != 1 || opt.Sentinel.MasterSet != "" {
-		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
+		return nil, fmt.Errorf("%w: %w", kvindex.ErrUnavailable, err)
 	}
 	// Unreachable: build a lazily connecting single-server client. Its constructor dials once more;
 	// make that attempt fail at once so that construction costs one ConnectTimeout, not two.
@@ -487,15 +524,15 @@ func newRedisClient(cfg RedisConfig, connectTimeout time.Duration) (rueidis.Clie
 	c, err2 := rueidis.NewClient(opt)
 	constructed.Store(true)
 	if c == nil {
-		return nil, fmt.Errorf("%w: %w", ErrUnavailable, errors.Join(err, err2))
+		return nil, fmt.Errorf("%w: %w", kvindex.ErrUnavailable, errors.Join(err, err2))
 	}
 	return c, nil
 }
 
-// Close releases the client when the index created it (a shared Config.Client is left open).
-// Later calls of any method return ErrClosed. It is idempotent, safe for concurrent use, and
-// returns nil.
-func (x *RedisIndex) Close() error {
+// Close releases the client when New created it (NewWithClient's client is left open). Later calls
+// of any method return kvindex.ErrClosed. It is idempotent, safe for concurrent use, and returns
+// nil.
+func (x *Index) Close() error {
 	x.closeOnce.Do(func() {
 		x.closed.Store(true)
 		if x.ownClient {
@@ -506,7 +543,7 @@ func (x *RedisIndex) Close() error {
 }
 
 // BlockSize returns the number of tokens per block the index keys by.
-func (x *RedisIndex) BlockSize() int { return x.blockSize }
+func (x *Index) BlockSize() int { return x.blockSize }
 
 // ---- round trips, deadlines and the fail-fast breaker ----
 
@@ -527,9 +564,9 @@ var errRedisBackingOff = errors.New("backing off after a connection failure")
 // admit returns nil when a call may go to Redis: the breaker is closed, or it is open, its backoff
 // has passed and this caller won the right to probe (every other caller keeps failing fast until
 // the probe answers or another backoff passes).
-func (x *RedisIndex) admit() error {
+func (x *Index) admit() error {
 	if x.closed.Load() {
-		return ErrClosed
+		return kvindex.ErrClosed
 	}
 	until := x.downUntil.Load()
 	if until == 0 {
@@ -539,13 +576,13 @@ func (x *RedisIndex) admit() error {
 	if now >= until && x.downUntil.CompareAndSwap(until, now+int64(x.backoff)) {
 		return nil
 	}
-	return fmt.Errorf("%w: %w", ErrUnavailable, errRedisBackingOff)
+	return fmt.Errorf("%w: %w", kvindex.ErrUnavailable, errRedisBackingOff)
 }
 
 // observe updates the breaker with the outcome of a round trip made under parent: a success closes
 // it; a connection failure or a deadline of our own opens it for the backoff. Errors caused by
 // parent ending are the caller's, not Redis's, and leave it alone.
-func (x *RedisIndex) observe(parent context.Context, err error) {
+func (x *Index) observe(parent context.Context, err error) {
 	if err == nil {
 		if x.downUntil.Load() != 0 {
 			x.downUntil.Store(0)
@@ -560,16 +597,16 @@ func (x *RedisIndex) observe(parent context.Context, err error) {
 
 // unavailable wraps err (not nil) as the error of a failed call.
 func redisUnavailable(op string, err error) error {
-	if errors.Is(err, ErrUnavailable) || errors.Is(err, ErrClosed) {
+	if errors.Is(err, kvindex.ErrUnavailable) || errors.Is(err, kvindex.ErrClosed) {
 		return err
 	}
-	return fmt.Errorf("%w: %s: %w", ErrUnavailable, op, err)
+	return fmt.Errorf("%w: %s: %w", kvindex.ErrUnavailable, op, err)
 }
 
 // doMulti sends cmds in one round trip under a deadline of timeout and returns their results. err
 // is the first connection-level error (every result is then unusable); Redis error replies stay in
 // their results. The breaker is updated.
-func (x *RedisIndex) doMulti(ctx context.Context, timeout time.Duration, cmds []rueidis.Completed) ([]rueidis.RedisResult, error) {
+func (x *Index) doMulti(ctx context.Context, timeout time.Duration, cmds []rueidis.Completed) ([]rueidis.RedisResult, error) {
 	cctx, cancel := redisWithTimeout(ctx, timeout)
 	defer cancel()
 	return x.doMultiIn(ctx, cctx, cmds)
@@ -577,7 +614,7 @@ func (x *RedisIndex) doMulti(ctx context.Context, timeout time.Duration, cmds []
 
 // doMultiIn is doMulti under cctx, a context derived from the caller's ctx with the deadline of a
 // whole multi-round-trip call.
-func (x *RedisIndex) doMultiIn(ctx, cctx context.Context, cmds []rueidis.Completed) ([]rueidis.RedisResult, error) {
+func (x *Index) doMultiIn(ctx, cctx context.Context, cmds []rueidis.Completed) ([]rueidis.RedisResult, error) {
 	if err := x.admit(); err != nil {
 		return nil, err
 	}
@@ -594,7 +631,7 @@ func (x *RedisIndex) doMultiIn(ctx, cctx context.Context, cmds []rueidis.Complet
 }
 
 // do is doMulti for one command; err also holds a Redis error reply.
-func (x *RedisIndex) do(ctx context.Context, timeout time.Duration, cmd rueidis.Completed) (rueidis.RedisResult, error) {
+func (x *Index) do(ctx context.Context, timeout time.Duration, cmd rueidis.Completed) (rueidis.RedisResult, error) {
 	if err := x.admit(); err != nil {
 		return rueidis.RedisResult{}, err
 	}
@@ -607,7 +644,7 @@ func (x *RedisIndex) do(ctx context.Context, timeout time.Duration, cmd rueidis.
 }
 
 // evalsha builds an EVALSHA (EVALSHA_RO for a read-only script) of s.
-func (x *RedisIndex) evalsha(s *redisScript, keys, args []string) rueidis.Completed {
+func (x *Index) evalsha(s *redisScript, keys, args []string) rueidis.Completed {
 	if s.readOnly {
 		return x.client.B().EvalshaRo().Sha1(s.sha).Numkeys(int64(len(keys))).Key(keys...).Arg(args...).Build()
 	}
@@ -615,7 +652,7 @@ func (x *RedisIndex) evalsha(s *redisScript, keys, args []string) rueidis.Comple
 }
 
 // eval builds an EVAL (EVAL_RO) of s, for the NOSCRIPT fallback.
-func (x *RedisIndex) eval(s *redisScript, keys, args []string) rueidis.Completed {
+func (x *Index) eval(s *redisScript, keys, args []string) rueidis.Completed {
 	if s.readOnly {
 		return x.client.B().EvalRo().Script(s.src).Numkeys(int64(len(keys))).Key(keys...).Arg(args...).Build()
 	}
@@ -635,7 +672,7 @@ type redisScriptCall struct {
 
 // runScript runs calls of s in one round trip (EVALSHA), and the ones that got NOSCRIPT again with
 // EVAL in a second. It returns one result per call, or the connection-level error.
-func (x *RedisIndex) runScript(ctx context.Context, timeout time.Duration, s *redisScript, calls []redisScriptCall) ([]rueidis.RedisResult, error) {
+func (x *Index) runScript(ctx context.Context, timeout time.Duration, s *redisScript, calls []redisScriptCall) ([]rueidis.RedisResult, error) {
 	cmds := make([]rueidis.Completed, len(calls))
 	for i, c := range calls {
 		cmds[i] = x.evalsha(s, c.keys, c.args)
@@ -689,17 +726,17 @@ func redisParseHex16(s string) (uint64, bool) {
 }
 
 // redisBlockKeyLen is the length of the name "P b:<16 hex>".
-func (x *RedisIndex) redisBlockKeyLen() int { return len(x.prefix) + 2 + 16 }
+func (x *Index) redisBlockKeyLen() int { return len(x.prefix) + 2 + 16 }
 
 // appendRedisBlockKey appends the name of block k's string.
-func (x *RedisIndex) appendRedisBlockKey(b []byte, k uint64) []byte {
+func (x *Index) appendRedisBlockKey(b []byte, k uint64) []byte {
 	b = append(b, x.prefix...)
 	b = append(b, "b:"...)
 	return redisAppendHex16(b, k)
 }
 
 // blockKeyNames returns the names of keys' block strings, substrings of one allocation.
-func (x *RedisIndex) blockKeyNames(keys []uint64) []string {
+func (x *Index) blockKeyNames(keys []uint64) []string {
 	kl := x.redisBlockKeyLen()
 	buf := make([]byte, 0, kl*len(keys))
 	for _, k := range keys {
@@ -714,7 +751,7 @@ func (x *RedisIndex) blockKeyNames(keys []uint64) []string {
 }
 
 // backend returns the per-process state of backend, creating it on first use.
-func (x *RedisIndex) backend(name string) *redisBackend {
+func (x *Index) backend(name string) *redisBackend {
 	x.mu.RLock()
 	st := x.backends[name]
 	x.mu.RUnlock()
@@ -786,7 +823,7 @@ func redisSlot(spec int64, tag uint16, tiers uint8, exp int64) [redisSlotSize]by
 // speculative one, which counts as GPU), and whether it holds the block on TierStorage (a live
 // confirmed entry whose tiers include storage, whatever its best tier). A slot stamped with
 // another tag is not the backend's.
-func redisSlotTier(v string, id int, tag uint16, now int64) (best Tier, storage, ok bool) {
+func redisSlotTier(v string, id int, tag uint16, now int64) (best kvindex.Tier, storage, ok bool) {
 	off := id * redisSlotSize
 	if id < 0 || len(v) < off+redisConfOff { // a speculative write may end the string at the tag
 		return 0, false, false
@@ -817,82 +854,10 @@ func redisSlotTier(v string, id int, tag uint16, now int64) (best Tier, storage,
 
 // ---- counters ----
 
-// Mutation and drop reasons, indexes into redisCounters; named as MemoryIndex names them.
-const (
-	redisMutStored = iota
-	redisMutRemoved
-	redisMutCleared
-	redisMutSpeculated
-	redisMutPrefixCreated
-	redisMutPrefixEvicted
-	redisMutPrefixOffloaded
-	redisMutPrefixReloaded
-	redisMutPrefixPurged
-	redisNumMutations
-)
-
-func redisMutationName(i int) string {
-	switch i {
-	case redisMutStored:
-		return "stored"
-	case redisMutRemoved:
-		return "removed"
-	case redisMutCleared:
-		return "cleared"
-	case redisMutSpeculated:
-		return "speculated"
-	case redisMutPrefixCreated:
-		return "prefix_created"
-	case redisMutPrefixEvicted:
-		return "prefix_evicted"
-	case redisMutPrefixOffloaded:
-		return "prefix_offloaded"
-	case redisMutPrefixReloaded:
-		return "prefix_reloaded"
-	case redisMutPrefixPurged:
-		return "prefix_purged"
-	}
-	return "unknown"
-}
-
-const (
-	redisDropUnknownParent = iota
-	redisDropUnknownBlock
-	redisDropBadTokens
-	redisDropBadBlockSize
-	redisDropGroup
-	redisDropTooManyBackends
-	redisDropUnknownKind
-	redisDropBadPrefix
-	redisNumDrops
-)
-
-func redisDropName(i int) string {
-	switch i {
-	case redisDropUnknownParent:
-		return "unknown_parent"
-	case redisDropUnknownBlock:
-		return "unknown_block"
-	case redisDropBadTokens:
-		return "bad_tokens"
-	case redisDropBadBlockSize:
-		return "bad_block_size"
-	case redisDropGroup:
-		return "non_full_attention_group"
-	case redisDropTooManyBackends:
-		return "too_many_backends"
-	case redisDropUnknownKind:
-		return "unknown_kind"
-	case redisDropBadPrefix:
-		return "bad_prefix"
-	}
-	return "unknown"
-}
-
 // redisCounters are the per-process counters of Stats.
 type redisCounters struct {
 	lookups   atomic.Uint64
 	expired   atomic.Uint64
-	mutations [redisNumMutations]atomic.Uint64
-	dropped   [redisNumDrops]atomic.Uint64
+	mutations [kvindex.NumMutations]atomic.Uint64
+	dropped   [kvindex.NumDropReasons]atomic.Uint64
 }
