@@ -61,6 +61,7 @@ var (
 //	imbalance    tier 4: the fleet was skewed; the imbalance guard chose the least-loaded backend
 //	least_work   tier 4: no backend holds enough of the request (or it is shorter than a block);
 //	             the backend with the least prefill work ahead of it took it
+//	custom       a Router of your own chose by its own rule (NewDecision)
 type Reason uint8
 
 const (
@@ -85,12 +86,15 @@ const (
 	ReasonLoadBound
 	// ReasonStrategy: prefix routing is off; the selection strategy chose.
 	ReasonStrategy
+	// ReasonCustom: a Router of your own chose by a rule of its own (NewDecision); the default
+	// Router never returns it.
+	ReasonCustom
 	numReasons
 )
 
 // Reasons lists every Reason in the order of their values.
 var Reasons = []Reason{ReasonPrefixHash, ReasonOverflow, ReasonFallback, ReasonKVAware, ReasonImbalance,
-	ReasonLeastWork, ReasonLoadBound, ReasonStrategy}
+	ReasonLeastWork, ReasonLoadBound, ReasonStrategy, ReasonCustom}
 
 // String returns the reason's label (see Reason); "none" for the zero value.
 func (r Reason) String() string {
@@ -111,6 +115,8 @@ func (r Reason) String() string {
 		return "load_bound"
 	case ReasonStrategy:
 		return "strategy"
+	case ReasonCustom:
+		return "custom"
 	default:
 		return "none"
 	}
@@ -515,7 +521,7 @@ type Decision struct {
 	ExpectedCachedTokens int
 
 	router   *DefaultRouter // nil for a Decision made by NewDecision
-	hooks    *DecisionHooks // NewDecision's
+	hooks    *hookState     // NewDecision's and WrapDecision's
 	ended    atomic.Bool    // Done has run
 	backlog  atomic.Int64   // the tokens this request adds to state.backlog until its prefill ends
 	activeID uint64         // active-sequence id when tier 4 tracks sequences, else 0
@@ -535,22 +541,47 @@ type DecisionHooks struct {
 }
 
 // NewDecision returns a Decision for a Router of your own: backend and reason as the gateway
-// will read them, and hooks (nil: none) for what Done and FirstToken must do. A Router that adds
-// a rule and then delegates wraps the inner Decision so:
+// will read them (ReasonCustom when your own rule chose), and hooks (nil: none) for what Done and
+// FirstToken must do. A Router that adds a rule and then delegates uses WrapDecision instead.
+//
+// On the result, Done runs the Done hook once; FirstToken runs the FirstToken hook once, and
+// never once Done has begun (a FirstToken racing Done either finishes before the Done hook starts
+// or does not run). Both are safe to call from any goroutine. The hooks must not call the
+// decision's own methods.
+func NewDecision(backend string, reason Reason, hooks *DecisionHooks) *Decision {
+	h := &hookState{}
+	if hooks != nil {
+		h.hooks = *hooks
+	}
+	return &Decision{Backend: backend, Reason: reason, hooks: h}
+}
+
+// WrapDecision returns a Decision that carries inner's exported fields (backend, reason, prefix
+// key, overlaps, expected cached tokens) and whose Done and FirstToken run hooks' (nil: none)
+// first and then inner's, with NewDecision's guarantees. A Router that adds a rule and delegates
+// writes:
 //
 //	inner, err := next.Route(ctx, req)
 //	if err != nil {
 //		return nil, err
 //	}
-//	return kvroute.NewDecision(inner.Backend, inner.Reason, &kvroute.DecisionHooks{
-//		Done:       func(o kvroute.Outcome) { myStats.record(o); inner.Done(o) },
-//		FirstToken: inner.FirstToken,
+//	return kvroute.WrapDecision(inner, &kvroute.DecisionHooks{
+//		Done: func(o kvroute.Outcome) { myStats.record(inner.Backend, o) },
 //	}), nil
-//
-// Done and FirstToken on the result are safe to call from any goroutine, and Done only once has
-// an effect, as on the default Router's decisions.
-func NewDecision(backend string, reason Reason, hooks *DecisionHooks) *Decision {
-	return &Decision{Backend: backend, Reason: reason, hooks: hooks}
+func WrapDecision(inner *Decision, hooks *DecisionHooks) *Decision {
+	d := NewDecision(inner.Backend, inner.Reason, hooks)
+	d.PrefixKey, d.HasPrefixKey = inner.PrefixKey, inner.HasPrefixKey
+	d.Overlaps, d.ExpectedCachedTokens = inner.Overlaps, inner.ExpectedCachedTokens
+	d.hooks.inner = inner
+	return d
+}
+
+// hookState is what a Decision made by NewDecision or WrapDecision runs.
+type hookState struct {
+	hooks DecisionHooks
+	inner *Decision  // WrapDecision's
+	mu    sync.Mutex // orders the FirstToken hook before the Done hook
+	first bool       // the FirstToken hook has run (under mu)
 }
 
 // Outcome reports how a routed request ended. The zero Outcome is a success whose latency is
@@ -579,8 +610,13 @@ func (d *Decision) Done(o Outcome) {
 		return
 	}
 	if d.router == nil {
-		if d.hooks != nil && d.hooks.Done != nil {
-			d.hooks.Done(o)
+		if h := d.hooks; h != nil {
+			h.mu.Lock()
+			if h.hooks.Done != nil {
+				h.hooks.Done(o)
+			}
+			h.mu.Unlock()
+			h.inner.Done(o)
 		}
 		return
 	}
@@ -623,9 +659,20 @@ func (d *Decision) FirstToken() {
 		return
 	}
 	if d.router == nil {
-		if d.hooks != nil && d.hooks.FirstToken != nil && !d.ended.Load() {
-			d.hooks.FirstToken()
+		h := d.hooks
+		if h == nil {
+			return
 		}
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		if h.first || d.ended.Load() {
+			return
+		}
+		h.first = true
+		if h.hooks.FirstToken != nil {
+			h.hooks.FirstToken()
+		}
+		h.inner.FirstToken()
 		return
 	}
 	d.endPrefill()

@@ -111,3 +111,59 @@ func TestLookupOnlyIndex(t *testing.T) {
 	_, err = r.ClearKVIndex(context.Background())
 	assert.ErrorIs(t, err, kvroute.ErrUnsupported)
 }
+
+// WrapDecision carries the inner decision's fields and runs the wrapper's hooks, then the inner
+// decision's; FirstToken's hook runs once and never after Done has begun.
+func TestWrapDecision(t *testing.T) {
+	ix, err := kvindex.NewMemory(kvindex.MemoryConfig{})
+	require.NoError(t, err)
+	defer ix.Close()
+	inner, err := kvroute.New(kvroute.Config{Backends: []kvroute.Backend{{Name: "a"}, {Name: "b"}},
+		KV: &kvroute.KVConfig{Index: ix}})
+	require.NoError(t, err)
+	defer inner.Close()
+	req, err := prefixkey.ParseOpenAIChat([]byte(`{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"u"}]}`))
+	require.NoError(t, err)
+	req.TokenIDs = make([]uint32, 64)
+	in, err := inner.Route(context.Background(), req)
+	require.NoError(t, err)
+	var order []string
+	d := kvroute.WrapDecision(in, &kvroute.DecisionHooks{
+		Done:       func(kvroute.Outcome) { order = append(order, "done") },
+		FirstToken: func() { order = append(order, "first") },
+	})
+	assert.Equal(t, in.Backend, d.Backend)
+	assert.Equal(t, in.Reason, d.Reason)
+	assert.Equal(t, in.PrefixKey, d.PrefixKey)
+	assert.Equal(t, in.HasPrefixKey, d.HasPrefixKey)
+	assert.Equal(t, in.ExpectedCachedTokens, d.ExpectedCachedTokens)
+	d.FirstToken()
+	d.FirstToken()
+	d.Done(kvroute.Outcome{})
+	d.FirstToken()
+	d.Done(kvroute.Outcome{})
+	assert.Equal(t, []string{"first", "done"}, order, "each hook once, FirstToken's before Done's")
+	for _, l := range inner.Stats().BackendDistribution {
+		assert.Zero(t, l.InFlightRequests, "the inner decision was released")
+	}
+
+	// A FirstToken racing Done: its hook runs wholly before the Done hook, or not at all.
+	for range 200 {
+		var firstRan, doneRan atomic.Bool
+		var bad atomic.Bool
+		d := kvroute.NewDecision("a", kvroute.ReasonCustom, &kvroute.DecisionHooks{
+			FirstToken: func() {
+				if doneRan.Load() {
+					bad.Store(true)
+				}
+				firstRan.Store(true)
+			},
+			Done: func(kvroute.Outcome) { doneRan.Store(true) },
+		})
+		go d.FirstToken()
+		d.Done(kvroute.Outcome{})
+		d.FirstToken()
+		assert.False(t, bad.Load(), "FirstToken's hook ran after Done's")
+	}
+	assert.Equal(t, "custom", kvroute.ReasonCustom.String())
+}

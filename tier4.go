@@ -65,7 +65,9 @@ type KVConfig struct {
 	// Tokenizer supplies token IDs for requests that carry none; nil means only requests with
 	// TokenIDs get block keys. Its errors and time-outs route the request without block keys.
 	Tokenizer prefixkey.Tokenizer
-	// Scorer ranks candidates; nil means scorer.NewComposite(Weights).
+	// Scorer ranks candidates; nil means scorer.NewComposite(Weights). It is asked only when some
+	// backend holds at least MinOverlapThreshold of the request: below it the backend with the
+	// least prefill work takes the request (least_work), or tier 1 with RingFallback.
 	Scorer scorer.BackendScorer
 	// Weights configure the default composite scorer (overlap 0.6, load 0.3, health 0.1).
 	Weights scorer.CompositeConfig

@@ -67,9 +67,17 @@
 //  4. AppendStoredKeys computes the keys; the backend holds each on EventTier(ev.Tier) until
 //     EntryTTL from now, which confirms a speculative entry of the same key, and the map records
 //     engine block i → keys [i·perBlock, (i+1)·perBlock).
+//  5. Storing a block also refreshes the EntryTTL of its ancestors on the same backend: engines
+//     keep a hot prefix without announcing it again, so without the refresh block 0 of a hot
+//     prefix would expire while its continuations are fresh, and every lookup would match
+//     nothing (lookups stop at the first missing block). Keep, per backend, each key's parent,
+//     and walk up from the first stored key while the stamps are older.
 //
 // A BlockRemoved (attention group 0) takes EventTier(ev.Tier) off each block its hashes map to
-// (unknown hashes: DropUnknownBlock); a block on no tier any more is forgotten with its map entry.
+// (each unknown hash counts once as DropUnknownBlock; MutationRemoved counts each block that
+// leaves a tier); a block on no tier any more is forgotten with its map entry. A BlockRemoved of
+// the GPU tier also drops the backend's speculative entry for those blocks: the engine has said
+// it does not hold them.
 // An AllBlocksCleared is a ClearBackend between the events before and after it. A prefix event
 // changes the backend's entry for its prefix as PrefixRule says. Block events of another attention
 // group count as DropGroup, unknown kinds as DropUnknownKind; Mutation names the changes Stats

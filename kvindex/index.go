@@ -103,7 +103,7 @@ type KvCacheIndex interface {
 
 // Stats describes an index. Entries counts (block, backend) memberships plus prefix entries.
 type Stats struct {
-	Backend          string            `json:"backend"` // "memory" or "redis"
+	Backend          string            `json:"backend"` // kvroute's "memory" or "redis"; another index its own name
 	Blocks           int               `json:"block_count"`
 	Entries          int               `json:"entry_count"`
 	PrefixCount      int               `json:"prefix_count"`

@@ -218,8 +218,8 @@ type MemoryIndex struct {
 	lookups   [16]paddedCounter
 	evictions atomic.Uint64
 	expired   atomic.Uint64
-	mut       [numMutations]atomic.Uint64
-	dropped   [numDrops]atomic.Uint64
+	mut       [NumMutations]atomic.Uint64
+	dropped   [NumDropReasons]atomic.Uint64
 
 	reclaimMu sync.Mutex
 
@@ -234,42 +234,6 @@ var _ KvCacheIndex = (*MemoryIndex)(nil)
 type paddedCounter struct {
 	n atomic.Uint64
 	_ [56]byte
-}
-
-// Mutation and drop kinds, as reported by Stats.
-const (
-	mutStored = iota
-	mutRemoved
-	mutCleared
-	mutSpeculated
-	mutPrefixCreated
-	mutPrefixEvicted
-	mutPrefixOffloaded
-	mutPrefixReloaded
-	mutPrefixPurged
-	numMutations
-)
-
-var mutationNames = [numMutations]string{
-	"stored", "removed", "cleared", "speculated",
-	"prefix_created", "prefix_evicted", "prefix_offloaded", "prefix_reloaded", "prefix_purged",
-}
-
-const (
-	dropUnknownParent = iota
-	dropUnknownBlock
-	dropBadTokens
-	dropBadBlockSize
-	dropGroup
-	dropTooManyBackends
-	dropUnknownKind
-	dropBadPrefix
-	numDrops
-)
-
-var dropNames = [numDrops]string{
-	"unknown_parent", "unknown_block", "bad_tokens", "bad_block_size", "non_full_attention_group",
-	"too_many_backends", "unknown_kind", "bad_prefix",
 }
 
 // NewMemory returns an in-memory index configured by cfg. It validates cfg (errors wrap
@@ -352,7 +316,7 @@ func (m *MemoryIndex) lockShard(h uint64, c *clock) *shard {
 	return sh
 }
 
-func (m *MemoryIndex) drop(reason, n int) { m.dropped[reason].Add(uint64(n)) }
+func (m *MemoryIndex) drop(reason DropReason, n int) { m.dropped[reason].Add(uint64(n)) }
 
 // acquire returns backend's state, registering it, with its life lock held shared; nil when no
 // backend slot is free.
@@ -407,7 +371,7 @@ func (m *MemoryIndex) Apply(_ context.Context, backend string, b *events.Batch) 
 	}
 	bs := m.acquire(backend)
 	if bs == nil {
-		m.drop(dropTooManyBackends, len(b.Events))
+		m.drop(DropTooManyBackends, len(b.Events))
 		return nil
 	}
 	bs.emu.Lock()
@@ -425,7 +389,7 @@ func (m *MemoryIndex) Apply(_ context.Context, backend string, b *events.Batch) 
 			bs.life.RUnlock()
 			m.retire(backend)
 			if bs = m.acquire(backend); bs == nil {
-				m.drop(dropTooManyBackends, len(b.Events)-i-1)
+				m.drop(DropTooManyBackends, len(b.Events)-i-1)
 				return nil
 			}
 			bs.emu.Lock()
@@ -433,7 +397,7 @@ func (m *MemoryIndex) Apply(_ context.Context, backend string, b *events.Batch) 
 		case events.KindPrefix:
 			m.applyPrefix(bs.id, ev, c.now)
 		default:
-			m.drop(dropUnknownKind, 1)
+			m.drop(DropUnknownKind, 1)
 		}
 	}
 	bs.emu.Unlock()
@@ -444,12 +408,12 @@ func (m *MemoryIndex) Apply(_ context.Context, backend string, b *events.Batch) 
 // applyStored applies one BlockStored event. Under bs.emu and bs.life (shared).
 func (m *MemoryIndex) applyStored(bs *backendState, b *events.Batch, ev *events.Event, c clock) {
 	if ev.GroupIdx != 0 {
-		m.drop(dropGroup, 1)
+		m.drop(DropGroup, 1)
 		return
 	}
 	n := len(ev.BlockHashes)
 	if n == 0 {
-		m.drop(dropBadTokens, 1)
+		m.drop(DropBadTokens, 1)
 		return
 	}
 	tier := ev.Tier
@@ -465,12 +429,12 @@ func (m *MemoryIndex) applyStored(bs *backendState, b *events.Batch, ev *events.
 		bsz = len(ev.TokenIDs) / n
 	}
 	if bsz <= 0 || len(ev.TokenIDs) != bsz*n {
-		m.drop(dropBadTokens, 1)
+		m.drop(DropBadTokens, 1)
 		return
 	}
 	our := m.cfg.BlockSize
 	if bsz%our != 0 {
-		m.drop(dropBadBlockSize, 1)
+		m.drop(DropBadBlockSize, 1)
 		return
 	}
 	r := bsz / our
@@ -478,7 +442,7 @@ func (m *MemoryIndex) applyStored(bs *backendState, b *events.Batch, ev *events.
 	if ev.HasParent {
 		p, ok := bs.em.get(mix(ev.Parent))
 		if !ok {
-			m.drop(dropUnknownParent, 1)
+			m.drop(DropUnknownParent, 1)
 			return
 		}
 		parent, parentH = p, mix(p)
@@ -516,7 +480,7 @@ func (m *MemoryIndex) applyStored(bs *backendState, b *events.Batch, ev *events.
 		}
 	}
 	m.flush(bs, &w, tier, c)
-	m.mut[mutStored].Add(uint64(n * r))
+	m.mut[MutationStored].Add(uint64(n * r))
 	if parentH != 0 {
 		// The engine stored a child of the event's parent: it holds the parent's whole chain.
 		m.refreshAncestors(parentH, uint64(1)<<bs.id, c)
@@ -639,7 +603,7 @@ func (m *MemoryIndex) addTierToKnown(bs *backendState, hashes []uint64, tier eve
 	for _, eh := range hashes {
 		keys := keysOf(buf[:0], bs, mix(eh))
 		if len(keys) == 0 {
-			m.drop(dropUnknownBlock, 1)
+			m.drop(DropUnknownBlock, 1)
 			continue
 		}
 		for _, k := range keys {
@@ -647,13 +611,13 @@ func (m *MemoryIndex) addTierToKnown(bs *backendState, hashes []uint64, tier eve
 		}
 		stored += len(keys)
 	}
-	m.mut[mutStored].Add(uint64(stored))
+	m.mut[MutationStored].Add(uint64(stored))
 }
 
 // applyRemoved applies one BlockRemoved event. Under bs.emu and bs.life (shared).
 func (m *MemoryIndex) applyRemoved(bs *backendState, ev *events.Event, c clock) {
 	if ev.GroupIdx != 0 {
-		m.drop(dropGroup, 1)
+		m.drop(DropGroup, 1)
 		return
 	}
 	tier := ev.Tier
@@ -666,7 +630,7 @@ func (m *MemoryIndex) applyRemoved(bs *backendState, ev *events.Event, c clock) 
 		h := mix(eh)
 		keys := keysOf(buf[:0], bs, h)
 		if len(keys) == 0 {
-			m.drop(dropUnknownBlock, 1)
+			m.drop(DropUnknownBlock, 1)
 			continue
 		}
 		still := false
@@ -687,7 +651,7 @@ func (m *MemoryIndex) applyRemoved(bs *backendState, ev *events.Event, c clock) 
 			}
 		}
 	}
-	m.mut[mutRemoved].Add(uint64(removed))
+	m.mut[MutationRemoved].Add(uint64(removed))
 }
 
 // ClearBackend forgets everything the index holds for backend (events.Sink): its blocks on every
@@ -716,7 +680,7 @@ func (m *MemoryIndex) retire(backend string) {
 	bs.em = engineMap{}
 	bs.emu.Unlock()
 	bs.resetSpec()
-	m.mut[mutCleared].Add(1)
+	m.mut[MutationCleared].Add(1)
 }
 
 // reclaim clears the retired ids' bits from every shard and prefix entry, then frees the ids.
@@ -891,7 +855,7 @@ func (m *MemoryIndex) Speculate(_ context.Context, backend string, keys []uint64
 	}
 	bs := m.acquire(backend)
 	if bs == nil {
-		m.drop(dropTooManyBackends, 1)
+		m.drop(DropTooManyBackends, 1)
 		return nil
 	}
 	defer bs.life.RUnlock()
@@ -933,7 +897,7 @@ func (m *MemoryIndex) Speculate(_ context.Context, backend string, keys []uint64
 			}
 		}
 	}
-	m.mut[mutSpeculated].Add(uint64(added))
+	m.mut[MutationSpeculated].Add(uint64(added))
 	if queued+nb == 0 && !bs.specDueAt(c.now) {
 		return nil
 	}
@@ -1144,8 +1108,8 @@ func (m *MemoryIndex) Stats(context.Context) (Stats, error) {
 	}
 	s := Stats{
 		Backend:    "memory",
-		Mutations:  make(map[string]uint64, numMutations),
-		Dropped:    make(map[string]uint64, numDrops),
+		Mutations:  make(map[string]uint64, NumMutations),
+		Dropped:    make(map[string]uint64, NumDropReasons),
 		PerBackend: map[string]int{},
 		Evictions:  m.evictions.Load(),
 		Expired:    m.expired.Load(),
@@ -1154,10 +1118,10 @@ func (m *MemoryIndex) Stats(context.Context) (Stats, error) {
 		s.Lookups += m.lookups[i].n.Load()
 	}
 	for i := range m.mut {
-		s.Mutations[mutationNames[i]] = m.mut[i].Load()
+		s.Mutations[Mutation(i).String()] = m.mut[i].Load()
 	}
 	for i := range m.dropped {
-		s.Dropped[dropNames[i]] = m.dropped[i].Load()
+		s.Dropped[DropReason(i).String()] = m.dropped[i].Load()
 	}
 	for i := range m.shards {
 		sh := &m.shards[i]
@@ -1208,6 +1172,6 @@ func (m *MemoryIndex) Clear(context.Context) (int, error) {
 		bs.em = engineMap{}
 		bs.emu.Unlock()
 	}
-	m.mut[mutCleared].Add(1)
+	m.mut[MutationCleared].Add(1)
 	return n, nil
 }

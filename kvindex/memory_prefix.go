@@ -53,31 +53,16 @@ func (p *prefixStore) shard(prefix string) *prefixShard {
 // applyPrefix applies one prefix-granular event of backend id, following kvroute's tier table.
 func (m *MemoryIndex) applyPrefix(id uint8, ev *events.Event, now uint32) {
 	if ev.PrefixHash == "" {
-		m.drop(dropBadPrefix, 1)
+		m.drop(DropBadPrefix, 1)
 		return
 	}
-	var (
-		remove bool
-		tier   events.Tier
-		mut    int
-	)
-	switch ev.PrefixOp {
-	case events.PrefixCreated:
-		tier, mut = events.TierGPU, mutPrefixCreated
-	case events.PrefixReloaded:
-		tier, mut = events.TierGPU, mutPrefixReloaded
-	case events.PrefixOffloaded:
-		tier, mut, remove = events.TierStorage, mutPrefixOffloaded, !m.cfg.StorageOffloading
-	case events.PrefixEvicted:
-		tier, mut = events.TierStorage, mutPrefixEvicted
-		remove = !m.cfg.StorageOffloading || !m.cfg.TreatEvictionAsOffload
-	case events.PrefixPurged:
-		mut, remove = mutPrefixPurged, true
-	default:
-		m.drop(dropBadPrefix, 1)
+	change, ok := PrefixRule(ev.PrefixOp, m.cfg.StorageOffloading, m.cfg.TreatEvictionAsOffload)
+	if !ok {
+		m.drop(DropBadPrefix, 1)
 		return
 	}
-	m.mut[mut].Add(1)
+	remove, tier := change.Remove, change.Tier
+	m.mut[change.Mutation].Add(1)
 	p := &m.prefix
 	if remove {
 		m.prefixRemove(id, ev.PrefixHash)

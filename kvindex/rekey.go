@@ -14,7 +14,7 @@ type Mutation uint8
 // Mutations, counted per index block for block events and Speculate, per call or event otherwise.
 const (
 	MutationStored          Mutation = iota // blocks stored (BlockStored), or given a tier
-	MutationRemoved                         // blocks taken off a tier (BlockRemoved)
+	MutationRemoved                         // blocks taken off a tier (BlockRemoved), per block that leaves one
 	MutationCleared                         // ClearBackend, AllBlocksCleared and Clear
 	MutationSpeculated                      // blocks speculated (Speculate)
 	MutationPrefixCreated                   // cache_created
@@ -53,7 +53,8 @@ func (m Mutation) String() string {
 // DropReason is why an index skipped an event, counted in Stats.Dropped under its String.
 type DropReason uint8
 
-// Drop reasons, counted per event skipped (and per Speculate call for DropTooManyBackends).
+// Drop reasons, counted per event skipped; DropUnknownBlock per unknown engine hash, and
+// DropTooManyBackends per Speculate call.
 const (
 	DropUnknownParent   DropReason = iota // BlockStored whose parent the backend's map lacks
 	DropUnknownBlock                      // BlockRemoved or tokenless BlockStored, unknown hash

@@ -32,7 +32,7 @@ type CacheStore interface {
 // StoreStats describes a store for kvroute's GET /admin/response-cache/stats. Fields a store does
 // not track are zero; nested sections are nil when they do not apply.
 type StoreStats struct {
-	Backend   string            `json:"backend_type"` // "memory", "redis", "s3", "tiered"
+	Backend   string            `json:"backend_type"` // kvroute's: "memory", "redis", "s3", "tiered"; yours: its own name
 	Entries   int               `json:"entries"`      // -1 when unknown
 	Capacity  int               `json:"capacity"`
 	SizeBytes int64             `json:"size_bytes"`

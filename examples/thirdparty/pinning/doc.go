@@ -10,7 +10,7 @@
 // kvroute.ErrNoBackend rather than spilling them onto the shared fleet.
 //
 // What it shows of the plug point: a Router returns a *kvroute.Decision; one of its own is made
-// with kvroute.NewDecision and DecisionHooks, whose Done runs once (releasing the Router's own
+// with kvroute.WrapDecision (delegated) and NewDecision (pinned), whose Done runs once (releasing the Router's own
 // slot) and whose FirstToken runs until Done. A delegated request's Decision is wrapped the same
 // way, its hooks calling the inner Decision's Done and FirstToken, so that the inner Router
 // releases what it holds. The package passes kvroute's conformance suite, package routertest.

@@ -35,7 +35,7 @@ func Example() {
 	}
 	fmt.Println("in flight:", r.InFlight())
 	// Output:
-	// acme → acme (strategy)
+	// acme → acme (custom)
 	// globex → shared (prefix_hash)
 	// in flight: 0
 }

@@ -108,8 +108,7 @@ func New(cfg Config) (*Router, error) {
 }
 
 // Route implements kvroute.Router. A request a rule matches gets one of the rule's healthy
-// backends, with Reason kvroute.ReasonStrategy (kvroute has no reason for "a rule of the
-// caller's chose"), or kvroute.ErrNoBackend when none is healthy; any other request goes to
+// backends, with Reason kvroute.ReasonCustom, or kvroute.ErrNoBackend when none is healthy; any other request goes to
 // Next, whose Decision is wrapped so that the Router counts it in InFlight until Done. It returns
 // kvroute.ErrNilRequest for a nil request and ctx.Err() when ctx has ended. Route does no I/O of
 // its own; Next may.
@@ -131,17 +130,10 @@ func (r *Router) Route(ctx context.Context, req *prefixkey.Request) (*kvroute.De
 	}
 	r.passed.Add(1)
 	r.inFlight.Add(1)
-	d := kvroute.NewDecision(inner.Backend, inner.Reason, &kvroute.DecisionHooks{
-		Done: func(o kvroute.Outcome) {
-			r.inFlight.Add(-1)
-			inner.Done(o)
-		},
-		FirstToken: inner.FirstToken,
-	})
-	// NewDecision takes a backend and a reason; what else the inner Router said is copied by hand.
-	d.PrefixKey, d.HasPrefixKey = inner.PrefixKey, inner.HasPrefixKey
-	d.Overlaps, d.ExpectedCachedTokens = inner.Overlaps, inner.ExpectedCachedTokens
-	return d, nil
+	// WrapDecision keeps what the inner Router said and runs our hook, then the inner Done.
+	return kvroute.WrapDecision(inner, &kvroute.DecisionHooks{
+		Done: func(kvroute.Outcome) { r.inFlight.Add(-1) },
+	}), nil
 }
 
 func (ru *rule) matches(req *prefixkey.Request) bool {
@@ -180,7 +172,7 @@ func (r *Router) routePinned(ru *rule, req *prefixkey.Request) (*kvroute.Decisio
 	best.inFlight.Add(1)
 	r.inFlight.Add(1)
 	r.pinned.Add(1)
-	d := kvroute.NewDecision(best.name, kvroute.ReasonStrategy, &kvroute.DecisionHooks{
+	d := kvroute.NewDecision(best.name, kvroute.ReasonCustom, &kvroute.DecisionHooks{
 		Done: func(kvroute.Outcome) {
 			best.inFlight.Add(-1)
 			r.inFlight.Add(-1)

@@ -123,7 +123,7 @@ func TestRouting(t *testing.T) {
 		if first.Backend != "acme-1" && first.Backend != "acme-2" {
 			t.Fatalf("acme's request went to %s", first.Backend)
 		}
-		if !first.HasPrefixKey || first.Reason != kvroute.ReasonStrategy {
+		if !first.HasPrefixKey || first.Reason != kvroute.ReasonCustom {
 			t.Errorf("pinned decision: prefix key %v, reason %v", first.HasPrefixKey, first.Reason)
 		}
 		first.Done(kvroute.Outcome{})
