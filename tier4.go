@@ -146,7 +146,6 @@ type scratch4 struct {
 	matches []kvindex.Match
 	cands   []scorer.Candidate
 	scores  []float64
-	order   []int
 	loads   []chwbl.Load
 	work    []float64
 	ntok    int  // the request's prompt tokens (0: not tokenized)
@@ -422,21 +421,15 @@ func (t *tier4) holdsEnough(overlap float64, blocks int) bool {
 // acquireBest tries the scored candidates best first and takes a slot on the first one under
 // tier 4's bound (LoadFactorEpsilon). It returns the candidate's index, or -1 when all are at their bound.
 func (r *DefaultRouter) acquireBest(s *scratch4, d *Decision) int {
-	s.work, s.order = s.work[:0], s.order[:0]
-	for i := range s.cands {
-		s.work = append(s.work, -s.scores[i])
-		if !math.IsInf(s.scores[i], -1) && !math.IsNaN(s.scores[i]) {
-			s.order = append(s.order, i)
-		}
-	}
-	return r.acquireLowest(s, d)
+	s.work = append(s.work[:0], s.scores...)
+	return r.acquireHighest(s, d)
 }
 
 // acquireLeastWork takes a slot, under tier 4's bound, on the candidate with the least prefill
 // work per unit of weight: its backlog plus the request's tokens it does not hold; ties go to the
 // less loaded. It returns the candidate's index, or -1 when all are at their bound.
 func (r *DefaultRouter) acquireLeastWork(s *scratch4, d *Decision, set *backendSet) int {
-	s.work, s.order = s.work[:0], s.order[:0]
+	s.work = s.work[:0]
 	for i := range s.cands {
 		c := &s.cands[i]
 		w := c.Weight
@@ -447,37 +440,29 @@ func (r *DefaultRouter) acquireLeastWork(s *scratch4, d *Decision, set *backendS
 		if st := set.byName[c.Backend]; st != nil {
 			backlog = st.backlog.Load()
 		}
-		s.work = append(s.work, (float64(backlog)+float64(max(s.ntok-c.CachedTokens, 0)))/w)
-		s.order = append(s.order, i)
+		s.work = append(s.work, -(float64(backlog)+float64(max(s.ntok-c.CachedTokens, 0)))/w)
 	}
-	return r.acquireLowest(s, d)
+	return r.acquireHighest(s, d)
 }
 
-// acquireLowest tries the candidates of s.order by increasing s.work (ties to the less loaded,
-// and among equals to the next in a rotation, so that a cold fleet shares new prefixes) and takes
-// a slot on the first one under tier 4's bound (LoadFactorEpsilon). It returns the candidate's
-// index, or -1 when all are at their bound. Selection by repeated lowest pick: the first try
-// nearly always succeeds, so a full sort would be wasted work.
-func (r *DefaultRouter) acquireLowest(s *scratch4, d *Decision) int {
-	turn := int(r.kv.tieTurn.Add(1) % uint64(max(len(s.order), 1)))
-	for len(s.order) > 0 {
-		n := len(s.order)
-		bi := turn % n
-		for j := 1; j < n; j++ {
-			k := (turn + j) % n
-			a, b := s.order[k], s.order[bi]
-			if s.work[a] < s.work[b] || (s.work[a] == s.work[b] && lessLoaded(&s.cands[a], &s.cands[b])) {
-				bi = k
-			}
+// acquireHighest tries the candidates by decreasing s.work with scorer.PickBestFrom (ties to the
+// less loaded, and among equals to the next in a rotation, so that a cold fleet shares new
+// prefixes) and takes a slot on the first one under tier 4's bound (LoadFactorEpsilon); one that
+// is at its bound is ruled out (-Inf) and the next best tried. It returns the candidate's index,
+// or -1 when all are at their bound. Repeated picks rather than a sort: the first try nearly
+// always succeeds.
+func (r *DefaultRouter) acquireHighest(s *scratch4, d *Decision) int {
+	turn := int(r.kv.tieTurn.Add(1) % uint64(max(len(s.work), 1)))
+	for {
+		i := scorer.PickBestFrom(s.work, s.cands, turn)
+		if i < 0 {
+			return -1
 		}
-		i := s.order[bi]
 		if ok, _ := r.ring.TryAcquireBackendWithin(&d.handle, s.cands[i].Backend, r.kv.eps); ok {
 			return i
 		}
-		s.order[bi] = s.order[len(s.order)-1]
-		s.order = s.order[:len(s.order)-1]
+		s.work[i] = math.Inf(-1)
 	}
-	return -1
 }
 
 // addBacklog puts the request's prompt tokens that d's backend does not hold (by the index's
@@ -499,17 +484,6 @@ func (r *DefaultRouter) addBacklog(d *Decision, s *scratch4) {
 		d.backlog.Store(n)
 		d.state.backlog.Add(n)
 	}
-}
-
-func lessLoaded(a, b *scorer.Candidate) bool {
-	wa, wb := a.Weight, b.Weight
-	if wa <= 0 {
-		wa = 1
-	}
-	if wb <= 0 {
-		wb = 1
-	}
-	return float64(a.InFlight)/wa < float64(b.InFlight)/wb
 }
 
 // afterKVChoice records speculation and active-sequence accounting for a KV-aware decision.

@@ -354,41 +354,24 @@ func (p *Planner) best(in Input, s *scratch, load func(*Candidate) int) int {
 		s.cands = append(s.cands, scorer.Candidate{Backend: c.Name, CachedBlocks: 0, CachedTokens: c.CachedTokens,
 			Overlap: c.Overlap, InFlight: load(c), Weight: c.Weight, Healthy: true, Health: c.Health})
 	}
-	// Rotate ties: PickBest keeps the lowest index among equals, so start the scan at TieBreak.
+	// Ties go to the first candidate at or after TieBreak, so that equal backends share load.
 	n := len(s.cands)
 	start := int(in.TieBreak % uint64(n))
-	rotate(s.cands, start)
 	k := -1
 	var err error
 	s.scores, err = scorer.ScoreSafely(p.cfg.Scorer, scorer.Request{Blocks: max(in.PromptBlocks, 0), Tokens: max(in.PromptTokens, 0)}, s.cands, s.scores)
 	if err == nil {
-		k = scorer.PickBest(s.scores, s.cands)
+		k = scorer.PickBestFrom(s.scores, s.cands, start)
 	}
 	if k < 0 { // a custom scorer ruled every candidate out, or failed: the least loaded one
-		k = 0
+		k = start
 		for j := range s.cands {
 			if loadRatio(s.cands[j].InFlight, s.cands[j].Weight) < loadRatio(s.cands[k].InFlight, s.cands[k].Weight) {
 				k = j
 			}
 		}
 	}
-	return s.pool[(k+start)%n]
-}
-
-// rotate turns a left by k in place.
-func rotate[T any](a []T, k int) {
-	if k == 0 {
-		return
-	}
-	reverse(a[:k])
-	reverse(a[k:])
-	reverse(a)
-}
-
-func reverse[T any](a []T) {
-	for i, j := 0, len(a)-1; i < j; i, j = i+1, j-1 {
-		a[i], a[j] = a[j], a[i]
-	}
+	return s.pool[k]
 }
 
 // eligible appends the indexes of the healthy candidates of role that are under their pool's load

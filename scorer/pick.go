@@ -12,16 +12,34 @@ import (
 // then ties the load cannot break go to the lower index.
 //
 // Safe for concurrent use (it reads its arguments only); does not allocate.
-func PickBest(scores []float64, cands []Candidate) int {
+func PickBest(scores []float64, cands []Candidate) int { return PickBestFrom(scores, cands, 0) }
+
+// PickBestFrom is PickBest, but ties that the load cannot break go to the first index at or after
+// start (modulo len(scores)) rather than to the lowest: a caller that moves start on each call
+// spreads equal candidates over the fleet. kvroute's router and disaggregation planner pick so.
+func PickBestFrom(scores []float64, cands []Candidate, start int) int {
+	n := len(scores)
+	if n == 0 {
+		return -1
+	}
+	start %= n
+	if start < 0 {
+		start += n
+	}
 	best := -1
-	for i, s := range scores {
+	for j := range n {
+		i := start + j
+		if i >= n {
+			i -= n
+		}
+		s := scores[i]
 		if math.IsNaN(s) || math.IsInf(s, 0) {
 			continue
 		}
 		switch {
 		case best < 0 || s > scores[best]:
 			best = i
-		case s == scores[best] && i < len(cands) && loadOf(&cands[i]) < loadOf(&cands[best]):
+		case s == scores[best] && i < len(cands) && best < len(cands) && loadOf(&cands[i]) < loadOf(&cands[best]):
 			best = i
 		}
 	}

@@ -146,3 +146,23 @@ func TestPickAllocs(t *testing.T) {
 	assertNoAllocs(t, func() { _ = PickBest(scores, cands) })
 	assertNoAllocs(t, func() { _ = sm.Pick(scores, rnd) })
 }
+
+func TestPickBestFrom(t *testing.T) {
+	inf := math.Inf(1)
+	scores := []float64{1, 3, 3, 3, -inf, inf, math.NaN()}
+	cands := []Candidate{{}, {InFlight: 1}, {}, {}, {}, {}, {}}
+	for _, tc := range []struct{ start, want int }{{0, 2}, {2, 2}, {3, 3}, {4, 2}, {-1, 2}, {9, 2}} {
+		if got := PickBestFrom(scores, cands, tc.start); got != tc.want {
+			t.Errorf("start %d: picked %d, want %d", tc.start, got, tc.want)
+		}
+	}
+	if got := PickBestFrom(scores, nil, 3); got != 3 {
+		t.Errorf("without candidates, start 3: picked %d, want 3 (ties in rotation order)", got)
+	}
+	if got := PickBestFrom([]float64{math.NaN(), inf}, nil, 0); got != -1 {
+		t.Errorf("no finite score: %d", got)
+	}
+	if got := PickBestFrom(nil, nil, 5); got != -1 {
+		t.Errorf("no scores: %d", got)
+	}
+}
