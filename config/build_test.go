@@ -3,14 +3,12 @@ package config
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -19,55 +17,22 @@ import (
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/events/zmqevents"
+	"github.com/kvroute/kvroute/internal/testenv"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/kvindex/redisindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
 )
 
-// Integration environment, as in respcache's tests: REDIS_ADDR (host:port of a Redis the tests
-// may write to, under unique key prefixes), S3_ENDPOINT, S3_ACCESS_KEY, S3_SECRET_KEY, S3_BUCKET
-// (an existing bucket), and KVROUTE_REQUIRE_INTEGRATION=1 to turn every skip for a missing
-// server into a failure.
+// Integration environment: internal/testenv's REDIS_ADDR and S3_* variables, and
+// KVROUTE_REQUIRE_INTEGRATION=1 to turn every skip for a missing server into a failure.
 
-// skipOrFail skips t with why, or fails it under KVROUTE_REQUIRE_INTEGRATION=1.
-func skipOrFail(t testing.TB, why string) {
-	t.Helper()
-	if os.Getenv("KVROUTE_REQUIRE_INTEGRATION") == "1" {
-		t.Fatalf("KVROUTE_REQUIRE_INTEGRATION=1: %s", why)
-	}
-	t.Skip(why)
-}
-
-// redisAddr returns REDIS_ADDR, or skips.
-func redisAddr(t testing.TB) string {
-	t.Helper()
-	addr := os.Getenv("REDIS_ADDR")
-	if addr == "" {
-		skipOrFail(t, "REDIS_ADDR not set: no Redis to test against (e.g. REDIS_ADDR=127.0.0.1:6379)")
-	}
-	return addr
-}
-
-// s3Env returns the S3_* variables, or skips.
+// s3Env returns the S3_* variables (testenv.S3) as YAML variables, or skips.
 func s3Env(t testing.TB) map[string]string {
 	t.Helper()
-	m := map[string]string{}
-	for _, k := range []string{"S3_ENDPOINT", "S3_ACCESS_KEY", "S3_SECRET_KEY", "S3_BUCKET"} {
-		m[k] = os.Getenv(k)
-	}
-	if m["S3_ENDPOINT"] == "" || m["S3_BUCKET"] == "" {
-		skipOrFail(t, "S3_ENDPOINT or S3_BUCKET not set: no S3 to test against "+
-			"(e.g. a versitygw: S3_ENDPOINT=http://127.0.0.1:7070 S3_ACCESS_KEY=… S3_SECRET_KEY=… S3_BUCKET=…)")
-	}
-	return m
-}
-
-// randHex returns 12 random hex digits.
-func randHex() string {
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	return hex.EncodeToString(b[:])
+	e := testenv.S3(t)
+	return map[string]string{"S3_ENDPOINT": e.Endpoint, "S3_ACCESS_KEY": e.AccessKey, "S3_SECRET_KEY": e.SecretKey,
+		"S3_BUCKET": e.Bucket}
 }
 
 // mustParse parses yaml with vars or fails t.
@@ -246,7 +211,7 @@ func missThenHit(t *testing.T, c *respcache.Cache) {
 		w.Header().Set("Content-Type", "application/json")
 		_, _ = w.Write([]byte(`{"choices":[{"message":{"role":"assistant","content":"hello"}}]}`))
 	}))
-	body := `{"model":"m","temperature":0,"messages":[{"role":"user","content":"cache me ` + randHex() + `"}]}`
+	body := `{"model":"m","temperature":0,"messages":[{"role":"user","content":"cache me ` + testenv.RandHex() + `"}]}`
 	var got []string
 	for range 2 {
 		rec := httptest.NewRecorder()
@@ -363,14 +328,14 @@ response_cache: {enabled: true, capacity: 7, ttl: 2m, max_response_size: 4096, c
 		}
 	})
 	t.Run("redis", func(t *testing.T) {
-		addr := redisAddr(t)
+		addr := testenv.RedisAddr(t)
 		var logs bytes.Buffer
 		cfg := mustParse(t, minimalBackends+`
 response_cache:
   enabled: true
   backend: redis
   redis: {url: "redis://${REDIS_ADDR}", key_prefix: "${PREFIX}"}
-`, map[string]string{"REDIS_ADDR": addr, "PREFIX": "kvroute-test:config:" + randHex() + ":"})
+`, map[string]string{"REDIS_ADDR": addr, "PREFIX": "kvroute-test:config:" + testenv.RandHex() + ":"})
 		c, closeAll, err := cfg.NewResponseCache(Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 		if err != nil {
 			t.Fatal(err)
@@ -400,7 +365,7 @@ response_cache:
 	})
 	t.Run("tiered", func(t *testing.T) {
 		vars := s3Env(t)
-		vars["PREFIX"] = "kvroute-test/config/" + randHex() + "/"
+		vars["PREFIX"] = "kvroute-test/config/" + testenv.RandHex() + "/"
 		cfg := mustParse(t, minimalBackends+`
 response_cache:
   enabled: true
@@ -428,8 +393,8 @@ response_cache:
 	})
 	t.Run("tiered on redis", func(t *testing.T) {
 		vars := s3Env(t)
-		vars["REDIS_ADDR"] = redisAddr(t)
-		vars["PREFIX"] = randHex()
+		vars["REDIS_ADDR"] = testenv.RedisAddr(t)
+		vars["PREFIX"] = testenv.RandHex()
 		cfg := mustParse(t, minimalBackends+`
 response_cache:
   enabled: true
@@ -451,7 +416,7 @@ response_cache:
 	})
 	t.Run("tiered with a missing bucket", func(t *testing.T) {
 		vars := s3Env(t)
-		vars["S3_BUCKET"] = "kvroute-no-such-bucket-" + randHex()
+		vars["S3_BUCKET"] = "kvroute-no-such-bucket-" + testenv.RandHex()
 		cfg := mustParse(t, minimalBackends+`
 response_cache:
   enabled: true
@@ -496,11 +461,11 @@ kv_cache_index: {enabled: true, max_entries: 500, entry_ttl_seconds: 60, block_s
 		}
 	})
 	t.Run("redis on the response cache's URL", func(t *testing.T) {
-		addr := redisAddr(t)
+		addr := testenv.RedisAddr(t)
 		cfg := mustParse(t, minimalBackends+`
 response_cache: {redis: {url: "redis://${REDIS_ADDR}"}}
 kv_cache_index: {enabled: true, backend: redis, redis: {key_prefix: "${PREFIX}"}}
-`, map[string]string{"REDIS_ADDR": addr, "PREFIX": "kvroute-test:config:kvidx:" + randHex() + ":"})
+`, map[string]string{"REDIS_ADDR": addr, "PREFIX": "kvroute-test:config:kvidx:" + testenv.RandHex() + ":"})
 		ix, closeIndex, err := cfg.NewKVIndex()
 		if err != nil {
 			t.Fatal(err)
@@ -590,17 +555,9 @@ kv_cache_index:
 	}
 }
 
-// freePort returns a TCP port on 127.0.0.1 that nothing listens on (at the time of the call).
-func freePort(t testing.TB) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	_, port, _ := net.SplitHostPort(l.Addr().String())
-	return port
-}
+// freePort returns a TCP port on 127.0.0.1 that nothing listens on (at the time of the call), as
+// a YAML variable.
+func freePort(t testing.TB) string { return strconv.Itoa(testenv.FreePort(t)) }
 
 // The consumers build, start over loopback (nothing answers the connect-mode endpoints) and
 // close.

@@ -5,12 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
-	"log/slog"
-	"net/http"
 	"runtime"
-	"strings"
-	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -178,49 +173,6 @@ func TestDecodeHugeHeader(t *testing.T) {
 			})
 		}
 	}
-}
-
-// lockedBuffer is a log destination safe for concurrent writers.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) count(s string) int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return strings.Count(b.buf.String(), s)
-}
-
-// TestSSEOversizedEventsLogged: oversized events are dropped, counted, and logged at most once
-// per source every few seconds; the stream stays connected.
-func TestSSEOversizedEventsLogged(t *testing.T) {
-	srv := newSSEServer(t, false, func(_ int64, w http.ResponseWriter, flush func(), done <-chan struct{}, r *http.Request) {
-		streamHeaders(w)
-		for range 3 {
-			io.WriteString(w, "event: cache_created\ndata: {\"prefix_hash\":\""+strings.Repeat("a", 2048)+"\"}\n\n")
-		}
-		io.WriteString(w, created("beef", 1))
-		flush()
-		hold(r, done)
-	})
-	sink := NewRecordingSink()
-	logs := &lockedBuffer{}
-	c := startSSE(t, SSEConfig{Sink: sink, Sources: []SSESource{{Backend: "a", URL: srv.URL}}, MaxEventSize: 1024,
-		Logger: slog.New(slog.NewTextHandler(logs, nil))})
-	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 1 }, waitFor, tick)
-	st := statusOf(t, c, "a")
-	assert.Equal(t, uint64(3), st.Events.Oversized)
-	assert.Contains(t, st.LastError, "larger than 1024 bytes")
-	assert.True(t, st.Connection.Connected)
-	assert.Zero(t, st.Connection.ReconnectCount)
-	assert.Equal(t, 1, logs.count("oversized sse event dropped"))
 }
 
 // BenchmarkDecodeAmplification decodes frames into a fresh Batch (the first batch of a source, or

@@ -1,24 +1,25 @@
-package events
+package events_test
 
 import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
-	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/events/internal/eventstest"
 )
 
 func TestSourceStatusJSON(t *testing.T) {
-	s := NewSource(SourceInfo{Backend: "vllm-1", Transport: "sse", Endpoint: "http://vllm-1:8000/v1/kv_events"}, func() time.Time {
+	s := events.NewSource(events.SourceInfo{Backend: "vllm-1", Transport: "sse", Endpoint: "http://vllm-1:8000/v1/kv_events"}, func() time.Time {
 		return time.Date(2026, 3, 13, 10, 24, 17, 0, time.UTC)
 	})
-	s.SetState(StateConnected)
+	s.SetState(events.StateConnected)
 	s.Received.Add(8412)
 	s.Touch()
 	raw, err := json.Marshal(s.Status())
@@ -50,35 +51,6 @@ func TestSourceStatusJSON(t *testing.T) {
 	}
 }
 
-// collect returns every data point the reader holds, keyed "name,attr=value,…".
-func collect(t *testing.T, reader sdkmetric.Reader) map[string]int64 {
-	t.Helper()
-	var rm metricdata.ResourceMetrics
-	require.NoError(t, reader.Collect(context.Background(), &rm))
-	got := map[string]int64{}
-	for _, sm := range rm.ScopeMetrics {
-		require.Equal(t, ScopeName, sm.Scope.Name)
-		for _, m := range sm.Metrics {
-			var points []metricdata.DataPoint[int64]
-			switch d := m.Data.(type) {
-			case metricdata.Sum[int64]:
-				assert.True(t, d.IsMonotonic, m.Name)
-				points = d.DataPoints
-			case metricdata.Gauge[int64]:
-				points = d.DataPoints
-			}
-			for _, p := range points {
-				key := m.Name
-				for _, kv := range p.Attributes.ToSlice() {
-					key += fmt.Sprintf(",%s=%s", kv.Key, kv.Value.AsString())
-				}
-				got[key] = p.Value
-			}
-		}
-	}
-	return got
-}
-
 // TestSourceSetMetrics: a backend's sources are summed, and reported by the worst one's state;
 // a source of its own (NewSource) is not reported; Close reports closed sources and then
 // unregisters, once.
@@ -87,39 +59,39 @@ func TestSourceSetMetrics(t *testing.T) {
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	defer mp.Shutdown(context.Background())
 
-	set := NewSourceSet(nil)
+	set := events.NewSourceSet(nil)
 	require.NoError(t, set.RegisterMetrics(mp))
 	assert.Error(t, set.RegisterMetrics(mp), "a second registration")
-	rank0 := set.Add(SourceInfo{Backend: "a", Transport: "nats", Endpoint: "nats://h:4222", Topic: "kv.a.0"})
-	rank1 := set.Add(SourceInfo{Backend: "a", Transport: "nats", Endpoint: "nats://h:4222", Topic: "kv.a.1"})
-	other := set.Add(SourceInfo{Backend: "b", Transport: "nats", Endpoint: "nats://h:4222"})
-	alone := NewSource(SourceInfo{Transport: "nats", Endpoint: "nats://h:4222"}, nil)
-	rank0.SetState(StateConnected)
-	rank1.SetState(StateDisconnected)
-	other.SetState(StateConnected)
+	rank0 := set.Add(events.SourceInfo{Backend: "a", Transport: "nats", Endpoint: "nats://h:4222", Topic: "kv.a.0"})
+	rank1 := set.Add(events.SourceInfo{Backend: "a", Transport: "nats", Endpoint: "nats://h:4222", Topic: "kv.a.1"})
+	other := set.Add(events.SourceInfo{Backend: "b", Transport: "nats", Endpoint: "nats://h:4222"})
+	alone := events.NewSource(events.SourceInfo{Transport: "nats", Endpoint: "nats://h:4222"}, nil)
+	rank0.SetState(events.StateConnected)
+	rank1.SetState(events.StateDisconnected)
+	other.SetState(events.StateConnected)
 	rank0.Received.Add(3)
 	rank1.Received.Add(4)
 	rank1.Gaps.Add(1)
 	other.Reconnects.Add(2)
 	alone.Received.Add(100)
 
-	got := collect(t, reader)
+	got := eventstest.CollectInt64(t, reader)
 	for key, want := range map[string]int64{
-		MetricEventReceived + ",backend=a":                            7,
-		MetricConsumerGaps + ",backend=a":                             1,
-		MetricConsumerConnected + ",backend=a":                        0,
-		MetricEventSourceStatus + ",backend=a,status=disconnected":    1,
-		MetricEventSourceStatus + ",backend=a,status=connected":       0,
-		MetricEventReceived + ",backend=b":                            0,
-		MetricConsumerReconnects + ",backend=b":                       2,
-		MetricConsumerConnected + ",backend=b":                        1,
-		MetricEventSourceStatus + ",backend=b,status=connected":       1,
-		MetricEventSourceStatus + ",backend=b,status=" + "connecting": 0,
+		events.MetricEventReceived + ",backend=a":                            7,
+		events.MetricConsumerGaps + ",backend=a":                             1,
+		events.MetricConsumerConnected + ",backend=a":                        0,
+		events.MetricEventSourceStatus + ",backend=a,status=disconnected":    1,
+		events.MetricEventSourceStatus + ",backend=a,status=connected":       0,
+		events.MetricEventReceived + ",backend=b":                            0,
+		events.MetricConsumerReconnects + ",backend=b":                       2,
+		events.MetricConsumerConnected + ",backend=b":                        1,
+		events.MetricEventSourceStatus + ",backend=b,status=connected":       1,
+		events.MetricEventSourceStatus + ",backend=b,status=" + "connecting": 0,
 	} {
 		assert.Contains(t, got, key)
 		assert.Equal(t, want, got[key], key)
 	}
-	assert.NotContains(t, got, MetricEventReceived+",backend=", "a source of its own is not reported")
+	assert.NotContains(t, got, events.MetricEventReceived+",backend=", "a source of its own is not reported")
 
 	st := set.Status()
 	require.Len(t, st, 3)
@@ -129,19 +101,19 @@ func TestSourceSetMetrics(t *testing.T) {
 	require.NoError(t, set.Close())
 	require.NoError(t, set.Close(), "idempotent")
 	for _, s := range set.Status() {
-		assert.Equal(t, StateClosed, s.Connection.State)
+		assert.Equal(t, events.StateClosed, s.Connection.State)
 	}
-	assert.Empty(t, collect(t, reader), "unregistered")
+	assert.Empty(t, eventstest.CollectInt64(t, reader), "unregistered")
 }
 
 // TestSourceZeroValue: a zero Source and a zero SourceSet work, on the wall clock.
 func TestSourceZeroValue(t *testing.T) {
-	var s Source
-	assert.Equal(t, StateConnecting, s.State())
+	var s events.Source
+	assert.Equal(t, events.StateConnecting, s.State())
 	assert.False(t, s.EverConnected())
-	s.SetState(StateConnected)
+	s.SetState(events.StateConnected)
 	assert.True(t, s.EverConnected())
-	s.SetState(StateDisconnected)
+	s.SetState(events.StateDisconnected)
 	assert.True(t, s.EverConnected())
 	assert.True(t, s.Status().Connection.ConnectedSince.IsZero())
 	s.SetError(nil)
@@ -150,8 +122,8 @@ func TestSourceZeroValue(t *testing.T) {
 	assert.Equal(t, "boom", s.Status().LastError)
 	assert.WithinDuration(t, time.Now(), s.Status().LastErrorAt, time.Minute)
 
-	var set SourceSet
-	src := set.Add(SourceInfo{Backend: "a"})
+	var set events.SourceSet
+	src := set.Add(events.SourceInfo{Backend: "a"})
 	src.Touch()
 	assert.WithinDuration(t, time.Now(), set.Status()[0].Connection.LastEventAt, time.Minute)
 	assert.NoError(t, set.Close())
@@ -160,14 +132,14 @@ func TestSourceZeroValue(t *testing.T) {
 // TestSourceWarnDue: at most one rate-limited Warn per source every 5 s.
 func TestSourceWarnDue(t *testing.T) {
 	now := time.Date(2026, 3, 13, 10, 0, 0, 0, time.UTC)
-	s := NewSource(SourceInfo{Backend: "a"}, func() time.Time { return now })
+	s := events.NewSource(events.SourceInfo{Backend: "a"}, func() time.Time { return now })
 	assert.True(t, s.WarnDue())
 	assert.False(t, s.WarnDue())
 	now = now.Add(4 * time.Second)
 	assert.False(t, s.WarnDue())
 	now = now.Add(time.Second)
 	assert.True(t, s.WarnDue())
-	assert.Equal(t, SourceInfo{Backend: "a"}, s.Info())
+	assert.Equal(t, events.SourceInfo{Backend: "a"}, s.Info())
 }
 
 // TestBackendWriter: a failed Apply makes the next one clear the backend first; a failed clear
@@ -175,22 +147,22 @@ func TestSourceWarnDue(t *testing.T) {
 // counted on the source.
 func TestBackendWriter(t *testing.T) {
 	ctx := context.Background()
-	sink := NewRecordingSink()
-	src := NewSource(SourceInfo{Backend: "a"}, nil)
-	w := NewBackendWriter(sink, "a")
+	sink := eventstest.NewRecordingSink()
+	src := events.NewSource(events.SourceInfo{Backend: "a"}, nil)
+	w := events.NewBackendWriter(sink, "a")
 	assert.Equal(t, "a", w.Backend())
-	two := &Batch{Seq: 1, Events: make([]Event, 2)}
-	var empty Batch
+	two := &events.Batch{Seq: 1, Events: make([]events.Event, 2)}
+	var empty events.Batch
 
 	require.True(t, w.Apply(ctx, src, two))
 	assert.False(t, w.ResetPending())
 
-	sink.FailApplies(1, errSinkDown)
+	sink.FailApplies(1, eventstest.ErrSinkDown)
 	assert.False(t, w.Apply(ctx, src, two))
 	assert.True(t, w.ResetPending(), "the sink missed a batch")
 	assert.Contains(t, src.Status().LastError, "sink down")
 
-	sink.SetFail(errSinkDown) // the clear fails too
+	sink.SetFail(eventstest.ErrSinkDown) // the clear fails too
 	assert.False(t, w.Apply(ctx, src, &empty))
 	assert.False(t, w.Apply(ctx, src, two))
 	assert.True(t, w.ResetPending(), "a failed clear stays pending")

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvroute/kvroute/respcache"
 	"github.com/kvroute/kvroute/respcache/cachetest"
+	"github.com/kvroute/kvroute/respcache/internal/storetest"
 )
 
 // fakeStore wraps a MemoryStore: it can fail every call with err, records Set TTLs, and runs an
@@ -27,7 +28,7 @@ type fakeStore struct {
 }
 
 func newFake(t *testing.T, now func() time.Time) *fakeStore {
-	return &fakeStore{MemoryStore: mustMemory(t, respcache.MemoryConfig{Now: now}), ttls: map[string]time.Duration{}}
+	return &fakeStore{MemoryStore: storetest.MustMemory(t, respcache.MemoryConfig{Now: now}), ttls: map[string]time.Duration{}}
 }
 
 func (f *fakeStore) fail(err error) {
@@ -97,8 +98,8 @@ func (f *fakeStore) has(key string) bool {
 var errDown = fmt.Errorf("%w: test outage", respcache.ErrUnavailable)
 
 func TestNewTieredValidation(t *testing.T) {
-	m := mustMemory(t, respcache.MemoryConfig{})
-	m2 := mustMemory(t, respcache.MemoryConfig{})
+	m := storetest.MustMemory(t, respcache.MemoryConfig{})
+	m2 := storetest.MustMemory(t, respcache.MemoryConfig{})
 	for _, tc := range []struct {
 		name string
 		cfg  respcache.TieredConfig
@@ -122,7 +123,7 @@ func TestTieredPromotion(t *testing.T) {
 	t.Run("promotes_with_promotion_ttl", func(t *testing.T) {
 		clk := cachetest.NewClock(time.Time{})
 		l1, l2 := newFake(t, clk.Now), newFake(t, clk.Now)
-		s := mustTiered(t, respcache.TieredConfig{L1: l1, L2: l2, L1PromotionTTL: 30 * time.Minute})
+		s := storetest.MustTiered(t, respcache.TieredConfig{L1: l1, L2: l2, L1PromotionTTL: 30 * time.Minute})
 		require.NoError(t, l2.Set(ctx, "k", []byte("v"), time.Hour))
 		v, ok, err := s.Get(ctx, "k")
 		require.NoError(t, err)
@@ -135,14 +136,14 @@ func TestTieredPromotion(t *testing.T) {
 	})
 	t.Run("default_promotion_ttl", func(t *testing.T) {
 		l1, l2 := newFake(t, nil), newFake(t, nil)
-		s := mustTiered(t, respcache.TieredConfig{L1: l1, L2: l2})
+		s := storetest.MustTiered(t, respcache.TieredConfig{L1: l1, L2: l2})
 		require.NoError(t, l2.Set(ctx, "k", []byte("v"), time.Hour))
 		_, _, _ = s.Get(ctx, "k")
 		require.Equal(t, respcache.DefaultL1PromotionTTL, l1.ttl("k"))
 	})
 	t.Run("disabled", func(t *testing.T) {
 		l1, l2 := newFake(t, nil), newFake(t, nil)
-		s := mustTiered(t, respcache.TieredConfig{L1: l1, L2: l2, DisablePromotion: true})
+		s := storetest.MustTiered(t, respcache.TieredConfig{L1: l1, L2: l2, DisablePromotion: true})
 		require.NoError(t, l2.Set(ctx, "k", []byte("v"), time.Hour))
 		for range 3 {
 			_, ok, err := s.Get(ctx, "k")
@@ -154,7 +155,7 @@ func TestTieredPromotion(t *testing.T) {
 	})
 	t.Run("too_large_not_promoted", func(t *testing.T) {
 		l1, l2 := newFake(t, nil), newFake(t, nil)
-		s := mustTiered(t, respcache.TieredConfig{L1: l1, L2: l2, L1MaxValueSize: 4})
+		s := storetest.MustTiered(t, respcache.TieredConfig{L1: l1, L2: l2, L1MaxValueSize: 4})
 		require.NoError(t, l2.Set(ctx, "k", []byte("12345"), time.Hour))
 		_, ok, _ := s.Get(ctx, "k")
 		require.True(t, ok)
@@ -162,7 +163,7 @@ func TestTieredPromotion(t *testing.T) {
 	})
 	t.Run("racing_delete_undoes_promotion", func(t *testing.T) {
 		l1, l2 := newFake(t, nil), newFake(t, nil)
-		s := mustTiered(t, respcache.TieredConfig{L1: l1, L2: l2})
+		s := storetest.MustTiered(t, respcache.TieredConfig{L1: l1, L2: l2})
 		require.NoError(t, l2.Set(ctx, "k", []byte("old"), time.Hour))
 		once := sync.Once{}
 		l2.onGet = func(key string) { // the Get has read "old"; a Delete completes before it promotes
@@ -178,7 +179,7 @@ func TestTieredPromotion(t *testing.T) {
 	})
 	t.Run("racing_set_undoes_promotion", func(t *testing.T) {
 		l1, l2 := newFake(t, nil), newFake(t, nil)
-		s := mustTiered(t, respcache.TieredConfig{L1: l1, L2: l2})
+		s := storetest.MustTiered(t, respcache.TieredConfig{L1: l1, L2: l2})
 		require.NoError(t, l2.Set(ctx, "k", []byte("old"), time.Hour))
 		once := sync.Once{}
 		l2.onGet = func(key string) {
@@ -197,7 +198,7 @@ func TestTieredSet(t *testing.T) {
 	ctx := context.Background()
 	t.Run("both_tiers_and_l2_ttl", func(t *testing.T) {
 		l1, l2 := newFake(t, nil), newFake(t, nil)
-		s := mustTiered(t, respcache.TieredConfig{L1: l1, L2: l2, L2TTL: 7 * 24 * time.Hour})
+		s := storetest.MustTiered(t, respcache.TieredConfig{L1: l1, L2: l2, L2TTL: 7 * 24 * time.Hour})
 		require.NoError(t, s.Set(ctx, "k", []byte("v"), time.Minute))
 		require.Equal(t, time.Minute, l1.ttl("k"))
 		require.Equal(t, 7*24*time.Hour, l2.ttl("k"))
@@ -206,7 +207,7 @@ func TestTieredSet(t *testing.T) {
 	})
 	t.Run("large_value_l2_only", func(t *testing.T) {
 		l1, l2 := newFake(t, nil), newFake(t, nil)
-		s := mustTiered(t, respcache.TieredConfig{L1: l1, L2: l2, L1MaxValueSize: 8})
+		s := storetest.MustTiered(t, respcache.TieredConfig{L1: l1, L2: l2, L1MaxValueSize: 8})
 		require.NoError(t, s.Set(ctx, "k", []byte("small"), time.Minute))
 		require.True(t, l1.has("k"))
 		require.NoError(t, s.Set(ctx, "k", []byte(strings.Repeat("L", 9)), time.Minute))
@@ -218,7 +219,7 @@ func TestTieredSet(t *testing.T) {
 	})
 	t.Run("default_max_value_size", func(t *testing.T) {
 		l1, l2 := newFake(t, nil), newFake(t, nil)
-		s := mustTiered(t, respcache.TieredConfig{L1: l1, L2: l2})
+		s := storetest.MustTiered(t, respcache.TieredConfig{L1: l1, L2: l2})
 		require.NoError(t, s.Set(ctx, "at", make([]byte, respcache.DefaultL1MaxValueSize), time.Minute))
 		require.NoError(t, s.Set(ctx, "over", make([]byte, respcache.DefaultL1MaxValueSize+1), time.Minute))
 		require.True(t, l1.has("at"))
@@ -232,7 +233,7 @@ func TestTieredSet(t *testing.T) {
 func TestTieredFailingTier(t *testing.T) {
 	ctx := context.Background()
 	l1, l2 := newFake(t, nil), newFake(t, nil)
-	s := mustTiered(t, respcache.TieredConfig{L1: l1, L2: l2})
+	s := storetest.MustTiered(t, respcache.TieredConfig{L1: l1, L2: l2})
 	require.NoError(t, s.Set(ctx, "k", []byte("v"), time.Minute))
 
 	l2.fail(errDown)
@@ -272,7 +273,7 @@ func TestTieredFailingTier(t *testing.T) {
 func TestTieredClearCount(t *testing.T) {
 	ctx := context.Background()
 	l1, l2 := newFake(t, nil), newFake(t, nil)
-	s := mustTiered(t, respcache.TieredConfig{L1: l1, L2: l2, L1MaxValueSize: 1})
+	s := storetest.MustTiered(t, respcache.TieredConfig{L1: l1, L2: l2, L1MaxValueSize: 1})
 	require.NoError(t, s.Set(ctx, "a", []byte("1"), time.Minute))
 	require.NoError(t, s.Set(ctx, "b", []byte("22"), time.Minute)) // L2 only
 	n, err := s.Clear(ctx)

@@ -10,10 +10,12 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/events/internal/eventstest"
+	"github.com/kvroute/kvroute/internal/testenv"
 )
 
 func TestNewListeners(t *testing.T) {
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	for _, tc := range []struct {
 		name string
 		cfg  Config
@@ -57,7 +59,7 @@ func TestNewListeners(t *testing.T) {
 // land under its backend only, and each address reports its own source, connected.
 func TestZMQBindOneAddressPerEngine(t *testing.T) {
 	check := CheckGoroutines(t)
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	c, err := New(Config{Sink: sink, Listeners: []Listener{
 		{Bind: "tcp://127.0.0.1:0", DefaultBackend: "vllm-a", Model: "m-a"},
 		{Bind: "tcp://127.0.0.1:0", DefaultBackend: "vllm-b", Model: "m-b"},
@@ -116,9 +118,9 @@ func TestZMQBindOneAddressPerEngine(t *testing.T) {
 
 	// Engine b goes away: its backend alone is disconnected and cleared.
 	pb.Stop()
-	require.Eventually(t, func() bool { return !statusOf(t, c, "vllm-b").Connection.Connected }, waitFor, tick)
+	require.Eventually(t, func() bool { return !eventstest.StatusOf(t, c, "vllm-b").Connection.Connected }, waitFor, tick)
 	require.Eventually(t, func() bool { return sink.Clears("vllm-b") == 1 }, waitFor, tick)
-	assert.True(t, statusOf(t, c, "vllm-a").Connection.Connected)
+	assert.True(t, eventstest.StatusOf(t, c, "vllm-a").Connection.Connected)
 	assert.Zero(t, sink.Clears("vllm-a"))
 
 	require.NoError(t, c.Close())
@@ -135,7 +137,7 @@ func TestZMQBindOneAddressPerEngine(t *testing.T) {
 // topic. The consumer's one worker per backend keeps each backend's batches in order: the
 // interleaved ranks are neither gaps nor restarts.
 func TestZMQBindOneAddressPerRank(t *testing.T) {
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	pods := []string{"pod-a", "pod-b"}
 	c := startZMQ(t, Config{Sink: sink, Listeners: []Listener{
 		{Bind: "tcp://127.0.0.1:0", Backends: pods},
@@ -183,7 +185,7 @@ func TestZMQBindOneAddressPerRank(t *testing.T) {
 // a pod one accepts is dropped by another that does not list it, and the messages an address
 // cannot place are counted on its own status.
 func TestZMQBindRulesPerAddress(t *testing.T) {
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	c := startZMQ(t, Config{Sink: sink,
 		Bind: "tcp://127.0.0.1:0", TopicBackend: map[string]string{"engine-x": "vllm-x"}, Backends: []string{"pod-a"},
 		Listeners: []Listener{{Bind: "tcp://127.0.0.1:0", DefaultBackend: "vllm-y"}}})
@@ -223,7 +225,7 @@ func TestZMQBindRulesPerAddress(t *testing.T) {
 
 // MaxTopics counts the topics of every address together.
 func TestZMQBindMaxTopicsAcrossAddresses(t *testing.T) {
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	c := startZMQ(t, Config{Sink: sink, MaxTopics: 1, Listeners: []Listener{
 		{Bind: "tcp://127.0.0.1:0", DefaultBackend: "a"}, {Bind: "tcp://127.0.0.1:0", DefaultBackend: "b"}}})
 	addrs := c.Addrs()
@@ -244,9 +246,9 @@ func TestZMQBindErrorReleasesEarlierAddresses(t *testing.T) {
 	busy, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	defer busy.Close()
-	free := freePort(t)
+	free := testenv.FreePort(t)
 	first := "tcp://127.0.0.1:" + strconv.Itoa(free)
-	c, err := New(Config{Sink: NewRecordingSink(), Listeners: []Listener{
+	c, err := New(Config{Sink: eventstest.NewRecordingSink(), Listeners: []Listener{
 		{Bind: first, DefaultBackend: "a"}, {Bind: "tcp://" + busy.Addr().String(), DefaultBackend: "b"}}})
 	require.NoError(t, err)
 	defer c.Close()

@@ -16,9 +16,10 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
-	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/events/internal/eventstest"
+	"github.com/kvroute/kvroute/internal/testenv"
 )
 
 const (
@@ -49,27 +50,6 @@ func stored(hash uint64) []any {
 	return StoredEvent([]uint64{hash}, -1, make([]uint32, 16), 16, "GPU")
 }
 
-func statusOf(t *testing.T, c interface{ Status() []events.SourceStatus }, backend string) events.SourceStatus {
-	t.Helper()
-	for _, s := range c.Status() {
-		if s.Backend == backend {
-			return s
-		}
-	}
-	t.Fatalf("no status for backend %q in %+v", backend, c.Status())
-	return events.SourceStatus{}
-}
-
-// freePort returns a loopback port nothing listens on (it was free a moment ago).
-func freePort(t *testing.T) int {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	port := ln.Addr().(*net.TCPAddr).Port
-	require.NoError(t, ln.Close())
-	return port
-}
-
 func TestParseTopic(t *testing.T) {
 	for _, tc := range []struct {
 		topic, pod, model string
@@ -95,7 +75,7 @@ func TestParseTopic(t *testing.T) {
 }
 
 func TestNewConfig(t *testing.T) {
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	ep := []Endpoint{{Backend: "a", Endpoint: "tcp://127.0.0.1:5557"}}
 	for _, tc := range []struct {
 		name string
@@ -152,7 +132,7 @@ func TestZMQConnectMode(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pub := NewFakePublisher(t, FakePublisherConfig{Topic: tc.topic, FirstSeq: tc.firstSeq})
-			sink := NewRecordingSink()
+			sink := eventstest.NewRecordingSink()
 			c := startZMQ(t, Config{Sink: sink, Topic: tc.subscribe,
 				Endpoints: []Endpoint{{Backend: "vllm-0", Endpoint: pub.Endpoint, Model: tc.model}}})
 			pub.WaitSubscribed()
@@ -167,7 +147,7 @@ func TestZMQConnectMode(t *testing.T) {
 				assert.Equal(t, [][]uint64{{uint64(100 + i)}, {uint64(100 + i)}}, b.Hashes)
 			}
 			assert.Zero(t, sink.Clears("vllm-0"))
-			st := statusOf(t, c, "vllm-0")
+			st := eventstest.StatusOf(t, c, "vllm-0")
 			assert.True(t, st.Connection.Connected)
 			assert.Equal(t, events.StateConnected, st.Connection.State)
 			assert.Equal(t, events.EventStats{Received: 10, Processed: 10}, st.Events)
@@ -183,7 +163,7 @@ func TestZMQConnectMode(t *testing.T) {
 
 func TestZMQTopicFilter(t *testing.T) {
 	pub := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@pod-a@m"})
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	c := startZMQ(t, Config{Sink: sink, Topic: "kv@pod-a",
 		Endpoints: []Endpoint{{Backend: "a", Endpoint: pub.Endpoint}}})
 	pub.WaitSubscribed()
@@ -192,11 +172,11 @@ func TestZMQTopicFilter(t *testing.T) {
 	pub.Publish(stored(2))
 	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 1 }, waitFor, tick)
 	assert.Equal(t, [][]uint64{{2}}, sink.Applied("a")[0].Hashes)
-	assert.Zero(t, statusOf(t, c, "a").Events.Malformed)
+	assert.Zero(t, eventstest.StatusOf(t, c, "a").Events.Malformed)
 }
 
 func TestZMQBindMode(t *testing.T) {
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	c := startZMQ(t, Config{Sink: sink, Bind: "tcp://127.0.0.1:0", Model: "default-model",
 		TopicBackend: map[string]string{"engine-c": "vllm-c"}})
 	addr := "tcp://" + c.Addr().String()
@@ -221,7 +201,7 @@ func TestZMQBindMode(t *testing.T) {
 				assert.Equal(t, uint64(i), b.Seq)
 				assert.Equal(t, tc.model, b.Model)
 			}
-			st := statusOf(t, c, tc.backend)
+			st := eventstest.StatusOf(t, c, tc.backend)
 			assert.True(t, st.Connection.Connected)
 			assert.Equal(t, uint64(3), st.Events.Processed)
 			assert.Equal(t, addr, st.Endpoint)
@@ -240,13 +220,13 @@ func TestZMQBindMode(t *testing.T) {
 	// A publisher that goes away marks its backend disconnected; when it comes back the
 	// reconnection is counted.
 	pubs["kv@pod-b"].Stop()
-	require.Eventually(t, func() bool { return !statusOf(t, c, "pod-b").Connection.Connected }, waitFor, tick)
-	assert.Equal(t, events.StateDisconnected, statusOf(t, c, "pod-b").Connection.State)
+	require.Eventually(t, func() bool { return !eventstest.StatusOf(t, c, "pod-b").Connection.Connected }, waitFor, tick)
+	assert.Equal(t, events.StateDisconnected, eventstest.StatusOf(t, c, "pod-b").Connection.State)
 	pubs["kv@pod-b"].Restart()
 	pubs["kv@pod-b"].WaitSubscribed()
 	pubs["kv@pod-b"].Publish(stored(9))
-	require.Eventually(t, func() bool { return statusOf(t, c, "pod-b").Connection.Connected }, waitFor, tick)
-	assert.Equal(t, uint64(1), statusOf(t, c, "pod-b").Connection.ReconnectCount)
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "pod-b").Connection.Connected }, waitFor, tick)
+	assert.Equal(t, uint64(1), eventstest.StatusOf(t, c, "pod-b").Connection.ReconnectCount)
 	// Its sequence went back to 0: the backend was reset.
 	require.Eventually(t, func() bool { return sink.Clears("pod-b") == 1 }, waitFor, tick)
 }
@@ -264,7 +244,7 @@ func TestZMQBindModeDPRanks(t *testing.T) {
 		{"ranks not named", nil, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			sink := NewRecordingSink()
+			sink := eventstest.NewRecordingSink()
 			c := startZMQ(t, Config{Sink: sink, Bind: "tcp://127.0.0.1:0", DefaultBackend: "solo"})
 			addr := "tcp://" + c.Addr().String()
 			p0 := NewFakePublisher(t, FakePublisherConfig{Connect: addr, Rank: tc.r0})
@@ -277,12 +257,12 @@ func TestZMQBindModeDPRanks(t *testing.T) {
 			}
 			require.Eventually(t, func() bool { return len(sink.Applied("solo")) == 8 }, waitFor, tick)
 			assert.Zero(t, sink.Clears("solo"), "interleaved ranks are neither gaps nor restarts")
-			assert.Zero(t, statusOf(t, c, "solo").Sequence.Gaps)
+			assert.Zero(t, eventstest.StatusOf(t, c, "solo").Sequence.Gaps)
 
 			// Rank 1 goes away: the backend is cleared; rank 0 keeps its sequence.
 			p1.Stop()
 			require.Eventually(t, func() bool { return sink.Clears("solo") == 1 }, waitFor, tick)
-			assert.True(t, statusOf(t, c, "solo").Connection.Connected, "rank 0 is still connected")
+			assert.True(t, eventstest.StatusOf(t, c, "solo").Connection.Connected, "rank 0 is still connected")
 			p0.Publish(stored(4))
 			require.Eventually(t, func() bool { return len(sink.Applied("solo")) == 9 }, waitFor, tick)
 			assert.Equal(t, 1, sink.Clears("solo"))
@@ -292,7 +272,7 @@ func TestZMQBindModeDPRanks(t *testing.T) {
 
 func TestZMQGapReplay(t *testing.T) {
 	pub := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@p@m", Replay: true})
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	c := startZMQ(t, Config{Sink: sink,
 		Endpoints: []Endpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}})
 	pub.WaitSubscribed()
@@ -306,7 +286,7 @@ func TestZMQGapReplay(t *testing.T) {
 	for _, b := range sink.Applied("a") {
 		assert.Equal(t, "m", b.Model)
 	}
-	st := statusOf(t, c, "a")
+	st := eventstest.StatusOf(t, c, "a")
 	assert.Equal(t, uint64(1), st.Sequence.Gaps)
 	assert.Equal(t, uint64(1), st.Sequence.Replays)
 	assert.Zero(t, st.Sequence.Resets)
@@ -329,9 +309,9 @@ func TestZMQGapReset(t *testing.T) {
 			pub := NewFakePublisher(t, FakePublisherConfig{Replay: tc.replay, ReplayKeep: tc.keep})
 			ep := Endpoint{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}
 			if tc.fail {
-				ep.ReplayEndpoint = fmt.Sprintf("tcp://127.0.0.1:%d", freePort(t))
+				ep.ReplayEndpoint = fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 			}
-			sink := NewRecordingSink()
+			sink := eventstest.NewRecordingSink()
 			c := startZMQ(t, Config{Sink: sink, Endpoints: []Endpoint{ep}, ReplayTimeout: time.Second})
 			pub.WaitSubscribed()
 			pub.Publish(stored(0))
@@ -341,7 +321,7 @@ func TestZMQGapReset(t *testing.T) {
 			require.Eventually(t, func() bool { return len(sink.Applied("a")) >= 2 }, waitFor, tick)
 			// The backend is cleared before batch 3 is applied; nothing of 1 or 2 is applied.
 			assert.Equal(t, []int64{0, -1, 3}, sink.Seqs("a"))
-			st := statusOf(t, c, "a")
+			st := eventstest.StatusOf(t, c, "a")
 			assert.Equal(t, uint64(1), st.Sequence.Gaps)
 			assert.Equal(t, uint64(1), st.Sequence.Resets)
 			assert.Zero(t, st.Sequence.Replays)
@@ -359,7 +339,7 @@ func TestZMQGapReset(t *testing.T) {
 
 func TestZMQPublisherRestart(t *testing.T) {
 	pub := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@p@m", Replay: true})
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	c := startZMQ(t, Config{Sink: sink,
 		Endpoints: []Endpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}})
 	pub.WaitSubscribed()
@@ -370,13 +350,13 @@ func TestZMQPublisherRestart(t *testing.T) {
 
 	// The engine restarts on the same ports; its sequence starts over at 0.
 	pub.Restart()
-	require.Eventually(t, func() bool { return statusOf(t, c, "a").Connection.ReconnectCount >= 1 }, waitFor, tick)
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Connection.ReconnectCount >= 1 }, waitFor, tick)
 	pub.WaitSubscribed() // the consumer reconnected on its own
 	pub.Publish(stored(100))
 	require.Eventually(t, func() bool { return sink.Clears("a") == 1 }, waitFor, tick)
 	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 4 }, waitFor, tick)
 	assert.Equal(t, []int64{0, 1, 2, -1, 0}, sink.Seqs("a"))
-	st := statusOf(t, c, "a")
+	st := eventstest.StatusOf(t, c, "a")
 	assert.True(t, st.Connection.Connected)
 	assert.Equal(t, uint64(1), st.Sequence.Resets)
 	assert.Zero(t, pub.Replays(), "a restart is not replayed")
@@ -399,7 +379,7 @@ func TestZMQReconnectResets(t *testing.T) {
 		for _, catchUp := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%s/catch-up=%v", tc.name, catchUp), func(t *testing.T) {
 				pub := NewFakePublisher(t, FakePublisherConfig{Replay: true})
-				sink := NewRecordingSink()
+				sink := eventstest.NewRecordingSink()
 				cfg := Config{Sink: sink,
 					Endpoints: []Endpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}}
 				if !catchUp {
@@ -430,7 +410,7 @@ func TestZMQReconnectResets(t *testing.T) {
 				require.Eventually(t, func() bool { return len(sink.Seqs("a")) == len(want) }, waitFor, tick)
 				assert.Equal(t, want, sink.Seqs("a"))
 				assert.Equal(t, btoi(catchUp), pub.Replays(), "one catch-up request, no gap replay")
-				st := statusOf(t, c, "a")
+				st := eventstest.StatusOf(t, c, "a")
 				assert.Zero(t, st.Sequence.Gaps)
 				assert.Equal(t, uint64(1), st.Sequence.Resets)
 				assert.Equal(t, uint64(btoi(catchUp)), st.Sequence.CatchUps)
@@ -475,7 +455,7 @@ func TestZMQCatchUp(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			pub := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@p@m", Replay: true, ReplayKeep: tc.keep, FirstSeq: tc.first})
 			history := publishHistory(pub, tc.history)
-			sink := NewRecordingSink()
+			sink := eventstest.NewRecordingSink()
 			c := startZMQ(t, Config{Sink: sink, CatchUpBatches: tc.batches,
 				Endpoints: []Endpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}})
 			pub.WaitSubscribed()
@@ -487,7 +467,7 @@ func TestZMQCatchUp(t *testing.T) {
 				assert.Equal(t, [][]uint64{{uint64(100 + tc.wantFrom + i)}}, b.Hashes)
 				assert.Equal(t, "m", b.Model)
 			}
-			st := statusOf(t, c, "a")
+			st := eventstest.StatusOf(t, c, "a")
 			assert.Equal(t, uint64(1), st.Sequence.CatchUps)
 			assert.Equal(t, uint64(len(want)-1), st.Sequence.CaughtUpBatches)
 			assert.Zero(t, st.Sequence.CatchUpFailures)
@@ -501,7 +481,7 @@ func TestZMQCatchUp(t *testing.T) {
 			require.Eventually(t, func() bool { return len(sink.Seqs("a")) == len(want)+1 }, waitFor, tick)
 			assert.Equal(t, int64(next), sink.Seqs("a")[len(want)])
 			assert.Equal(t, 1, pub.Replays())
-			assert.Equal(t, uint64(1), statusOf(t, c, "a").Sequence.CatchUps)
+			assert.Equal(t, uint64(1), eventstest.StatusOf(t, c, "a").Sequence.CatchUps)
 		})
 	}
 }
@@ -532,9 +512,9 @@ func TestZMQCatchUpFails(t *testing.T) {
 			seqs := publishHistory(pub, history)
 			ep := Endpoint{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}
 			if tc.down {
-				ep.ReplayEndpoint = fmt.Sprintf("tcp://127.0.0.1:%d", freePort(t))
+				ep.ReplayEndpoint = fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 			}
-			sink := NewRecordingSink()
+			sink := eventstest.NewRecordingSink()
 			c := startZMQ(t, Config{Sink: sink, Endpoints: []Endpoint{ep}, CatchUpTimeout: 300 * time.Millisecond})
 			pub.WaitSubscribed()
 			live := pub.Publish(stored(1))
@@ -544,7 +524,7 @@ func TestZMQCatchUpFails(t *testing.T) {
 			}
 			require.Eventually(t, func() bool { return len(sink.Seqs("a")) >= len(want) }, waitFor, tick)
 			assert.Equal(t, want, sink.Seqs("a"))
-			st := statusOf(t, c, "a")
+			st := eventstest.StatusOf(t, c, "a")
 			assert.Equal(t, uint64(1), st.Sequence.CatchUpFailures)
 			assert.Zero(t, st.Sequence.CatchUps)
 			assert.Zero(t, st.Sequence.CaughtUpBatches)
@@ -557,7 +537,7 @@ func TestZMQCatchUpFails(t *testing.T) {
 			require.Eventually(t, func() bool { return len(sink.Seqs("a")) == len(want)+1 }, waitFor, tick)
 			assert.Equal(t, int64(next), sink.Seqs("a")[len(want)])
 			assert.Equal(t, btoi(tc.applied > 0), sink.Clears("a"))
-			assert.Zero(t, statusOf(t, c, "a").Sequence.Gaps)
+			assert.Zero(t, eventstest.StatusOf(t, c, "a").Sequence.Gaps)
 		})
 	}
 }
@@ -575,7 +555,7 @@ func TestZMQCatchUpDisabled(t *testing.T) {
 		{name: "bind mode", bind: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			sink := NewRecordingSink()
+			sink := eventstest.NewRecordingSink()
 			var pub *FakePublisher
 			var c *Consumer
 			if tc.bind {
@@ -596,7 +576,7 @@ func TestZMQCatchUpDisabled(t *testing.T) {
 			require.Eventually(t, func() bool { return len(sink.Seqs("a")) == 2 }, waitFor, tick)
 			assert.Equal(t, []int64{5, 6}, sink.Seqs("a"))
 			assert.Zero(t, pub.Replays())
-			st := statusOf(t, c, "a")
+			st := eventstest.StatusOf(t, c, "a")
 			assert.Zero(t, st.Sequence.CatchUps)
 			assert.Zero(t, st.Sequence.CatchUpFailures)
 			assert.Zero(t, st.Sequence.Resets)
@@ -613,7 +593,7 @@ func TestZMQCatchUpDPRanks(t *testing.T) {
 	r0, r1 := 0, 1
 	pub := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@p@m", Replay: true, Rank: &r0})
 	history := publishHistory(pub, 6)
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	c := startZMQ(t, Config{Sink: sink,
 		Endpoints: []Endpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}})
 	pub.WaitSubscribed()
@@ -628,7 +608,7 @@ func TestZMQCatchUpDPRanks(t *testing.T) {
 	assert.Equal(t, append(history, int64(live0), 3, 4, int64(live1)), sink.Seqs("a"))
 	assert.Equal(t, [][]uint64{{1003}}, sink.Applied("a")[7].Hashes)
 	assert.Zero(t, sink.Clears("a"))
-	st := statusOf(t, c, "a")
+	st := eventstest.StatusOf(t, c, "a")
 	assert.Equal(t, uint64(1), st.Sequence.CatchUps)
 	assert.Equal(t, uint64(6), st.Sequence.CaughtUpBatches)
 	assert.Equal(t, uint64(1), st.Sequence.CatchUpFailures)
@@ -641,7 +621,7 @@ func TestZMQSequenceWentBack(t *testing.T) {
 	// A publisher whose sequence goes back on the same connection (a relay in between, or an
 	// engine restarted behind a forwarder) restarted: reset and re-baseline.
 	pub := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@p@m", FirstSeq: 1})
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	c := startZMQ(t, Config{Sink: sink, Endpoints: []Endpoint{{Backend: "a", Endpoint: pub.Endpoint}}})
 	pub.WaitSubscribed()
 	for i := range 3 {
@@ -652,19 +632,19 @@ func TestZMQSequenceWentBack(t *testing.T) {
 	pub.Publish(stored(11))
 	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 5 }, waitFor, tick)
 	assert.Equal(t, []int64{1, 2, 3, -1, 1, 2}, sink.Seqs("a"))
-	st := statusOf(t, c, "a")
+	st := eventstest.StatusOf(t, c, "a")
 	assert.Equal(t, uint64(1), st.Sequence.Resets)
 	assert.Zero(t, st.Sequence.Gaps)
 	assert.Zero(t, st.Connection.ReconnectCount)
 }
 
 func TestZMQEngineDownAtStart(t *testing.T) {
-	port := freePort(t)
-	sink := NewRecordingSink()
+	port := testenv.FreePort(t)
+	sink := eventstest.NewRecordingSink()
 	c := startZMQ(t, Config{Sink: sink,
 		Endpoints: []Endpoint{{Backend: "a", Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", port)}}})
-	require.Eventually(t, func() bool { return statusOf(t, c, "a").Connection.ReconnectCount >= 2 }, waitFor, tick)
-	st := statusOf(t, c, "a")
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Connection.ReconnectCount >= 2 }, waitFor, tick)
+	st := eventstest.StatusOf(t, c, "a")
 	assert.False(t, st.Connection.Connected)
 	assert.NotEmpty(t, st.LastError)
 
@@ -672,12 +652,12 @@ func TestZMQEngineDownAtStart(t *testing.T) {
 	pub.WaitSubscribed()
 	pub.Publish(stored(1))
 	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 1 }, waitFor, tick)
-	assert.True(t, statusOf(t, c, "a").Connection.Connected)
+	assert.True(t, eventstest.StatusOf(t, c, "a").Connection.Connected)
 }
 
 func TestZMQMalformed(t *testing.T) {
 	pub := NewFakePublisher(t, FakePublisherConfig{})
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	c := startZMQ(t, Config{Sink: sink, Endpoints: []Endpoint{{Backend: "a", Endpoint: pub.Endpoint}}})
 	pub.WaitSubscribed()
 	pub.Publish(stored(0))
@@ -689,7 +669,7 @@ func TestZMQMalformed(t *testing.T) {
 	// Batch 1 was lost to the decoder: a gap, and without replay a reset.
 	assert.Equal(t, []int64{0, -1, 2}, sink.Seqs("a"))
 	assert.Equal(t, []events.Kind{events.KindBlockStored, events.KindBlockStored}, sink.Applied("a")[1].Kinds)
-	st := statusOf(t, c, "a")
+	st := eventstest.StatusOf(t, c, "a")
 	assert.Equal(t, uint64(4), st.Events.Malformed, "2 bad framings, 1 bad payload, 1 skipped event")
 	assert.Equal(t, uint64(4), st.Events.Received)
 	assert.Equal(t, uint64(3), st.Events.Processed)
@@ -708,7 +688,7 @@ func TestZMQQueueOverflow(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pub := NewFakePublisher(t, FakePublisherConfig{Replay: tc.replay})
-			sink := NewRecordingSink()
+			sink := eventstest.NewRecordingSink()
 			ep := Endpoint{Backend: "a", Endpoint: pub.Endpoint}
 			if tc.replay {
 				ep.ReplayEndpoint = pub.ReplayEndpoint
@@ -723,8 +703,8 @@ func TestZMQQueueOverflow(t *testing.T) {
 			}
 			// Batches is counted before the batch is queued or dropped, Dropped after: wait
 			// for the last drop.
-			require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Dropped >= 6 }, waitFor, tick)
-			st := statusOf(t, c, "a")
+			require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Dropped >= 6 }, waitFor, tick)
+			st := eventstest.StatusOf(t, c, "a")
 			assert.Equal(t, uint64(9), st.Sequence.Batches)
 			assert.Equal(t, uint64(6), st.Sequence.QueueOverflows)
 			assert.Equal(t, uint64(6), st.Events.Dropped)
@@ -734,24 +714,24 @@ func TestZMQQueueOverflow(t *testing.T) {
 			// hole once it has applied 0..2, without waiting for the publisher's next batch.
 			// (The counters are updated after the sink returns: wait for them.)
 			if tc.replay {
-				require.Eventually(t, func() bool { return statusOf(t, c, "a").Sequence.Replays == 1 }, waitFor, tick)
+				require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Sequence.Replays == 1 }, waitFor, tick)
 				assert.Equal(t, []int64{0, 1, 2, 3, 4, 5, 6, 7, 8}, sink.Seqs("a"))
 			} else {
-				require.Eventually(t, func() bool { return statusOf(t, c, "a").Sequence.Resets == 1 }, waitFor, tick)
+				require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Sequence.Resets == 1 }, waitFor, tick)
 				assert.Equal(t, []int64{0, 1, 2, -1}, sink.Seqs("a"))
 			}
-			assert.Equal(t, uint64(1), statusOf(t, c, "a").Sequence.Gaps)
+			assert.Equal(t, uint64(1), eventstest.StatusOf(t, c, "a").Sequence.Gaps)
 
 			// The chain continues after the hole: the next batch is in order.
 			pub.Publish(stored(9))
 			if tc.replay {
-				require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Processed == 10 }, waitFor, tick)
+				require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Processed == 10 }, waitFor, tick)
 				assert.Equal(t, []int64{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, sink.Seqs("a"))
 			} else {
-				require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Processed == 4 }, waitFor, tick)
+				require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Processed == 4 }, waitFor, tick)
 				assert.Equal(t, []int64{0, 1, 2, -1, 9}, sink.Seqs("a"))
 			}
-			st = statusOf(t, c, "a")
+			st = eventstest.StatusOf(t, c, "a")
 			assert.Equal(t, uint64(1), st.Sequence.Gaps)
 			if tc.replay { // replayed batches are received (and processed) a second time
 				assert.Equal(t, events.EventStats{Received: 16, Processed: 10, Dropped: 6}, st.Events)
@@ -787,37 +767,37 @@ func TestZMQLostLastBatch(t *testing.T) {
 			if tc.replay {
 				ep.ReplayEndpoint = pub.ReplayEndpoint
 			}
-			sink := NewRecordingSink()
+			sink := eventstest.NewRecordingSink()
 			c := startZMQ(t, Config{Sink: sink, Endpoints: []Endpoint{ep}})
 			pub.WaitSubscribed()
 			pub.Publish(stored(0))
 			pub.PublishRaw([]byte{0xc1}) // seq 1: not msgpack
-			require.Eventually(t, func() bool { return statusOf(t, c, "a").Sequence.Resets == 1 }, waitFor, tick)
+			require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Sequence.Resets == 1 }, waitFor, tick)
 			assert.Equal(t, []int64{0, -1}, sink.Seqs("a"))
-			st := statusOf(t, c, "a")
+			st := eventstest.StatusOf(t, c, "a")
 			assert.Equal(t, uint64(1), st.Sequence.Gaps)
 			assert.Equal(t, uint64(1), st.Sequence.Resets)
 			assert.Equal(t, btoi(tc.replay), pub.Replays())
 
 			pub.Publish(stored(2)) // in order after the hole: no second gap
-			require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Processed == 2 }, waitFor, tick)
+			require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Processed == 2 }, waitFor, tick)
 			assert.Equal(t, []int64{0, -1, 2}, sink.Seqs("a"))
-			assert.Equal(t, uint64(1), statusOf(t, c, "a").Sequence.Gaps)
+			assert.Equal(t, uint64(1), eventstest.StatusOf(t, c, "a").Sequence.Gaps)
 		})
 	}
 }
 
 func TestZMQSinkFailureResetsBackend(t *testing.T) {
 	pub := NewFakePublisher(t, FakePublisherConfig{})
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	c := startZMQ(t, Config{Sink: sink, Endpoints: []Endpoint{{Backend: "a", Endpoint: pub.Endpoint}}})
 	pub.WaitSubscribed()
 	pub.Publish(stored(0))
 	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 1 }, waitFor, tick)
-	sink.SetFail(errSinkDown)
+	sink.SetFail(eventstest.ErrSinkDown)
 	pub.Publish(stored(1))
-	require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Dropped == 1 }, waitFor, tick)
-	assert.Contains(t, statusOf(t, c, "a").LastError, "sink down")
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Dropped == 1 }, waitFor, tick)
+	assert.Contains(t, eventstest.StatusOf(t, c, "a").LastError, "sink down")
 	sink.SetFail(nil)
 	pub.Publish(stored(2))
 	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 2 }, waitFor, tick)
@@ -826,17 +806,26 @@ func TestZMQSinkFailureResetsBackend(t *testing.T) {
 
 // startWithTwoBatches starts a consumer of one publisher with a replay endpoint (backend "a")
 // and waits until the publisher's batches 0 and 1 are applied.
-func startWithTwoBatches(t *testing.T) (*FakePublisher, *RecordingSink, *Consumer) {
+func startWithTwoBatches(t *testing.T) (*FakePublisher, *eventstest.RecordingSink, *Consumer) {
+	t.Helper()
+	sink := eventstest.NewRecordingSink()
+	pub, c := startTwoBatches(t, Config{Sink: sink}, sink)
+	return pub, sink, c
+}
+
+// startTwoBatches starts a consumer of cfg (its Endpoints set to one publisher with a replay
+// endpoint, backend "a") and waits until rec, what cfg.Sink records, holds the publisher's batches
+// 0 and 1.
+func startTwoBatches(t *testing.T, cfg Config, rec *eventstest.RecordingSink) (*FakePublisher, *Consumer) {
 	t.Helper()
 	pub := NewFakePublisher(t, FakePublisherConfig{Replay: true})
-	sink := NewRecordingSink()
-	c := startZMQ(t, Config{Sink: sink,
-		Endpoints: []Endpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}})
+	cfg.Endpoints = []Endpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}
+	c := startZMQ(t, cfg)
 	pub.WaitSubscribed()
 	pub.Publish(stored(0))
 	pub.Publish(stored(1))
-	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 2 }, waitFor, tick)
-	return pub, sink, c
+	require.Eventually(t, func() bool { return len(rec.Applied("a")) == 2 }, waitFor, tick)
+	return pub, c
 }
 
 // TestZMQSinkFailureCatchesUp: after a sink outage the backend is cleared, and the chain then
@@ -845,23 +834,23 @@ func startWithTwoBatches(t *testing.T) (*FakePublisher, *RecordingSink, *Consume
 func TestZMQSinkFailureCatchesUp(t *testing.T) {
 	pub, sink, c := startWithTwoBatches(t)
 	replays := pub.Replays()
-	sink.SetFail(errSinkDown)
+	sink.SetFail(eventstest.ErrSinkDown)
 	pub.Publish(stored(2))
 	pub.Publish(stored(3)) // the clear before it fails too: no replay yet
-	require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Dropped == 2 }, waitFor, tick)
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Dropped == 2 }, waitFor, tick)
 	assert.Equal(t, replays, pub.Replays(), "nothing is replayed into a sink that is down")
 	sink.SetFail(nil)
 	pub.Publish(stored(4))
 	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 7 }, waitFor, tick)
 	assert.Equal(t, []int64{0, 1, -1, 0, 1, 2, 3, 4}, sink.Seqs("a"), "cleared, caught up, then the live batch")
-	st := statusOf(t, c, "a")
+	st := eventstest.StatusOf(t, c, "a")
 	assert.Equal(t, uint64(1), st.Sequence.CatchUps)
 	assert.Equal(t, uint64(4), st.Sequence.CaughtUpBatches)
 	assert.Equal(t, uint64(1), st.Sequence.Resets)
 
 	pub.Publish(stored(5)) // in order: no further catch-up
 	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 8 }, waitFor, tick)
-	assert.Equal(t, uint64(1), statusOf(t, c, "a").Sequence.CatchUps)
+	assert.Equal(t, uint64(1), eventstest.StatusOf(t, c, "a").Sequence.CatchUps)
 }
 
 // TestZMQCatchUpIntoFailingSink: the sink takes the clear but fails the first replayed batch (a
@@ -869,19 +858,19 @@ func TestZMQSinkFailureCatchesUp(t *testing.T) {
 // counted; the backend is cleared before the next batch, which catches up again.
 func TestZMQCatchUpIntoFailingSink(t *testing.T) {
 	pub, sink, c := startWithTwoBatches(t)
-	sink.SetFail(errSinkDown)
+	sink.SetFail(eventstest.ErrSinkDown)
 	pub.Publish(stored(2))
-	require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Dropped == 1 }, waitFor, tick)
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Dropped == 1 }, waitFor, tick)
 	sink.SetFail(nil)
-	sink.FailApplies(1, errSinkDown)
+	sink.FailApplies(1, eventstest.ErrSinkDown)
 	pub.Publish(stored(3)) // cleared, then the catch-up's first batch fails: it stops
-	require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Dropped == 2 }, waitFor, tick)
-	st := statusOf(t, c, "a")
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Dropped == 2 }, waitFor, tick)
+	st := eventstest.StatusOf(t, c, "a")
 	assert.Zero(t, st.Sequence.CatchUps, "a catch-up the sink did not take is not counted")
 	assert.Zero(t, st.Sequence.CatchUpFailures, "nor is it the publisher's failure")
 	pub.Publish(stored(4))
-	require.Eventually(t, func() bool { return statusOf(t, c, "a").Sequence.CatchUps == 1 }, waitFor, tick)
-	require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Processed >= 7 }, waitFor, tick)
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Sequence.CatchUps == 1 }, waitFor, tick)
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Processed >= 7 }, waitFor, tick)
 	seqs := sink.Seqs("a")
 	assert.Equal(t, []int64{-1, 3, 0, 1, 2, 3, 4}, seqs[len(seqs)-7:],
 		"batch 3 after the clear its stopped catch-up left to do, then a whole catch-up before batch 4")
@@ -895,7 +884,7 @@ func TestZMQResetCatchesUpOtherChains(t *testing.T) {
 	r0, r1 := 0, 1
 	p0 := NewFakePublisher(t, FakePublisherConfig{Replay: true, Rank: &r0})
 	p1 := NewFakePublisher(t, FakePublisherConfig{Replay: true, Rank: &r1})
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	c := startZMQ(t, Config{Sink: sink, Endpoints: []Endpoint{
 		{Backend: "a", Endpoint: p0.Endpoint, ReplayEndpoint: p0.ReplayEndpoint},
 		{Backend: "a", Endpoint: p1.Endpoint, ReplayEndpoint: p1.ReplayEndpoint}}})
@@ -925,9 +914,9 @@ func TestZMQCloseStopsEverything(t *testing.T) {
 	for _, mode := range []string{"connect", "bind"} {
 		t.Run(mode, func(t *testing.T) {
 			pub := NewFakePublisher(t, FakePublisherConfig{Replay: true})
-			down := fmt.Sprintf("tcp://127.0.0.1:%d", freePort(t)) // an engine that is down
+			down := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)) // an engine that is down
 			check := CheckGoroutines(t)
-			sink := NewRecordingSink()
+			sink := eventstest.NewRecordingSink()
 			cfg := Config{Sink: sink, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond}
 			if mode == "connect" {
 				cfg.Endpoints = []Endpoint{
@@ -974,7 +963,7 @@ func TestZMQBindError(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	defer ln.Close()
-	c, err := New(Config{Sink: NewRecordingSink(), Bind: "tcp://" + ln.Addr().String()})
+	c, err := New(Config{Sink: eventstest.NewRecordingSink(), Bind: "tcp://" + ln.Addr().String()})
 	require.NoError(t, err)
 	defer c.Close()
 	require.Error(t, c.Start(context.Background()))
@@ -994,7 +983,7 @@ func TestZMQBindError(t *testing.T) {
 func TestZMQOversizedFrameDisconnects(t *testing.T) {
 	// A peer announcing a frame larger than MaxMessageSize is dropped before the codec
 	// allocates it; the consumer keeps serving others.
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	c := startZMQ(t, Config{Sink: sink, Bind: "tcp://127.0.0.1:0", DefaultBackend: "a", MaxMessageSize: 1 << 10})
 	raw, err := net.Dial("tcp", c.Addr().String())
 	require.NoError(t, err)
@@ -1080,35 +1069,13 @@ func TestZMQMetrics(t *testing.T) {
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	defer mp.Shutdown(context.Background())
 	pub := NewFakePublisher(t, FakePublisherConfig{})
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	c := startZMQ(t, Config{Sink: sink, MeterProvider: mp, Endpoints: []Endpoint{{Backend: "a", Endpoint: pub.Endpoint}}})
 	pub.WaitSubscribed()
 	pub.Publish(stored(1), stored(2))
-	require.Eventually(t, func() bool { return statusOf(t, c, "a").Events.Processed == 2 }, waitFor, tick)
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Processed == 2 }, waitFor, tick)
 
-	var rm metricdata.ResourceMetrics
-	require.NoError(t, reader.Collect(context.Background(), &rm))
-	got := map[string]int64{}
-	for _, sm := range rm.ScopeMetrics {
-		require.Equal(t, events.ScopeName, sm.Scope.Name)
-		for _, m := range sm.Metrics {
-			var points []metricdata.DataPoint[int64]
-			switch d := m.Data.(type) {
-			case metricdata.Sum[int64]:
-				assert.True(t, d.IsMonotonic, m.Name)
-				points = d.DataPoints
-			case metricdata.Gauge[int64]:
-				points = d.DataPoints
-			}
-			for _, p := range points {
-				key := m.Name
-				for _, kv := range p.Attributes.ToSlice() {
-					key += fmt.Sprintf(",%s=%s", kv.Key, kv.Value.AsString())
-				}
-				got[key] = p.Value
-			}
-		}
-	}
+	got := eventstest.CollectInt64(t, reader)
 	for key, want := range map[string]int64{
 		events.MetricEventReceived + ",backend=a":                                          2,
 		events.MetricEventProcessed + ",backend=a":                                         2,
@@ -1129,7 +1096,7 @@ func TestZMQMetrics(t *testing.T) {
 // a kv@<pod>@<model> one; without it, a pod that is not a known backend is dropped, counted and
 // logged, never indexed under an invented name.
 func TestZMQBindTopicsNeverInventBackends(t *testing.T) {
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	c := startZMQ(t, Config{Sink: sink, Bind: "tcp://127.0.0.1:0", DefaultBackend: "vllm-0"})
 	p := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@10.0.0.7:8000@llama", Connect: "tcp://" + c.Addr().String()})
 	p.WaitSubscribed()
@@ -1138,7 +1105,7 @@ func TestZMQBindTopicsNeverInventBackends(t *testing.T) {
 	assert.Empty(t, sink.Applied("10.0.0.7:8000"), "the pod of the topic became a backend")
 	assert.Equal(t, "llama", sink.Applied("vllm-0")[0].Model, "the topic still names the model")
 
-	sink2 := NewRecordingSink()
+	sink2 := eventstest.NewRecordingSink()
 	c2 := startZMQ(t, Config{Sink: sink2, Bind: "tcp://127.0.0.1:0", Backends: []string{"pod-a"}})
 	addr := "tcp://" + c2.Addr().String()
 	known := NewFakePublisher(t, FakePublisherConfig{Topic: "kv@pod-a@m", Connect: addr})

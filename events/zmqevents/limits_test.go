@@ -1,36 +1,16 @@
 package zmqevents
 
 import (
-	"bytes"
 	"fmt"
 	"log/slog"
-	"strings"
-	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/events/internal/eventstest"
 )
-
-// lockedBuffer is a log destination safe for concurrent writers.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) count(s string) int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return strings.Count(b.buf.String(), s)
-}
 
 // TestZMQOversizedFrame: a batch over MaxFrameBytes is dropped undecoded and counted as
 // malformed, the hole it leaves is handled as a lost batch (replay, which fails on the same
@@ -39,8 +19,8 @@ func TestZMQOversizedFrame(t *testing.T) {
 	for _, replay := range []bool{false, true} {
 		t.Run(fmt.Sprintf("replay=%v", replay), func(t *testing.T) {
 			pub := NewFakePublisher(t, FakePublisherConfig{Replay: replay})
-			sink := NewRecordingSink()
-			logs := &lockedBuffer{}
+			sink := eventstest.NewRecordingSink()
+			logs := &eventstest.LockedBuffer{}
 			ep := Endpoint{Backend: "a", Endpoint: pub.Endpoint}
 			if replay {
 				ep.ReplayEndpoint = pub.ReplayEndpoint
@@ -58,7 +38,7 @@ func TestZMQOversizedFrame(t *testing.T) {
 			require.Eventually(t, func() bool { return len(sink.Applied("a")) == 2 }, waitFor, tick)
 			assert.Equal(t, int64(4), sink.Seqs("a")[len(sink.Seqs("a"))-1])
 			assert.Contains(t, sink.Seqs("a"), int64(-1), "the hole resets the backend")
-			st := statusOf(t, c, "a")
+			st := eventstest.StatusOf(t, c, "a")
 			if replay {
 				// 3 live, and every replay that reaches one (how many depends on how the
 				// worker meets the losses).
@@ -71,14 +51,14 @@ func TestZMQOversizedFrame(t *testing.T) {
 			assert.Equal(t, uint64(2), st.Events.Received)
 			assert.True(t, st.Connection.Connected)
 			assert.Zero(t, st.Connection.ReconnectCount)
-			assert.Equal(t, 1, logs.count("batch dropped"), "rate-limited: one line for three drops")
+			assert.Equal(t, 1, logs.Count("batch dropped"), "rate-limited: one line for three drops")
 		})
 	}
 }
 
 // TestZMQMaxFrameBytesConfig: the default, and a negative size rejected.
 func TestZMQMaxFrameBytesConfig(t *testing.T) {
-	sink := NewRecordingSink()
+	sink := eventstest.NewRecordingSink()
 	eps := []Endpoint{{Backend: "a", Endpoint: "tcp://127.0.0.1:1"}}
 	c, err := New(Config{Sink: sink, Endpoints: eps})
 	require.NoError(t, err)

@@ -2,19 +2,17 @@ package zmqevents
 
 // Test-only helpers, exported so that the zmqevents_test package (e2e and examples) can use them:
 // a fake engine publishing vLLM KV events over ZeroMQ (a zmq4 PUB socket sending [topic, seq,
-// msgpack payload], plus a ROUTER replay responder keeping the last batches), and a recording
-// Sink.
+// msgpack payload], plus a ROUTER replay responder keeping the last batches). The recording Sink
+// is events/internal/eventstest's.
 
 import (
 	"bytes"
 	"context"
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"io"
 	"log"
 	"net"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -25,7 +23,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/vmihailenco/msgpack/v5"
 
-	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/events/internal/eventstest"
 )
 
 // FakePublisherConfig configures a FakePublisher.
@@ -341,155 +339,6 @@ func EncodeFakeBatch(rank *int, evs ...any) []byte {
 	return buf.Bytes()
 }
 
-// RecordingSink is a Sink that records what it receives. Block makes Apply wait until Unblock;
-// Fail makes Apply and ClearBackend fail, FailApplies only the next Applies. Safe for concurrent
-// use.
-type RecordingSink struct {
-	mu        sync.Mutex
-	applied   []RecordedBatch
-	clears    map[string]int
-	fail      error
-	failNext  int // Applies still to fail with failApply
-	failApply error
-	block     chan struct{}
-	entered   chan struct{}
-}
-
-// RecordedBatch is a copy of an applied batch.
-type RecordedBatch struct {
-	Backend string
-	Model   string
-	Seq     uint64
-	Kinds   []events.Kind
-	Hashes  [][]uint64
-	Prefix  []string // PrefixOp:hash:tokens of prefix events
-}
-
-// NewRecordingSink returns an empty sink.
-func NewRecordingSink() *RecordingSink {
-	return &RecordingSink{clears: make(map[string]int)}
-}
-
-// Apply records b.
-func (s *RecordingSink) Apply(ctx context.Context, backend string, b *events.Batch) error {
-	s.mu.Lock()
-	block, entered, fail := s.block, s.entered, s.fail
-	if fail == nil && s.failNext > 0 {
-		s.failNext--
-		fail = s.failApply
-	}
-	s.mu.Unlock()
-	if block != nil {
-		select {
-		case entered <- struct{}{}:
-		default:
-		}
-		select {
-		case <-block:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	}
-	if fail != nil {
-		return fail
-	}
-	rb := RecordedBatch{Backend: backend, Model: b.Model, Seq: b.Seq}
-	for _, ev := range b.Events {
-		rb.Kinds = append(rb.Kinds, ev.Kind)
-		rb.Hashes = append(rb.Hashes, slices.Clone(ev.BlockHashes))
-		if ev.Kind == events.KindPrefix {
-			rb.Prefix = append(rb.Prefix, fmt.Sprintf("%s:%s:%d", ev.PrefixOp, ev.PrefixHash, ev.TokenCount))
-		}
-	}
-	s.mu.Lock()
-	s.applied = append(s.applied, rb)
-	s.mu.Unlock()
-	return nil
-}
-
-// FailApplies makes the next n Applies fail with err (ClearBackend still succeeds), as a store
-// that lost what it held and says so on the next write.
-func (s *RecordingSink) FailApplies(n int, err error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.failNext, s.failApply = n, err
-}
-
-// ClearBackend records a clear.
-func (s *RecordingSink) ClearBackend(_ context.Context, backend string) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.fail != nil {
-		return s.fail
-	}
-	s.clears[backend]++
-	s.applied = append(s.applied, RecordedBatch{Backend: backend, Seq: ^uint64(0)}) // a marker
-	return nil
-}
-
-// Block makes Apply wait until Unblock; Entered receives when an Apply starts waiting.
-func (s *RecordingSink) Block() (entered <-chan struct{}) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.block, s.entered = make(chan struct{}), make(chan struct{}, 1)
-	return s.entered
-}
-
-// Unblock releases blocked and future Apply calls.
-func (s *RecordingSink) Unblock() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.block != nil {
-		close(s.block)
-		s.block = nil
-	}
-}
-
-// SetFail makes Apply and ClearBackend return err (nil: succeed again).
-func (s *RecordingSink) SetFail(err error) {
-	s.mu.Lock()
-	s.fail = err
-	s.mu.Unlock()
-}
-
-// Clears returns how many times backend was cleared.
-func (s *RecordingSink) Clears(backend string) int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.clears[backend]
-}
-
-// Applied returns the applied batches of backend (all backends for ""), clears excluded.
-func (s *RecordingSink) Applied(backend string) []RecordedBatch {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	var out []RecordedBatch
-	for _, b := range s.applied {
-		if (backend == "" || b.Backend == backend) && b.Seq != ^uint64(0) {
-			out = append(out, b)
-		}
-	}
-	return out
-}
-
-// Seqs returns the sequence numbers of backend's applied batches, with -1 for each clear.
-func (s *RecordingSink) Seqs(backend string) []int64 {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	var out []int64
-	for _, b := range s.applied {
-		if b.Backend == backend {
-			out = append(out, int64(b.Seq))
-		}
-	}
-	return out
-}
-
-var _ events.Sink = (*RecordingSink)(nil)
-
-// errSinkDown is a sink failure for tests.
-var errSinkDown = errors.New("sink down")
-
 // CheckGoroutines returns a function that waits (bounded) until the number of goroutines is
 // back to what it was when CheckGoroutines was called, and fails the test otherwise. Goroutines
 // of the zmq4 sockets the fake publishers use are not counted: zmq4 never stops a PUB socket's
@@ -497,36 +346,14 @@ var errSinkDown = errors.New("sink down")
 // not of the consumers.
 func CheckGoroutines(t testing.TB) func() {
 	t.Helper()
-	before, _ := countGoroutines()
-	return func() {
-		t.Helper()
-		deadline := time.Now().Add(10 * time.Second)
-		n, dump := countGoroutines()
-		for n > before && time.Now().Before(deadline) {
-			time.Sleep(10 * time.Millisecond)
-			n, dump = countGoroutines()
-		}
-		if n > before {
-			t.Fatalf("goroutines: %d before, %d after Close\n%s", before, n, dump)
-		}
-	}
+	return eventstest.CheckGoroutines(t, publisherGoroutine)
 }
 
-// countGoroutines counts the goroutines that are not the test publishers' zmq4 internals, and
-// returns their stacks.
-func countGoroutines() (int, string) {
-	buf := make([]byte, 4<<20)
-	buf = buf[:runtime.Stack(buf, true)]
-	var kept []string
-	for _, g := range strings.Split(string(buf), "\n\n") {
-		switch {
-		case strings.Contains(g, "zmqevents.(*FakePublisher)"):
-		case strings.Contains(g, "go-zeromq/zmq4") && !strings.Contains(g, "zmqevents.(*Consumer)"):
-		default:
-			kept = append(kept, g)
-		}
-	}
-	return len(kept), strings.Join(kept, "\n\n")
+// publisherGoroutine reports whether a goroutine's stack is the test publishers' or their zmq4
+// sockets' (and not a consumer's).
+func publisherGoroutine(stack string) bool {
+	return strings.Contains(stack, "zmqevents.(*FakePublisher)") ||
+		strings.Contains(stack, "go-zeromq/zmq4") && !strings.Contains(stack, "zmqevents.(*Consumer)")
 }
 
 func discardStdLogger() *log.Logger { return log.New(io.Discard, "", 0) }

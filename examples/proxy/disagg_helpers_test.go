@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"os"
 	"regexp"
 	"strconv"
 	"testing"
@@ -14,6 +13,7 @@ import (
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/internal/enginesim"
+	"github.com/kvroute/kvroute/internal/testenv"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 )
@@ -30,11 +30,8 @@ type s3Env struct {
 // (or an earlier run) wrote are not found.
 func requireS3(t *testing.T) s3Env {
 	t.Helper()
-	e := s3Env{endpoint: os.Getenv("S3_ENDPOINT"), bucket: os.Getenv("S3_BUCKET"),
-		accessKey: os.Getenv("S3_ACCESS_KEY"), secretKey: os.Getenv("S3_SECRET_KEY")}
-	if e.endpoint == "" || e.bucket == "" {
-		skipOrFail(t, "S3_ENDPOINT or S3_BUCKET not set: no S3 to exchange KV through (start one as .ci/run does)")
-	}
+	env := testenv.S3(t)
+	e := s3Env{endpoint: env.Endpoint, bucket: env.Bucket, accessKey: env.AccessKey, secretKey: env.SecretKey}
 	name := regexp.MustCompile(`[^A-Za-z0-9_-]+`).ReplaceAllString(t.Name(), "-")
 	e.namespace = "kvroute-proxy-test/" + name + "/" + strconv.FormatInt(time.Now().UnixNano(), 36)
 	return e

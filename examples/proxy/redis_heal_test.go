@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute/config"
+	"github.com/kvroute/kvroute/internal/testenv"
 )
 
 // redisHealWithin is how long after Redis comes back empty the proxy has to route every
@@ -29,11 +30,11 @@ func TestE2ERedisIndexHealsThroughProxy(t *testing.T) {
 		traffic bool // requests flow through the proxy during the outage and the recovery
 	}{{"requests flowing", true}, {"quiet gap before traffic resumes", false}} {
 		t.Run(tt.name, func(t *testing.T) {
-			rs := newRedisServer(t)
+			rs := testenv.StartRedisServer(t)
 			f := startFleet(t, 3, true)
 			cfg := fleetConfig(t, f, func(c *config.Config) {
 				c.KVCacheIndex.Backend = "redis"
-				c.KVCacheIndex.Redis.URL = config.Secret("redis://" + rs.addr)
+				c.KVCacheIndex.Redis.URL = config.Secret("redis://" + rs.Addr())
 				c.KVCacheIndex.Redis.KeyPrefix = "kvroute-proxy-test:heal-through-proxy:"
 			})
 			p := startProxy(t, cfg)
@@ -130,9 +131,9 @@ func TestE2ERedisIndexHealsThroughProxy(t *testing.T) {
 				go traffic()
 			}
 
-			rs.kill()
+			rs.Kill()
 			time.Sleep(4 * time.Second) // the outage
-			rs.start()                  // empty: everything the index held is gone
+			rs.Start()                  // empty: everything the index held is gone
 			back := time.Now()
 
 			// Every source catches up from its engine's replay buffer, with or without traffic.

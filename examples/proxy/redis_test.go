@@ -1,119 +1,22 @@
 package main
 
 import (
-	"bufio"
 	"fmt"
-	"net"
-	"os"
-	"os/exec"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvroute/kvroute/config"
+	"github.com/kvroute/kvroute/internal/testenv"
 )
-
-// skipOrFail skips t, or fails it under KVROUTE_REQUIRE_INTEGRATION=1.
-func skipOrFail(t *testing.T, why string) {
-	t.Helper()
-	if os.Getenv("KVROUTE_REQUIRE_INTEGRATION") == "1" {
-		t.Fatalf("KVROUTE_REQUIRE_INTEGRATION=1: %s", why)
-	}
-	t.Skip(why)
-}
-
-// startRedis starts a private redis-server (no persistence) on a free loopback port and returns
-// its address and a function that kills it (also run at cleanup).
-func startRedis(t *testing.T) (addr string, kill func()) {
-	t.Helper()
-	rs := newRedisServer(t)
-	return rs.addr, rs.kill
-}
-
-// redisServer is a private redis-server (no persistence) on a loopback port of its own, which it
-// keeps across restarts.
-type redisServer struct {
-	t    *testing.T
-	bin  string
-	port int
-	addr string
-	mu   sync.Mutex
-	stop func() // kills the running process; nil when none runs
-}
-
-// newRedisServer starts a redisServer, killed at the end of the test.
-func newRedisServer(t *testing.T) *redisServer {
-	t.Helper()
-	bin, err := exec.LookPath("redis-server")
-	if err != nil {
-		skipOrFail(t, "redis-server not on PATH")
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	ln.Close()
-	rs := &redisServer{t: t, bin: bin, port: port, addr: fmt.Sprintf("127.0.0.1:%d", port)}
-	t.Cleanup(rs.kill)
-	rs.start()
-	return rs
-}
-
-// start runs redis-server, empty, and waits until it answers PING.
-func (rs *redisServer) start() {
-	rs.t.Helper()
-	cmd := exec.Command(rs.bin, "--port", fmt.Sprint(rs.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-		"--dir", rs.t.TempDir())
-	if err := cmd.Start(); err != nil {
-		rs.t.Fatalf("redis-server: %v", err)
-	}
-	done := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(done) }()
-	rs.mu.Lock()
-	rs.stop = func() {
-		_ = cmd.Process.Kill()
-		<-done
-	}
-	rs.mu.Unlock()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if c, err := net.DialTimeout("tcp", rs.addr, 200*time.Millisecond); err == nil {
-			fmt.Fprint(c, "PING\r\n")
-			_ = c.SetReadDeadline(time.Now().Add(time.Second))
-			line, _ := bufio.NewReader(c).ReadString('\n')
-			c.Close()
-			if strings.HasPrefix(line, "+PONG") {
-				return
-			}
-		}
-		if time.Now().After(deadline) {
-			rs.t.Fatalf("redis-server on %s did not answer", rs.addr)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
-// kill stops the running redis-server, if any; what it held is lost.
-func (rs *redisServer) kill() {
-	rs.mu.Lock()
-	stop := rs.stop
-	rs.stop = nil
-	rs.mu.Unlock()
-	if stop != nil {
-		stop()
-	}
-}
 
 // With the response cache and the KV index in Redis, a Redis outage does not stop the proxy:
 // the cache falls back to memory, the index to consistent hashing.
 func TestE2ERedisDown(t *testing.T) {
-	addr, kill := startRedis(t)
+	rs := testenv.StartRedisServer(t)
 	f := startFleet(t, 2, true)
 	cfg := fleetConfig(t, f, func(c *config.Config) {
 		c.ResponseCache.Backend = "redis"
-		c.ResponseCache.Redis.URL = config.Secret("redis://" + addr)
+		c.ResponseCache.Redis.URL = config.Secret("redis://" + rs.Addr())
 		c.ResponseCache.Redis.KeyPrefix = "kvroute-proxy-test:resp:"
 		c.ResponseCache.Redis.CommandTimeoutMS = 500
 		c.KVCacheIndex.Backend = "redis"
@@ -133,7 +36,7 @@ func TestE2ERedisDown(t *testing.T) {
 		t.Errorf("backend_type %v", cs["backend_type"])
 	}
 
-	kill()
+	rs.Kill()
 	for i := range 6 {
 		body := chatBody(longSystemPrompt("redis", 50), fmt.Sprintf("after the outage %d", i/2), `"temperature":0,"max_tokens":4`)
 		r, b := post(t, p.URL+"/v1/chat/completions", body)
@@ -168,11 +71,11 @@ func TestE2ERedisIndexHealsAfterRestart(t *testing.T) {
 		batchesWhile bool // the holder publishes while Redis is down
 	}{{"batches dropped while down", true}, {"restart between two batches", false}} {
 		t.Run(tt.name, func(t *testing.T) {
-			rs := newRedisServer(t)
+			rs := testenv.StartRedisServer(t)
 			f := startFleet(t, 3, true)
 			cfg := fleetConfig(t, f, func(c *config.Config) {
 				c.KVCacheIndex.Backend = "redis"
-				c.KVCacheIndex.Redis.URL = config.Secret("redis://" + rs.addr)
+				c.KVCacheIndex.Redis.URL = config.Secret("redis://" + rs.Addr())
 				c.KVCacheIndex.Redis.KeyPrefix = "kvroute-proxy-test:heal:"
 			})
 			p := startProxy(t, cfg)
@@ -196,7 +99,7 @@ func TestE2ERedisIndexHealsAfterRestart(t *testing.T) {
 			}
 
 			catchUps := catchUpsOf(t, p, holder)
-			rs.kill()
+			rs.Kill()
 			if tt.batchesWhile {
 				waitFor(t, 10*time.Second, "a batch dropped for the outage", func() bool {
 					live()
@@ -204,7 +107,7 @@ func TestE2ERedisIndexHealsAfterRestart(t *testing.T) {
 				})
 				live()
 			}
-			rs.start() // empty: everything the index held is gone
+			rs.Start() // empty: everything the index held is gone
 			// The holder's next batches clear its backend and replay its buffer (the catch-up is
 			// counted once its batches are applied).
 			waitFor(t, 10*time.Second, "a catch-up after the restart", func() bool {
@@ -229,12 +132,12 @@ func TestE2ERedisIndexHealsAfterRestart(t *testing.T) {
 // and after a Redis restart that lost the index both heal (each clears the backend and catches
 // up from the engine; the last catch-up leaves the index whole).
 func TestE2ERedisIndexSharedByReplicas(t *testing.T) {
-	rs := newRedisServer(t)
+	rs := testenv.StartRedisServer(t)
 	f := startFleet(t, 3, true)
 	replica := func() *testProxy {
 		return startProxy(t, fleetConfig(t, f, func(c *config.Config) {
 			c.KVCacheIndex.Backend = "redis"
-			c.KVCacheIndex.Redis.URL = config.Secret("redis://" + rs.addr)
+			c.KVCacheIndex.Redis.URL = config.Secret("redis://" + rs.Addr())
 			c.KVCacheIndex.Redis.KeyPrefix = "kvroute-proxy-test:replicas:"
 		}))
 	}
@@ -262,8 +165,8 @@ func TestE2ERedisIndexSharedByReplicas(t *testing.T) {
 	routesToHolder(b, "the other replica")
 
 	before := [2]uint64{catchUpsOf(t, a, holder), catchUpsOf(t, b, holder)}
-	rs.kill()
-	rs.start()
+	rs.Kill()
+	rs.Start()
 	n := 0
 	waitFor(t, 10*time.Second, "both replicas to catch up after the restart", func() bool {
 		n++

@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/kvroute/kvroute/config"
+	"github.com/kvroute/kvroute/internal/testenv"
 )
 
 // The shipped all-tiers.yaml, as is but for the addresses: Redis L1 (a private redis-server) in
@@ -12,15 +13,13 @@ import (
 // the KV index in Redis. A repeated request is a HIT; with Redis killed the proxy still serves,
 // and L2 still answers.
 func TestE2EAllTiers(t *testing.T) {
-	if os.Getenv("S3_ENDPOINT") == "" {
-		skipOrFail(t, "S3_ENDPOINT not set: no S3 to test against")
-	}
-	addr, kill := startRedis(t)
+	testenv.S3(t) // all-tiers.yaml reads the S3_* variables itself
+	rs := testenv.StartRedisServer(t)
 	data, err := os.ReadFile("configs/all-tiers.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
-	vars := map[string]string{"REDIS_URL": "redis://" + addr, "ADMIN_TOKEN": "tiers-token"}
+	vars := map[string]string{"REDIS_URL": "redis://" + rs.Addr(), "ADMIN_TOKEN": "tiers-token"}
 	cfg, err := config.Parse(data, func(k string) (string, bool) {
 		if v, ok := vars[k]; ok {
 			return v, true
@@ -58,7 +57,7 @@ func TestE2EAllTiers(t *testing.T) {
 		t.Errorf("backend_type %v", cs["backend_type"])
 	}
 
-	kill()
+	rs.Kill()
 	r3, b3 := post(t, p.URL+"/v1/chat/completions", body)
 	if r3.StatusCode != 200 || string(b3) != string(b1) {
 		t.Errorf("with Redis down: %d %q %s", r3.StatusCode, r3.Header.Get("X-Cache"), b3)

@@ -9,7 +9,6 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -21,31 +20,18 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/internal/testenv"
 	"github.com/kvroute/kvroute/prefixkey"
 )
-
-// skipOrFail skips the test, or fails it when KVROUTE_REQUIRE_INTEGRATION=1 (CI, where every
-// service the tests need is provisioned).
-func skipOrFail(t testing.TB, why string) {
-	t.Helper()
-	if os.Getenv("KVROUTE_REQUIRE_INTEGRATION") == "1" {
-		t.Fatalf("KVROUTE_REQUIRE_INTEGRATION=1: %s", why)
-	}
-	t.Skip(why)
-}
 
 // s3Storage returns a StorageConfig on the S3 server of S3_ENDPOINT, S3_ACCESS_KEY,
 // S3_SECRET_KEY and S3_BUCKET, under a namespace of its own (emptied at the end of the test),
 // with small simulated sizes: 1,000 bytes per token at 1 MB/s. It skips without S3.
 func s3Storage(t *testing.T) *StorageConfig {
 	t.Helper()
-	sc := &StorageConfig{Endpoint: os.Getenv("S3_ENDPOINT"), Bucket: os.Getenv("S3_BUCKET"),
-		AccessKey: os.Getenv("S3_ACCESS_KEY"), SecretKey: os.Getenv("S3_SECRET_KEY"),
+	env := testenv.S3(t)
+	sc := &StorageConfig{Endpoint: env.Endpoint, Bucket: env.Bucket, AccessKey: env.AccessKey, SecretKey: env.SecretKey,
 		BytesPerToken: 1000, BandwidthBytesPerSec: 1e6}
-	if sc.Endpoint == "" || sc.Bucket == "" {
-		skipOrFail(t, "S3_ENDPOINT or S3_BUCKET not set: no S3 to test against "+
-			"(e.g. a versitygw: S3_ENDPOINT=http://127.0.0.1:7070 S3_ACCESS_KEY=… S3_SECRET_KEY=… S3_BUCKET=…)")
-	}
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	sc.Namespace = "kvroute-test/enginesim-" + hex.EncodeToString(b[:])

@@ -4,12 +4,12 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"os"
 	"testing"
 	"time"
 
 	"github.com/redis/rueidis"
 
+	"github.com/kvroute/kvroute/internal/testenv"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/kvindex/indextest"
 	"github.com/kvroute/kvroute/kvindex/redisindex"
@@ -20,13 +20,7 @@ import (
 // prefix, deleted when it ends; the index reads time through the suite's clock (entry expiries are
 // written in that clock), so the TTL subtests run too.
 func TestConformance(t *testing.T) {
-	addr := os.Getenv("REDIS_ADDR")
-	if addr == "" {
-		if os.Getenv("KVROUTE_REQUIRE_INTEGRATION") == "1" {
-			t.Fatal("REDIS_ADDR is not set but KVROUTE_REQUIRE_INTEGRATION=1: a Redis 7 server is required")
-		}
-		t.Skip("REDIS_ADDR not set: skipping the Redis conformance run (e.g. REDIS_ADDR=127.0.0.1:6379)")
-	}
+	addr := testenv.RedisAddr(t)
 	client, err := rueidis.NewClient(rueidis.ClientOption{InitAddress: []string{addr}, DisableCache: true})
 	if err != nil {
 		t.Fatalf("connect to %s: %v", addr, err)

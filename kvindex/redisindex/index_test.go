@@ -8,7 +8,6 @@ import (
 	"errors"
 	"io"
 	"net"
-	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -18,25 +17,12 @@ import (
 	"github.com/redis/rueidis"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/internal/testenv"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 )
 
 // ---- helpers (shared with redis_bench_test.go and redis_conformance_test.go) ----
-
-// redisTestAddr returns REDIS_ADDR, skipping the test when it is unset (failing it when
-// KVROUTE_REQUIRE_INTEGRATION=1).
-func redisTestAddr(tb testing.TB) string {
-	tb.Helper()
-	addr := os.Getenv("REDIS_ADDR")
-	if addr == "" {
-		if os.Getenv("KVROUTE_REQUIRE_INTEGRATION") == "1" {
-			tb.Fatal("REDIS_ADDR is not set but KVROUTE_REQUIRE_INTEGRATION=1: a Redis 7 server is required")
-		}
-		tb.Skip("REDIS_ADDR not set: skipping Redis integration test (e.g. REDIS_ADDR=127.0.0.1:6379)")
-	}
-	return addr
-}
 
 // redisTestPrefix returns a fresh key prefix "kvroute:test:<random>:" and deletes every key under
 // it when the test ends.
@@ -138,7 +124,7 @@ type redisFixture struct {
 // (KeyPrefix, Now and CommandTimeout filled in when unset).
 func newRedisFixture(tb testing.TB, cfg Config) *redisFixture {
 	tb.Helper()
-	addr := redisTestAddr(tb)
+	addr := testenv.RedisAddr(tb)
 	f := &redisFixture{addr: addr, clock: newRedisTestClock()}
 	if cfg.KeyPrefix == "" {
 		cfg.KeyPrefix = redisTestPrefix(tb, addr)
@@ -483,7 +469,7 @@ func (p *redisProxy) stop() {
 }
 
 func TestGoesAwayAndComesBack(t *testing.T) {
-	addr := redisTestAddr(t)
+	addr := testenv.RedisAddr(t)
 	prefix := redisTestPrefix(t, addr)
 	proxy := newRedisProxy(t, addr)
 	clock := newRedisTestClock()
@@ -1161,7 +1147,7 @@ func TestConcurrent(t *testing.T) {
 }
 
 func TestNewWithURL(t *testing.T) {
-	addr := redisTestAddr(t)
+	addr := testenv.RedisAddr(t)
 	prefix := redisTestPrefix(t, addr)
 	idx, err := New(Config{URL: "redis://" + addr + "/0", KeyPrefix: prefix})
 	if err != nil {

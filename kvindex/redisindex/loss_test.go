@@ -1,104 +1,17 @@
 package redisindex
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
-	"net"
-	"os"
-	"os/exec"
-	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/internal/testenv"
 	"github.com/kvroute/kvroute/kvindex"
 )
-
-// redisChild is a private redis-server (no persistence) on a loopback port of its own, kept
-// across restarts, so that a test may kill it and start it again empty without touching the
-// shared server of REDIS_ADDR.
-type redisChild struct {
-	t    *testing.T
-	bin  string
-	dir  string
-	addr string
-	mu   sync.Mutex
-	stop func() // kills the running process; nil when none runs
-}
-
-// newRedisChild starts a redisChild, killed when the test ends. It skips when redis-server is not
-// on PATH (fails under KVROUTE_REQUIRE_INTEGRATION=1).
-func newRedisChild(t *testing.T) *redisChild {
-	t.Helper()
-	bin, err := exec.LookPath("redis-server")
-	if err != nil {
-		if os.Getenv("KVROUTE_REQUIRE_INTEGRATION") == "1" {
-			t.Fatal("KVROUTE_REQUIRE_INTEGRATION=1: redis-server not on PATH")
-		}
-		t.Skip("redis-server not on PATH: cannot start a private Redis to restart")
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	ln.Close()
-	rc := &redisChild{t: t, bin: bin, dir: t.TempDir(), addr: addr}
-	t.Cleanup(rc.kill)
-	rc.start()
-	return rc
-}
-
-// start runs redis-server, empty, and waits until it answers PING.
-func (rc *redisChild) start() {
-	rc.t.Helper()
-	_, port, _ := net.SplitHostPort(rc.addr)
-	cmd := exec.Command(rc.bin, "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", rc.dir)
-	if err := cmd.Start(); err != nil {
-		rc.t.Fatalf("redis-server: %v", err)
-	}
-	done := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(done) }()
-	rc.mu.Lock()
-	rc.stop = func() { _ = cmd.Process.Kill(); <-done }
-	rc.mu.Unlock()
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		if rc.command("PING") == "+PONG" {
-			return
-		}
-		if time.Now().After(deadline) {
-			rc.t.Fatalf("redis-server on %s did not answer", rc.addr)
-		}
-	}
-}
-
-// kill stops the running redis-server, if any: what it held is lost.
-func (rc *redisChild) kill() {
-	rc.mu.Lock()
-	stop := rc.stop
-	rc.stop = nil
-	rc.mu.Unlock()
-	if stop != nil {
-		stop()
-	}
-}
-
-// command sends an inline command on a fresh connection and returns the first reply line ("" on
-// a network error).
-func (rc *redisChild) command(cmd string) string {
-	c, err := net.DialTimeout("tcp", rc.addr, 200*time.Millisecond)
-	if err != nil {
-		return ""
-	}
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(time.Second))
-	fmt.Fprint(c, cmd+"\r\n")
-	line, _ := bufio.NewReader(c).ReadString('\n')
-	return strings.TrimRight(line, "\r\n")
-}
 
 // TestLossDetected: Redis loses the index (restarted empty, or flushed) while this process
 // caches the backends' ids and registry. Whichever call comes first afterwards — a Lookup, a
@@ -132,8 +45,8 @@ func TestLossDetected(t *testing.T) {
 	for _, how := range []string{"restart", "flush"} {
 		for _, f := range firsts {
 			t.Run(how+"/"+f.name, func(t *testing.T) {
-				rc := newRedisChild(t)
-				idx, err := New(Config{Addr: rc.addr, CommandTimeout: 2 * time.Second, UnavailableBackoff: 10 * time.Millisecond})
+				rc := testenv.StartRedisServer(t)
+				idx, err := New(Config{Addr: rc.Addr(), CommandTimeout: 2 * time.Second, UnavailableBackoff: 10 * time.Millisecond})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -158,9 +71,9 @@ func TestLossDetected(t *testing.T) {
 				}
 
 				if how == "restart" {
-					rc.kill()
-					rc.start()
-				} else if r := rc.command("FLUSHALL"); r != "+OK" {
+					rc.Kill()
+					rc.Start()
+				} else if r := rc.Command("FLUSHALL"); r != "+OK" {
 					t.Fatalf("FLUSHALL: %q", r)
 				}
 				if f.do != nil { // the first call after the loss (the connection may need a retry)
@@ -208,10 +121,10 @@ func TestLossDetected(t *testing.T) {
 // TestLossSeenByReplica: after a restart, another replica writes first (recreating the
 // epoch); this process's next Lookup sees an epoch it does not know and reports its backends lost.
 func TestLossSeenByReplica(t *testing.T) {
-	rc := newRedisChild(t)
+	rc := testenv.StartRedisServer(t)
 	ctx := context.Background()
 	open := func() *Index {
-		idx, err := New(Config{Addr: rc.addr, CommandTimeout: 2 * time.Second, UnavailableBackoff: 10 * time.Millisecond})
+		idx, err := New(Config{Addr: rc.Addr(), CommandTimeout: 2 * time.Second, UnavailableBackoff: 10 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -227,8 +140,8 @@ func TestLossSeenByReplica(t *testing.T) {
 	if out := redisLookup(t, b, keys, "x", "y"); out[0].Blocks != 2 || out[1].Blocks != 2 {
 		t.Fatalf("shared before the restart: %+v", out)
 	}
-	rc.kill()
-	rc.start()
+	rc.Kill()
+	rc.Start()
 	waitUntil(t, 10*time.Second, "replica b to write", func() bool {
 		// A backend new to b. (A write that failed on a connection that had not noticed the
 		// restart yet may have landed: z is then lost too, and cleared, as a consumer would.)
@@ -256,11 +169,11 @@ func TestLossSeenByReplica(t *testing.T) {
 // TestNoFalseLoss: replicas that start together on a fresh Redis, the index's Clear and the
 // ordinary traffic never report a backend lost.
 func TestNoFalseLoss(t *testing.T) {
-	rc := newRedisChild(t)
+	rc := testenv.StartRedisServer(t)
 	ctx := context.Background()
 	var idxs []*Index
 	for range 2 {
-		idx, err := New(Config{Addr: rc.addr, CommandTimeout: 2 * time.Second})
+		idx, err := New(Config{Addr: rc.Addr(), CommandTimeout: 2 * time.Second})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -2,10 +2,10 @@ package redisstore_test
 
 import (
 	"context"
-	"strconv"
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/respcache/internal/storetest"
 	"github.com/kvroute/kvroute/respcache/redisstore"
 )
 
@@ -13,35 +13,21 @@ import (
 //
 //	REDIS_ADDR=127.0.0.1:6379 go test -run '^$' -bench GetHit -benchtime 2s ./respcache/redisstore/
 
-var benchSizes = []int{1 << 10, 16 << 10}
-
-func sizeName(n int) string { return "size=" + strconv.Itoa(n>>10) + "KiB" }
-
 // BenchmarkGetHit: a Get of a present key, with client-side caching off (a round trip per Get)
 // and on (served from the local cache after the first).
 func BenchmarkGetHit(b *testing.B) {
 	for _, csc := range []bool{false, true} {
-		for _, size := range benchSizes {
-			name := "csc=off/" + sizeName(size)
+		for _, size := range storetest.BenchSizes() {
+			name := "csc=off/" + storetest.SizeName(size)
 			if csc {
-				name = "csc=on/" + sizeName(size)
+				name = "csc=on/" + storetest.SizeName(size)
 			}
 			b.Run(name, func(b *testing.B) {
 				s := newTestRedis(b, redisstore.Config{ClientSideCaching: csc, KeyPrefix: uniquePrefix("bench")})
-				ctx := context.Background()
-				if err := s.Set(ctx, "k", make([]byte, size), time.Hour); err != nil {
-					b.Fatal(err)
-				}
-				b.SetBytes(int64(size))
-				b.ReportAllocs()
-				for b.Loop() {
-					if _, ok, err := s.Get(ctx, "k"); err != nil || !ok {
-						b.Fatalf("Get = %v, %v", ok, err)
-					}
-				}
+				storetest.BenchGetHits(b, s, s, size)
 			})
 		}
-		b.Run("parallel/csc="+map[bool]string{false: "off", true: "on"}[csc]+"/"+sizeName(1<<10), func(b *testing.B) {
+		b.Run("parallel/csc="+map[bool]string{false: "off", true: "on"}[csc]+"/"+storetest.SizeName(1<<10), func(b *testing.B) {
 			s := newTestRedis(b, redisstore.Config{ClientSideCaching: csc, KeyPrefix: uniquePrefix("bench")})
 			ctx := context.Background()
 			if err := s.Set(ctx, "k", make([]byte, 1<<10), time.Hour); err != nil {

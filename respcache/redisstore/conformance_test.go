@@ -1,14 +1,16 @@
 package redisstore_test
 
 import (
-	"context"
+	"strconv"
 	"testing"
 	"time"
 
 	"github.com/redis/rueidis"
 
+	"github.com/kvroute/kvroute/internal/testenv"
 	"github.com/kvroute/kvroute/respcache"
 	"github.com/kvroute/kvroute/respcache/cachetest"
+	"github.com/kvroute/kvroute/respcache/internal/storetest"
 	"github.com/kvroute/kvroute/respcache/redisstore"
 )
 
@@ -17,7 +19,7 @@ import (
 func newTestRedis(t testing.TB, cfg redisstore.Config) *redisstore.Store {
 	t.Helper()
 	if cfg.URL == "" {
-		cfg.URL = "redis://" + redisAddr(t)
+		cfg.URL = "redis://" + testenv.RedisAddr(t)
 	}
 	if cfg.KeyPrefix == "" {
 		cfg.KeyPrefix = uniquePrefix("conf")
@@ -31,16 +33,7 @@ func newTestRedis(t testing.TB, cfg redisstore.Config) *redisstore.Store {
 }
 
 // cleanupStore clears s's prefix and closes s at cleanup.
-func cleanupStore(t testing.TB, s *redisstore.Store) {
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		if _, err := s.Clear(ctx); err != nil {
-			t.Errorf("cleanup Clear: %v", err)
-		}
-		_ = s.Close()
-	})
-}
+func cleanupStore(t testing.TB, s *redisstore.Store) { storetest.ClearAndClose(t, s, 5*time.Second) }
 
 // sharedClient returns a caller's rueidis client on addr, as a gateway sharing one client between
 // the response cache and the KV index makes it; closed at cleanup (after the stores on it).
@@ -63,7 +56,7 @@ func sharedClient(t testing.TB, addr string, clientSideCaching bool) rueidis.Cli
 // Redis is down (all in fallback).
 func TestConformance(t *testing.T) {
 	t.Run("redis", func(t *testing.T) {
-		redisAddr(t)
+		testenv.RedisAddr(t)
 		cachetest.RunOptions(t, func(t *testing.T) respcache.CacheStore {
 			s := newTestRedis(t, redisstore.Config{})
 			if s.FallbackActive() {
@@ -73,7 +66,7 @@ func TestConformance(t *testing.T) {
 		}, cachetest.Options{RealTimeTTL: true})
 	})
 	t.Run("client_side_caching", func(t *testing.T) {
-		redisAddr(t)
+		testenv.RedisAddr(t)
 		cachetest.RunOptions(t, func(t *testing.T) respcache.CacheStore {
 			return newTestRedis(t, redisstore.Config{ClientSideCaching: true})
 		}, cachetest.Options{RealTimeTTL: true})
@@ -84,7 +77,7 @@ func TestConformance(t *testing.T) {
 			name += "_client_side_caching"
 		}
 		t.Run(name, func(t *testing.T) {
-			c := sharedClient(t, redisAddr(t), csc)
+			c := sharedClient(t, testenv.RedisAddr(t), csc)
 			cachetest.RunOptions(t, func(t *testing.T) respcache.CacheStore {
 				s, err := redisstore.NewWithClient(c, redisstore.Config{KeyPrefix: uniquePrefix("shared"), ClientSideCaching: csc})
 				if err != nil {
@@ -99,7 +92,7 @@ func TestConformance(t *testing.T) {
 		// Nothing listens on the port: the store starts in fallback and stays there.
 		cachetest.RunOptions(t, func(t *testing.T) respcache.CacheStore {
 			s, err := redisstore.New(redisstore.Config{
-				URL:            "redis://127.0.0.1:" + itoa(freePort(t)),
+				URL:            "redis://127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)),
 				ConnectTimeout: 200 * time.Millisecond,
 				HealthInterval: time.Hour,
 			})

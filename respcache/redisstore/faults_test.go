@@ -2,68 +2,21 @@ package redisstore_test
 
 import (
 	"context"
-	"fmt"
 	"strconv"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/redis/rueidis"
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvroute/kvroute/internal/testenv"
 	"github.com/kvroute/kvroute/respcache"
+	"github.com/kvroute/kvroute/respcache/internal/storetest"
 	"github.com/kvroute/kvroute/respcache/redisstore"
 )
 
 // Fault tests: each against its own server process on its own port, so that killing it harms no
 // other test. "No failed call" means: no Get or Set returns an error while the fallback is on.
-
-// load runs Set/Get loops from several goroutines until stop is closed, counting calls and errors.
-type load struct {
-	calls, failures atomic.Int64
-	firstErr        atomic.Value // error
-	stop            chan struct{}
-	wg              sync.WaitGroup
-}
-
-func startLoad(s respcache.CacheStore, goroutines int) *load {
-	l := &load{stop: make(chan struct{})}
-	for g := range goroutines {
-		l.wg.Go(func() {
-			ctx := context.Background()
-			for i := 0; ; i++ {
-				select {
-				case <-l.stop:
-					return
-				default:
-				}
-				k := fmt.Sprintf("load-%d-%d", g, i%50)
-				var err error
-				if i%2 == 0 {
-					err = s.Set(ctx, k, []byte("value "+k), time.Minute)
-				} else {
-					_, _, err = s.Get(ctx, k)
-				}
-				l.calls.Add(1)
-				if err != nil {
-					l.failures.Add(1)
-					l.firstErr.CompareAndSwap(nil, err)
-				}
-				time.Sleep(time.Millisecond) // 2 cores shared: a steady trickle, not a flood
-			}
-		})
-	}
-	return l
-}
-
-// Stop ends the loops and returns (calls, failures, first error).
-func (l *load) Stop() (int64, int64, error) {
-	close(l.stop)
-	l.wg.Wait()
-	err, _ := l.firstErr.Load().(error)
-	return l.calls.Load(), l.failures.Load(), err
-}
 
 // directClient returns a plain rueidis client on addr, closed at cleanup.
 func directClient(t *testing.T, addr string) rueidis.Client {
@@ -79,7 +32,7 @@ func directClient(t *testing.T, addr string) rueidis.Client {
 // takes over, and when a new Redis starts on the same port the store goes back to it within the
 // health interval, with later Sets landing in Redis.
 func TestFaultKillAndRestart(t *testing.T) {
-	proc := startRedis(t, 0)
+	proc := testenv.StartRedisServer(t)
 	const interval = 200 * time.Millisecond
 	s, err := redisstore.New(redisstore.Config{
 		URL: proc.URL(), KeyPrefix: uniquePrefix("fault"), HealthInterval: interval,
@@ -89,13 +42,13 @@ func TestFaultKillAndRestart(t *testing.T) {
 	t.Cleanup(func() { _ = s.Close() })
 	require.False(t, s.FallbackActive())
 
-	l := startLoad(s, 6)
+	l := storetest.StartLoad(s, 6)
 	time.Sleep(300 * time.Millisecond)
-	before := l.calls.Load()
+	before := l.Calls()
 	proc.Kill()
 	require.Eventually(t, s.FallbackActive, 2*time.Second, 5*time.Millisecond, "fallback did not activate after kill -9")
 	time.Sleep(500 * time.Millisecond) // keep serving from the fallback for a while
-	during := l.calls.Load()
+	during := l.Calls()
 
 	proc.Start()
 	restarted := time.Now()
@@ -128,7 +81,7 @@ func TestFaultKillAndRestart(t *testing.T) {
 // TestFaultDownAtStart: New with nothing listening works from the fallback and recovers
 // when a server appears on that port.
 func TestFaultDownAtStart(t *testing.T) {
-	proc := newRedisProc(t, 0) // not started
+	proc := testenv.NewRedisServer(t) // not started
 	const interval = 200 * time.Millisecond
 	s, err := redisstore.New(redisstore.Config{
 		URL: proc.URL(), KeyPrefix: uniquePrefix("down"), HealthInterval: interval,
@@ -159,7 +112,7 @@ func TestFaultDownAtStart(t *testing.T) {
 // TestFaultDownAtStartNoFallback: with the fallback off, New reports respcache.ErrUnavailable.
 func TestFaultDownAtStartNoFallback(t *testing.T) {
 	_, err := redisstore.New(redisstore.Config{
-		URL: "redis://127.0.0.1:" + strconv.Itoa(freePort(t)), DisableFallback: true,
+		URL: "redis://127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)), DisableFallback: true,
 		ConnectTimeout: 300 * time.Millisecond,
 	})
 	require.ErrorIs(t, err, respcache.ErrUnavailable)
@@ -170,7 +123,7 @@ func TestFaultDownAtStartNoFallback(t *testing.T) {
 // goes back to Redis when the client has reconnected to the restarted server. The client stays
 // the caller's: Close leaves it open.
 func TestFaultCallersClient(t *testing.T) {
-	proc := startRedis(t, 0)
+	proc := testenv.StartRedisServer(t)
 	c, err := rueidis.NewClient(rueidis.ClientOption{InitAddress: []string{proc.Addr()}, DisableCache: true})
 	require.NoError(t, err)
 	t.Cleanup(c.Close)
@@ -181,7 +134,7 @@ func TestFaultCallersClient(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, s.FallbackActive())
 
-	l := startLoad(s, 4)
+	l := storetest.StartLoad(s, 4)
 	time.Sleep(200 * time.Millisecond)
 	proc.Kill()
 	require.Eventually(t, s.FallbackActive, 3*time.Second, 5*time.Millisecond, "fallback did not activate after kill -9")

@@ -10,6 +10,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvroute/kvroute/internal/testenv"
 	"github.com/kvroute/kvroute/respcache"
 	"github.com/kvroute/kvroute/respcache/redisstore"
 )
@@ -18,7 +19,7 @@ import (
 // back without failing a call; a Delete made during the outage is replayed on Redis when it
 // resumes (SIGCONT), so the deleted entry does not come back.
 func TestFaultHangAndReplay(t *testing.T) {
-	proc := startRedis(t, 0)
+	proc := testenv.StartRedisServer(t)
 	const interval = 200 * time.Millisecond
 	prefix := uniquePrefix("hang")
 	s, err := redisstore.New(redisstore.Config{

@@ -7,13 +7,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/redis/rueidis"
 
 	"github.com/kvroute/kvroute/respcache"
+	"github.com/kvroute/kvroute/respcache/internal/storeutil"
 )
 
 // TestClientOptions checks how Config maps onto rueidis options.
@@ -120,7 +120,7 @@ func TestErrorType(t *testing.T) {
 		{"eof", io.EOF, respcache.ErrorTypeConnection},
 		{"rueidis_closing", rueidis.ErrClosing, respcache.ErrorTypeConnection},
 		{"loading", loading, respcache.ErrorTypeConnection},
-		{"loading_redacted", redact(loading, secretList("pw")), respcache.ErrorTypeConnection},
+		{"loading_redacted", storeutil.Redact(loading, storeutil.Secrets("pw")), respcache.ErrorTypeConnection},
 		{"masterdown", redisErr(t, "MASTERDOWN Link with MASTER is down"), respcache.ErrorTypeConnection},
 		{"busy", redisErr(t, "BUSY Redis is busy running a script"), respcache.ErrorTypeConnection},
 		{"busykey", redisErr(t, "BUSYKEY Target key name already exists"), respcache.ErrorTypeOther},
@@ -133,18 +133,5 @@ func TestErrorType(t *testing.T) {
 				t.Errorf("errorType(%v) = %q, want %q", tc.err, got, tc.want)
 			}
 		})
-	}
-}
-
-func TestRedact(t *testing.T) {
-	err := redact(fmt.Errorf("auth user:%s failed: %w", "p4ss", io.EOF), secretList("p4ss", ""))
-	if strings.Contains(err.Error(), "p4ss") || !strings.Contains(err.Error(), "[REDACTED]") {
-		t.Errorf("redact: %q", err)
-	}
-	if !errors.Is(err, io.EOF) {
-		t.Error("redact lost the wrapped error")
-	}
-	if redact(nil, secretList("x")) != nil {
-		t.Error("redact(nil) != nil")
 	}
 }

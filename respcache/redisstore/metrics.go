@@ -4,13 +4,11 @@ import (
 	"context"
 	"fmt"
 	"sync"
-	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/metric/noop"
 
-	"github.com/kvroute/kvroute/respcache"
+	"github.com/kvroute/kvroute/respcache/internal/storeutil"
 )
 
 // ScopeName is the instrumentation scope of the store's metrics.
@@ -26,65 +24,23 @@ const (
 	MetricBackendType    = "kvroute.cache.backend_type"      // gauge, {backend=redis|memory}: 1 = serving
 )
 
-// opKind is an operation label of the latency histogram.
-type opKind uint8
-
-const (
-	opGet opKind = iota
-	opSet
-	opDelete
-	numOps
-)
-
-func (op opKind) String() string {
-	switch op {
-	case opGet:
-		return "get"
-	case opSet:
-		return "set"
-	}
-	return "delete"
-}
-
-// storeMetrics holds the store's instruments, with attribute options built once so that recording
-// allocates nothing.
+// storeMetrics holds the store's instruments: the latency histogram and error counter every store
+// has, and the registration of its gauges.
 type storeMetrics struct {
-	hist    metric.Float64Histogram
-	errs    metric.Int64Counter
-	opOpts  [numOps][]metric.RecordOption
-	errOpts map[string][]metric.AddOption // by error type
-	reg     metric.Registration
-	once    sync.Once
+	*storeutil.Instruments
+	reg  metric.Registration
+	once sync.Once
 }
 
 // newStoreMetrics registers the latency histogram, the error counter and the observable gauges
 // (fallback, backend type, connections) of r, whose callback reads only atomics.
 func newStoreMetrics(mp metric.MeterProvider, r *Store) (*storeMetrics, error) {
-	if mp == nil {
-		mp = noop.NewMeterProvider()
-	}
-	meter := mp.Meter(ScopeName)
-	m := &storeMetrics{errOpts: make(map[string][]metric.AddOption, 3)}
-	var err error
-	m.hist, err = meter.Float64Histogram(MetricLatency,
-		metric.WithDescription("redis operation latency (get, set, delete)."),
-		metric.WithUnit("s"),
-		metric.WithExplicitBucketBoundaries(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5))
+	meter := storeutil.Meter(mp, ScopeName)
+	inst, err := storeutil.NewInstruments(meter, "redisstore", "redis", MetricLatency, MetricErrors)
 	if err != nil {
-		return nil, fmt.Errorf("redisstore: metric %s: %w", MetricLatency, err)
+		return nil, err
 	}
-	m.errs, err = meter.Int64Counter(MetricErrors,
-		metric.WithDescription("redis errors by type (connection, timeout, other)."),
-		metric.WithUnit("{error}"))
-	if err != nil {
-		return nil, fmt.Errorf("redisstore: metric %s: %w", MetricErrors, err)
-	}
-	for op := range numOps {
-		m.opOpts[op] = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("operation", op.String())))}
-	}
-	for _, typ := range []string{respcache.ErrorTypeConnection, respcache.ErrorTypeTimeout, respcache.ErrorTypeOther} {
-		m.errOpts[typ] = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("type", typ)))}
-	}
+	m := &storeMetrics{Instruments: inst}
 	fallback, err := meter.Int64ObservableGauge(MetricFallbackActive,
 		metric.WithDescription("1 while the in-memory fallback serves instead of Redis."))
 	if err != nil {
@@ -122,17 +78,6 @@ func newStoreMetrics(mp metric.MeterProvider, r *Store) (*storeMetrics, error) {
 		return nil, fmt.Errorf("redisstore: metric callback: %w", err)
 	}
 	return m, nil
-}
-
-func (m *storeMetrics) latency(ctx context.Context, op opKind, start time.Time) {
-	m.hist.Record(ctx, time.Since(start).Seconds(), m.opOpts[op]...)
-}
-
-// countError counts one error of type typ; other values ("" included) are ignored.
-func (m *storeMetrics) countError(typ string) {
-	if opts, ok := m.errOpts[typ]; ok {
-		m.errs.Add(context.Background(), 1, opts...)
-	}
 }
 
 // close unregisters the gauges' callback; idempotent.

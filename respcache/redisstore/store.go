@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/kvroute/kvroute/respcache"
+	"github.com/kvroute/kvroute/respcache/internal/storeutil"
 )
 
 // Defaults of Config, from kvroute's response_cache.redis section.
@@ -128,7 +129,7 @@ func (c Config) String() string {
 	return fmt.Sprintf("redisstore.Config{URL:%s TLS:%t Username:%q Password:%s KeyPrefix:%q PoolSize:%d "+
 		"ConnectTimeout:%v CommandTimeout:%v DefaultTTL:%v ClientSideCaching:%t DisableFallback:%t "+
 		"FallbackCapacity:%d FallbackTTL:%v HealthInterval:%v}",
-		redactURL(u), c.TLS, c.Username, presence(c.Password), c.KeyPrefix, c.PoolSize,
+		storeutil.RedactURL(u), c.TLS, c.Username, storeutil.Presence(c.Password), c.KeyPrefix, c.PoolSize,
 		c.ConnectTimeout, c.CommandTimeout, c.DefaultTTL, c.ClientSideCaching, c.DisableFallback,
 		c.FallbackCapacity, c.FallbackTTL, c.HealthInterval)
 }
@@ -210,18 +211,18 @@ func New(cfg Config) (*Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	s, err := newStore(cfg, true, secretList(opt.Password),
-		fmt.Sprintf("redisstore.Store{URL:%s KeyPrefix:%q}", redactURL(cfg.URL), cfg.KeyPrefix))
+	s, err := newStore(cfg, true, storeutil.Secrets(opt.Password),
+		fmt.Sprintf("redisstore.Store{URL:%s KeyPrefix:%q}", storeutil.RedactURL(cfg.URL), cfg.KeyPrefix))
 	if err != nil {
 		return nil, err
 	}
 	s.opt = opt
 	c, err := rueidis.NewClient(opt)
 	if err != nil {
-		err = redact(err, s.secrets)
+		err = storeutil.Redact(err, s.secrets)
 		typ := errorType(err)
 		switch {
-		case !unavailable(typ):
+		case !storeutil.Unavailable(typ):
 			s.metrics.close()
 			return nil, fmt.Errorf("%w: redis: %w", respcache.ErrInvalidConfig, err)
 		case s.fallback == nil:
@@ -229,7 +230,7 @@ func New(cfg Config) (*Store, error) {
 			return nil, fmt.Errorf("%w: redis: %w", respcache.ErrUnavailable, err)
 		}
 		s.errs.Add(typ)
-		s.metrics.countError(typ)
+		s.metrics.CountError(typ)
 		s.active.Store(true)
 		s.log.Warn("redisstore: redis unreachable at start; in-memory fallback active",
 			"store", s.desc, "error", err.Error())
@@ -293,7 +294,7 @@ func newStore(cfg Config, ownClient bool, secrets []string, desc string) (*Store
 		ownClient:  ownClient,
 		secrets:    secrets,
 		desc:       desc,
-		log:        discardIfNil(cfg.Logger),
+		log:        storeutil.Logger(cfg.Logger),
 		pendingDel: make(map[string]struct{}),
 		stop:       make(chan struct{}),
 	}
@@ -318,13 +319,6 @@ func (s *Store) startMonitor() {
 		s.wg.Add(1)
 		go s.monitor()
 	}
-}
-
-func discardIfNil(l *slog.Logger) *slog.Logger {
-	if l != nil {
-		return l
-	}
-	return slog.New(slog.DiscardHandler)
 }
 
 // normalise validates cfg and applies the defaults of the fields that do not configure the client.
@@ -396,7 +390,8 @@ func clientOptions(cfg Config) (rueidis.ClientOption, error) {
 	opt, err := rueidis.ParseURL(cfg.URL)
 	if err != nil {
 		pw, _ := u.User.Password()
-		return rueidis.ClientOption{}, fmt.Errorf("%w: redis URL: %w", respcache.ErrInvalidConfig, redact(err, secretList(pw)))
+		return rueidis.ClientOption{}, fmt.Errorf("%w: redis URL: %w", respcache.ErrInvalidConfig,
+			storeutil.Redact(err, storeutil.Secrets(pw)))
 	}
 	if cfg.TLS || cfg.TLSConfig != nil || opt.TLSConfig != nil {
 		switch {
@@ -455,7 +450,7 @@ func (s *Store) key(k string) string { return s.cfg.KeyPrefix + k }
 // should answer from the fallback (the fallback has just been activated, or already was), false
 // when err must be returned (then wrapped for the caller).
 func (s *Store) failed(ctx context.Context, op string, err error) (fallback bool, wrapped error) {
-	err = redact(err, s.secrets)
+	err = storeutil.Redact(err, s.secrets)
 	if s.closed.Load() {
 		return false, respcache.ErrClosed
 	}
@@ -464,8 +459,8 @@ func (s *Store) failed(ctx context.Context, op string, err error) (fallback bool
 		return false, fmt.Errorf("redisstore: %s: %w", op, err)
 	}
 	s.errs.Add(typ)
-	s.metrics.countError(typ)
-	if !unavailable(typ) {
+	s.metrics.CountError(typ)
+	if !storeutil.Unavailable(typ) {
 		return false, fmt.Errorf("redisstore: %s: %w", op, err)
 	}
 	if ctx.Err() != nil { // the caller's deadline, not ours: answer, but do not blame Redis
@@ -539,7 +534,7 @@ func (s *Store) redisGet(ctx context.Context, c rueidis.Client, key string) ([]b
 		res = c.Do(ctx, c.B().Get().Key(s.key(key)).Build())
 	}
 	s.inflight.Add(-1)
-	s.metrics.latency(ctx, opGet, start)
+	s.metrics.Latency(ctx, storeutil.OpGet, start)
 	if err := res.Error(); err != nil {
 		if rueidis.IsRedisNil(err) {
 			return nil, false, nil
@@ -580,7 +575,7 @@ func (s *Store) Set(ctx context.Context, key string, value []byte, ttl time.Dura
 	}
 	if c := s.conn(); c != nil {
 		k := s.key(key)
-		err := s.redisWrite(ctx, c, opSet, k, c.B().Set().Key(k).Value(rueidis.BinaryString(value)).
+		err := s.redisWrite(ctx, c, storeutil.OpSet, k, c.B().Set().Key(k).Value(rueidis.BinaryString(value)).
 			PxMilliseconds(ttlMillis(ttl)).Build())
 		if err == nil {
 			return nil
@@ -603,7 +598,7 @@ func ttlMillis(ttl time.Duration) int64 {
 // with a PTTL of the same key, which goes over the same connection: Redis sends that connection's
 // invalidation of the key right after the write's reply, and the client applies it before it reads
 // the PTTL's, so the store reads its own write afterwards.
-func (s *Store) redisWrite(ctx context.Context, c rueidis.Client, op opKind, key string, cmd rueidis.Completed) error {
+func (s *Store) redisWrite(ctx context.Context, c rueidis.Client, op storeutil.Op, key string, cmd rueidis.Completed) error {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.CommandTimeout)
 	defer cancel()
 	s.inflight.Add(1)
@@ -619,7 +614,7 @@ func (s *Store) redisWrite(ctx context.Context, c rueidis.Client, op opKind, key
 		err = c.Do(ctx, cmd).Error()
 	}
 	s.inflight.Add(-1)
-	s.metrics.latency(ctx, op, start)
+	s.metrics.Latency(ctx, op, start)
 	return err
 }
 
@@ -633,7 +628,7 @@ func (s *Store) Delete(ctx context.Context, key string) error {
 	}
 	if c := s.conn(); c != nil {
 		k := s.key(key)
-		err := s.redisWrite(ctx, c, opDelete, k, c.B().Del().Key(k).Build())
+		err := s.redisWrite(ctx, c, storeutil.OpDelete, k, c.B().Del().Key(k).Build())
 		if err == nil {
 			return nil
 		}
@@ -829,9 +824,9 @@ func (s *Store) check() {
 	if rc == nil {
 		c, err := rueidis.NewClient(s.opt)
 		if err != nil {
-			typ := errorType(redact(err, s.secrets))
+			typ := errorType(storeutil.Redact(err, s.secrets))
 			s.errs.Add(typ)
-			s.metrics.countError(typ)
+			s.metrics.CountError(typ)
 			return
 		}
 		if s.closed.Load() { // Close is waiting for us; do not leak the new client
@@ -846,11 +841,11 @@ func (s *Store) check() {
 	err := c.Do(ctx, c.B().Ping().Build()).Error()
 	cancel()
 	if err != nil {
-		err = redact(err, s.secrets)
-		if typ := errorType(err); unavailable(typ) {
+		err = storeutil.Redact(err, s.secrets)
+		if typ := errorType(err); storeutil.Unavailable(typ) {
 			if !s.active.Load() {
 				s.errs.Add(typ)
-				s.metrics.countError(typ)
+				s.metrics.CountError(typ)
 			}
 			s.activate(err)
 		}

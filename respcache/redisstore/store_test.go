@@ -18,12 +18,14 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
+	"github.com/kvroute/kvroute/internal/testenv"
 	"github.com/kvroute/kvroute/respcache"
+	"github.com/kvroute/kvroute/respcache/internal/storetest"
 	"github.com/kvroute/kvroute/respcache/redisstore"
 )
 
 func TestNewValidation(t *testing.T) {
-	down := "redis://127.0.0.1:" + strconv.Itoa(freePort(t))
+	down := "redis://127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))
 	for _, tc := range []struct {
 		name string
 		cfg  redisstore.Config
@@ -56,7 +58,7 @@ const redisSecret = "hunter2-s3cr3t"
 
 func TestSecretsRedacted(t *testing.T) {
 	cfg := redisstore.Config{
-		URL:      "redis://app:" + redisSecret + "@127.0.0.1:" + strconv.Itoa(freePort(t)) + "/0",
+		URL:      "redis://app:" + redisSecret + "@127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)) + "/0",
 		Password: redisSecret + "-override", ConnectTimeout: 200 * time.Millisecond, HealthInterval: time.Hour,
 	}
 	var logBuf bytes.Buffer
@@ -81,7 +83,7 @@ func TestSecretsRedacted(t *testing.T) {
 // TestWrongPassword: a server that rejects the credentials is a configuration error, not an
 // outage, and the password is not in the error.
 func TestWrongPassword(t *testing.T) {
-	proc := startRedis(t, 0)
+	proc := testenv.StartRedisServer(t)
 	c := directClient(t, proc.Addr())
 	ctx := context.Background()
 	require.NoError(t, c.Do(ctx, c.B().ConfigSet().ParameterValue().ParameterValue("requirepass", "right-one").Build()).Error())
@@ -101,7 +103,7 @@ func TestWrongPassword(t *testing.T) {
 func TestTTL(t *testing.T) {
 	prefix := uniquePrefix("ttl")
 	s := newTestRedis(t, redisstore.Config{KeyPrefix: prefix, DefaultTTL: 42 * time.Second})
-	c := directClient(t, redisAddr(t))
+	c := directClient(t, testenv.RedisAddr(t))
 	ctx := context.Background()
 	pttl := func(k string) time.Duration {
 		ms, err := c.Do(ctx, c.B().Pttl().Key(prefix+k).Build()).AsInt64()
@@ -140,7 +142,7 @@ func TestClearOnlyItsPrefix(t *testing.T) {
 // once, a write by another client is seen after its invalidation, and the store's own writes at
 // once.
 func TestClientSideCachingServesLocally(t *testing.T) {
-	proc := startRedis(t, 0)
+	proc := testenv.StartRedisServer(t)
 	prefix := uniquePrefix("csc")
 	s, err := redisstore.New(redisstore.Config{URL: proc.URL(), KeyPrefix: prefix, ClientSideCaching: true})
 	require.NoError(t, err)
@@ -211,7 +213,7 @@ func TestCancelledContextNoFallback(t *testing.T) {
 
 // TestNoFallbackErrors: with DisableFallback, an outage is returned as ErrUnavailable.
 func TestNoFallbackErrors(t *testing.T) {
-	proc := startRedis(t, 0)
+	proc := testenv.StartRedisServer(t)
 	s, err := redisstore.New(redisstore.Config{URL: proc.URL(), DisableFallback: true,
 		KeyPrefix: uniquePrefix("nofb"), CommandTimeout: 300 * time.Millisecond})
 	require.NoError(t, err)
@@ -227,7 +229,7 @@ func TestNoFallbackErrors(t *testing.T) {
 
 // TestFallbackCapsTTL: entries stored while in fallback live at most FallbackTTL.
 func TestFallbackCapsTTL(t *testing.T) {
-	s, err := redisstore.New(redisstore.Config{URL: "redis://127.0.0.1:" + strconv.Itoa(freePort(t)),
+	s, err := redisstore.New(redisstore.Config{URL: "redis://127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)),
 		FallbackTTL: 300 * time.Millisecond, HealthInterval: time.Hour, ConnectTimeout: 200 * time.Millisecond})
 	require.NoError(t, err)
 	defer s.Close()
@@ -243,7 +245,7 @@ func TestFallbackCapsTTL(t *testing.T) {
 // TestCloseIdempotent: Close twice (concurrently), then every method but Stats is ErrClosed,
 // and the store's goroutines are gone.
 func TestCloseIdempotent(t *testing.T) {
-	proc := startRedis(t, 0)
+	proc := testenv.StartRedisServer(t)
 	before := storeGoroutines()
 	s, err := redisstore.New(redisstore.Config{URL: proc.URL(), KeyPrefix: uniquePrefix("close"),
 		HealthInterval: 50 * time.Millisecond})
@@ -256,12 +258,7 @@ func TestCloseIdempotent(t *testing.T) {
 	}
 	wg.Wait()
 	require.NoError(t, s.Close())
-	_, _, err = s.Get(ctx, "k")
-	require.ErrorIs(t, err, respcache.ErrClosed)
-	require.ErrorIs(t, s.Set(ctx, "k", nil, 0), respcache.ErrClosed)
-	require.ErrorIs(t, s.Delete(ctx, "k"), respcache.ErrClosed)
-	_, err = s.Clear(ctx)
-	require.ErrorIs(t, err, respcache.ErrClosed)
+	storetest.RequireClosed(t, s)
 	require.Equal(t, "redis", s.Stats(ctx).Backend)
 	requireNoStoreGoroutines(t, before)
 }
@@ -278,7 +275,7 @@ func attrKey(set attribute.Set) string {
 // TestMetrics: the fallback and backend gauges follow the store's state, errors are counted by
 // type, and operations are timed.
 func TestMetrics(t *testing.T) {
-	proc := newRedisProc(t, 0)
+	proc := testenv.NewRedisServer(t)
 	reader := sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	defer mp.Shutdown(context.Background())
@@ -380,7 +377,7 @@ func TestNewWithClientValidation(t *testing.T) {
 // TestNewWithClientShares: two stores and the caller share one client, each store under its own
 // prefix; Stats knows no pool (Idle 0); closing a store leaves the client to its owner.
 func TestNewWithClientShares(t *testing.T) {
-	c := sharedClient(t, redisAddr(t), false)
+	c := sharedClient(t, testenv.RedisAddr(t), false)
 	ctx := context.Background()
 	prefixA, prefixB := uniquePrefix("share-a"), uniquePrefix("share-b")
 	a, err := redisstore.NewWithClient(c, redisstore.Config{KeyPrefix: prefixA})

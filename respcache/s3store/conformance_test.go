@@ -4,8 +4,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/internal/testenv"
 	"github.com/kvroute/kvroute/respcache"
 	"github.com/kvroute/kvroute/respcache/cachetest"
+	"github.com/kvroute/kvroute/respcache/internal/storetest"
 )
 
 // TestConformance runs the CacheStore suite against a real S3-compatible server, with the expiry
@@ -31,19 +33,19 @@ func TestTieredConformance(t *testing.T) {
 			cfg := base
 			cfg.KeyPrefix = s3TestConfig(t).KeyPrefix
 			cfg.Now = clk.Now
-			return mustTiered(t, respcache.TieredConfig{
-				L1: mustMemory(t, respcache.MemoryConfig{Now: clk.Now}),
+			return storetest.MustTiered(t, respcache.TieredConfig{
+				L1: storetest.MustMemory(t, respcache.MemoryConfig{Now: clk.Now}),
 				L2: newTestS3(t, cfg),
 			})
 		}, cachetest.Options{Advance: clk.Advance, DefaultTTL: respcache.DefaultTTL})
 	})
 	t.Run("redis_over_s3", func(t *testing.T) {
 		base := s3TestConfig(t)
-		redisAddr(t)
+		testenv.RedisAddr(t)
 		cachetest.RunOptions(t, func(t *testing.T) respcache.CacheStore {
 			cfg := base
 			cfg.KeyPrefix = s3TestConfig(t).KeyPrefix
-			return mustTiered(t, respcache.TieredConfig{
+			return storetest.MustTiered(t, respcache.TieredConfig{
 				L1: newTestRedis(t),
 				L2: newTestS3(t, cfg),
 			})

@@ -10,7 +10,9 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvroute/kvroute/internal/testenv"
 	"github.com/kvroute/kvroute/respcache"
+	"github.com/kvroute/kvroute/respcache/internal/storetest"
 	"github.com/kvroute/kvroute/respcache/s3store"
 )
 
@@ -22,15 +24,15 @@ import (
 // L1 serves its hits, and no Get or Set returns an error.
 func TestTieredFaultUnreachable(t *testing.T) {
 	l2, err := s3store.New(s3store.Config{
-		Endpoint: "http://127.0.0.1:" + strconv.Itoa(freePort(t)), Bucket: "absent",
+		Endpoint: "http://127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)), Bucket: "absent",
 		AccessKey: "AKIATEST", SecretKey: "very-secret", OpTimeout: 500 * time.Millisecond,
 		Cooldown: 100 * time.Millisecond,
 	})
 	require.NoError(t, err, "New must not fail when S3 is unreachable")
 	t.Cleanup(func() { _ = l2.Close() })
-	s := mustTiered(t, respcache.TieredConfig{L1: mustMemory(t, respcache.MemoryConfig{}), L2: l2})
+	s := storetest.MustTiered(t, respcache.TieredConfig{L1: storetest.MustMemory(t, respcache.MemoryConfig{}), L2: l2})
 
-	l := startLoad(s, 4)
+	l := storetest.StartLoad(s, 4)
 	time.Sleep(400 * time.Millisecond) // several cooldowns: probes fail again and again
 	calls, failures, firstErr := l.Stop()
 	require.Zerof(t, failures, "%d of %d calls failed; first: %v", failures, calls, firstErr)
@@ -86,7 +88,7 @@ func TestTieredFaultBlackHole(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = l2.Close() })
 	require.Less(t, time.Since(start), 3*opTimeout)
-	s := mustTiered(t, respcache.TieredConfig{L1: mustMemory(t, respcache.MemoryConfig{}), L2: l2})
+	s := storetest.MustTiered(t, respcache.TieredConfig{L1: storetest.MustMemory(t, respcache.MemoryConfig{}), L2: l2})
 
 	ctx := context.Background()
 	start = time.Now()
@@ -110,11 +112,11 @@ func TestTieredFaultKillAndRestart(t *testing.T) {
 	})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = l2.Close() })
-	s := mustTiered(t, respcache.TieredConfig{L1: mustMemory(t, respcache.MemoryConfig{}), L2: l2})
+	s := storetest.MustTiered(t, respcache.TieredConfig{L1: storetest.MustMemory(t, respcache.MemoryConfig{}), L2: l2})
 	ctx := context.Background()
 	require.NoError(t, s.Set(ctx, "durable", []byte("in S3"), time.Hour))
 
-	l := startLoad(s, 4)
+	l := storetest.StartLoad(s, 4)
 	time.Sleep(200 * time.Millisecond)
 	gw.kill()
 	time.Sleep(400 * time.Millisecond)
@@ -125,8 +127,8 @@ func TestTieredFaultKillAndRestart(t *testing.T) {
 	require.Zerof(t, failures, "%d of %d calls failed; first: %v", failures, calls, firstErr)
 
 	// L2 answers again: an L2-only read (L1 emptied) is a hit.
-	l1 := mustMemory(t, respcache.MemoryConfig{})
-	s2 := mustTiered(t, respcache.TieredConfig{L1: l1, L2: l2})
+	l1 := storetest.MustMemory(t, respcache.MemoryConfig{})
+	s2 := storetest.MustTiered(t, respcache.TieredConfig{L1: l1, L2: l2})
 	require.Eventually(t, func() bool {
 		v, ok, err := s2.Get(ctx, "durable")
 		return err == nil && ok && string(v) == "in S3"

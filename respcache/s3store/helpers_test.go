@@ -1,90 +1,49 @@
 package s3store_test
 
 import (
-	"context"
-	"crypto/rand"
-	"encoding/hex"
-	"fmt"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strconv"
-	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvroute/kvroute/respcache"
+	"github.com/kvroute/kvroute/internal/testenv"
+	"github.com/kvroute/kvroute/respcache/internal/storetest"
 	"github.com/kvroute/kvroute/respcache/redisstore"
 	"github.com/kvroute/kvroute/respcache/s3store"
 )
 
-// Integration helpers of the store, tiered and fault tests.
-//
-// Environment: S3_ENDPOINT, S3_ACCESS_KEY, S3_SECRET_KEY, S3_BUCKET (an existing bucket the tests
-// may write to, under unique key prefixes they delete), REDIS_ADDR (host:port of a Redis 7, for the
-// tiered store with a Redis L1), and KVROUTE_REQUIRE_INTEGRATION=1 to turn every skip for a missing
-// server or binary (versitygw, for the private server of the fault tests) into a failure.
+// Integration helpers of the store, tiered and fault tests. The environment is internal/testenv's:
+// S3_ENDPOINT, S3_ACCESS_KEY, S3_SECRET_KEY, S3_BUCKET (an existing bucket the tests may write to,
+// under unique key prefixes they delete), REDIS_ADDR (a Redis 7, for the tiered store with a Redis
+// L1), and KVROUTE_REQUIRE_INTEGRATION=1 to turn every skip for a missing server or binary
+// (versitygw, for the private server of the fault tests) into a failure.
 
-// skipOrFail skips t with why, or fails it under KVROUTE_REQUIRE_INTEGRATION=1.
-func skipOrFail(t testing.TB, why string) {
+// storeMarkers pick out the goroutines of a store and its client (minio-go, net/http connections,
+// this package's store).
+var storeMarkers = []string{"minio-go", "net/http.(*persistConn)", "s3store.(*Store)"}
+
+// storeGoroutines returns the stacks of live goroutines that belong to a store or its client.
+func storeGoroutines() []string { return storetest.Goroutines(storeMarkers...) }
+
+// requireNoStoreGoroutines fails t when store goroutines outlive a Close by more than a few
+// seconds; before is what storeGoroutines returned before the store was made.
+func requireNoStoreGoroutines(t *testing.T, before []string) {
 	t.Helper()
-	if os.Getenv("KVROUTE_REQUIRE_INTEGRATION") == "1" {
-		t.Fatalf("KVROUTE_REQUIRE_INTEGRATION=1: %s", why)
-	}
-	t.Skip(why)
-}
-
-// redisAddr returns REDIS_ADDR, or skips.
-func redisAddr(t testing.TB) string {
-	t.Helper()
-	addr := os.Getenv("REDIS_ADDR")
-	if addr == "" {
-		skipOrFail(t, "REDIS_ADDR not set: no Redis to test against (e.g. REDIS_ADDR=127.0.0.1:6379)")
-	}
-	return addr
-}
-
-// randHex returns 12 random hex digits.
-func randHex() string {
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	return hex.EncodeToString(b[:])
-}
-
-// freePort returns a TCP port on 127.0.0.1 that nothing listens on (at the time of the call).
-func freePort(t testing.TB) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := l.Addr().(*net.TCPAddr).Port
-	_ = l.Close()
-	return port
+	storetest.RequireNoGoroutines(t, before, storeMarkers...)
 }
 
 // s3TestConfig returns a Config from S3_ENDPOINT, S3_ACCESS_KEY, S3_SECRET_KEY and S3_BUCKET,
 // under a fresh key prefix, or skips.
 func s3TestConfig(t testing.TB) s3store.Config {
 	t.Helper()
-	cfg := s3store.Config{
-		Endpoint:  os.Getenv("S3_ENDPOINT"),
-		AccessKey: os.Getenv("S3_ACCESS_KEY"),
-		SecretKey: os.Getenv("S3_SECRET_KEY"),
-		Bucket:    os.Getenv("S3_BUCKET"),
-	}
-	if cfg.Endpoint == "" || cfg.Bucket == "" {
-		skipOrFail(t, "S3_ENDPOINT or S3_BUCKET not set: no S3 to test against "+
-			"(e.g. a versitygw: S3_ENDPOINT=http://127.0.0.1:7070 S3_ACCESS_KEY=… S3_SECRET_KEY=… S3_BUCKET=…)")
-	}
-	cfg.KeyPrefix = "kvroute-test/" + randHex() + "/"
-	return cfg
+	env := testenv.S3(t)
+	return s3store.Config{Endpoint: env.Endpoint, AccessKey: env.AccessKey, SecretKey: env.SecretKey, Bucket: env.Bucket,
+		KeyPrefix: "kvroute-test/" + testenv.RandHex() + "/"}
 }
 
 // newTestS3 returns a Store on the S3 of the environment under a fresh prefix; cleanup clears the
@@ -95,14 +54,7 @@ func newTestS3(t testing.TB, cfg s3store.Config) *s3store.Store {
 	if err != nil {
 		t.Fatalf("New(%v) = %v", cfg, err)
 	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if _, err := s.Clear(ctx); err != nil {
-			t.Errorf("cleanup Clear: %v", err)
-		}
-		_ = s.Close()
-	})
+	storetest.ClearAndClose(t, s, 10*time.Second)
 	return s
 }
 
@@ -110,116 +62,12 @@ func newTestS3(t testing.TB, cfg s3store.Config) *s3store.Store {
 // the prefix and closes the store.
 func newTestRedis(t testing.TB) *redisstore.Store {
 	t.Helper()
-	s, err := redisstore.New(redisstore.Config{URL: "redis://" + redisAddr(t), KeyPrefix: "kvroute-test:tiered:" + randHex() + ":"})
+	s, err := redisstore.New(redisstore.Config{URL: "redis://" + testenv.RedisAddr(t), KeyPrefix: "kvroute-test:tiered:" + testenv.RandHex() + ":"})
 	if err != nil {
 		t.Fatalf("redisstore.New: %v", err)
 	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		if _, err := s.Clear(ctx); err != nil {
-			t.Errorf("cleanup Clear: %v", err)
-		}
-		_ = s.Close()
-	})
+	storetest.ClearAndClose(t, s, 5*time.Second)
 	return s
-}
-
-func mustTiered(t testing.TB, cfg respcache.TieredConfig) *respcache.TieredStore {
-	t.Helper()
-	s, err := respcache.NewTiered(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return s
-}
-
-func mustMemory(t testing.TB, cfg respcache.MemoryConfig) *respcache.MemoryStore {
-	t.Helper()
-	m, err := respcache.NewMemory(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return m
-}
-
-// storeGoroutines returns the stacks of live goroutines that belong to a store or its client
-// (minio-go, net/http connections, this package's store), ignoring unrelated ones.
-func storeGoroutines() []string {
-	buf := make([]byte, 4<<20)
-	buf = buf[:runtime.Stack(buf, true)]
-	var out []string
-	for _, g := range strings.Split(string(buf), "\n\n") {
-		for _, marker := range []string{"minio-go", "net/http.(*persistConn)", "s3store.(*Store)"} {
-			if strings.Contains(g, marker) {
-				out = append(out, g)
-				break
-			}
-		}
-	}
-	return out
-}
-
-// requireNoStoreGoroutines fails t when store goroutines (see storeGoroutines) outlive a Close by
-// more than a few seconds; before is what storeGoroutines returned before the store was made.
-func requireNoStoreGoroutines(t *testing.T, before []string) {
-	t.Helper()
-	var left []string
-	for deadline := time.Now().Add(3 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		if left = storeGoroutines(); len(left) <= len(before) {
-			return
-		}
-		if time.Now().After(deadline) {
-			break
-		}
-	}
-	t.Fatalf("%d store goroutines left after Close (%d before):\n%s", len(left), len(before), strings.Join(left, "\n\n"))
-}
-
-// load runs Set/Get loops from several goroutines until stop is closed, counting calls and errors.
-type load struct {
-	calls, failures atomic.Int64
-	firstErr        atomic.Value // error
-	stop            chan struct{}
-	wg              sync.WaitGroup
-}
-
-func startLoad(s respcache.CacheStore, goroutines int) *load {
-	l := &load{stop: make(chan struct{})}
-	for g := range goroutines {
-		l.wg.Go(func() {
-			ctx := context.Background()
-			for i := 0; ; i++ {
-				select {
-				case <-l.stop:
-					return
-				default:
-				}
-				k := fmt.Sprintf("load-%d-%d", g, i%50)
-				var err error
-				if i%2 == 0 {
-					err = s.Set(ctx, k, []byte("value "+k), time.Minute)
-				} else {
-					_, _, err = s.Get(ctx, k)
-				}
-				l.calls.Add(1)
-				if err != nil {
-					l.failures.Add(1)
-					l.firstErr.CompareAndSwap(nil, err)
-				}
-				time.Sleep(time.Millisecond) // 2 cores shared: a steady trickle, not a flood
-			}
-		})
-	}
-	return l
-}
-
-// Stop ends the loops and returns (calls, failures, first error).
-func (l *load) Stop() (int64, int64, error) {
-	close(l.stop)
-	l.wg.Wait()
-	err, _ := l.firstErr.Load().(error)
-	return l.calls.Load(), l.failures.Load(), err
 }
 
 // versityGW is a private versitygw (posix backend) on its own port.
@@ -239,13 +87,13 @@ func startVersityGW(t *testing.T) *versityGW {
 		home, _ := os.UserHomeDir()
 		bin = filepath.Join(home, "go", "bin", "versitygw")
 		if _, err := os.Stat(bin); err != nil {
-			skipOrFail(t, "versitygw not found (PATH or ~/go/bin): cannot start a private S3")
+			testenv.SkipOrFail(t, "versitygw not found (PATH or ~/go/bin): "+t.Name()+" cannot start a private S3")
 		}
 	}
 	root := t.TempDir()
 	g := &versityGW{t: t, bin: bin, root: root, bucket: "fault", access: "faultkey", secret: "faultsecret"}
 	require.NoError(t, os.MkdirAll(filepath.Join(root, g.bucket), 0o755))
-	g.addr = "127.0.0.1:" + strconv.Itoa(freePort(t))
+	g.addr = "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))
 	g.endpoint = "http://" + g.addr
 	g.start()
 	t.Cleanup(g.kill)

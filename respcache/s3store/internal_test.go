@@ -14,6 +14,7 @@ import (
 	"github.com/minio/minio-go/v7"
 
 	"github.com/kvroute/kvroute/respcache"
+	"github.com/kvroute/kvroute/respcache/internal/storeutil"
 )
 
 // TestObjectNameVectors pins the key → object-name mapping: changing it orphans every object
@@ -92,7 +93,7 @@ func TestErrorType(t *testing.T) {
 		{"unavailable", fmt.Errorf("%w: circuit", respcache.ErrUnavailable), respcache.ErrorTypeConnection},
 		{"s3_502", minio.ErrorResponse{StatusCode: 502, Code: "BadGateway"}, respcache.ErrorTypeConnection},
 		{"s3_503", minio.ErrorResponse{StatusCode: 503, Code: "SlowDown"}, respcache.ErrorTypeConnection},
-		{"s3_503_redacted", redact(minio.ErrorResponse{StatusCode: 503, Code: "SlowDown"}, secretList("k")), respcache.ErrorTypeConnection},
+		{"s3_503_redacted", storeutil.Redact(minio.ErrorResponse{StatusCode: 503, Code: "SlowDown"}, storeutil.Secrets("k")), respcache.ErrorTypeConnection},
 		{"s3_504", minio.ErrorResponse{StatusCode: 504}, respcache.ErrorTypeConnection},
 		{"s3_403", minio.ErrorResponse{StatusCode: 403, Code: "AccessDenied"}, respcache.ErrorTypeOther},
 		{"s3_no_status", minio.ErrorResponse{Code: "Weird"}, respcache.ErrorTypeOther},
@@ -103,18 +104,5 @@ func TestErrorType(t *testing.T) {
 				t.Errorf("errorType(%v) = %q, want %q", tc.err, got, tc.want)
 			}
 		})
-	}
-}
-
-func TestRedact(t *testing.T) {
-	err := redact(fmt.Errorf("auth user:%s failed: %w", "p4ss", io.EOF), secretList("p4ss", ""))
-	if strings.Contains(err.Error(), "p4ss") || !strings.Contains(err.Error(), "[REDACTED]") {
-		t.Errorf("redact: %q", err)
-	}
-	if !errors.Is(err, io.EOF) {
-		t.Error("redact lost the wrapped error")
-	}
-	if redact(nil, secretList("x")) != nil {
-		t.Error("redact(nil) != nil")
 	}
 }

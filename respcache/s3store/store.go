@@ -23,6 +23,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/kvroute/kvroute/respcache"
+	"github.com/kvroute/kvroute/respcache/internal/storeutil"
 )
 
 // Defaults of Config, from kvroute's response_cache.l2 section.
@@ -92,8 +93,8 @@ type Config struct {
 func (c Config) String() string {
 	return fmt.Sprintf("s3store.Config{Endpoint:%q Secure:%t Bucket:%q KeyPrefix:%q Region:%q AccessKey:%s SecretKey:%s "+
 		"DefaultTTL:%v TTLOverride:%v OpTimeout:%v Cooldown:%v}",
-		redactURL(c.Endpoint), c.Secure, c.Bucket, c.KeyPrefix, c.Region, presence(c.AccessKey), presence(c.SecretKey),
-		c.DefaultTTL, c.TTLOverride, c.OpTimeout, c.Cooldown)
+		storeutil.RedactURL(c.Endpoint), c.Secure, c.Bucket, c.KeyPrefix, c.Region,
+		storeutil.Presence(c.AccessKey), storeutil.Presence(c.SecretKey), c.DefaultTTL, c.TTLOverride, c.OpTimeout, c.Cooldown)
 }
 
 // GoString is String, so that %#v redacts too.
@@ -138,7 +139,7 @@ type Store struct {
 
 	hits, misses atomic.Uint64
 	errs         respcache.ErrorCounts
-	metrics      *storeMetrics
+	metrics      *storeutil.Instruments
 
 	reap      chan string
 	reapMu    sync.Mutex
@@ -166,8 +167,8 @@ func New(cfg Config) (*Store, error) {
 	}
 	s := &Store{
 		cfg:       cfg,
-		secrets:   secretList(cfg.AccessKey, cfg.SecretKey),
-		log:       discardIfNil(cfg.Logger),
+		secrets:   storeutil.Secrets(cfg.AccessKey, cfg.SecretKey),
+		log:       storeutil.Logger(cfg.Logger),
 		reap:      make(chan string, maxReapQueue),
 		reapQueue: make(map[string]struct{}),
 	}
@@ -200,7 +201,7 @@ func New(cfg Config) (*Store, error) {
 		MaxRetries: 1, // the circuit, not retries, handles an unreachable S3
 	})
 	if err != nil {
-		return nil, fmt.Errorf("%w: s3: %w", respcache.ErrInvalidConfig, redact(err, s.secrets))
+		return nil, fmt.Errorf("%w: s3: %w", respcache.ErrInvalidConfig, storeutil.Redact(err, s.secrets))
 	}
 	s.core = minio.Core{Client: s.client}
 	s.metrics, err = newStoreMetrics(cfg.MeterProvider)
@@ -215,20 +216,20 @@ func New(cfg Config) (*Store, error) {
 	case err == nil && !ok:
 		s.closeTransport()
 		return nil, fmt.Errorf("%w: s3: bucket %q does not exist", respcache.ErrInvalidConfig, cfg.Bucket)
-	case unavailable(typ):
+	case storeutil.Unavailable(typ):
 		s.errs.Add(typ)
-		s.metrics.countError(typ)
+		s.metrics.CountError(typ)
 		s.trip()
 		s.log.Warn("s3store: s3 unreachable at start; failing fast until it answers",
-			"store", s.desc, "error", redact(err, s.secrets).Error())
+			"store", s.desc, "error", storeutil.Redact(err, s.secrets).Error())
 	case err != nil:
 		s.closeTransport()
 		if minio.ToErrorResponse(err).StatusCode == http.StatusForbidden {
 			return nil, fmt.Errorf("%w: s3: bucket %q: access denied (check the credentials; the store needs "+
 				"s3:ListBucket, s3:GetObject, s3:PutObject and s3:DeleteObject): %w", respcache.ErrInvalidConfig, cfg.Bucket,
-				redact(err, s.secrets))
+				storeutil.Redact(err, s.secrets))
 		}
-		return nil, fmt.Errorf("%w: s3: bucket %q: %w", respcache.ErrInvalidConfig, cfg.Bucket, redact(err, s.secrets))
+		return nil, fmt.Errorf("%w: s3: bucket %q: %w", respcache.ErrInvalidConfig, cfg.Bucket, storeutil.Redact(err, s.secrets))
 	}
 
 	s.ctx, s.cancel = context.WithCancel(context.Background())
@@ -368,15 +369,15 @@ func (s *Store) begin(op string) error {
 
 // failed counts err, opens the circuit when S3 is unreachable, and wraps err for the caller.
 func (s *Store) failed(ctx context.Context, op string, err error) error {
-	err = redact(err, s.secrets)
+	err = storeutil.Redact(err, s.secrets)
 	typ := errorType(err)
 	if typ == "" || (typ == respcache.ErrorTypeTimeout && ctx.Err() != nil) {
 		// The caller gave up: not S3's fault, no circuit change.
 		return fmt.Errorf("s3store: %s: %w", op, err)
 	}
 	s.errs.Add(typ)
-	s.metrics.countError(typ)
-	if unavailable(typ) {
+	s.metrics.CountError(typ)
+	if storeutil.Unavailable(typ) {
 		s.trip()
 		return fmt.Errorf("%w: s3 %s: %w", respcache.ErrUnavailable, op, err)
 	}
@@ -423,7 +424,7 @@ func (s *Store) Get(ctx context.Context, key string) ([]byte, bool, error) {
 	start := time.Now()
 	name := s.objectName(key)
 	v, ok, err := s.get(octx, name)
-	s.metrics.latency(ctx, opGet, start)
+	s.metrics.Latency(ctx, storeutil.OpGet, start)
 	if err != nil {
 		return nil, false, s.failed(ctx, "get", err)
 	}
@@ -490,7 +491,7 @@ func (s *Store) Set(ctx context.Context, key string, value []byte, ttl time.Dura
 			ContentType:  "application/octet-stream",
 			UserMetadata: map[string]string{ExpiresMeta: strconv.FormatInt(exp, 10)},
 		})
-	s.metrics.latency(ctx, opSet, start)
+	s.metrics.Latency(ctx, storeutil.OpSet, start)
 	if err != nil {
 		return s.failed(ctx, "set", err)
 	}
@@ -507,7 +508,7 @@ func (s *Store) Delete(ctx context.Context, key string) error {
 	defer cancel()
 	start := time.Now()
 	err := s.client.RemoveObject(octx, s.cfg.Bucket, s.objectName(key), minio.RemoveObjectOptions{})
-	s.metrics.latency(ctx, opDelete, start)
+	s.metrics.Latency(ctx, storeutil.OpDelete, start)
 	if err != nil && !isNotFound(err) {
 		return s.failed(ctx, "delete", err)
 	}

@@ -15,8 +15,10 @@ import (
 	"github.com/minio/minio-go/v7/pkg/credentials"
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvroute/kvroute/internal/testenv"
 	"github.com/kvroute/kvroute/respcache"
 	"github.com/kvroute/kvroute/respcache/cachetest"
+	"github.com/kvroute/kvroute/respcache/internal/storetest"
 	"github.com/kvroute/kvroute/respcache/s3store"
 )
 
@@ -57,7 +59,7 @@ func TestNewValidation(t *testing.T) {
 }
 
 func TestSecretsRedacted(t *testing.T) {
-	cfg := s3store.Config{Endpoint: "http://127.0.0.1:" + strconv.Itoa(freePort(t)), Bucket: "bucket",
+	cfg := s3store.Config{Endpoint: "http://127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)), Bucket: "bucket",
 		AccessKey: s3AccessSecret, SecretKey: s3SecretSecret, OpTimeout: 200 * time.Millisecond}
 	var logBuf bytes.Buffer
 	slog.New(slog.NewJSONHandler(&logBuf, nil)).Info("config", "s3", cfg)
@@ -81,7 +83,7 @@ func TestSecretsRedacted(t *testing.T) {
 // TestNewBucketMissing: a bucket that does not exist is a configuration error naming it.
 func TestNewBucketMissing(t *testing.T) {
 	cfg := s3TestConfig(t)
-	cfg.Bucket = "kvroute-no-such-bucket-" + randHex()
+	cfg.Bucket = "kvroute-no-such-bucket-" + testenv.RandHex()
 	_, err := s3store.New(cfg)
 	require.ErrorIs(t, err, respcache.ErrInvalidConfig)
 	require.Contains(t, err.Error(), fmt.Sprintf("bucket %q does not exist", cfg.Bucket))
@@ -191,18 +193,13 @@ func TestKeyEscaping(t *testing.T) {
 
 // TestCloseIdempotent: Close twice, then methods return ErrClosed; Stats still answers.
 func TestCloseIdempotent(t *testing.T) {
-	s, err := s3store.New(s3store.Config{Endpoint: "127.0.0.1:" + strconv.Itoa(freePort(t)), Bucket: "bucket",
+	s, err := s3store.New(s3store.Config{Endpoint: "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)), Bucket: "bucket",
 		OpTimeout: 100 * time.Millisecond})
 	require.NoError(t, err)
 	require.NoError(t, s.Close())
 	require.NoError(t, s.Close())
 	ctx := context.Background()
-	_, _, err = s.Get(ctx, "k")
-	require.ErrorIs(t, err, respcache.ErrClosed)
-	require.ErrorIs(t, s.Set(ctx, "k", nil, 0), respcache.ErrClosed)
-	require.ErrorIs(t, s.Delete(ctx, "k"), respcache.ErrClosed)
-	_, err = s.Clear(ctx)
-	require.ErrorIs(t, err, respcache.ErrClosed)
+	storetest.RequireClosed(t, s)
 	require.Equal(t, "s3", s.Stats(ctx).Backend)
 }
 

@@ -17,8 +17,9 @@ import (
 
 var moduleLine = regexp.MustCompile(`(?m)^module\s+github\.com/kvroute/kvroute\s*$`)
 
-// ModuleRoot returns the kvroute module's root: repo when set, else the module of the working
-// directory (go env GOMOD), checked to be github.com/kvroute/kvroute.
+// ModuleRoot returns the kvroute module's root: repo when set, else the nearest directory at or
+// above the working directory's module (go env GOMOD; the benchmarks module sits inside the
+// library's) whose go.mod is github.com/kvroute/kvroute's.
 func ModuleRoot(ctx context.Context, repo string) (string, error) {
 	if repo == "" {
 		out, err := exec.CommandContext(ctx, "go", "env", "GOMOD").Output()
@@ -30,6 +31,15 @@ func ModuleRoot(ctx context.Context, repo string) (string, error) {
 			return "", errors.New("not in a Go module: run from the kvroute checkout or pass -repo")
 		}
 		repo = filepath.Dir(gomod)
+		for dir := repo; ; dir = filepath.Dir(dir) {
+			if mod, err := os.ReadFile(filepath.Join(dir, "go.mod")); err == nil && moduleLine.Match(mod) {
+				repo = dir
+				break
+			}
+			if filepath.Dir(dir) == dir {
+				break
+			}
+		}
 	}
 	mod, err := os.ReadFile(filepath.Join(repo, "go.mod"))
 	if err != nil {
