@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvroute/kvroute/chwbl"
 	"github.com/kvroute/kvroute/disagg"
@@ -153,7 +154,7 @@ const ewmaWeight = 0.1
 
 // Config configures the default Router. Its zero value is valid: prefix routing on with kvroute's
 // defaults (max_prefix_length 1024, ε 0.25, 150 virtual nodes), round_robin for requests without a
-// prefix key, no backends yet, no-op metrics, the wall clock.
+// prefix key, no backends yet, no-op metrics, no spans, the wall clock.
 type Config struct {
 	// DisablePrefixRouting turns tier 1 off: every request tier 4 does not route goes through
 	// Strategy (reason strategy).
@@ -174,6 +175,8 @@ type Config struct {
 	Backends []Backend
 	// MeterProvider receives the Router's metrics; nil means no metrics.
 	MeterProvider metric.MeterProvider
+	// TracerProvider receives the Router's spans (SpanRoute and its children); nil means none.
+	TracerProvider trace.TracerProvider
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
 	// KV turns on tier 4 (precise KV-aware routing); nil leaves it off.
@@ -273,6 +276,7 @@ type DefaultRouter struct {
 	metrics *routerMetrics
 	kv      *tier4       // nil when tier 4 is off
 	dis     *disaggState // nil when disaggregation is off
+	tracer  trace.Tracer // nil when tracing is off (Config.TracerProvider)
 
 	disaggSide DisaggRouter // Disagg's answer
 }
@@ -287,7 +291,7 @@ func New(cfg Config) (*DefaultRouter, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
-	r := &DefaultRouter{cfg: cfg, ring: ring}
+	r := &DefaultRouter{cfg: cfg, ring: ring, tracer: newTracer(cfg.TracerProvider)}
 	r.disaggSide.r = r
 	if cfg.KV != nil {
 		if r.kv, err = newTier4(*cfg.KV); err != nil {
@@ -435,8 +439,17 @@ func (r *DefaultRouter) SetHealthy(name string, healthy bool) error {
 // prefix key (prefix_hash or overflow), or the configured Strategy without one (fallback, or
 // strategy with prefix routing off). Tier 1 does no I/O and blocks on other requests no longer
 // than the ring's bound check; tier 4 calls the KV index (a remote one does I/O) and, for a
-// request without token IDs, KVConfig.Tokenizer, both bounded by ctx.
+// request without token IDs, KVConfig.Tokenizer, both bounded by ctx. With Config.TracerProvider,
+// each call is a SpanRoute span, child of ctx's.
 func (r *DefaultRouter) Route(ctx context.Context, req *prefixkey.Request) (*Decision, error) {
+	if r.tracer != nil {
+		return r.routeTraced(ctx, req)
+	}
+	return r.route(ctx, req)
+}
+
+// route is Route without its span.
+func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Decision, error) {
 	if req == nil {
 		return nil, ErrNilRequest
 	}

@@ -246,6 +246,7 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 		ratio = 1
 	}
 	r.metrics.recordOverlap(ctx, ratio)
+	r.traceOverlap(ctx, ratio)
 	if !t.holdsEnough(best, sreq.Blocks) {
 		if t.cfg.RingFallback || usePrefix {
 			return false
@@ -265,7 +266,7 @@ func (r *DefaultRouter) blockKeys(ctx context.Context, req *prefixkey.Request, s
 	}
 	if tokens == nil && t.cfg.Tokenizer != nil {
 		var err error
-		if tokens, err = t.cfg.Tokenizer.Tokenize(ctx, req); err != nil {
+		if tokens, err = r.tokenize(ctx, req); err != nil {
 			t.tokenizeErrs.Add(1)
 			tokens = nil
 		}
@@ -303,12 +304,14 @@ func (r *DefaultRouter) lookup(ctx context.Context, d *Decision, s *scratch4, us
 		return true
 	}
 	start := r.cfg.Now()
+	lctx, span := r.startSpan(ctx, SpanKVLookup)
 	var err error
 	if usePrefix {
-		s.matches, err = t.prefix.LookupPrefix(ctx, d.PrefixKey.String(), s.names, s.matches[:len(s.names)])
+		s.matches, err = t.prefix.LookupPrefix(lctx, d.PrefixKey.String(), s.names, s.matches[:len(s.names)])
 	} else {
-		s.matches, err = t.cfg.Index.Lookup(ctx, s.keys, s.names, s.matches[:len(s.names)])
+		s.matches, err = t.cfg.Index.Lookup(lctx, s.keys, s.names, s.matches[:len(s.names)])
 	}
+	r.endLookup(span, s, err)
 	r.metrics.recordLookup(ctx, r.cfg.Now().Sub(start))
 	t.lookups.Add(1)
 	if err != nil {
@@ -429,6 +432,13 @@ func (r *DefaultRouter) acquireBest(s *scratch4, d *Decision) int {
 // work per unit of weight: its backlog plus the request's tokens it does not hold; ties go to the
 // less loaded. It returns the candidate's index, or -1 when all are at their bound.
 func (r *DefaultRouter) acquireLeastWork(s *scratch4, d *Decision, set *backendSet) int {
+	leastWorkScores(s, set)
+	return r.acquireHighest(s, d)
+}
+
+// leastWorkScores fills s.work, for acquireHighest (or Probe), with each candidate's prefill work
+// per unit of weight, negated: the least work scores highest.
+func leastWorkScores(s *scratch4, set *backendSet) {
 	s.work = s.work[:0]
 	for i := range s.cands {
 		c := &s.cands[i]
@@ -442,7 +452,6 @@ func (r *DefaultRouter) acquireLeastWork(s *scratch4, d *Decision, set *backendS
 		}
 		s.work = append(s.work, -(float64(backlog)+float64(max(s.ntok-c.CachedTokens, 0)))/w)
 	}
-	return r.acquireHighest(s, d)
 }
 
 // acquireHighest tries the candidates by decreasing s.work with scorer.PickBestFrom (ties to the

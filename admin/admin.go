@@ -13,6 +13,13 @@
 // client looks local: set a token there.
 //
 //	mux.Handle("POST /admin/cache/clear", admin.Guard(cfg.AdminToken, clearHandler))
+//
+// It also serves the read-only introspection endpoints whose logic is not a gateway's own:
+// ProbeHandler (POST /admin/route/probe, what the Router would decide for a request body) and
+// DumpHandler (GET /admin/kv-index/dump, the KV index's entries for a backend as JSON lines).
+//
+//	mux.Handle("POST /admin/route/probe", admin.Guard(token, admin.ProbeHandler(router.Probe, 4<<20)))
+//	mux.Handle("GET /admin/kv-index/dump", admin.Guard(token, admin.DumpHandler(kvindex.DumperFunc(router.DumpKVIndex))))
 package admin
 
 import (

@@ -337,6 +337,23 @@ func (r *Ring) factor() float64 {
 // when the ring has no healthy member or weight is negative or NaN. Safe for concurrent use; the
 // value can be stale as soon as it returns.
 func (r *Ring) Bound(weight float64) int {
+	return r.boundWithin(weight, r.eps1)
+}
+
+// BoundWithin is Bound with a load factor of its own in place of the ring's ε, as
+// TryAcquireBackendWithin applies it: ceil((1+epsilon)·(T+1)·weight/W), so that a backend of that
+// weight takes a request there while its in-flight count plus one is at most this. NaN or a
+// negative epsilon means the ring's ε. It returns 0 when the ring has no healthy member or weight
+// is negative or NaN. Safe for concurrent use; the value can be stale as soon as it returns.
+func (r *Ring) BoundWithin(weight, epsilon float64) int {
+	if !(epsilon >= 0) {
+		return r.boundWithin(weight, r.eps1)
+	}
+	return r.boundWithin(weight, 1+epsilon)
+}
+
+// boundWithin returns the bound of load factor eps1 (1+ε) for weight (0 means 1).
+func (r *Ring) boundWithin(weight, eps1 float64) int {
 	if weight == 0 {
 		weight = 1
 	}
@@ -348,7 +365,7 @@ func (r *Ring) Bound(weight float64) int {
 	if r.healthy == 0 {
 		return 0
 	}
-	return boundOf(r.factor(), weight)
+	return boundOf(eps1*float64(r.total+1)/r.weight, weight)
 }
 
 // Loads appends a snapshot of every member, in the order they were added, to dst and returns the
@@ -449,6 +466,41 @@ func (r *Ring) Candidate(key uint64) (name string, reason Reason, err error) {
 			return "", ReasonNone, ErrNoBackend
 		}
 		return m.name, reason, nil
+	}
+}
+
+// Owner returns the backend that owns key: the first healthy backend clockwise from key's
+// position, whatever its load. Acquire(key) takes a slot there while it is under its bound and
+// overflows past it otherwise; Candidate says which of the two it would do now. Owner takes no
+// slot and changes nothing; the answer can be stale as soon as it returns. The only error is
+// ErrNoBackend, with "", when no member is healthy. It does not allocate. Safe for concurrent use.
+func (r *Ring) Owner(key uint64) (string, error) {
+	pos := mix64(key)
+	for {
+		s := r.snap.Load()
+		i := s.search(pos)
+		r.mu.Lock()
+		if r.snap.Load() != s {
+			r.mu.Unlock()
+			continue
+		}
+		name := ""
+		if r.healthy > 0 {
+			for n := len(s.pos); n > 0; n-- {
+				if m := s.members[s.owner[i]]; m.healthy {
+					name = m.name
+					break
+				}
+				if i++; i == len(s.pos) {
+					i = 0
+				}
+			}
+		}
+		r.mu.Unlock()
+		if name == "" {
+			return "", ErrNoBackend
+		}
+		return name, nil
 	}
 }
 

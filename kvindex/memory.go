@@ -811,7 +811,7 @@ func (m *MemoryIndex) LookupPrefix(_ context.Context, prefix string, candidates 
 			continue
 		}
 		for _, h := range e.holders {
-			if h.id != bs.id || int32(c.now-h.stamp) >= int32(c.ttl) {
+			if h.id != bs.id || int32(c.now-h.stamp) >= int32(c.ttlTick) {
 				continue
 			}
 			out[i].Tokens = h.tokens

@@ -17,6 +17,7 @@ import (
 	"unsafe"
 
 	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvroute/kvroute/prefixkey"
 )
@@ -43,7 +44,7 @@ const (
 // Config configures a Cache. The zero value is valid: an in-process MemoryStore with its defaults,
 // DefaultTTL, kvroute's size limits, streaming responses cached, only an explicit temperature 0
 // cached, coalescing on, the default OpenAI/Anthropic parser, tenants told apart by their
-// credentials (CredentialTenant), DefaultMaxBodyBytes, no metrics.
+// credentials (CredentialTenant), DefaultMaxBodyBytes, no metrics, no spans.
 type Config struct {
 	// Store holds the serialized responses. Nil means NewMemory(MemoryConfig{DefaultTTL: TTL, Now:
 	// Now}): DefaultCapacity entries in this process.
@@ -107,6 +108,9 @@ type Config struct {
 	// MeterProvider receives the Cache's metrics (see the Metric* constants). Nil means no metrics.
 	MeterProvider metric.MeterProvider
 
+	// TracerProvider receives the Cache's spans (SpanLookup). Nil means none.
+	TracerProvider trace.TracerProvider
+
 	// Now is the clock handed to the default MemoryStore. Nil means time.Now.
 	Now func() time.Time
 }
@@ -160,7 +164,7 @@ type Config struct {
 // nowhere) and is cancelled when the last waiter leaves.
 type Cache struct {
 	store       CacheStore
-	ttl         time.Duration
+	ttl         atomic.Int64 // time.Duration: SetTTL changes it while requests are served
 	policy      Policy
 	maxResp     int
 	maxStream   int
@@ -179,6 +183,7 @@ type Cache struct {
 
 	counters cacheCounters
 	metrics  *cacheMetrics
+	tracer   trace.Tracer // nil when tracing is off (Config.TracerProvider)
 }
 
 // New returns a Cache configured by cfg. It returns an error wrapping ErrInvalidConfig when a field
@@ -234,7 +239,6 @@ func New(cfg Config) (*Cache, error) {
 	}
 	c := &Cache{
 		store: cfg.Store,
-		ttl:   cfg.TTL,
 		policy: Policy{
 			CacheStreaming:      !cfg.DisableStreaming,
 			AssumeGreedyDefault: cfg.AssumeGreedyDefault,
@@ -250,7 +254,9 @@ func New(cfg Config) (*Cache, error) {
 		defaultParse: defaultParse,
 		keepHeaders:  keep,
 		flights:      make(map[Key]*flight),
+		tracer:       newTracer(cfg.TracerProvider),
 	}
+	c.ttl.Store(int64(cfg.TTL))
 	m, err := newCacheMetrics(cfg.MeterProvider, c)
 	if err != nil {
 		return nil, err
@@ -258,6 +264,23 @@ func New(cfg Config) (*Cache, error) {
 	c.metrics = m
 	return c, nil
 }
+
+// SetTTL changes the time-to-live of the responses stored from now on (Config.TTL: 0 means
+// DefaultTTL); responses already stored keep theirs. It returns an error wrapping ErrInvalidConfig
+// for a negative ttl. It is safe for concurrent use with serving, e.g. on a configuration reload.
+func (c *Cache) SetTTL(ttl time.Duration) error {
+	if ttl < 0 {
+		return fmt.Errorf("%w: TTL %v < 0", ErrInvalidConfig, ttl)
+	}
+	if ttl == 0 {
+		ttl = DefaultTTL
+	}
+	c.ttl.Store(int64(ttl))
+	return nil
+}
+
+// TTL returns the time-to-live of the responses stored from now on. It is safe for concurrent use.
+func (c *Cache) TTL() time.Duration { return time.Duration(c.ttl.Load()) }
 
 // DefaultParse is the parser of Config.Parse when none is given. It picks the format by the
 // suffix of the URL path: "/v1/chat/completions" → OpenAI chat, "/v1/completions" → OpenAI
@@ -431,14 +454,15 @@ func restoreBody(r *http.Request, body []byte) {
 	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
 }
 
-// lookup returns the stored entry under key, or nil on a miss, a store error or a corrupt entry
-// (both counted).
-func (c *Cache) lookup(ctx context.Context, key string) *storedResponse {
+// get returns the stored entry under key, or nil on a miss, a store error or a corrupt entry
+// (both counted, and traced).
+func (c *Cache) get(ctx context.Context, key string) *storedResponse {
 	v, ok, err := c.store.Get(ctx, key)
 	if err != nil {
 		if ctx.Err() == nil { // the client leaving is not the store's failure
 			c.counters.storeError(seGet, c.metrics)
 		}
+		c.traceError(ctx, err)
 		return nil
 	}
 	if !ok {
@@ -447,6 +471,7 @@ func (c *Cache) lookup(ctx context.Context, key string) *storedResponse {
 	e, err := decodeEntry(v)
 	if err != nil {
 		c.counters.storeError(seCorrupt, c.metrics)
+		c.traceError(ctx, err)
 		return nil
 	}
 	return e
@@ -527,7 +552,7 @@ func (c *Cache) keep(w http.ResponseWriter, r *http.Request, key string, value [
 		_ = http.NewResponseController(w).Flush()
 	}
 	ctx := context.WithoutCancel(r.Context())
-	if err := c.store.Set(ctx, key, value, c.ttl); err != nil {
+	if err := c.store.Set(ctx, key, value, c.TTL()); err != nil {
 		c.counters.storeError(seSet, c.metrics)
 		return
 	}

@@ -249,7 +249,7 @@ func (c *Cache) Stats(ctx context.Context) Stats {
 		SizeBytes:   st.SizeBytes,
 		Config: StatsConfig{
 			Backend:             st.Backend,
-			TTL:                 compactDuration(c.ttl),
+			TTL:                 compactDuration(c.TTL()),
 			Capacity:            st.Capacity,
 			MaxResponseSize:     c.maxResp,
 			MaxStreamBufferSize: c.maxStream,

@@ -837,6 +837,9 @@ func testEntryTTL(t *testing.T, newIndex NewIndexFunc) {
 	e.apply("a", prefixEv(events.PrefixCreated, "cafe", 256))
 	e.clock.Advance(entryTTL / 2)
 	e.wantBlocks("within the TTL", ks, []string{"a"}, 4)
+	if got := e.lookupPrefix("cafe", "a")[0]; got.Tokens != 256 {
+		t.Errorf("prefix entry within the TTL: %+v, want its 256 tokens", got)
+	}
 	e.clock.Advance(entryTTL/2 + 5*time.Second) // implementations may round expiry up a little
 	e.wantBlocks("past the TTL", ks, []string{"a"}, 0)
 	if got := e.lookupPrefix("cafe", "a")[0]; got.Tokens != 0 {

@@ -1,0 +1,233 @@
+package kvindex
+
+import (
+	"context"
+	"time"
+)
+
+// dumpSlice is the most block bodies Dump reads under one hold of a shard's lock: a whole shard
+// at the default sizes (MaxEntries / 256 shards is 4,096 blocks), a few hundred microseconds of
+// holding it at most.
+const dumpSlice = 1 << 16
+
+// dumpBlock is a block Dump found, copied out of its shard.
+type dumpBlock struct {
+	h        uint64 // mixed key, bit 0 cleared
+	tiers    uint8  // the backend's confirmed tiers (live)
+	spec     bool   // the backend's speculative entry (live)
+	stamp    uint32 // evidence epoch
+	specExp  uint32 // speculative expiry tick
+	shardBit uint64 // bit 0 of the block's mixed key when the table has several shards, else 2
+}
+
+// Dump lists backend's live entries (Dumper): its blocks, shard by shard, then its prefix
+// entries. Each shard is read under its lock, dumpSlice (65,536) blocks at a time (so that at the
+// default sizes a shard's listing is consistent), and the blocks found are passed to fn after
+// the lock is released; Lookup takes no lock and never waits for it, Apply and Speculate wait for
+// one slice's reading at most. Confirmed entries expire on the index's epochs (EntryTTL/64), so
+// Expires is exact to that. ctx is checked between slices. It returns ErrClosed after Close.
+//
+// The table keys blocks by a mix of the block key without its lowest bit; with several shards
+// (MaxEntries ≥ 8,192) the shard gives that bit back, and a single-shard index finds its keys in
+// the backend's engine-hash map and speculative queue, read once per call (both small in an
+// index that small); a block found in neither, if any, is listed with Key 0.
+func (m *MemoryIndex) Dump(ctx context.Context, backend string, limit int, fn func(DumpEntry) error) error {
+	if m.closed.Load() {
+		return ErrClosed
+	}
+	if limit <= 0 {
+		limit = DefaultDumpLimit
+	}
+	bs := m.reg.lookup(backend)
+	if bs == nil {
+		return nil
+	}
+	var keys map[uint64]uint64 // single shard: mixed key without bit 0 → block key
+	if len(m.shards) == 1 {
+		keys = m.dumpKeys(bs)
+	}
+	bit := uint64(1) << bs.id
+	buf := make([]dumpBlock, 0, min(limit, 1024))
+	left := limit
+	for i := range m.shards {
+		sh := &m.shards[i]
+		for from := uint32(0); left > 0; {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			var more, gone bool
+			var now time.Time
+			buf, from, more, gone, now = m.dumpShard(sh, i, bs, bit, from, left, buf[:0])
+			if gone {
+				return nil // cleared meanwhile
+			}
+			c := m.clockAt(now)
+			for _, b := range buf {
+				e := DumpEntry{Backend: backend, Tiers: tiersOf(b.tiers), Speculative: b.spec}
+				switch {
+				case b.shardBit < 2:
+					e.Key = unmix(b.h | b.shardBit)
+				default:
+					e.Key = keys[b.h]
+				}
+				if b.tiers != 0 {
+					e.Expires = m.epochTime(now, c, b.stamp+c.ttl+1)
+				}
+				if b.spec {
+					e.SpeculativeExpires = m.tickTime(now, c, b.specExp)
+				}
+				if err := fn(e); err != nil {
+					return err
+				}
+				left--
+			}
+			if !more {
+				break
+			}
+		}
+	}
+	if left == 0 {
+		return nil
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	return m.dumpPrefixes(bs, left, fn)
+}
+
+// dumpShard copies, under sh's lock, the live entries of bs (bit) among the blocks of bodies
+// [from, from+dumpSlice), at most left of them, into buf. It returns where the next slice starts
+// and whether there is one, whether bs was cleared, and the time the entries were judged at.
+func (m *MemoryIndex) dumpShard(sh *shard, i int, bs *backendState, bit uint64, from uint32, left int,
+	buf []dumpBlock) (_ []dumpBlock, next uint32, more, gone bool, now time.Time) {
+	shardBit := uint64(2)
+	if len(m.shards) > 1 {
+		shardBit = uint64(i) & 1
+	}
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if m.reg.retired.Load()&bit != 0 || m.reg.lookup(bs.name) != bs {
+		return buf, from, false, true, now
+	}
+	now = m.cfg.Now()
+	c := m.clockAt(now)
+	t := sh.tab.Load()
+	end := min(sh.used, from+dumpSlice)
+	for bi := from; bi < end; bi++ {
+		if len(buf) == left {
+			return buf, bi, true, false, now
+		}
+		ch := t.chunks[bi>>chunkShift]
+		b := body{&ch.hot[bi%chunkSize], &ch.cold[bi%chunkSize]}
+		if b.hot.hx.Load() == 0 || (b.hot.gpu.Load()|b.hot.spec.Load()|b.cold.cpu.Load()|b.cold.storage.Load())&bit == 0 {
+			continue
+		}
+		v := b.load()
+		d := dumpBlock{h: v.h, stamp: v.stamp(), specExp: v.specExp(), shardBit: shardBit}
+		if v.confirmed()&bit != 0 && c.fresh(&v) {
+			for tier, holders := range v.tiers {
+				if holders&bit != 0 {
+					d.tiers |= 1 << tier
+				}
+			}
+		}
+		d.spec = v.spec&bit != 0 && c.specLive(&v)
+		if d.tiers != 0 || d.spec {
+			buf = append(buf, d)
+		}
+	}
+	return buf, end, end < sh.used, false, now
+}
+
+// dumpPrefixes lists bs's live prefix entries, at most left of them, one prefix shard at a time
+// (read-locked while its entries are copied).
+func (m *MemoryIndex) dumpPrefixes(bs *backendState, left int, fn func(DumpEntry) error) error {
+	if m.prefix.count.Load() == 0 {
+		return nil
+	}
+	var buf []DumpEntry
+	for i := range m.prefix.shards {
+		sh := &m.prefix.shards[i]
+		now := m.cfg.Now()
+		c := m.clockAt(now)
+		buf = buf[:0]
+		sh.mu.RLock()
+		for prefix, e := range sh.m {
+			if len(buf) == left {
+				break
+			}
+			for _, h := range e.holders {
+				if h.id == bs.id && int32(c.now-h.stamp) < int32(c.ttlTick) {
+					buf = append(buf, DumpEntry{Backend: bs.name, Prefix: prefix, Tokens: h.tokens,
+						Tiers: []Tier{h.tier}, Expires: m.tickTime(now, c, h.stamp+c.ttlTick)})
+					break
+				}
+			}
+		}
+		sh.mu.RUnlock()
+		if m.reg.lookup(bs.name) != bs {
+			return nil // cleared meanwhile
+		}
+		for _, e := range buf {
+			if err := fn(e); err != nil {
+				return err
+			}
+		}
+		if left -= len(buf); left == 0 {
+			return nil
+		}
+	}
+	return nil
+}
+
+// dumpKeys returns, for a single-shard table, the block keys bs's engine-hash map and
+// speculative queue know, by their mixed key without bit 0.
+func (m *MemoryIndex) dumpKeys(bs *backendState) map[uint64]uint64 {
+	keys := map[uint64]uint64{}
+	bs.emu.Lock()
+	for _, s := range bs.em.slots {
+		if s.h != 0 {
+			keys[mix(s.key)&^1] = s.key
+		}
+	}
+	bs.emu.Unlock()
+	bs.specMu.Lock()
+	q := &bs.spec
+	for i := range q.keys.n {
+		h := *q.keys.at(i)
+		keys[h&^1] = unmix(h)
+	}
+	for _, e := range q.late {
+		keys[e.h&^1] = unmix(e.h)
+	}
+	bs.specMu.Unlock()
+	return keys
+}
+
+// clockAt is the index's clock at now (retired ids not loaded).
+func (m *MemoryIndex) clockAt(now time.Time) clock {
+	d := int64(now.Sub(m.epoch))
+	return clock{now: uint32(d >> tickShift), epoch: uint32(d / m.epochNs), ttl: m.ttlEpochs, ttlTick: m.ttlTicks}
+}
+
+// epochTime returns the start of evidence epoch e (which wraps), near now (c = clockAt(now)).
+func (m *MemoryIndex) epochTime(now time.Time, c clock, e uint32) time.Time {
+	cur := int64(now.Sub(m.epoch)) / m.epochNs
+	return m.epoch.Add(time.Duration((cur + int64(int32(e-c.epoch))) * m.epochNs))
+}
+
+// tickTime returns the start of tick k (which wraps), near now (c = clockAt(now)).
+func (m *MemoryIndex) tickTime(now time.Time, c clock, k uint32) time.Time {
+	cur := int64(now.Sub(m.epoch)) >> tickShift
+	return m.epoch.Add(time.Duration((cur + int64(int32(k-c.now))) << tickShift))
+}
+
+// unmix inverts mix (except for the two keys mix moves to another constant).
+func unmix(h uint64) uint64 {
+	h ^= h >> 33
+	h *= 0x9cb4b2f8129337db // the inverse of 0xc4ceb9fe1a85ec53 modulo 2⁶⁴
+	h ^= h >> 33
+	h *= 0x4f74430c22a54005 // the inverse of 0xff51afd7ed558ccd
+	h ^= h >> 33
+	return h
+}

@@ -1,0 +1,205 @@
+package kvroute
+
+import (
+	"context"
+	"errors"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
+
+	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/prefixkey"
+)
+
+// recorder returns an SDK TracerProvider that keeps every ended span in memory, and the recorder.
+func recorder(t *testing.T) (*sdktrace.TracerProvider, *tracetest.SpanRecorder) {
+	t.Helper()
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	return tp, rec
+}
+
+// spansByName indexes the ended spans by name; a name must not repeat.
+func spansByName(t *testing.T, rec *tracetest.SpanRecorder) map[string]sdktrace.ReadOnlySpan {
+	t.Helper()
+	out := map[string]sdktrace.ReadOnlySpan{}
+	for _, s := range rec.Ended() {
+		require.NotContains(t, out, s.Name(), "span %s recorded twice", s.Name())
+		out[s.Name()] = s
+	}
+	return out
+}
+
+// attrs returns a span's attributes by key.
+func attrs(s sdktrace.ReadOnlySpan) map[attribute.Key]attribute.Value {
+	out := map[attribute.Key]attribute.Value{}
+	for _, kv := range s.Attributes() {
+		out[kv.Key] = kv.Value
+	}
+	return out
+}
+
+func TestTracingRouteSpans(t *testing.T) {
+	toks := promptTokens(7, 10*16)
+	errTok := errors.New("tokenizer timeout")
+	tok := prefixkey.TokenizerFunc(func(_ context.Context, req *prefixkey.Request) ([]uint32, error) {
+		if req.System == "broken" {
+			return nil, errTok
+		}
+		return toks, nil
+	})
+	kvReq := chatReq("tokenize me", "u")
+	kvReq.Model = testModel
+
+	for _, tc := range []struct {
+		name      string
+		kv        bool // tier 4 on, vllm-2 holding toks
+		index     bool // a failing index instead
+		req       *prefixkey.Request
+		spans     []string
+		reason    string
+		attrs     map[attribute.Key]attribute.Value // on the route span
+		absent    []attribute.Key                   // not on the route span
+		failed    string                            // the span with status Error
+		child     map[attribute.Key]attribute.Value // on the tokenize and lookup spans
+		childFrom string                            // the span child holds
+	}{{
+		name: "kv_aware", kv: true, req: kvReq,
+		spans:  []string{SpanRoute, SpanTokenize, SpanKVLookup},
+		reason: "kv_aware",
+		attrs: map[attribute.Key]attribute.Value{AttrBackend: attribute.StringValue("vllm-2"),
+			AttrExpectedCachedTokens: attribute.IntValue(160), AttrBestOverlap: attribute.Float64Value(1)},
+		child: map[attribute.Key]attribute.Value{AttrTokens: attribute.IntValue(160), AttrBlocks: attribute.IntValue(10),
+			AttrBackends: attribute.IntValue(3)},
+	}, {
+		name: "tier1_only", req: chatReq("system A", "u"),
+		spans:  []string{SpanRoute},
+		reason: "prefix_hash",
+		absent: []attribute.Key{AttrExpectedCachedTokens, AttrBestOverlap},
+	}, {
+		name: "tokenizer_error", kv: true, req: chatReq("broken", "u"),
+		spans:  []string{SpanRoute, SpanTokenize},
+		reason: "prefix_hash",
+		absent: []attribute.Key{AttrExpectedCachedTokens, AttrBestOverlap},
+		failed: SpanTokenize,
+	}, {
+		name: "index_error", index: true, req: tokReq("s", promptTokens(1, 64)),
+		spans:  []string{SpanRoute, SpanKVLookup},
+		reason: "prefix_hash",
+		absent: []attribute.Key{AttrExpectedCachedTokens, AttrBestOverlap},
+		failed: SpanKVLookup,
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			tp, rec := recorder(t)
+			cfg := Config{Backends: backends(3), TracerProvider: tp}
+			if tc.kv {
+				ix := newMemIndex(t)
+				storeBlocks(t, ix, "vllm-2", toks, 10, events.TierGPU)
+				cfg.KV = &KVConfig{Index: ix, Tokenizer: tok, Speculation: SpeculateOff}
+			}
+			if tc.index {
+				cfg.KV = &KVConfig{Index: failingIndex{}, Speculation: SpeculateOff}
+			}
+			r := newRouter(t, cfg)
+
+			ctx, parent := tp.Tracer("test").Start(context.Background(), "parent")
+			d, err := r.Route(ctx, tc.req)
+			require.NoError(t, err)
+			d.Done(Outcome{})
+			parent.End()
+
+			spans := spansByName(t, rec)
+			require.Len(t, spans, len(tc.spans)+1)
+			route := spans[SpanRoute]
+			require.NotNil(t, route)
+			assert.Equal(t, parent.SpanContext().SpanID(), route.Parent().SpanID(), "route is a child of the caller's span")
+			assert.Equal(t, parent.SpanContext().TraceID(), route.SpanContext().TraceID())
+			got := attrs(route)
+			assert.Equal(t, tc.reason, got[AttrReason].AsString())
+			assert.Equal(t, d.Backend, got[AttrBackend].AsString())
+			assert.Equal(t, d.PrefixKey.String(), got[AttrPrefixKey].AsString())
+			for k, v := range tc.attrs {
+				assert.Equal(t, v, got[k], "%s", k)
+			}
+			for _, k := range tc.absent {
+				assert.NotContains(t, got, k)
+			}
+			assert.Equal(t, codes.Unset, route.Status().Code)
+			for _, name := range tc.spans[1:] {
+				s := spans[name]
+				require.NotNil(t, s, name)
+				assert.Equal(t, route.SpanContext().SpanID(), s.Parent().SpanID(), "%s is a child of the route span", name)
+				for k, v := range attrs(s) {
+					if want, ok := tc.child[k]; ok {
+						assert.Equal(t, want, v, "%s %s", name, k)
+					}
+				}
+				if name == tc.failed {
+					assert.Equal(t, codes.Error, s.Status().Code, name)
+				} else {
+					assert.Equal(t, codes.Unset, s.Status().Code, name)
+				}
+			}
+		})
+	}
+}
+
+func TestTracingRouteError(t *testing.T) {
+	tp, rec := recorder(t)
+	r := newRouter(t, Config{TracerProvider: tp}) // no backends
+	_, err := r.Route(context.Background(), chatReq("s", "u"))
+	require.ErrorIs(t, err, ErrNoBackend)
+	spans := rec.Ended()
+	require.Len(t, spans, 1)
+	assert.Equal(t, SpanRoute, spans[0].Name())
+	assert.Equal(t, codes.Error, spans[0].Status().Code)
+	assert.Equal(t, ErrNoBackend.Error(), spans[0].Status().Description)
+	assert.False(t, spans[0].Parent().IsValid(), "a root span without a caller's span")
+}
+
+// TestTracingOffAllocs: without a TracerProvider, or with the API's no-op one, Route allocates no
+// more than it does untraced (the Decision; tier 4's overlaps), and traced it records spans.
+func TestTracingOffAllocs(t *testing.T) {
+	if raceEnabled {
+		t.Skip("allocation counts differ under -race")
+	}
+	toks := promptTokens(3, 8*16)
+	for _, tc := range []struct {
+		name string
+		kv   bool
+		want float64
+	}{{"tier1", false, 1}, {"tier4", true, 2}} {
+		for _, tp := range []struct {
+			name string
+			tp   trace.TracerProvider
+		}{{"nil", nil}, {"noop", noop.NewTracerProvider()}} {
+			t.Run(tc.name+"/"+tp.name, func(t *testing.T) {
+				cfg := Config{Backends: backends(4), TracerProvider: tp.tp}
+				if tc.kv {
+					ix := newMemIndex(t)
+					storeBlocks(t, ix, "vllm-1", toks, 8, events.TierGPU)
+					cfg.KV = &KVConfig{Index: ix, Speculation: SpeculateOff}
+				}
+				r := newRouter(t, cfg)
+				req := tokReq("allocs", toks)
+				ctx := context.Background()
+				got := testing.AllocsPerRun(200, func() {
+					d, err := r.Route(ctx, req)
+					if err != nil {
+						t.Fatal(err)
+					}
+					d.Done(Outcome{})
+				})
+				assert.Equal(t, tc.want, got)
+			})
+		}
+	}
+}
