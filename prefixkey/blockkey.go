@@ -276,13 +276,14 @@ func endsBy(s MultiModalSpan, lo int) bool {
 
 // BlockKeys is AppendBlockKeys for r: the root is BlockRoot(r.ModelOrAdapter(), r.CacheSalt), the
 // tokens r.TokenIDs and the spans r.MultiModal. It returns dst unchanged when r.TokenIDs has no full
-// block. It allocates only when dst lacks capacity, and is safe for concurrent use with other readers
-// of r.
+// block, and when r has media the caller did not place (r.MediaPlaced() is false): without spans,
+// the keys of two requests that differ only in an image would be equal. It allocates only when dst
+// lacks capacity, and is safe for concurrent use with other readers of r.
 func (r *Request) BlockKeys(dst []uint64, blockSize int) []uint64 {
 	if blockSize <= 0 {
 		blockSize = DefaultBlockSize
 	}
-	if len(r.TokenIDs) < blockSize {
+	if len(r.TokenIDs) < blockSize || !r.MediaPlaced() {
 		return dst
 	}
 	return AppendBlockKeys(dst, BlockRoot(r.ModelOrAdapter(), r.CacheSalt), r.TokenIDs, blockSize, r.MultiModal)

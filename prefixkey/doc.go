@@ -4,7 +4,8 @@
 //
 //   - Parsing. ParseOpenAIChat (POST /v1/chat/completions), ParseOpenAICompletion
 //     (POST /v1/completions) and ParseAnthropicMessages (POST /v1/messages), or Parse with a Format,
-//     read a body into one Request: model, system prompt, messages, sampling parameters. Errors wrap
+//     read a body into one Request: model, system prompt, messages, sampling parameters, vLLM's
+//     cache_salt, and the identities of the messages' images and audio (Request.Media). Errors wrap
 //     ErrMalformed. InjectAnthropicCacheControl rewrites an Anthropic body so that its system
 //     prompt ends with a prompt-caching breakpoint (cache_control), for gateways that forward to
 //     Anthropic's API.
@@ -34,6 +35,15 @@
 // hex and Key.Uint64 the low half. This is kvroute's prefix-key layout with SHA-256 replaced by
 // XXH3-128.
 //
+// A request with a cache salt, or whose anchor is its first message and holds media items within
+// the covered bytes, gets the extended key instead (ExtendedKey), which adds the salt and each
+// item's text offset and identity:
+//
+//	model ‖ 0x00 ‖ tag|0x20 ‖ le64(len(salt)) ‖ salt ‖ le64(len(t)) ‖ t ‖ le64(n) ‖ (le64(offset) ‖ le64(hash))ⁿ
+//
+// The lower-case tag ('s', 'm') keeps these inputs apart from the plain layout's, whose keys (of
+// unsalted, text-only anchors) are unchanged.
+//
 // # Block keys
 //
 // Block keys follow vLLM's automatic prefix caching: a block's key commits to its tokens and to
@@ -55,6 +65,44 @@
 // root is random per process unless PYTHONHASHSEED is set), so an index maps each engine's hashes to
 // these keys, computed from the token_ids of its BlockStored events.
 //
+// # Cache salt and multimodal content
+//
+// vLLM's cache_salt (a top-level string of OpenAI chat and completions bodies; non-empty, at most
+// MaxCacheSaltLength bytes, else a *FieldError naming "cache_salt") fills Request.CacheSalt. It
+// roots the block keys (BlockRoot), so salted chains match only engine events with the same salt
+// (vLLM puts it in block 0's extra keys); it enters the prefix key, since no backend holds one
+// salt's prefix for another, and the response-cache key. Anthropic bodies keep it in Params.Other.
+//
+// The media of the messages — OpenAI image_url, input_audio and vLLM's video_url and audio_url
+// parts, Anthropic image blocks (also in tool results) — are listed in Request.Media with an
+// identity Hash: MediaUUIDHash of vLLM's per-part "uuid" when given, else MediaURLHash of the
+// URL, or MediaDataHash of inline base64 data (a data: URI's payload, an Anthropic base64 source,
+// input_audio's data), undecoded. kvroute fetches nothing: the same image behind two URLs has two
+// identities and different images behind one URL have one; equal bytes sent inline have one
+// identity in every form. The identities reach:
+//
+//   - the prefix key, for the items of an anchor message (above);
+//   - the response-cache key, through Part.Data, which holds the part's URL or data (and its
+//     uuid);
+//   - block keys, only through Request.MultiModal. Where an item's placeholder tokens sit, and how
+//     many there are, only the engine's multimodal processor knows: /tokenize returns the tokens
+//     without spans, and EngineTokenizer sends text only. A caller that knows them (its own
+//     processor) sets TokenIDs and one MultiModalSpan per item; otherwise the request has no block
+//     keys (Request.MediaPlaced, Request.BlockKeys, EngineTokenizer returns no tokens), because
+//     the text-only keys of two requests that differ in an image are equal, and the router routes
+//     it on tier 1 by its media-aware prefix key. EstimateTokenizer, whose pseudo-tokens are
+//     kvroute's own, writes each item's identity into them where the item sits.
+//
+// Against vLLM's own keys: vLLM hashes each processed item (its mm_hash, over the decoded pixels or
+// samples and the processor's options) unless the request gives the item a uuid, and lists
+// [identifier, offset] pairs in the extra keys of the blocks its placeholders cover; package
+// events folds each identifier to XXH3-64 (events.ExtraKeyHash). A request's block keys equal the
+// re-keyed event's when it carries the same tokens, placeholders included, and spans with those
+// digests: with vLLM's uuid as identifier (MediaUUIDHash is that digest) or with the engine's own
+// mm_hash when the caller computes it. URL and data identities are kvroute's: they match the
+// router's own speculated entries and other requests, never vLLM's content hashes. Salted
+// requests, and text-only ones, match vLLM's events exactly.
+//
 // # Why XXH3
 //
 // Keys are computed on every request (a prefix key over up to 1 KiB, a block key per 16 tokens), so
@@ -72,7 +120,7 @@
 //	if key, ok := prefixkey.PrefixKey(req, prefixkey.DefaultMaxPrefixLength); ok {
 //		preferred, _, err = ring.Candidate(key.Uint64()) // a *chwbl.Ring
 //	} // else: no anchor, take the fallback path
-//	req.TokenIDs = tokens // the engine's token IDs, when known
+//	req.TokenIDs = tokens // the engine's token IDs, when known (and req.MultiModal, with media)
 //	blocks := req.BlockKeys(nil, prefixkey.DefaultBlockSize)
 //	// look blocks up in a kvindex: each backend's longest cached run of them
 package prefixkey

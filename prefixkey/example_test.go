@@ -69,3 +69,27 @@ func ExampleRequest_BlockKeys() {
 	// Output:
 	// 6
 }
+
+func ExampleRequest_MediaPlaced() {
+	body := `{"model":"Qwen/Qwen2.5-VL-7B-Instruct","cache_salt":"tenant-a","messages":[{"role":"user","content":[
+		{"type":"image_url","image_url":{"url":"https://example.com/cat.png"}},
+		{"type":"text","text":"What is in the picture?"}]}]}`
+	req, err := prefixkey.ParseOpenAIChat([]byte(body))
+	if err != nil {
+		panic(err)
+	}
+	m := req.Media[0]
+	fmt.Println(req.CacheSalt, m.Kind, m.Hash == prefixkey.MediaURLHash("https://example.com/cat.png"))
+
+	// The engine's tokens alone cannot tell this image from another: no block keys...
+	req.TokenIDs = make([]uint32, 64)
+	fmt.Println(req.MediaPlaced(), len(req.BlockKeys(nil, 16)))
+
+	// ...until the caller says where the processor put the image's placeholder tokens.
+	req.MultiModal = []prefixkey.MultiModalSpan{{Offset: 3, Length: 40, Hash: m.Hash}}
+	fmt.Println(req.MediaPlaced(), len(req.BlockKeys(nil, 16)))
+	// Output:
+	// tenant-a image true
+	// false 0
+	// true 4
+}

@@ -159,9 +159,15 @@ func computeKeyStream(model string, tag byte, text string) Key {
 	return h.Sum128().Bytes()
 }
 
-// PrefixKey returns the prefix key of r: ComputeKey(r.Model, tag, text, maxPrefixLength) over the
-// anchor that r.Anchor returns (the system prompt, else the first message or prompt). ok is false,
-// and k the zero Key, when r has no anchor: the caller then takes its fallback path.
+// PrefixKey returns the prefix key of r over the anchor that r.Anchor returns (the system prompt,
+// else the first message or prompt): ComputeKey(r.Model, tag, text, maxPrefixLength) when r has no
+// cache salt and no media item in the part of the anchor the key covers; otherwise ExtendedKey
+// with r.CacheSalt and the identities of those media items (the anchor message's items preceded by
+// fewer than maxPrefixLength bytes of its text). A salted request thus never shares a key with an
+// unsalted one or one of another salt (vLLM's cache_salt isolates their KV cache: no backend holds
+// the one's prefix for the other), and two requests whose first messages differ only in an image
+// get different keys. ok is false, and k the zero Key, when r has no anchor: the caller then takes
+// its fallback path.
 //
 // The key uses r.Model, not the adapter: it decides which backend a prefix prefers, while block keys
 // (Request.BlockKeys) decide what is actually cached.
@@ -172,7 +178,83 @@ func PrefixKey(r *Request, maxPrefixLength int) (k Key, ok bool) {
 	if !ok {
 		return Key{}, false
 	}
-	return ComputeKey(r.Model, tag, text, maxPrefixLength), true
+	if maxPrefixLength <= 0 {
+		maxPrefixLength = DefaultMaxPrefixLength
+	}
+	anchorMedia := tag == 'M' && !r.HasSystem && len(r.Messages) > 0 && len(r.Media) > 0
+	if r.CacheSalt == "" && (!anchorMedia || !r.hasAnchorMedia(maxPrefixLength)) {
+		return ComputeKey(r.Model, tag, text, maxPrefixLength), true
+	}
+	var media []Media
+	if anchorMedia {
+		media = r.Media
+	}
+	return extendedKey(r.Model, tag, text, maxPrefixLength, r.CacheSalt, media), true
+}
+
+// hasAnchorMedia reports whether an item of r.Media is in the first message within its first
+// maxPrefixLength bytes of text.
+func (r *Request) hasAnchorMedia(maxPrefixLength int) bool {
+	for i := range r.Media {
+		if inAnchor(&r.Media[i], maxPrefixLength) {
+			return true
+		}
+	}
+	return false
+}
+
+func inAnchor(m *Media, maxPrefixLength int) bool {
+	return m.Message == 0 && m.Offset < maxPrefixLength
+}
+
+// ExtendedKey returns the prefix key of an anchor with a cache salt or media items: xxh3-128 over
+//
+//	model ‖ 0x00 ‖ tag|0x20 ‖ le64(len(salt)) ‖ salt ‖ le64(len(t)) ‖ t ‖ le64(n) ‖
+//	le64(offset₁) ‖ le64(hash₁) ‖ … ‖ le64(offsetₙ) ‖ le64(hashₙ)
+//
+// where t is TruncateUTF8(text, maxPrefixLength), tag|0x20 the tag in lower case ('s' or 'm', so
+// that no ComputeKey input of tag 'S' or 'M' is one of these), and the n (offset, hash) pairs are
+// the Offset and Hash of the items of media with Message 0 and Offset < maxPrefixLength, in
+// order. maxPrefixLength <= 0 means DefaultMaxPrefixLength. PrefixKey calls it for salted requests
+// and anchors with media (pass nil media for a system-prompt anchor).
+//
+// It does not allocate and is safe for concurrent use.
+func ExtendedKey(model string, tag byte, text string, maxPrefixLength int, salt string, media []Media) Key {
+	if maxPrefixLength <= 0 {
+		maxPrefixLength = DefaultMaxPrefixLength
+	}
+	return extendedKey(model, tag, text, maxPrefixLength, salt, media)
+}
+
+func extendedKey(model string, tag byte, text string, maxPrefixLength int, salt string, media []Media) Key {
+	var h xxh3.Hasher128
+	var b [16]byte
+	h.WriteString(model)
+	b[0], b[1] = 0, tag|0x20
+	h.Write(b[:2])
+	binary.LittleEndian.PutUint64(b[:], uint64(len(salt)))
+	h.Write(b[:8])
+	h.WriteString(salt)
+	text = TruncateUTF8(text, maxPrefixLength)
+	binary.LittleEndian.PutUint64(b[:], uint64(len(text)))
+	h.Write(b[:8])
+	h.WriteString(text)
+	n := 0
+	for i := range media {
+		if inAnchor(&media[i], maxPrefixLength) {
+			n++
+		}
+	}
+	binary.LittleEndian.PutUint64(b[:], uint64(n))
+	h.Write(b[:8])
+	for i := range media {
+		if m := &media[i]; inAnchor(m, maxPrefixLength) {
+			binary.LittleEndian.PutUint64(b[:8], uint64(m.Offset))
+			binary.LittleEndian.PutUint64(b[8:], m.Hash)
+			h.Write(b[:])
+		}
+	}
+	return h.Sum128().Bytes()
 }
 
 // TruncateUTF8 returns the longest prefix of s of at most n bytes that does not end inside a

@@ -29,6 +29,24 @@ func BenchmarkPrefixKey(b *testing.B) {
 			}
 		})
 	}
+	// The extended key (ExtendedKey): a salted request, and a first message with two images.
+	text := strings.Repeat("x", 1024)
+	for _, tc := range []struct {
+		name string
+		r    *Request
+	}{
+		{"system=1KiB/salted", &Request{Model: llama, HasSystem: true, System: text, CacheSalt: "tenant-0123456789abcdef"}},
+		{"message=1KiB/images=2", &Request{Model: llama, Messages: []Message{{Role: "user", Text: text}},
+			Media: []Media{{Kind: MediaImage, Offset: 10, Hash: 1}, {Kind: MediaImage, Offset: 500, Hash: 2}}}},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			b.ReportAllocs()
+			b.SetBytes(DefaultMaxPrefixLength)
+			for b.Loop() {
+				sinkKey, _ = PrefixKey(tc.r, 0)
+			}
+		})
+	}
 }
 
 // BenchmarkComputeKeyPaths puts ComputeKey's ways of hashing model ‖ 0x00 ‖ tag ‖ text side by

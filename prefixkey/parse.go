@@ -163,6 +163,8 @@ type decoder struct {
 	ccCount int
 
 	other []otherField // unmodelled top-level members, for Params.Other
+
+	media []mediaRef // Request.Media
 }
 
 // ---- errors ----
@@ -1318,7 +1320,7 @@ func (d *decoder) keyString(k jstr) string {
 // resetMessages forgets what an earlier "messages" member filled (a duplicate key: last wins).
 func (d *decoder) resetMessages() {
 	d.text, d.data, d.raw = d.text[:0], d.data[:0], d.raw[:0]
-	d.parts, d.msgs = d.parts[:0], d.msgs[:0]
+	d.parts, d.msgs, d.media = d.parts[:0], d.msgs[:0], d.media[:0]
 }
 
 // addExtra canonicalises d.members[base:] (null members dropped) into d.raw and returns its span.
@@ -1355,6 +1357,7 @@ const maxBodyLen = 1<<30 - 1
 // written again: their strings share them rather than copy them (what strings.Builder does).
 func (d *decoder) finish(r *Request) {
 	r.Params.Other = d.otherJSON()
+	r.Media = d.mediaOf()
 	text, sys, data := arenaString(d.text), arenaString(d.sys), arenaString(d.data)
 	d.text, d.sys, d.data = nil, nil, nil
 	if len(sys) > 0 {

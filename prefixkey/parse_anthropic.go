@@ -10,7 +10,8 @@ package prefixkey
 //
 //   - text: Part.Text.
 //   - thinking: the thinking text in Part.Text (type "thinking").
-//   - image: the canonical JSON of its source in Part.Data.
+//   - image: the canonical JSON of its source in Part.Data; the image is listed in Request.Media
+//     (as are images inside a tool_result's content).
 //   - tool_result: the text of its content (a string, or its text blocks concatenated) in
 //     Part.Text; the canonical JSON of the block without type, cache_control and (when it holds
 //     text only) content, in Part.Data.
@@ -20,8 +21,9 @@ package prefixkey
 // Message.Text concatenates its parts' Text in order. A message's fields other than role and
 // content go to Message.Extra as canonical JSON. The parameters max_tokens, temperature, top_p,
 // stop_sequences (Params.Stop), stream, tools and tool_choice fill Params; other top-level fields
-// (top_k, metadata, thinking, …) are ignored. An explicit null is the same as an absent field; for
-// duplicate top-level keys the last one wins.
+// (top_k, thinking, cache_salt, …) go to Params.Other, but for output-neutral ones such as
+// metadata. An explicit null is the same as an absent field; for duplicate top-level keys the last
+// one wins.
 //
 // It returns a non-nil Request and a nil error, or a nil Request and a *FieldError (wrapping
 // ErrMalformed) naming the offending field, e.g. "messages[1].content[0].source".
@@ -193,6 +195,7 @@ func (d *decoder) anthropicMessage() error {
 	const depth = 3
 	d.pos++
 	textLo, dataLo, partLo, memBase := len(d.text), len(d.data), len(d.parts), len(d.members)
+	mediaLo := len(d.media)
 	defer func() { d.members = d.members[:memBase] }()
 	var role string
 	haveContent := false
@@ -212,7 +215,7 @@ func (d *decoder) anthropicMessage() error {
 				return err
 			}
 		case "content":
-			d.text, d.data, d.parts = d.text[:textLo], d.data[:dataLo], d.parts[:partLo]
+			d.text, d.data, d.parts, d.media = d.text[:textLo], d.data[:dataLo], d.parts[:partLo], d.media[:mediaLo]
 			var null bool
 			if null, err = d.anthropicContent(depth + 1); err != nil {
 				return atField(err, "content")
@@ -316,6 +319,9 @@ func (d *decoder) anthropicBlock(base, depth int) error {
 		if d.data, err = d.canonicalAt(d.data, src.val, depth+1); err != nil {
 			return atField(err, "source")
 		}
+		if err := d.anthropicImage(src, d.data[lo:], depth+1); err != nil {
+			return err
+		}
 		d.addPart(typ, 0, 0, lo, len(d.data))
 		return nil
 	case "tool_result":
@@ -387,6 +393,10 @@ func (d *decoder) toolResultContent(c *member, depth int) (textOnly bool, err er
 			_, _, err = d.textMember(d.members[base:], "text")
 		} else if err == nil {
 			textOnly = false
+			if typ == "image" {
+				// An image in a tool result is in the prompt as much as one in the message.
+				err = d.anthropicImage(d.findMember(d.members[base:], "source"), nil, depth+2)
+			}
 		}
 		d.members = d.members[:base]
 		if err != nil {

@@ -31,6 +31,7 @@ func fuzzParse(t *testing.T, parse func([]byte) (*Request, error), body []byte) 
 	if !json.Valid(body) {
 		t.Fatalf("accepted invalid JSON %q", body)
 	}
+	checkMedia(t, r)
 	// Parsing is deterministic, and the Request does not alias body.
 	again, err := parse(append([]byte(nil), body...))
 	if err != nil {
@@ -38,6 +39,40 @@ func fuzzParse(t *testing.T, parse func([]byte) (*Request, error), body []byte) 
 	}
 	if !requestsEqual(r, again) {
 		t.Fatalf("two parses differ:\n%+v\n%+v", r, again)
+	}
+}
+
+// checkMedia checks that r's media items point into its messages, in order, and that its keys
+// can be computed: a prefix key and, with spans unknown, no block keys.
+func checkMedia(t *testing.T, r *Request) {
+	t.Helper()
+	prevMsg, prevOff := 0, 0
+	for i, m := range r.Media {
+		if m.Message < 0 || m.Message >= len(r.Messages) {
+			t.Fatalf("media %d: message %d of %d", i, m.Message, len(r.Messages))
+		}
+		msg := &r.Messages[m.Message]
+		if m.Part < 0 || m.Part >= len(msg.Parts) || m.Offset < 0 || m.Offset > len(msg.Text) {
+			t.Fatalf("media %d: part %d of %d, offset %d of %d", i, m.Part, len(msg.Parts), m.Offset, len(msg.Text))
+		}
+		if m.Message < prevMsg || m.Message == prevMsg && m.Offset < prevOff {
+			t.Fatalf("media %d out of order: %+v", i, r.Media)
+		}
+		if m.Kind != MediaImage && m.Kind != MediaAudio && m.Kind != MediaVideo {
+			t.Fatalf("media %d: kind %q", i, m.Kind)
+		}
+		prevMsg, prevOff = m.Message, m.Offset
+	}
+	if len(r.CacheSalt) > MaxCacheSaltLength {
+		t.Fatalf("cache_salt of %d bytes", len(r.CacheSalt))
+	}
+	PrefixKey(r, 0)
+	if len(r.Media) > 0 {
+		c := *r
+		c.TokenIDs = make([]uint32, 64)
+		if keys := c.BlockKeys(nil, 16); len(keys) != 0 {
+			t.Fatalf("block keys for media without spans: %v", keys)
+		}
 	}
 }
 
@@ -60,6 +95,7 @@ func fuzzSeeds(f *testing.F, cases []parseCase, errs ...[]errCase) {
 
 func FuzzParseOpenAIChat(f *testing.F) {
 	fuzzSeeds(f, openAIChatCases, commonErrCases, openAIChatErrCases)
+	f.Add([]byte(`{"model":"m","cache_salt":"s","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"input_audio","input_audio":{"data":"x"}},{"type":"image_url","image_url":{"url":"data:;base64,"}}]}]}`))
 	f.Add(parseBenchChatBody(1 << 10))
 	f.Fuzz(func(t *testing.T, body []byte) { fuzzParse(t, ParseOpenAIChat, body) })
 }

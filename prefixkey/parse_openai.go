@@ -13,13 +13,17 @@ import "strconv"
 // developer, user, assistant, tool and the legacy function. System and developer messages (text
 // parts only) go to Request.System, joined by "\n" in order, and not to Messages; their other
 // fields (e.g. "name") are dropped. A message's fields other than role and content (tool_calls,
-// tool_call_id, name, …; nulls dropped) go to Message.Extra as canonical JSON.
+// tool_call_id, name, …; nulls dropped) go to Message.Extra as canonical JSON. A non-text part
+// with members besides type and its payload (vLLM's "uuid") keeps the whole part without type.
+// Parts of type image_url, video_url, audio_url and input_audio are also listed in Request.Media
+// with their identities (see Media).
 //
 // The sampling parameters temperature, top_p, max_tokens, max_completion_tokens, stream, n, seed,
 // stop, presence_penalty, frequency_penalty, response_format, logit_bias, tools and tool_choice
 // fill Params (JSON-valued ones as canonical JSON: compact, object keys sorted recursively,
-// duplicate keys reduced to the last); an explicit null is the same as an absent field. Other
-// top-level fields are ignored. For duplicate top-level keys the last one wins.
+// duplicate keys reduced to the last); an explicit null is the same as an absent field. vLLM's
+// cache_salt (a non-empty string of at most MaxCacheSaltLength bytes) fills Request.CacheSalt.
+// Other top-level fields go to Params.Other. For duplicate top-level keys the last one wins.
 //
 // It returns a non-nil Request and a nil error, or a nil Request and a *FieldError (wrapping
 // ErrMalformed) naming the offending field, e.g. "messages[2].content", when the body is not
@@ -45,6 +49,10 @@ func ParseOpenAIChat(body []byte) (*Request, error) {
 		switch string(key) {
 		case "model":
 			if r.Model, err = d.readModel(); err != nil {
+				return nil, err
+			}
+		case "cache_salt":
+			if r.CacheSalt, err = d.readCacheSalt(); err != nil {
 				return nil, err
 			}
 		case "messages":
@@ -152,6 +160,7 @@ func (d *decoder) openAIMessage(r *Request) error {
 	const depth = 3
 	d.pos++
 	textLo, dataLo, partLo, memBase := len(d.text), len(d.data), len(d.parts), len(d.members)
+	mediaLo := len(d.media)
 	defer func() { d.members = d.members[:memBase] }()
 	var role string
 	haveContent, contentNull := false, false
@@ -171,7 +180,7 @@ func (d *decoder) openAIMessage(r *Request) error {
 				return err
 			}
 		case "content":
-			d.text, d.data, d.parts = d.text[:textLo], d.data[:dataLo], d.parts[:partLo]
+			d.text, d.data, d.parts, d.media = d.text[:textLo], d.data[:dataLo], d.parts[:partLo], d.media[:mediaLo]
 			haveContent = true
 			if contentNull, err = d.openAIContent(depth + 1); err != nil {
 				return atField(err, "content")
@@ -278,7 +287,7 @@ func (d *decoder) openAIPart(ms []member, depth int) error {
 		return nil
 	}
 	lo := len(d.data)
-	if m := d.findMember(ms, typ); m != nil && m.kind != 'n' && typ != "type" {
+	if m := d.findMember(ms, typ); m != nil && m.kind != 'n' && typ != "type" && d.onlyMembers(ms, typ) {
 		if d.data, err = d.canonicalAt(d.data, m.val, depth+1); err != nil {
 			err = atField(err, typ)
 		}
@@ -288,8 +297,23 @@ func (d *decoder) openAIPart(ms []member, depth int) error {
 	if err != nil {
 		return err
 	}
+	if kind := mediaKind(kindOf(typ), typ, false); kind != "" {
+		if err := d.openAIMedia(ms, typ, kind, d.data[lo:], depth); err != nil {
+			return err
+		}
+	}
 	d.addPart(typ, 0, 0, lo, len(d.data))
 	return nil
+}
+
+// onlyMembers reports whether every member of ms is named "type" or name.
+func (d *decoder) onlyMembers(ms []member, name string) bool {
+	for i := range ms {
+		if k := string(d.keyOf(ms[i].key)); k != "type" && k != name {
+			return false
+		}
+	}
+	return true
 }
 
 // ParseOpenAICompletion parses an OpenAI completions body (POST /v1/completions).
@@ -298,8 +322,8 @@ func (d *decoder) openAIPart(ms []member, depth int) error {
 // "model" (a non-empty string) and "prompt" are required. A prompt is a string (Prompt holds
 // it), a non-empty array of strings (Prompt holds them in order), an array of token IDs, or an
 // array of arrays of token IDs; token IDs are integers in [0, 2^32) and PromptTokens holds the
-// first prompt's (the others are validated, not kept). Parameters are read as by ParseOpenAIChat;
-// other top-level fields are ignored.
+// first prompt's (the others are validated, not kept). Parameters and cache_salt are read as by
+// ParseOpenAIChat; other top-level fields go to Params.Other.
 //
 // It returns a non-nil Request and a nil error, or a nil Request and a *FieldError (wrapping
 // ErrMalformed) naming the offending field, e.g. "prompt[1][3]".
@@ -324,6 +348,10 @@ func ParseOpenAICompletion(body []byte) (*Request, error) {
 		switch string(key) {
 		case "model":
 			if r.Model, err = d.readModel(); err != nil {
+				return nil, err
+			}
+		case "cache_salt":
+			if r.CacheSalt, err = d.readCacheSalt(); err != nil {
 				return nil, err
 			}
 		case "prompt":

@@ -71,7 +71,10 @@ var openAIChatCases = []parseCase{
 				{Type: "file", Data: `{"file_id":"file-123"}`},
 				{Type: "text", Text: "this?"},
 			},
-		}}},
+		}}, Media: []Media{
+			{Kind: MediaImage, Message: 0, Part: 1, Offset: 8, Hash: MediaURLHash("https://x/cat.png")},
+			{Kind: MediaAudio, Message: 0, Part: 2, Offset: 8, Hash: MediaDataHash("UklGRg==")},
+		}},
 	},
 	{
 		name: "unknown part type keeps the part without type",
@@ -170,6 +173,76 @@ var openAIChatCases = []parseCase{
 		want: &Request{Format: FormatOpenAIChat, Model: "m", Messages: []Message{textMsg("user", "x")},
 			Params: Params{ResponseFormat: raw(`{"type":"json_object"}`)}},
 	},
+	{
+		name: "cache_salt",
+		body: `{"model":"m","cache_salt":"tenant-a","messages":[{"role":"user","content":"x"}]}`,
+		want: &Request{Format: FormatOpenAIChat, Model: "m", CacheSalt: "tenant-a", Messages: []Message{textMsg("user", "x")}},
+	},
+	{
+		name: "cache_salt null is absent, escapes decode",
+		body: `{"model":"m","cache_salt":null,"messages":[{"role":"user","content":"x"}],"cache_s\u0061lt2":"other"}`,
+		want: &Request{Format: FormatOpenAIChat, Model: "m", Messages: []Message{textMsg("user", "x")},
+			Params: Params{Other: raw(`{"cache_salt2":"other"}`)}},
+	},
+	{
+		name: "media: urls, data URIs, uuids, audio and video",
+		body: `{"model":"m","messages":[
+			{"role":"system","content":"s"},
+			{"role":"user","content":[
+				{"type":"text","text":"Compare "},
+				{"type":"image_url","image_url":{"url":"https://x/a.png","detail":"low"}},
+				{"type":"text","text":" and "},
+				{"type":"image_url","image_url":{"url":"data:image/png;base64,iVBORw0KGgo="}},
+				{"type":"image_url","image_url":"https://x/b.png"},
+				{"type":"image_url","image_url":{"url":"https://x/c.png"},"uuid":"sku-1"},
+				{"type":"image_url","image_url":null,"uuid":"sku-2"},
+				{"type":"video_url","video_url":{"url":"https://x/v.mp4"}},
+				{"type":"audio_url","audio_url":{"url":"DATA:audio/wav;BASE64,UklGRg=="}},
+				{"type":"input_audio","input_audio":{"data":"UklGRg==","format":"wav"}},
+				{"type":"image_url","image_url":{"detail":"auto"}}]},
+			{"role":"assistant","content":"ok"},
+			{"role":"user","content":[{"type":"image_url","image_url":{"url":"https://x/a.png"}},{"type":"text","text":"again"}]}]}`,
+		want: &Request{Format: FormatOpenAIChat, Model: "m", System: "s", HasSystem: true, Messages: []Message{
+			{Role: "user", Text: "Compare  and ", Parts: []Part{
+				{Type: "text", Text: "Compare "},
+				{Type: "image_url", Data: `{"detail":"low","url":"https://x/a.png"}`},
+				{Type: "text", Text: " and "},
+				{Type: "image_url", Data: `{"url":"data:image/png;base64,iVBORw0KGgo="}`},
+				{Type: "image_url", Data: `"https://x/b.png"`},
+				{Type: "image_url", Data: `{"image_url":{"url":"https://x/c.png"},"uuid":"sku-1"}`},
+				{Type: "image_url", Data: `{"image_url":null,"uuid":"sku-2"}`},
+				{Type: "video_url", Data: `{"url":"https://x/v.mp4"}`},
+				{Type: "audio_url", Data: `{"url":"DATA:audio/wav;BASE64,UklGRg=="}`},
+				{Type: "input_audio", Data: `{"data":"UklGRg==","format":"wav"}`},
+				{Type: "image_url", Data: `{"detail":"auto"}`},
+			}},
+			textMsg("assistant", "ok"),
+			{Role: "user", Text: "again", Parts: []Part{
+				{Type: "image_url", Data: `{"url":"https://x/a.png"}`},
+				{Type: "text", Text: "again"},
+			}},
+		}, Media: []Media{
+			{Kind: MediaImage, Message: 0, Part: 1, Offset: 8, Hash: MediaURLHash("https://x/a.png")},
+			{Kind: MediaImage, Message: 0, Part: 3, Offset: 13, Hash: MediaDataHash("iVBORw0KGgo=")},
+			{Kind: MediaImage, Message: 0, Part: 4, Offset: 13, Hash: MediaURLHash("https://x/b.png")},
+			{Kind: MediaImage, Message: 0, Part: 5, Offset: 13, Hash: MediaUUIDHash("sku-1")},
+			{Kind: MediaImage, Message: 0, Part: 6, Offset: 13, Hash: MediaUUIDHash("sku-2")},
+			{Kind: MediaVideo, Message: 0, Part: 7, Offset: 13, Hash: MediaURLHash("https://x/v.mp4")},
+			{Kind: MediaAudio, Message: 0, Part: 8, Offset: 13, Hash: MediaDataHash("UklGRg==")},
+			{Kind: MediaAudio, Message: 0, Part: 9, Offset: 13, Hash: MediaDataHash("UklGRg==")},
+			{Kind: MediaImage, Message: 0, Part: 10, Offset: 13, Hash: mediaOtherHash([]byte(`{"detail":"auto"}`))},
+			{Kind: MediaImage, Message: 2, Part: 0, Offset: 0, Hash: MediaURLHash("https://x/a.png")},
+		}},
+	},
+	{
+		name: "duplicate content and messages keys: media of the last only",
+		body: `{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"u0"}}]}],"messages":[
+			{"role":"user","content":[{"type":"image_url","image_url":{"url":"u1"}}],
+			 "content":[{"type":"text","text":"t"},{"type":"image_url","image_url":{"url":"u2"}}]}]}`,
+		want: &Request{Format: FormatOpenAIChat, Model: "m", Messages: []Message{{Role: "user", Text: "t", Parts: []Part{
+			{Type: "text", Text: "t"}, {Type: "image_url", Data: `{"url":"u2"}`},
+		}}}, Media: []Media{{Kind: MediaImage, Message: 0, Part: 1, Offset: 1, Hash: MediaURLHash("u2")}}},
+	},
 }
 
 var openAICompletionCases = []parseCase{
@@ -203,6 +276,11 @@ var openAICompletionCases = []parseCase{
 		name: "duplicate prompt: last wins",
 		body: `{"model":"m","prompt":[1,2],"prompt":"text"}`,
 		want: &Request{Format: FormatOpenAICompletion, Model: "m", Prompt: []string{"text"}},
+	},
+	{
+		name: "cache_salt",
+		body: `{"model":"m","prompt":"p","cache_salt":"tenant-b"}`,
+		want: &Request{Format: FormatOpenAICompletion, Model: "m", Prompt: []string{"p"}, CacheSalt: "tenant-b"},
 	},
 }
 
@@ -263,6 +341,9 @@ var anthropicCases = []parseCase{
 				{Type: "tool_result", Text: "see", Data: `{"content":[{"text":"see","type":"text"},{"source":{"type":"url","url":"u"},"type":"image"}],"tool_use_id":"toolu_3"}`},
 				{Type: "tool_result", Data: `{"tool_use_id":"toolu_4"}`},
 			}},
+		}, Media: []Media{
+			{Kind: MediaImage, Message: 0, Part: 1, Offset: 6, Hash: MediaDataHash("iVBORw==")},
+			{Kind: MediaImage, Message: 2, Part: 2, Offset: 8, Hash: MediaURLHash("u")},
 		}},
 	},
 	{
@@ -275,6 +356,34 @@ var anthropicCases = []parseCase{
 			Tools: raw(`[{"input_schema":{"type":"object"},"name":"t"}]`), ToolChoice: raw(`{"type":"auto"}`),
 			Other: raw(`{"stop":"ignored","thinking":{"budget_tokens":1024,"type":"enabled"},"top_k":40}`),
 		}},
+	},
+	{
+		name: "image sources, images in tool results, cache_salt kept as an other field",
+		body: `{"model":"c","system":"s","cache_salt":"t","messages":[
+			{"role":"user","content":[
+				{"type":"image","source":{"type":"url","url":"https://x/a.png"}},
+				{"type":"text","text":"What differs from "},
+				{"type":"image","source":{"type":"base64","media_type":"image/png","data":"iVBORw0KGgo="},"cache_control":{"type":"ephemeral"}},
+				{"type":"image","source":{"type":"file","file_id":"file_1"}}]},
+			{"role":"assistant","content":[{"type":"tool_use","id":"t1","name":"shot","input":{}}]},
+			{"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":[
+				{"type":"text","text":"shot:"},{"type":"image","source":{"type":"base64","media_type":"image/jpeg","data":"/9j/4AAQ"}}]}]}]}`,
+		want: &Request{Format: FormatAnthropicMessages, Model: "c", System: "s", HasSystem: true, Messages: []Message{
+			{Role: "user", Text: "What differs from ", Parts: []Part{
+				{Type: "image", Data: `{"type":"url","url":"https://x/a.png"}`},
+				{Type: "text", Text: "What differs from "},
+				{Type: "image", Data: `{"data":"iVBORw0KGgo=","media_type":"image/png","type":"base64"}`},
+				{Type: "image", Data: `{"file_id":"file_1","type":"file"}`},
+			}},
+			{Role: "assistant", Parts: []Part{{Type: "tool_use", Data: `{"id":"t1","input":{},"name":"shot"}`}}},
+			{Role: "user", Text: "shot:", Parts: []Part{{Type: "tool_result", Text: "shot:",
+				Data: `{"content":[{"text":"shot:","type":"text"},{"source":{"data":"/9j/4AAQ","media_type":"image/jpeg","type":"base64"},"type":"image"}],"tool_use_id":"t1"}`}}},
+		}, Media: []Media{
+			{Kind: MediaImage, Message: 0, Part: 0, Offset: 0, Hash: MediaURLHash("https://x/a.png")},
+			{Kind: MediaImage, Message: 0, Part: 2, Offset: 18, Hash: MediaDataHash("iVBORw0KGgo=")},
+			{Kind: MediaImage, Message: 0, Part: 3, Offset: 18, Hash: mediaOtherHash([]byte(`{"file_id":"file_1","type":"file"}`))},
+			{Kind: MediaImage, Message: 2, Part: 0, Offset: 5, Hash: MediaDataHash("/9j/4AAQ")},
+		}, Params: Params{Other: raw(`{"cache_salt":"t"}`)}},
 	},
 }
 
@@ -413,6 +522,11 @@ var openAIChatErrCases = []errCase{
 	{"n string", `{"model":"m","messages":[],"n":"2"}`, "n", "must be an integer"},
 	{"escaped key names the field", `{"model":"m","messages":[],"st\u006fp":["\u0041",1]}`, "stop[1]", "must be a string"},
 	{"escaped unknown key names the field", `{"model":"m","messages":[],"m\u0065ta":[1,]}`, "meta", "want a value"},
+	{"cache_salt number", `{"model":"m","messages":[],"cache_salt":1}`, "cache_salt", "must be a string"},
+	{"cache_salt object", `{"model":"m","messages":[],"cache_s\u0061lt":{"a":"b"}}`, "cache_salt", "must be a string"},
+	{"cache_salt empty", `{"model":"m","messages":[],"cache_salt":""}`, "cache_salt", "must be a non-empty string"},
+	{"cache_salt too long", `{"model":"m","messages":[],"cache_salt":"` + strings.Repeat("s", MaxCacheSaltLength+1) + `"}`, "cache_salt", "at most 1024 bytes"},
+	{"cache_salt bad string", `{"model":"m","messages":[],"cache_salt":"a\x"}`, "cache_salt", "invalid escape"},
 }
 
 var openAICompletionErrCases = []errCase{
@@ -431,6 +545,8 @@ var openAICompletionErrCases = []errCase{
 	{"nested token is a string", `{"model":"m","prompt":[[1,"2"]]}`, "prompt[0][1]", "token ID in [0, 4294967295]"},
 	{"nested token null", `{"model":"m","prompt":[[null]]}`, "prompt[0][0]", "token ID in [0, 4294967295]"},
 	{"token arrays then a string", `{"model":"m","prompt":[[1],"a"]}`, "prompt[1]", "must be an array of token IDs"},
+	{"cache_salt array", `{"model":"m","prompt":"p","cache_salt":["a"]}`, "cache_salt", "must be a string"},
+	{"cache_salt empty", `{"model":"m","prompt":"p","cache_salt":""}`, "cache_salt", "must be a non-empty string"},
 }
 
 var anthropicErrCases = []errCase{

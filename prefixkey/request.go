@@ -123,21 +123,22 @@ type Params struct {
 }
 
 // Request is a parsed LLM request, whatever its wire format. The parsers fill what the body holds;
-// Tenant, Adapter (when the body does not name one), CacheSalt, TokenIDs and MultiModal are for the
-// caller to set when it knows them.
+// Tenant, Adapter (when the body does not name one), CacheSalt (when the body does not carry one),
+// TokenIDs and MultiModal are for the caller to set when it knows them.
 //
 // A Request is a plain value: not safe for concurrent mutation, safe for concurrent reads.
 type Request struct {
-	Format  Format
-	Model   string
-	Adapter string // LoRA adapter name, when the request runs on one; it replaces Model in block-key roots
-	Tenant  string // caller-supplied tenant; isolates response-cache entries
+	Format Format
+	// HasSystem tells an empty system prompt from none (see System). It sits beside Format, in
+	// the same word.
+	HasSystem bool
+	Model     string
+	Adapter   string // LoRA adapter name, when the request runs on one; it replaces Model in block-key roots
+	Tenant    string // caller-supplied tenant; isolates response-cache entries
 
 	// System is the system prompt: OpenAI "system" and "developer" messages joined by "\n" in order,
 	// or Anthropic's top-level "system" (a string, or the text of its content blocks joined by "\n").
-	// HasSystem tells an empty system prompt from none.
-	System    string
-	HasSystem bool
+	System string
 
 	// Messages are the non-system messages in order (OpenAI system/developer messages are in System).
 	Messages []Message
@@ -152,10 +153,18 @@ type Request struct {
 	// TokenIDs are the request's prompt tokens as the engine tokenizes them, when the caller has them.
 	// They drive block keys (precise KV-aware routing). Nil means "not known".
 	TokenIDs []uint32
-	// CacheSalt isolates KV-cache sharing (vLLM cache_salt); mixed into the block-key root.
+	// CacheSalt isolates KV-cache sharing (vLLM's cache_salt: only requests with the same salt
+	// share cached blocks). The OpenAI parsers read it from the body's top-level "cache_salt". It
+	// enters the block-key root, the prefix key and the response-cache key.
 	CacheSalt string
+	// Media lists the multimodal items of Messages (images, audio, video) in order, with their
+	// identities; the parsers fill it. Those of the anchor message enter the prefix key.
+	Media []Media
 	// MultiModal lists multimodal placeholders by token span, folded into the block keys of the blocks
-	// they overlap.
+	// they overlap. The caller sets it with TokenIDs when it knows where the engine's processor puts
+	// each item's placeholder tokens: one span per item of Media, in order, with the item's Hash
+	// (or the digest of the engine's own identifier, events.ExtraKeyHash). While Media is non-empty
+	// and MultiModal is not, the request has no block keys (see MediaPlaced).
 	MultiModal []MultiModalSpan
 }
 

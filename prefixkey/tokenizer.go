@@ -135,8 +135,10 @@ type TokenizerStats struct {
 // as {"model", "messages": [{"role", "content"}, ...]} — the system prompt (role "system") first,
 // then each message's role and Text — so that the engine applies its own chat template; a
 // completions request as {"model", "prompt"} with its first prompt. The answer's "tokens" are
-// returned. Non-text parts (images, audio) are not sent: the tokens of multimodal requests are
-// approximate.
+// returned. Non-text parts are not sent, so a request with media items (Request.Media) is not
+// tokenized at all: its text-only tokens would be those of every request that differs from it
+// only in an image, and their block keys would match each other's cache. It gets no tokens (nil,
+// nil), hence no block keys: the router routes it by its prefix key, which covers its media.
 //
 // Recent results are kept in an LRU cache keyed by (model, XXH3-128 of the content sent), so that a
 // repeated request costs a hash and no round trip. Requests that already carry tokens (TokenIDs,
@@ -193,7 +195,8 @@ func (t *EngineTokenizer) Stats() TokenizerStats {
 // Tokenize returns r's prompt tokens.
 //
 //  1. r carries tokens (TokenIDs, else PromptTokens): they are returned as is, err nil.
-//  2. r has no prompt (no system prompt, message or completions prompt): nil, nil.
+//  2. r has no prompt (no system prompt, message or completions prompt), or has media items
+//     (Request.Media, whose placeholders /tokenize would not place): nil, nil.
 //  3. The cache holds r's content for its model: the cached tokens, err nil.
 //  4. Otherwise one POST /tokenize under the earlier of ctx's deadline and Timeout; on success
 //     the tokens are cached and returned. Every failure returns nil and an error wrapping
@@ -207,7 +210,7 @@ func (t *EngineTokenizer) Tokenize(ctx context.Context, r *Request) ([]uint32, e
 		return tok, nil
 	}
 	mode := modeOf(r)
-	if mode == modeNone {
+	if mode == modeNone || len(r.Media) > 0 {
 		return nil, nil
 	}
 	t.calls.Add(1)
@@ -391,7 +394,10 @@ const MaxBytesPerToken = 64
 // completions, the first prompt — into one pseudo-token per BytesPerToken bytes: the bytes
 // themselves, little-endian, when BytesPerToken ≤ 4, else the low 32 bits of their XXH3-64 hash.
 // The last chunk may be shorter. Identical content prefixes therefore give identical pseudo-token
-// prefixes, hence identical block keys.
+// prefixes, hence identical block keys. Each media item (Request.Media) is written into its
+// message's text at its Offset as the byte 0xFF followed by le64(Hash) — 0xFF never occurs in UTF-8
+// text — so that the pseudo-tokens, hence the block keys, of two requests part where their images
+// differ.
 //
 // BytesPerToken ≤ 0 means DefaultBytesPerToken (4); values above MaxBytesPerToken (64) are
 // clamped. An EstimateTokenizer is a plain value: safe for concurrent use.
@@ -425,8 +431,25 @@ func (e EstimateTokenizer) AppendTokens(dst []uint32, r *Request) []uint32 {
 		if r.HasSystem {
 			p.message("system", r.System)
 		}
+		media := r.Media
 		for i := range r.Messages {
-			p.message(r.Messages[i].Role, r.Messages[i].Text)
+			text := r.Messages[i].Text
+			for len(media) > 0 && media[0].Message < i { // out of order: not placed
+				media = media[1:]
+			}
+			if len(media) == 0 || media[0].Message != i {
+				p.message(r.Messages[i].Role, text)
+				continue
+			}
+			p.message(r.Messages[i].Role, "")
+			at := 0
+			for ; len(media) > 0 && media[0].Message == i; media = media[1:] {
+				off := min(max(media[0].Offset, at), len(text))
+				p.write(text[at:off])
+				p.media(media[0].Hash)
+				at = off
+			}
+			p.write(text[at:])
 		}
 	case modePrompt:
 		p.write(r.Prompt[0])
@@ -448,6 +471,14 @@ func (p *pseudoPacker) message(role, text string) {
 	p.write(role)
 	p.write("|>")
 	p.write(text)
+}
+
+// media writes the marker of a media item: 0xFF ‖ le64(hash).
+func (p *pseudoPacker) media(hash uint64) {
+	var b [9]byte
+	b[0] = 0xff
+	binary.LittleEndian.PutUint64(b[1:], hash)
+	p.write(string(b[:]))
 }
 
 func (p *pseudoPacker) write(s string) {

@@ -554,3 +554,69 @@ func TestKeyCoversUnmodelledFields(t *testing.T) {
 		t.Error("user splits the cache")
 	}
 }
+
+// vLLM's cache_salt and the media of a request split the cache: two tenants' salted requests never
+// share an answer, nor do requests that differ only in an image, audio clip or its uuid; the same
+// salt and the same media do share.
+func TestKeyOfCacheSaltAndMedia(t *testing.T) {
+	chat := func(t *testing.T, content, extra string) Key {
+		t.Helper()
+		r, err := prefixkey.ParseOpenAIChat([]byte(`{"model":"m","temperature":0,` + extra +
+			`"messages":[{"role":"user","content":` + content + `}]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return KeyOf(r)
+	}
+	img := func(url, more string) string {
+		return `[{"type":"text","text":"What is this?"},{"type":"image_url","image_url":{"url":"` + url + `"}` + more + `}]`
+	}
+	t.Run("cache_salt", func(t *testing.T) {
+		plain, a, b := chat(t, `"hi"`, ``), chat(t, `"hi"`, `"cache_salt":"tenant-a",`), chat(t, `"hi"`, `"cache_salt":"tenant-b",`)
+		if plain == a || a == b || plain == b {
+			t.Errorf("salts share keys: none %v, tenant-a %v, tenant-b %v", plain, a, b)
+		}
+		if a != chat(t, `"hi"`, `"cache_salt":"tenant-a",`) {
+			t.Error("the same salt gave two keys")
+		}
+		r, _ := prefixkey.ParseOpenAIChat([]byte(`{"model":"m","cache_salt":"tenant-a","messages":[{"role":"user","content":"hi"}]}`))
+		if r.CacheSalt != "tenant-a" || r.Params.Other != nil {
+			t.Fatalf("cache_salt parsed to CacheSalt %q, Other %s", r.CacheSalt, r.Params.Other)
+		}
+	})
+	t.Run("media", func(t *testing.T) {
+		a := chat(t, img("https://x/a.png", ``), ``)
+		for name, other := range map[string]Key{
+			"other url":       chat(t, img("https://x/b.png", ``), ``),
+			"other data":      chat(t, img("data:image/png;base64,QUJE", ``), ``),
+			"uuid":            chat(t, img("https://x/a.png", `,"uuid":"sku-1"`), ``),
+			"no image":        chat(t, `[{"type":"text","text":"What is this?"}]`, ``),
+			"input_audio":     chat(t, `[{"type":"text","text":"What is this?"},{"type":"input_audio","input_audio":{"data":"QUJD","format":"wav"}}]`, ``),
+			"image and salt":  chat(t, img("https://x/a.png", ``), `"cache_salt":"s",`),
+			"other uuid":      chat(t, img("https://x/a.png", `,"uuid":"sku-2"`), ``),
+			"data vs data":    chat(t, img("data:image/png;base64,QUJD", ``), ``),
+			"audio data diff": chat(t, `[{"type":"text","text":"What is this?"},{"type":"input_audio","input_audio":{"data":"QUJE","format":"wav"}}]`, ``),
+		} {
+			if other == a {
+				t.Errorf("%s: same key as the image at https://x/a.png", name)
+			}
+		}
+		if a != chat(t, img("https://x/a.png", ``), ``) {
+			t.Error("the same image gave two keys")
+		}
+		if chat(t, img("https://x/a.png", `,"uuid":"sku-1"`), ``) == chat(t, img("https://x/a.png", `,"uuid":"sku-2"`), ``) {
+			t.Error("two uuids share a key")
+		}
+		an := func(src string) Key {
+			r, err := prefixkey.ParseAnthropicMessages([]byte(`{"model":"m","max_tokens":8,"temperature":0,"messages":[{"role":"user","content":[{"type":"image","source":` + src + `}]}]}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			return KeyOf(r)
+		}
+		if an(`{"type":"url","url":"https://x/a.png"}`) == an(`{"type":"url","url":"https://x/b.png"}`) ||
+			an(`{"type":"base64","media_type":"image/png","data":"QUJD"}`) == an(`{"type":"base64","media_type":"image/png","data":"QUJE"}`) {
+			t.Error("anthropic images share keys")
+		}
+	})
+}
