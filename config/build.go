@@ -2,14 +2,20 @@ package config
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/http"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
+	"github.com/redis/rueidis"
 	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/disagg"
@@ -29,6 +35,8 @@ import (
 type Options struct {
 	// MeterProvider receives the metrics of the values built; nil means no metrics.
 	MeterProvider metric.MeterProvider
+	// TracerProvider receives the spans of the Router and the response cache; nil means none.
+	TracerProvider trace.TracerProvider
 	// Logger receives their logs, each value's with a "component" attribute (redis, s3,
 	// kv-events); nil discards them.
 	Logger *slog.Logger
@@ -62,7 +70,7 @@ func ParseStrategy(s string) (strategy kvroute.Strategy, ok bool) {
 }
 
 // RouterConfig maps the configuration onto the Router's: the backends (name, weight, role and
-// external storage), prefix_routing, selection_strategy and o.MeterProvider, and, when
+// external storage), prefix_routing, selection_strategy, o.MeterProvider and o.TracerProvider, and, when
 // disaggregated_serving is enabled, Disagg (see DisaggConfig). KV is left nil: tier 4 needs an
 // index and a tokenizer the caller builds and closes, so set it with KVConfig
 // (NewKVIndex builds the index). A selection_strategy Validate would reject maps to the default.
@@ -80,6 +88,7 @@ func (c *Config) RouterConfig(o Options) (kvroute.Config, error) {
 		Strategy:                       strategy,
 		AnthropicCacheControlInjection: c.PrefixRouting.AnthropicCacheControlInjection,
 		MeterProvider:                  o.MeterProvider,
+		TracerProvider:                 o.TracerProvider,
 	}
 	for _, b := range c.Backends {
 		rb := kvroute.Backend{Name: b.Name, Weight: b.Weight, Role: b.ParsedRole()}
@@ -179,6 +188,11 @@ func (c *Config) defaultModel() string {
 // not applied. It only reads c.
 func (c *Config) NewResponseCache(o Options) (cache *respcache.Cache, closeAll func() error, err error) {
 	c.mustHaveDefaults("NewResponseCache")
+	return c.newResponseCache(o, nil)
+}
+
+// newResponseCache is NewResponseCache; a non-nil client is the Redis store's (never closed here).
+func (c *Config) newResponseCache(o Options, client rueidis.Client) (cache *respcache.Cache, closeAll func() error, err error) {
 	if !c.ResponseCache.Enabled {
 		return nil, func() error { return nil }, nil
 	}
@@ -209,7 +223,7 @@ func (c *Config) NewResponseCache(o Options) (cache *respcache.Cache, closeAll f
 		}
 		store = m
 	case "redis":
-		r, err := c.newRedisStore(o)
+		r, err := c.newRedisStore(o, client)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -218,7 +232,7 @@ func (c *Config) NewResponseCache(o Options) (cache *respcache.Cache, closeAll f
 	case "tiered":
 		var l1 respcache.CacheStore
 		if rc.L1.Type == "redis" {
-			r, err := c.newRedisStore(o)
+			r, err := c.newRedisStore(o, client)
 			if err != nil {
 				return nil, nil, err
 			}
@@ -263,7 +277,7 @@ func (c *Config) NewResponseCache(o Options) (cache *respcache.Cache, closeAll f
 		Store: store, TTL: ttl, MaxResponseSize: rc.MaxResponseSize, MaxStreamBufferSize: rc.MaxStreamBufferSize,
 		DisableStreaming: !*rc.CacheStreaming, AssumeGreedyDefault: rc.AssumeGreedyDefault,
 		Tenant: tenant, SharedAcrossTenants: rc.SharedAcrossTenants,
-		MaxBodyBytes: c.Server.MaxBodyBytes, MeterProvider: o.MeterProvider,
+		MaxBodyBytes: c.Server.MaxBodyBytes, MeterProvider: o.MeterProvider, TracerProvider: o.TracerProvider,
 	})
 	if err != nil {
 		return nil, nil, fmt.Errorf("response_cache: %w", err)
@@ -272,21 +286,170 @@ func (c *Config) NewResponseCache(o Options) (cache *respcache.Cache, closeAll f
 	return cache, closeBuilt, nil
 }
 
-// newRedisStore builds the store of response_cache.redis; the caller closes it.
-func (c *Config) newRedisStore(o Options) (*redisstore.Store, error) {
+// newRedisStore builds the store of response_cache.redis, on client when it is not nil (which the
+// store never closes); the caller closes the store.
+func (c *Config) newRedisStore(o Options, client rueidis.Client) (*redisstore.Store, error) {
 	r := c.ResponseCache.Redis
-	st, err := redisstore.New(redisstore.Config{
-		URL: string(r.URL), TLS: r.TLS, Username: r.Username, Password: string(r.Password), KeyPrefix: r.KeyPrefix,
-		PoolSize: r.PoolSize, ConnectTimeout: time.Duration(r.ConnectTimeoutMS) * time.Millisecond,
-		CommandTimeout: time.Duration(r.CommandTimeoutMS) * time.Millisecond, DefaultTTL: time.Duration(c.ResponseCache.TTL),
+	sc := redisstore.Config{KeyPrefix: r.KeyPrefix, CommandTimeout: time.Duration(r.CommandTimeoutMS) * time.Millisecond,
+		DefaultTTL: time.Duration(c.ResponseCache.TTL), ClientSideCaching: r.ClientCache,
+		ClientCacheTTL:  time.Duration(r.ClientCacheTTLSeconds) * time.Second,
 		DisableFallback: !*r.FallbackToMemory, FallbackCapacity: r.FallbackCapacity,
 		FallbackTTL:   time.Duration(r.FallbackTTLSeconds) * time.Second,
 		MeterProvider: o.MeterProvider, Logger: o.logger().With("component", "redis"),
-	})
+	}
+	var st *redisstore.Store
+	var err error
+	if client != nil {
+		st, err = redisstore.NewWithClient(client, sc)
+	} else {
+		st, err = redisstore.New(c.redisConnection(sc))
+	}
 	if err != nil {
-		return nil, fmt.Errorf("response_cache.redis (%s): %w", RedactURL(string(r.URL)), err)
+		return nil, fmt.Errorf("response_cache.redis (%s): %w", RedactURL(c.redisURL()), err)
 	}
 	return st, nil
+}
+
+// redisConnection returns sc with response_cache.redis's connection settings: those of a client
+// of the store's own (redisstore.New, redisstore.ClientOption).
+func (c *Config) redisConnection(sc redisstore.Config) redisstore.Config {
+	r := c.ResponseCache.Redis
+	sc.URL, sc.TLS, sc.Username, sc.Password = string(r.URL), r.TLS, r.Username, string(r.Password)
+	sc.PoolSize, sc.ConnectTimeout = r.PoolSize, time.Duration(r.ConnectTimeoutMS)*time.Millisecond
+	sc.CommandTimeout = time.Duration(r.CommandTimeoutMS) * time.Millisecond
+	sc.ClientSideCaching, sc.ClientCacheBytes = r.ClientCache, r.ClientCacheBytes
+	return sc
+}
+
+// redisURL is response_cache.redis.url in force: redisstore.DefaultURL when unset.
+func (c *Config) redisURL() string {
+	if u := c.ResponseCache.Redis.URL; u != "" {
+		return string(u)
+	}
+	return redisstore.DefaultURL
+}
+
+// kvRedisURL is the URL of the KV index's Redis: kv_cache_index.redis.url, else
+// response_cache.redis.url.
+func (c *Config) kvRedisURL() string {
+	if u := c.KVCacheIndex.Redis.URL; u != "" {
+		return string(u)
+	}
+	return string(c.ResponseCache.Redis.URL)
+}
+
+// onRedis reports whether the response cache's store is on Redis (backend redis, or tiered with
+// l1.type redis).
+func (rc *ResponseCacheConfig) onRedis() bool {
+	return rc.Backend == "redis" || (rc.Backend == "tiered" && rc.L1.Type == "redis")
+}
+
+// SharesRedis reports whether NewStores gives the response cache and the KV index one Redis
+// client: both are enabled on Redis, and the index's URL is the response cache's (unset, or
+// equal to response_cache.redis.url in force). It only reads c.
+func (c *Config) SharesRedis() bool {
+	rc, kc := &c.ResponseCache, &c.KVCacheIndex
+	return rc.Enabled && rc.onRedis() && kc.Enabled && kc.Backend == "redis" &&
+		(kc.Redis.URL == "" || string(kc.Redis.URL) == c.redisURL())
+}
+
+// NewStores builds response_cache and kv_cache_index together, as NewResponseCache and NewKVIndex
+// build them one by one, with one Redis client per server: when SharesRedis, it creates one
+// rueidis client from response_cache.redis's connection settings (url, tls, username, password,
+// pool_size, connect_timeout_ms, command_timeout_ms, and client_cache with client_cache_bytes:
+// the options of redisstore.ClientOption) and hands it to both (redisstore.NewWithClient,
+// redisindex.NewWithClient). Client-side caching is an option of the client: with client_cache
+// the shared client has it, and uses one connection to the server; the index's commands are
+// not cached. Otherwise each builds a client of its own, as alone.
+//
+// A shared client to a single server that cannot be reached is not an error (unless
+// response_cache.redis.fallback_to_memory is false): it dials again on each later command, the
+// store serves from its in-memory fallback until its health check finds Redis, and the index
+// fails fast meanwhile, as with their own clients.
+//
+// Return values:
+//   - (cache, index, closeAll, nil): cache is nil when response_cache is off, index when
+//     kv_cache_index is off. closeAll closes the cache (and its stores), then the index, then the
+//     shared client, and joins their errors; call it once the handler, the Router and the event
+//     consumers that use them are closed. It may be called more than once.
+//   - (nil, nil, nil, err): the error of NewResponseCache or NewKVIndex, or, prefixed
+//     "response_cache.redis (<URL, password redacted>): ", of the shared client; whatever was
+//     built before the failure has been closed.
+//
+// NewStores panics when c's defaults were not applied. It only reads c.
+func (c *Config) NewStores(o Options) (cache *respcache.Cache, index kvindex.KvCacheIndex, closeAll func() error, err error) {
+	c.mustHaveDefaults("NewStores")
+	var client rueidis.Client
+	if c.SharesRedis() {
+		if client, err = c.newSharedRedisClient(); err != nil {
+			return nil, nil, nil, err
+		}
+	}
+	closeClient := func() error {
+		if client != nil {
+			client.Close()
+		}
+		return nil
+	}
+	cache, closeCache, err := c.newResponseCache(o, client)
+	if err != nil {
+		_ = closeClient()
+		return nil, nil, nil, err
+	}
+	index, closeIndex, err := c.newKVIndex(client)
+	if err != nil {
+		_ = closeCache()
+		_ = closeClient()
+		return nil, nil, nil, err
+	}
+	var once sync.Once
+	return cache, index, func() error {
+		var err error
+		once.Do(func() { err = errors.Join(closeCache(), closeIndex(), closeClient()) })
+		return err
+	}, nil
+}
+
+// newSharedRedisClient creates the client NewStores shares: redisstore.ClientOption's options for
+// response_cache.redis. An unreachable single server gets a client that dials on each command.
+func (c *Config) newSharedRedisClient() (rueidis.Client, error) {
+	wrap := func(err error) error {
+		return fmt.Errorf("response_cache.redis (%s): %w", RedactURL(c.redisURL()), err)
+	}
+	opt, err := redisstore.ClientOption(c.redisConnection(redisstore.Config{}))
+	if err != nil {
+		return nil, wrap(err)
+	}
+	client, err := rueidis.NewClient(opt)
+	if err == nil {
+		return client, nil
+	}
+	if _, isRedis := rueidis.IsRedisErr(err); isRedis || len(opt.InitAddress) != 1 || opt.Sentinel.MasterSet != "" ||
+		!*c.ResponseCache.Redis.FallbackToMemory {
+		return nil, wrap(fmt.Errorf("%w: %w", respcache.ErrUnavailable, err))
+	}
+	// A single-server client dials again on each command after a failed start. Its constructor
+	// dials once more: make that attempt fail at once, so that the start costs one timeout.
+	var built atomic.Bool
+	dial := opt.DialCtxFn
+	opt.ForceSingleClient = true
+	opt.DialCtxFn = func(ctx context.Context, addr string, d *net.Dialer, tc *tls.Config) (net.Conn, error) {
+		switch {
+		case !built.Load():
+			return nil, err
+		case dial != nil:
+			return dial(ctx, addr, d, tc)
+		case tc != nil:
+			return (&tls.Dialer{NetDialer: d, Config: tc}).DialContext(ctx, "tcp", addr)
+		}
+		return d.DialContext(ctx, "tcp", addr)
+	}
+	client, err2 := rueidis.NewClient(opt)
+	built.Store(true)
+	if client == nil {
+		return nil, wrap(fmt.Errorf("%w: %w", respcache.ErrUnavailable, errors.Join(err, err2)))
+	}
+	return client, nil
 }
 
 // NewKVIndex builds the index of kv_cache_index (tier 4): a kvindex.MemoryIndex (backend
@@ -305,6 +468,11 @@ func (c *Config) newRedisStore(o Options) (*redisstore.Store, error) {
 // NewKVIndex panics when c's defaults were not applied. It only reads c.
 func (c *Config) NewKVIndex() (index kvindex.KvCacheIndex, closeIndex func() error, err error) {
 	c.mustHaveDefaults("NewKVIndex")
+	return c.newKVIndex(nil)
+}
+
+// newKVIndex is NewKVIndex; a non-nil client is the Redis index's (never closed here).
+func (c *Config) newKVIndex(client rueidis.Client) (index kvindex.KvCacheIndex, closeIndex func() error, err error) {
 	kc := c.KVCacheIndex
 	if !kc.Enabled {
 		return nil, func() error { return nil }, nil
@@ -314,17 +482,19 @@ func (c *Config) NewKVIndex() (index kvindex.KvCacheIndex, closeIndex func() err
 	ttl := time.Duration(kc.EntryTTLSeconds) * time.Second
 	switch kc.Backend {
 	case "redis":
-		u := kc.Redis.URL
-		if u == "" {
-			u = c.ResponseCache.Redis.URL
-		}
-		ix, err := redisindex.New(redisindex.Config{
-			URL: string(u), KeyPrefix: kc.Redis.KeyPrefix, BlockSize: kc.BlockSize, DefaultModel: c.defaultModel(),
+		icfg := redisindex.Config{KeyPrefix: kc.Redis.KeyPrefix, BlockSize: kc.BlockSize, DefaultModel: c.defaultModel(),
 			EntryTTL: ttl, TierWeights: tiers, StorageOffloading: kc.StorageOffloading.Enabled,
 			TreatEvictionAsOffload: *kc.StorageOffloading.TreatEvictionAsOffload,
-		})
+		}
+		var ix *redisindex.Index
+		if client != nil {
+			ix, err = redisindex.NewWithClient(client, icfg)
+		} else {
+			icfg.URL = c.kvRedisURL()
+			ix, err = redisindex.New(icfg)
+		}
 		if err != nil {
-			return nil, nil, fmt.Errorf("kv_cache_index (redis %s): %w", RedactURL(string(u)), err)
+			return nil, nil, fmt.Errorf("kv_cache_index (redis %s): %w", RedactURL(c.kvRedisURL()), err)
 		}
 		return ix, ix.Close, nil
 	default:

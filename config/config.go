@@ -46,6 +46,11 @@ type Config struct {
 	// DisaggregatedServing runs prefill and decode on separate backends (roles prefill and
 	// decode), with unified backends as the fallback.
 	DisaggregatedServing DisaggregatedConfig `yaml:"disaggregated_serving"`
+	// Tracing exports OpenTelemetry spans of each request (default off).
+	Tracing TracingConfig `yaml:"tracing"`
+	// LogLevel is the least level logged: debug, info (default), warn or error. The proxy's -v
+	// flag forces debug.
+	LogLevel string `yaml:"log_level"`
 }
 
 // ServerConfig is the server section.
@@ -159,6 +164,16 @@ type RedisConfig struct {
 	FallbackTTLSeconds int `yaml:"fallback_ttl_seconds"`
 	// FallbackToMemory serves from memory while Redis is unreachable (default true).
 	FallbackToMemory *bool `yaml:"fallback_to_memory"`
+	// ClientCache serves repeated hits from a local copy (server-assisted client-side caching,
+	// RESP3 CLIENT TRACKING, Redis 6+; default false): Redis invalidates the copy when the key
+	// changes, and the client then uses one connection per server. When the KV index shares this
+	// client (kv_cache_index.redis.url unset or equal), the setting applies to the shared client;
+	// the index reads with uncached commands, so only response-cache reads are cached.
+	ClientCache bool `yaml:"client_cache"`
+	// ClientCacheTTLSeconds bounds how long a local copy is served (default 60);
+	// ClientCacheBytes is the local cache size per connection (default 32 MiB).
+	ClientCacheTTLSeconds int `yaml:"client_cache_ttl_seconds"`
+	ClientCacheBytes      int `yaml:"client_cache_bytes"`
 }
 
 // L1Config is response_cache.l1.
@@ -198,8 +213,9 @@ type TieredConfig struct {
 type KVCacheIndexConfig struct {
 	// Enabled turns KV-aware routing on (default false).
 	Enabled bool `yaml:"enabled"`
-	// Backend is memory (default) or redis (shares response_cache.redis.url unless Redis.URL is
-	// set).
+	// Backend is memory (default) or redis (on response_cache.redis.url unless Redis.URL is set;
+	// on the response cache's server, it shares the response cache's Redis client: see
+	// Config.NewStores).
 	Backend string `yaml:"backend"`
 	// MaxEntries is the most prefix entries tracked (default 100000, range 100 to 10,000,000).
 	MaxEntries int `yaml:"max_entries"`
@@ -233,7 +249,9 @@ type KVCacheIndexConfig struct {
 
 // KVRedisConfig is kv_cache_index.redis.
 type KVRedisConfig struct {
-	// URL of the index's Redis (default: response_cache.redis.url).
+	// URL of the index's Redis (default: response_cache.redis.url). Unset or equal to
+	// response_cache.redis.url (with a response cache on Redis), the index uses the response
+	// cache's client, with its tls, username and password: one client per server.
 	URL Secret `yaml:"url"`
 	// KeyPrefix of the index's keys (default "kvroute:kvidx:").
 	KeyPrefix string `yaml:"key_prefix"`
@@ -326,6 +344,31 @@ type BackendConfig struct {
 	// only when their storage is at the same location (endpoint, bucket and kv_namespace).
 	ExternalStorage *ExternalStorageConfig `yaml:"external_storage"`
 }
+
+// TracingConfig is the tracing section: an OpenTelemetry span for each LLM request, with the
+// library's (route, tokenize, KV-index lookup, response-cache lookup) and one per upstream attempt
+// as children; the W3C trace context (traceparent) continues the client's trace and goes on to the
+// backends.
+type TracingConfig struct {
+	// Enabled turns tracing on (default false).
+	Enabled bool `yaml:"enabled"`
+	// Exporter is otlp (default: OTLP over HTTP) or stdout (spans as JSON on standard output).
+	Exporter string `yaml:"exporter"`
+	// Endpoint is the OTLP/HTTP traces URL (default http://localhost:4318/v1/traces).
+	Endpoint string `yaml:"endpoint"`
+	// SampleRatio is the share of the traces started here that are recorded, in (0, 1] (default
+	// 1); a request that arrives with a traceparent follows its caller's sampling decision.
+	SampleRatio float64 `yaml:"sample_ratio"`
+}
+
+// Exporters of tracing.exporter.
+const (
+	TracingOTLP   = "otlp"
+	TracingStdout = "stdout"
+)
+
+// DefaultTracingEndpoint is tracing.endpoint's default: an OpenTelemetry Collector on this host.
+const DefaultTracingEndpoint = "http://localhost:4318/v1/traces"
 
 // HealthCheckConfig is the health_checks section.
 type HealthCheckConfig struct {

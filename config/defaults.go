@@ -179,6 +179,16 @@ func (c *Config) ApplyDefaults() {
 	if cb.RecoveryTimeout == 0 {
 		cb.RecoveryTimeout = Duration(DefaultRecoveryTimeout)
 	}
+	tr := &c.Tracing
+	if tr.Exporter == "" {
+		tr.Exporter = TracingOTLP
+	}
+	if tr.Endpoint == "" {
+		tr.Endpoint = DefaultTracingEndpoint
+	}
+	if tr.SampleRatio == 0 {
+		tr.SampleRatio = 1
+	}
 }
 
 // defaultTokenizer picks the tokenizer for a set of event sources: block events (ZMQ) need the

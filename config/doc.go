@@ -13,8 +13,10 @@
 // The builders turn a valid Config into library values and hand them to the caller to close:
 // RouterConfig (kvroute.Config), DisaggConfig (disagg.Config), NewResponseCache
 // (respcache.Cache over a memory, Redis or tiered store), NewKVIndex (kvindex.MemoryIndex or
-// redisindex.Index), KVConfig (kvroute.KVConfig) and NewEventConsumers (events' SSE and ZMQ
-// consumers). What is gateway plumbing stays out: the HTTP server, the engines' /tokenize
+// redisindex.Index), NewStores (both, with one Redis client per server), KVConfig
+// (kvroute.KVConfig) and NewEventConsumers (events' SSE and ZMQ consumers). PlanReload says which
+// changes of a new configuration apply to a running gateway and which need a restart. What is
+// gateway plumbing stays out: the HTTP server, the engines' /tokenize
 // client, health probes and the circuit breaker read their sections as plain data.
 //
 //	cfg, err := config.Load("kvroute.yaml")

@@ -49,6 +49,9 @@ func (c *Config) Validate() error {
 			fe.add(path, "must not be negative")
 		}
 	}
+	if _, ok := parseLevel(c.LogLevel); !ok {
+		fe.add("log_level", "%q is not one of debug, info, warn, error", c.LogLevel)
+	}
 	if s := c.SelectionStrategy; s != "" {
 		if _, ok := ParseStrategy(s); !ok {
 			fe.add("selection_strategy", "%q is not one of round_robin, least_loaded, random, least_latency, prefix_aware_hash", s)
@@ -98,6 +101,17 @@ func (c *Config) Validate() error {
 		fe.add("circuit_breaker.recovery_timeout", "must be positive")
 	}
 	c.validateDisagg(&fe)
+	if tr := c.Tracing; tr.Enabled {
+		if tr.Exporter != TracingOTLP && tr.Exporter != TracingStdout {
+			fe.add("tracing.exporter", "%q is not one of otlp, stdout", tr.Exporter)
+		}
+		if err := checkHTTPURL(tr.Endpoint); tr.Exporter == TracingOTLP && err != nil {
+			fe.add("tracing.endpoint", "%v", err)
+		}
+		if r := tr.SampleRatio; math.IsNaN(r) || r <= 0 || r > 1 {
+			fe.add("tracing.sample_ratio", "%v is not in (0, 1]", r)
+		}
+	}
 	return errors.Join(fe...)
 }
 
@@ -237,7 +251,8 @@ func (c *Config) validateResponseCache(fe *fieldErrors) {
 		}
 		for path, v := range map[string]int{"pool_size": r.PoolSize, "connect_timeout_ms": r.ConnectTimeoutMS,
 			"command_timeout_ms": r.CommandTimeoutMS, "fallback_capacity": r.FallbackCapacity,
-			"fallback_ttl_seconds": r.FallbackTTLSeconds} {
+			"fallback_ttl_seconds": r.FallbackTTLSeconds, "client_cache_ttl_seconds": r.ClientCacheTTLSeconds,
+			"client_cache_bytes": r.ClientCacheBytes} {
 			if v < 0 {
 				fe.add("response_cache.redis."+path, "%d must not be negative", v)
 			}

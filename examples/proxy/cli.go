@@ -47,37 +47,9 @@ func listen(ctx context.Context, addr string) (net.Listener, error) {
 	return ln, nil
 }
 
-// startDemoFleet starts n simulated engines with KV events over ZMQ, block size 16 and a modest
-// cache (2,048 blocks: 32,768 tokens each).
-func startDemoFleet(ctx context.Context, n int, speed float64) (*enginesim.Fleet, error) {
-	return enginesim.StartFleet(ctx, enginesim.FleetConfig{
-		N:   n,
-		ZMQ: true,
-		Base: enginesim.Config{
-			BlockSize:      16,
-			CapacityBlocks: 2048,
-			Latency:        enginesim.Latency{SpeedFactor: speed},
-		},
-	})
-}
-
-// demoConfig is the configuration of the demo: every tier on, in front of the simulated fleet —
-// an in-memory response cache, a memory KV index fed by one ZMQ subscription per engine (with
-// replay), tokenization by the engines' /tokenize, health checks every 2 s.
+// demoConfig is the default demo's configuration for engines: every tier on (enginesim.ProxyConfig).
 func demoConfig(engines []enginesim.EngineInfo) *config.Config {
-	cfg := &config.Config{
-		ResponseCache: config.ResponseCacheConfig{Enabled: true, Backend: "memory", Capacity: 1000, TTL: config.Duration(5 * time.Minute)},
-		KVCacheIndex: config.KVCacheIndexConfig{Enabled: true, Backend: "memory", Tokenizer: config.TokenizerEngine,
-			BlockSize: 16},
-		HealthChecks:   config.HealthCheckConfig{Interval: config.Duration(2 * time.Second), Timeout: config.Duration(time.Second)},
-		CircuitBreaker: config.CircuitBreakerConfig{FailureThreshold: 3, RecoveryTimeout: config.Duration(10 * time.Second)},
-	}
-	for _, e := range engines {
-		cfg.Backends = append(cfg.Backends, config.BackendConfig{Name: e.Name, URL: e.URL, Model: e.Model})
-		cfg.KVCacheIndex.EventSources = append(cfg.KVCacheIndex.EventSources, config.EventSourceConfig{
-			BackendName: e.Name, Endpoint: e.ZMQEndpoint, ReplayEndpoint: e.ReplayEndpoint, Model: e.Model})
-	}
-	return cfg
+	return enginesim.ProxyConfig(engines, nil)
 }
 
 // printBanner tells a newcomer what is running, how to try it and where the stats are.

@@ -5,7 +5,8 @@
 // httputil.ReverseProxy to the backends).
 //
 //	go run ./examples/proxy                        # demo: simulated vLLM engines in-process
-//	go run ./examples/proxy -config fleet.yaml     # a real fleet (examples in configs/)
+//	go run ./examples/proxy -demo disagg           # demo: prefill and decode engines, KV through an in-process S3
+//	go run ./examples/proxy -config fleet.yaml     # a real fleet (examples in configs/); SIGHUP reloads it
 //
 // Request flow (proxy.go): body checks → response cache → Router.Route (tokenization inside, when
 // tier 4 is on) → ReverseProxy → Decision.Done. A backend that fails before anything reached the
@@ -51,8 +52,9 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("proxy", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var (
-		cfgPath   = fs.String("config", "", "YAML configuration file; none: a demo fleet of simulated engines")
+		cfgPath   = fs.String("config", "", "YAML configuration file (SIGHUP reloads it); none: a demo fleet of simulated engines")
 		addr      = fs.String("addr", "127.0.0.1:8080", "listen address host:port (overrides server.bind_address and server.port)")
+		demoMode  = fs.String("demo", enginesim.DemoUnified, "demo mode: unified (every tier) or disagg (prefill and decode engines)")
 		engines   = fs.Int("engines", 4, "demo mode: number of simulated engines")
 		speed     = fs.Float64("engine-speed", 1, "demo mode: wall-clock seconds the engines sleep per simulated second (0: no latency)")
 		verbose   = fs.Bool("v", false, "debug logging")
@@ -69,9 +71,9 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 	addrSet := false
 	fs.Visit(func(f *flag.Flag) { addrSet = addrSet || f.Name == "addr" })
 
-	level := slog.LevelInfo
+	level := new(slog.LevelVar) // log_level, or debug with -v (live)
 	if *verbose {
-		level = slog.LevelDebug
+		level.Set(slog.LevelDebug)
 	}
 	var h slog.Handler
 	switch *logFormat {
@@ -87,23 +89,23 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
-	var cfg *config.Config
-	if *cfgPath != "" {
+	// load reads the configuration file with -addr over its address; reload reads it again.
+	load := func() (*config.Config, error) {
 		c, err := config.Load(*cfgPath)
-		if err != nil {
-			return err
+		if err == nil && addrSet {
+			err = setAddr(c, *addr)
 		}
-		cfg = c
-		if addrSet {
-			if err := setAddr(cfg, *addr); err != nil {
-				return err
-			}
-		}
+		return c, err
+	}
+	cfg := &config.Config{}
+	err := setAddr(cfg, *addr)
+	if *cfgPath != "" {
+		cfg, err = load()
 	} else {
-		cfg = &config.Config{}
-		if err := setAddr(cfg, *addr); err != nil {
-			return err
-		}
+		load = nil // the demo has no file to reload
+	}
+	if err != nil {
+		return err
 	}
 
 	// Listen before starting anything, so that a taken port fails fast and clearly.
@@ -112,27 +114,19 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 
-	var fleet *enginesim.Fleet
-	if *cfgPath == "" {
-		if *engines < 1 || *engines > 64 {
-			ln.Close()
-			return fmt.Errorf("-engines %d: want 1 to 64", *engines)
-		}
-		log.Info("starting simulated engines", "n", *engines)
-		fleet, err = startDemoFleet(ctx, *engines, *speed)
+	if load == nil {
+		log.Info("starting simulated engines", "demo", *demoMode, "n", *engines)
+		fleet, err := enginesim.StartDemo(ctx, enginesim.DemoConfig{Mode: *demoMode, Engines: *engines,
+			SpeedFactor: *speed, Storage: enginesim.StorageFromEnv(os.Getenv)})
 		if err != nil {
 			ln.Close()
-			return fmt.Errorf("demo fleet: %w", err)
+			return fmt.Errorf("demo fleet (-demo, -engines): %w", err)
 		}
 		defer fleet.Close()
-		demo := demoConfig(fleet.Info())
-		demo.Server = cfg.Server
-		demo.ApplyDefaults()
-		if err := demo.Validate(); err != nil {
+		if cfg, err = fleet.ProxyConfig(cfg.Server); err != nil {
 			ln.Close()
 			return fmt.Errorf("demo configuration: %w", err)
 		}
-		cfg = demo
 	}
 	if *pprofAddr != "" {
 		stopPprof, err := servePprof(ctx, *pprofAddr, log)
@@ -142,8 +136,8 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 		}
 		defer stopPprof()
 	}
-	printBanner(stdout, cfg, ln.Addr(), fleet != nil)
-	return run(ctx, cfg, ln, log)
+	printBanner(stdout, cfg, ln.Addr(), load == nil)
+	return (&live{load: load, log: log, level: level, verbose: *verbose}).run(ctx, cfg, ln)
 }
 
 // newServer composes the proxy from a validated configuration: the transport to the backends,
@@ -151,7 +145,14 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 // feed it and the tokenizer (tier 4), the Router over them (tier 1 and its fallbacks), the health
 // probes and circuit breakers that drive the Router's rotation, and the handler. Nothing talks to
 // the network yet but the stores' own clients; start starts the consumers and the probes.
-func newServer(cfg *config.Config, log *slog.Logger) (s *server, err error) {
+func newServer(cfg *config.Config, log *slog.Logger) (*server, error) {
+	return newGeneration(cfg, log, nil)
+}
+
+// newGeneration is newServer; with prev (live.reload) the new server uses prev's transport,
+// telemetry, stores and event consumers (cfg keeps prev's restart-only settings), and builds its
+// own tokenizer, Router, health monitor and handler: its Close stops those until given prev's closers.
+func newGeneration(cfg *config.Config, log *slog.Logger, prev *server) (s *server, err error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -166,50 +167,52 @@ func newServer(cfg *config.Config, log *slog.Logger) (s *server, err error) {
 			return nil, fmt.Errorf("backend %s: %w", b.Name, err)
 		}
 	}
-	s.transport = newTransport(cfg)
-	s.closers = append(s.closers, func() error { s.transport.CloseIdleConnections(); return nil })
-	if s.tel, err = newTelemetry(); err != nil {
-		return nil, err
-	}
-	s.closers = append(s.closers, s.tel.Close)
-	opts := config.Options{MeterProvider: s.tel.provider, Logger: log}
+	if prev != nil {
+		s.transport, s.tel, s.opts, s.tracer, s.bodies = prev.transport, prev.tel, prev.opts, prev.tracer, prev.bodies
+		s.cache, s.index, s.sink, s.cons = prev.cache, prev.index, prev.sink, prev.cons
+	} else {
+		s.transport = newTransport(cfg)
+		s.closers = append(s.closers, func() error { s.transport.CloseIdleConnections(); return nil })
+		if s.tel, err = newTelemetry(); err != nil {
+			return nil, err
+		}
+		s.closers = append(s.closers, s.tel.Close)
+		s.opts = config.Options{MeterProvider: s.tel.provider, Logger: log}
+		if s.opts.TracerProvider, err = s.startTracing(); err != nil {
+			return nil, err
+		}
 
-	// Tiers 2 and 3: the response cache and its store (nil when off).
-	cache, closeCache, err := cfg.NewResponseCache(opts)
-	if err != nil {
-		return nil, err
-	}
-	s.cache = cache
-	s.closers = append(s.closers, closeCache)
-
-	// Tier 4: the KV index, the consumers of the engines' KV events, the tokenizer (nil when off).
-	index, closeIndex, err := cfg.NewKVIndex()
-	if err != nil {
-		return nil, err
-	}
-	s.closers = append(s.closers, closeIndex)
-	if index != nil {
-		s.index, s.sink = index, events.NewCountingSink(index)
-		reg, err := s.tel.observeIndexMutations(s.sink)
+		// Tiers 2 to 4: the response cache, the KV index (one Redis client when both are on one
+		// server) and the consumers of the engines' KV events.
+		cache, index, closeStores, err := cfg.NewStores(s.opts)
 		if err != nil {
 			return nil, err
 		}
-		s.closers = append(s.closers, reg.Unregister)
-		if s.cons, err = cfg.NewEventConsumers(s.sink, opts); err != nil {
-			return nil, err
-		}
-		for _, c := range s.cons {
-			s.closers = append(s.closers, c.Close)
-		}
-		if cfg.KVCacheIndex.Tokenizer == config.TokenizerEngine {
-			if s.tok, err = newEngineTokenizer(cfg, s, time.Duration(cfg.KVCacheIndex.TokenizeTimeout)); err != nil {
+		s.cache = cache
+		s.closers = append(s.closers, closeStores)
+		if index != nil {
+			s.index, s.sink = index, events.NewCountingSink(index)
+			reg, err := s.tel.observeIndexMutations(s.sink)
+			if err != nil {
 				return nil, err
 			}
+			s.closers = append(s.closers, reg.Unregister)
+			if s.cons, err = cfg.NewEventConsumers(s.sink, s.opts); err != nil {
+				return nil, err
+			}
+			for _, c := range s.cons {
+				s.closers = append(s.closers, c.Close)
+			}
+		}
+	}
+	if s.index != nil && cfg.KVCacheIndex.Tokenizer == config.TokenizerEngine {
+		if s.tok, err = newEngineTokenizer(cfg, s, time.Duration(cfg.KVCacheIndex.TokenizeTimeout)); err != nil {
+			return nil, err
 		}
 	}
 
 	// The Router: tier 1, and tier 4 over the index.
-	rcfg, err := cfg.RouterConfig(opts)
+	rcfg, err := cfg.RouterConfig(s.opts)
 	if err != nil {
 		return nil, err
 	}
@@ -217,13 +220,13 @@ func newServer(cfg *config.Config, log *slog.Logger) (s *server, err error) {
 	if s.router, err = kvroute.New(rcfg); err != nil {
 		return nil, fmt.Errorf("router: %w", err)
 	}
-	s.closers = append(s.closers, s.router.Close)
+	s.own = append(s.own, s.router.Close)
 
 	// Health probes and circuit breakers take backends in and out of the Router's rotation.
 	if s.health, err = newHealth(cfg, s.router, s.transport, log.With("component", "health")); err != nil {
 		return nil, err
 	}
-	s.closers = append(s.closers, func() error { s.health.Close(); return nil })
+	s.own = append(s.own, func() error { s.health.Close(); return nil })
 	if err := s.tel.observeHealth(s.health); err != nil {
 		return nil, err
 	}
@@ -231,44 +234,9 @@ func newServer(cfg *config.Config, log *slog.Logger) (s *server, err error) {
 	return s, nil
 }
 
-// run serves the proxy for cfg on ln until ctx ends, then drains the requests in flight (up to
-// server.shutdown_timeout) and releases everything. It closes ln.
+// run serves the proxy for cfg on ln until ctx ends, without reloads (live.run).
 func run(ctx context.Context, cfg *config.Config, ln net.Listener, log *slog.Logger) error {
-	srv, err := newServer(cfg, log)
-	if err != nil {
-		ln.Close()
-		return err
-	}
-	defer srv.Close()
-	srv.logConfig()
-	if err := srv.start(ctx); err != nil {
-		ln.Close()
-		return err
-	}
-	hs := srv.newHTTPServer()
-	errc := make(chan error, 1)
-	go func() { errc <- hs.Serve(ln) }()
-	log.Info("serving", "addr", ln.Addr().String())
-
-	select {
-	case err := <-errc:
-		return fmt.Errorf("serve: %w", err)
-	case <-ctx.Done():
-	}
-	timeout := time.Duration(cfg.Server.ShutdownTimeout)
-	log.Info("shutting down: draining requests in flight", "timeout", timeout.String())
-	srv.draining.Store(true)
-	sctx, cancel := context.WithTimeout(context.Background(), timeout)
-	defer cancel()
-	if err := hs.Shutdown(sctx); err != nil {
-		log.Warn("drain timed out; closing the remaining connections", "err", err)
-		_ = hs.Close()
-	}
-	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
-		log.Warn("serve", "err", err)
-	}
-	log.Info("stopped")
-	return nil
+	return (&live{log: log, level: new(slog.LevelVar)}).run(ctx, cfg, ln)
 }
 
 // newHTTPServer returns the http.Server that serves the proxy's clients. Reading a request's

@@ -21,6 +21,9 @@ import (
 	"github.com/kvroute/kvroute/health"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Response headers the proxy adds to every routed response.
@@ -104,6 +107,7 @@ type attempt struct {
 	hdrs    [3]string     // the values of X-Kvroute-Backend, X-Kvroute-Route and X-Kvroute-Cached-Tokens
 	plan    *disagg.Plan  // the routing-path headers, when set
 	retried string        // X-Kvroute-Retried-From, when set
+	span    trace.Span    // the attempt's upstream span, when tracing
 }
 
 // Value returns the attempt for attemptKey, and the client context's values otherwise (but for
@@ -241,6 +245,9 @@ func (s *server) newReverseProxy() *httputil.ReverseProxy {
 			if a.requestID != "" {
 				pr.Out.Header.Set(headerRequestID, a.requestID)
 			}
+			if a.span != nil { // the backend continues the attempt's trace
+				propagation.TraceContext{}.Inject(trace.ContextWithSpan(pr.Out.Context(), a.span), propagation.HeaderCarrier(pr.Out.Header))
+			}
 		},
 		Transport: s.transport,
 		// Without a pool ReverseProxy allocates a 32 KiB copy buffer per response: 73 % of the
@@ -289,6 +296,12 @@ func (s *server) llmHandler(format prefixkey.Format, endpoint string) http.Handl
 	}
 	m := s.tel.forEndpoint(endpoint)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if s.tracer != nil { // the request's span, continuing the client's W3C trace context
+			ctx := propagation.TraceContext{}.Extract(r.Context(), propagation.HeaderCarrier(r.Header))
+			ctx, span := s.tracer.Start(ctx, "kvroute.proxy "+endpoint, trace.WithSpanKind(trace.SpanKindServer))
+			defer span.End()
+			r = r.WithContext(ctx)
+		}
 		start := time.Now()
 		sw := &statusWriter{ResponseWriter: w}
 		defer func() {
@@ -556,6 +569,11 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 	a.w = attemptWriter{ResponseWriter: w, a: a}
 	aw := &a.w
 	a.hdrs, a.plan, a.retried = [3]string{up.backend, up.route, up.cached}, up.plan, retriedFrom
+	if s.tracer != nil { // the attempt's span: Rewrite sends its trace context to the backend
+		_, a.span = s.tracer.Start(r.Context(), "upstream", trace.WithSpanKind(trace.SpanKindClient),
+			trace.WithAttributes(attribute.String(kvroute.AttrBackend, up.backend)))
+		defer a.endSpan()
+	}
 	// The upstream call follows the client's cancellation, except that a stream whose terminal
 	// event has already gone out is let finish: SDK clients close the connection as soon as they
 	// read "data: [DONE]", and cancelling the upstream read then would abort a complete response

@@ -9,7 +9,12 @@ import (
 	"net/http"
 	"net/http/httputil"
 	"net/url"
+	"os"
+	"os/signal"
+	"slices"
+	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/kvroute/kvroute"
@@ -19,6 +24,7 @@ import (
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
+	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/sync/semaphore"
 )
 
@@ -37,6 +43,7 @@ type server struct {
 	cache  *respcache.Cache // nil when the response cache is off
 	health *health.Monitor
 	tok    prefixkey.Tokenizer // the engines' /tokenize, when kv_cache_index.tokenizer is engine
+	tracer trace.Tracer        // the proxy's spans; nil when tracing is off
 
 	backends  map[string]*url.URL
 	transport *http.Transport // carries every request to the backends
@@ -46,7 +53,9 @@ type server struct {
 	passNext  atomic.Uint64       // turns of the passed-through requests over the backends
 	bodies    *semaphore.Weighted // request-body bytes in flight (server.max_inflight_body_bytes)
 
-	closers []func() error // run in reverse order by Close
+	opts    config.Options // what the stores and the Router were built with
+	own     []func() error // this server's own (Router, health): run in reverse order by Close and retire
+	closers []func() error // the parts reloads share: run in reverse order by Close, after own
 	started atomic.Bool
 	closed  atomic.Bool
 }
@@ -110,13 +119,16 @@ func (s *server) httpClient() *http.Client { return &http.Client{Transport: s.tr
 func (s *server) Handler() http.Handler { return s.handler }
 
 // Close stops everything newServer and start started, in reverse order. Idempotent.
-func (s *server) Close() error {
+func (s *server) Close() error { return s.stop(slices.Concat(s.closers, s.own)) }
+
+// stop runs closers in reverse order, once: Close, or reload's stop of a replaced server's own.
+func (s *server) stop(closers []func() error) error {
 	if !s.closed.CompareAndSwap(false, true) {
 		return nil
 	}
 	var errs []error
-	for i := len(s.closers) - 1; i >= 0; i-- {
-		if err := s.closers[i](); err != nil {
+	for i := len(closers) - 1; i >= 0; i-- {
+		if err := closers[i](); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -130,4 +142,115 @@ func (s *server) logConfig() {
 	for i := range s.cfg.Backends {
 		s.log.LogAttrs(ctx, slog.LevelInfo, "backend", s.cfg.BackendLogAttrs(&s.cfg.Backends[i])...)
 	}
+}
+
+// live serves with the current server, which reload replaces by one built from the re-read
+// configuration over the same stores; a request finishes on its server. Safe for concurrent use.
+type live struct {
+	load    func() (*config.Config, error) // reads the configuration again; nil: nothing to reload
+	log     *slog.Logger
+	level   *slog.LevelVar // the logger's: log_level, or debug with -v (verbose)
+	verbose bool
+	mu      sync.Mutex // serialises reloads
+	cur     atomic.Pointer[server]
+}
+
+func (l *live) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	l.cur.Load().handler.ServeHTTP(w, r)
+}
+
+// run serves the proxy for cfg on ln until ctx ends, then drains the requests in flight (up to
+// server.shutdown_timeout) and releases everything. SIGHUP reloads the configuration. It closes ln.
+func (l *live) run(ctx context.Context, cfg *config.Config, ln net.Listener) error {
+	srv, err := newServer(cfg, l.log)
+	if err != nil {
+		ln.Close()
+		return err
+	}
+	l.cur.Store(srv)
+	defer func() { _ = l.cur.Load().Close() }()
+	if !l.verbose {
+		l.level.Set(cfg.Level())
+	}
+	srv.logConfig()
+	if err := srv.start(ctx); err != nil {
+		ln.Close()
+		return err
+	}
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	hs := srv.newHTTPServer()
+	hs.Handler = l
+	errc := make(chan error, 1)
+	go func() { errc <- hs.Serve(ln) }()
+	l.log.Info("serving", "addr", ln.Addr().String())
+	for ctx.Err() == nil {
+		select {
+		case err := <-errc:
+			return fmt.Errorf("serve: %w", err)
+		case <-hup:
+			_ = l.reload()
+		case <-ctx.Done():
+		}
+	}
+	timeout := time.Duration(cfg.Server.ShutdownTimeout)
+	l.log.Info("shutting down: draining requests in flight", "timeout", timeout.String())
+	l.cur.Load().draining.Store(true) // reload refuses a draining server
+	sctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	if err := hs.Shutdown(sctx); err != nil {
+		l.log.Warn("drain timed out; closing the remaining connections", "err", err)
+		_ = hs.Close()
+	}
+	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
+		l.log.Warn("serve", "err", err)
+	}
+	l.log.Info("stopped")
+	return nil
+}
+
+// reload reads the configuration again and swaps in a server built from its live settings
+// (config.PlanReload); the old server's Router and probes stop, its requests finish. Settings that
+// need a restart keep their values in force. A failure is logged, returned, and changes nothing.
+func (l *live) reload() (err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	defer func() {
+		if err != nil {
+			l.log.Error("reload failed; the configuration in force is kept", "err", err)
+		}
+	}()
+	old := l.cur.Load()
+	if l.load == nil || old.draining.Load() {
+		return errors.New("no configuration file to reload (demo mode), or shutting down")
+	}
+	next, err := l.load()
+	if err != nil {
+		return err
+	}
+	plan := config.PlanReload(old.cfg, next)
+	if len(plan.Restart) > 0 {
+		l.log.Warn("reload: these changed settings need a restart; their values in force are kept", "settings", plan.Restart)
+	}
+	if len(plan.Live) == 0 {
+		return nil // nothing to apply: the server in force keeps its state
+	}
+	reg := old.tel.reg // old's health gauges, which the new server's replace
+	s, err := newGeneration(plan.Next, l.log, old)
+	if err != nil {
+		return err
+	}
+	s.closers, _ = old.closers, reg.Unregister()
+	if s.cache != nil {
+		_ = s.cache.SetTTL(time.Duration(plan.Next.ResponseCache.TTL))
+	}
+	s.health.Start()
+	l.cur.Store(s)
+	_ = old.stop(old.own) // its requests in flight still finish
+	if !l.verbose {
+		l.level.Set(plan.Next.Level())
+	}
+	l.log.Info("configuration reloaded", "applied", plan.Live)
+	return nil
 }

@@ -195,6 +195,10 @@
 //		Roles: []enginesim.Role{enginesim.RolePrefill, enginesim.RoleDecode, enginesim.RoleDecode, enginesim.RoleDecode},
 //		Base:  enginesim.Config{Storage: storage}})
 //
+// Without an S3 server, StartMemoryS3 serves an in-memory bucket on a loopback port for such a
+// fleet, and StartDemo starts the reference proxy's demo fleets (DemoDisagg: a prefill, decode
+// and unified fleet over a MemoryS3) with the proxy configuration that fronts them.
+//
 // Every goroutine the package starts (accept, dial and connection loops, HTTP serving, the flush
 // timer) is stopped by Engine.Close (or Fleet.Close), which is idempotent.
 package enginesim

@@ -1,0 +1,63 @@
+package main
+
+import (
+	"context"
+	"net/http"
+	"os"
+	"time"
+
+	"github.com/kvroute/kvroute/config"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
+	"go.opentelemetry.io/otel/exporters/stdout/stdouttrace"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// startTracing builds the tracing section's TracerProvider (nil when tracing is off) and the
+// proxy's tracer; Close shuts it down, flushing the spans not yet exported (for at most 5 s).
+// KVROUTE_TRACING=stdout turns stdout tracing on whatever the configuration says (the demo has
+// none).
+func (s *server) startTracing() (trace.TracerProvider, error) {
+	tc := s.cfg.Tracing
+	if os.Getenv("KVROUTE_TRACING") == config.TracingStdout {
+		tc.Enabled, tc.Exporter = true, config.TracingStdout
+	}
+	if !tc.Enabled {
+		return nil, nil
+	}
+	var exp sdktrace.SpanExporter
+	var err error
+	if tc.Exporter == config.TracingStdout {
+		exp, err = stdouttrace.New()
+	} else {
+		exp, err = otlptracehttp.New(context.Background(), otlptracehttp.WithEndpointURL(tc.Endpoint))
+	}
+	if err != nil {
+		return nil, err
+	}
+	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp),
+		sdktrace.WithSampler(sdktrace.ParentBased(sdktrace.TraceIDRatioBased(tc.SampleRatio))))
+	s.closers = append(s.closers, func() error { // a collector that does not answer holds no exit up
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		return tp.Shutdown(ctx)
+	})
+	s.tracer = tp.Tracer(proxyScope)
+	return tp, nil
+}
+
+// endSpan ends the attempt's upstream span with the backend's status code, and status Error when
+// the attempt failed or the backend answered 5xx.
+func (a *attempt) endSpan() {
+	if a.status != 0 {
+		a.span.SetAttributes(attribute.Int("http.response.status_code", a.status))
+	}
+	if a.err != nil {
+		a.span.SetStatus(codes.Error, a.err.Error())
+	} else if a.status >= 500 {
+		a.span.SetStatus(codes.Error, http.StatusText(a.status))
+	}
+	a.span.End()
+}
