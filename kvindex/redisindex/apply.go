@@ -35,7 +35,7 @@ type redisWriter struct {
 // reset empties w for another batch, keeping its buffers (up to a bound).
 func (w *redisWriter) reset() {
 	const keep = 1 << 16
-	clear(w.cmds[:cap(w.cmds)]) // the commands belong to rueidis once sent
+	clear(w.cmds[:cap(w.cmds)]) // unsent commands, or sent ones whose replies all came back
 	w.cmds = w.cmds[:0]
 	if cap(w.buf) > keep {
 		w.buf = nil
@@ -635,8 +635,14 @@ func (x *Index) flush(ctx context.Context, st *redisBackend, w *redisWriter) err
 	w.cmds = append(w.cmds, set, get)
 	clean := x.beginWrite(st, w.stamp.gen)
 	res, err := x.doMulti(ctx, x.writeTimeout, w.cmds)
-	clear(w.cmds[:cap(w.cmds)])
-	w.cmds = w.cmds[:0]
+	if err != nil {
+		// A call that gave up on its deadline may leave the commands queued in rueidis, which
+		// still reads them: let it keep this array and build the next batch in a new one.
+		w.cmds = nil
+	} else {
+		clear(w.cmds[:cap(w.cmds)])
+		w.cmds = w.cmds[:0]
+	}
 	if err != nil {
 		return redisUnavailable("apply", err)
 	}
