@@ -259,22 +259,9 @@ func (r *DefaultRouter) routeUnified(ctx context.Context, req *prefixkey.Request
 // length in tokens (0 when unknown).
 func (r *DefaultRouter) disaggKeys(ctx context.Context, req *prefixkey.Request, s *scratchD) int {
 	s.keys = s.keys[:0]
-	tokens := req.TokenIDs
-	if tokens == nil && req.PromptTokens != nil {
-		tokens = req.PromptTokens
-	}
-	k := r.kv
-	if k == nil {
-		return len(tokens)
-	}
-	if tokens == nil && k.cfg.Tokenizer != nil {
-		var err error
-		if tokens, err = k.cfg.Tokenizer.Tokenize(ctx, req); err != nil {
-			tokens = nil
-		}
-	}
-	if tokens != nil {
-		s.keys = prefixkey.AppendBlockKeys(s.keys, prefixkey.BlockRoot(req.ModelOrAdapter(), req.CacheSalt), tokens, k.cfg.BlockSize, req.MultiModal)
+	tokens, _ := r.requestTokens(ctx, req) // a tokenizer failure leaves the request keyless
+	if r.kv != nil {
+		s.keys = req.BlockKeysOf(s.keys, tokens, r.kv.cfg.BlockSize)
 	}
 	return len(tokens)
 }

@@ -160,21 +160,11 @@ func (r *DefaultRouter) probeKV(ctx context.Context, req *prefixkey.Request, pk 
 	kv := &ProbeKV{MinOverlapThreshold: t.threshold}
 	res.KV = kv
 	s := &scratch4{loads: loads}
-	tokens := req.TokenIDs
-	if tokens == nil && req.PromptTokens != nil {
-		tokens = req.PromptTokens
+	tokens, err := r.requestTokens(ctx, req)
+	if err != nil {
+		kv.Error = "tokenize: " + err.Error()
 	}
-	if tokens == nil && t.cfg.Tokenizer != nil {
-		var err error
-		if tokens, err = t.cfg.Tokenizer.Tokenize(ctx, req); err != nil {
-			kv.Error = "tokenize: " + err.Error()
-			tokens = nil
-		}
-	}
-	if tokens != nil {
-		root := prefixkey.BlockRoot(req.ModelOrAdapter(), req.CacheSalt)
-		s.keys = prefixkey.AppendBlockKeys(nil, root, tokens, t.cfg.BlockSize, req.MultiModal)
-	}
+	s.keys = req.BlockKeysOf(nil, tokens, t.cfg.BlockSize)
 	s.ntok = len(tokens)
 	kv.PromptTokens, kv.Blocks = len(tokens), len(s.keys)
 	usePrefix := len(s.keys) == 0 && t.cfg.UsePrefixEntries && hasKey

@@ -259,25 +259,32 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 // blockKeys puts the request's block keys in s.keys (none when it has no tokens) and returns its
 // tokens: the caller's, or the tokenizer's (a failure is counted and leaves none).
 func (r *DefaultRouter) blockKeys(ctx context.Context, req *prefixkey.Request, s *scratch4) []uint32 {
-	t := r.kv
-	tokens := req.TokenIDs
-	if tokens == nil && req.PromptTokens != nil {
-		tokens = req.PromptTokens
+	tokens, err := r.requestTokens(ctx, req)
+	if err != nil {
+		r.kv.tokenizeErrs.Add(1)
 	}
-	if tokens == nil && t.cfg.Tokenizer != nil {
-		var err error
-		if tokens, err = r.tokenize(ctx, req); err != nil {
-			t.tokenizeErrs.Add(1)
-			tokens = nil
-		}
-	}
-	s.keys = s.keys[:0]
 	s.ntok, s.looked = len(tokens), false
-	if tokens != nil {
-		root := prefixkey.BlockRoot(req.ModelOrAdapter(), req.CacheSalt)
-		s.keys = prefixkey.AppendBlockKeys(s.keys, root, tokens, t.cfg.BlockSize, req.MultiModal)
-	}
+	s.keys = req.BlockKeysOf(s.keys[:0], tokens, r.kv.cfg.BlockSize)
 	return tokens
+}
+
+// requestTokens returns the request's prompt tokens: its own (TokenIDs, else PromptTokens), or
+// KVConfig.Tokenizer's (nil and the error when it fails), or nil.
+func (r *DefaultRouter) requestTokens(ctx context.Context, req *prefixkey.Request) ([]uint32, error) {
+	if req.TokenIDs != nil {
+		return req.TokenIDs, nil
+	}
+	if req.PromptTokens != nil {
+		return req.PromptTokens, nil
+	}
+	if r.kv == nil || r.kv.cfg.Tokenizer == nil {
+		return nil, nil
+	}
+	tokens, err := r.tokenize(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	return tokens, nil
 }
 
 // lookup fills s.loads, s.names (the healthy backends) and s.matches (what the index holds of the

@@ -492,3 +492,32 @@ func TestKVClearAndConfig(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, st.Enabled)
 }
+
+// A request with an image whose place in the tokens the caller did not give (no MultiModal spans)
+// has no block keys: its tokens alone cannot tell it from the same prompt with another image, so
+// tier 4 must not call the holder of that other prompt a hit. Route, Probe and the P/D planner
+// build their keys through prefixkey.Request.BlockKeysOf.
+func TestKVUnplacedMediaHasNoBlockKeys(t *testing.T) {
+	ix := newMemIndex(t)
+	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	toks := promptTokens(6, 32*16)
+	storeBlocks(t, ix, "vllm-3", toks, 32, events.TierGPU)
+	ctx := context.Background()
+
+	plain := tokReq("system A", toks)
+	d, err := r.Route(ctx, plain)
+	require.NoError(t, err)
+	d.Done(Outcome{})
+	require.Equal(t, ReasonKVAware, d.Reason, "the same tokens without media are a hit")
+
+	withImage := tokReq("system A", toks)
+	withImage.Media = []prefixkey.Media{{Kind: prefixkey.MediaImage, Hash: 42}}
+	p, err := r.Probe(ctx, withImage)
+	require.NoError(t, err)
+	assert.Zero(t, p.KV.Blocks, "probe: no block keys for unplaced media")
+	d, err = r.Route(ctx, withImage)
+	require.NoError(t, err)
+	d.Done(Outcome{})
+	assert.NotEqual(t, ReasonKVAware, d.Reason, "an unplaced image must not be a hit on the text-only holder")
+	assert.Zero(t, d.ExpectedCachedTokens)
+}

@@ -274,17 +274,24 @@ func endsBy(s MultiModalSpan, lo int) bool {
 	return end <= lo && end > s.Offset // end <= s.Offset: the sum overflowed, the span runs to the end
 }
 
-// BlockKeys is AppendBlockKeys for r: the root is BlockRoot(r.ModelOrAdapter(), r.CacheSalt), the
-// tokens r.TokenIDs and the spans r.MultiModal. It returns dst unchanged when r.TokenIDs has no full
-// block, and when r has media the caller did not place (r.MediaPlaced() is false): without spans,
-// the keys of two requests that differ only in an image would be equal. It allocates only when dst
-// lacks capacity, and is safe for concurrent use with other readers of r.
+// BlockKeys is BlockKeysOf(dst, r.TokenIDs, blockSize).
 func (r *Request) BlockKeys(dst []uint64, blockSize int) []uint64 {
+	return r.BlockKeysOf(dst, r.TokenIDs, blockSize)
+}
+
+// BlockKeysOf appends to dst the block keys of tokens as r's prompt: AppendBlockKeys with the
+// root BlockRoot(r.ModelOrAdapter(), r.CacheSalt) and the spans r.MultiModal (blockSize ≤ 0
+// means DefaultBlockSize). tokens are r's own (TokenIDs, PromptTokens) or a tokenizer's. It
+// returns dst unchanged when tokens hold no full block, and when r has media the caller did not
+// place (r.MediaPlaced() is false): without spans, the keys of two requests that differ only in an
+// image would be equal. It allocates only when dst lacks capacity, and is safe for concurrent use
+// with other readers of r.
+func (r *Request) BlockKeysOf(dst []uint64, tokens []uint32, blockSize int) []uint64 {
 	if blockSize <= 0 {
 		blockSize = DefaultBlockSize
 	}
-	if len(r.TokenIDs) < blockSize || !r.MediaPlaced() {
+	if len(tokens) < blockSize || !r.MediaPlaced() {
 		return dst
 	}
-	return AppendBlockKeys(dst, BlockRoot(r.ModelOrAdapter(), r.CacheSalt), r.TokenIDs, blockSize, r.MultiModal)
+	return AppendBlockKeys(dst, BlockRoot(r.ModelOrAdapter(), r.CacheSalt), tokens, blockSize, r.MultiModal)
 }
