@@ -1,5 +1,5 @@
 // Command gateway is the smallest net/http gateway built on kvroute: NewGateway (gateway.go, one
-// function of 30 lines) reads a request, routes it by its prompt prefix and forwards it with
+// function of 32 lines) reads a request, routes it by its prompt prefix and forwards it with
 // httputil.ReverseProxy. examples/proxy is the full reference proxy (response cache, KV events,
 // health, retries, admin); this one shows what composing kvroute into a handler you already have
 // takes.
