@@ -167,14 +167,19 @@ func TestE2ERedisIndexSharedByReplicas(t *testing.T) {
 	before := [2]uint64{catchUpsOf(t, a, holder), catchUpsOf(t, b, holder)}
 	rs.Kill()
 	rs.Start()
-	n := 0
-	waitFor(t, 10*time.Second, "both replicas to catch up after the restart", func() bool {
-		n++
+	// Generous: under -race with the workspace's other packages running beside it, one catch-up
+	// (a loss check each second, a clear, the engine's replay) has taken over 10 s.
+	deadline := time.Now().Add(30 * time.Second)
+	for n := 1; catchUpsOf(t, a, holder) <= before[0] || catchUpsOf(t, b, holder) <= before[1]; n++ {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for both replicas to catch up after the restart (catch-ups before %v):\na: %+v\nb: %+v",
+				before, kvBackend(t, a, holder), kvBackend(t, b, holder))
+		}
 		if r, out := post(t, holderURL+"/v1/chat/completions", chatBody(longSystemPrompt(fmt.Sprint("live ", n), 40), "Hi.", `"max_tokens":1`)); r.StatusCode != 200 {
 			t.Fatalf("live request %d: %d %s", n, r.StatusCode, out)
 		}
-		return catchUpsOf(t, a, holder) > before[0] && catchUpsOf(t, b, holder) > before[1]
-	})
+		time.Sleep(20 * time.Millisecond)
+	}
 	routesToHolder(a, "after the restart, replica a")
 	routesToHolder(b, "after the restart, replica b")
 }
