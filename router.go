@@ -189,6 +189,17 @@ type Config struct {
 	// the backend's load, in the ring's bound and in tier 4's scoring, while the engine drains;
 	// 0 means DefaultRefusalHold, a negative value releases the slot at once. At most 1 minute.
 	RefusalHold time.Duration
+	// Peers, when set, receives this Router's decision events (Route's decisions, their
+	// FirstToken and Done) to share with the other router replicas, which apply them with
+	// ApplyPeerEvent; see "Router replicas" in the package documentation. nil shares nothing.
+	Peers PeerPublisher
+	// PeerMaxAge is how long a peer's decision whose end never arrived keeps weighing on its
+	// backend; 0 means DefaultPeerMaxAge (5 minutes). Set it above your longest request. At most
+	// 24 hours.
+	PeerMaxAge time.Duration
+	// EngineLoadMaxAge is how long an engine's reported load (ReportEngineLoad) counts; 0 means
+	// DefaultEngineLoadMaxAge (10 s). Set it to a few scrape intervals. At most 1 hour.
+	EngineLoadMaxAge time.Duration
 }
 
 // DefaultRefusalHold is Config.RefusalHold's default.
@@ -213,12 +224,24 @@ func (c Config) withDefaults() Config {
 	if c.RefusalHold == 0 {
 		c.RefusalHold = DefaultRefusalHold
 	}
+	if c.PeerMaxAge == 0 {
+		c.PeerMaxAge = DefaultPeerMaxAge
+	}
+	if c.EngineLoadMaxAge == 0 {
+		c.EngineLoadMaxAge = DefaultEngineLoadMaxAge
+	}
 	return c
 }
 
 func (c Config) validate() error {
 	if c.RefusalHold > time.Minute {
 		return fmt.Errorf("%w: RefusalHold %v is above 1m", ErrInvalidConfig, c.RefusalHold)
+	}
+	if c.PeerMaxAge < 0 || c.PeerMaxAge > 24*time.Hour {
+		return fmt.Errorf("%w: PeerMaxAge %v not in (0, 24h]", ErrInvalidConfig, c.PeerMaxAge)
+	}
+	if c.EngineLoadMaxAge < 0 || c.EngineLoadMaxAge > time.Hour {
+		return fmt.Errorf("%w: EngineLoadMaxAge %v not in (0, 1h]", ErrInvalidConfig, c.EngineLoadMaxAge)
 	}
 	if c.MaxPrefixLength < 1 || c.MaxPrefixLength > 1<<20 {
 		return fmt.Errorf("%w: max_prefix_length %d not in [1, 1048576]", ErrInvalidConfig, c.MaxPrefixLength)
@@ -252,6 +275,12 @@ type backendState struct {
 	backlog atomic.Int64
 	role    disagg.Role
 	storage *disagg.ExternalStorage // nil: the disaggregation default
+	// peerInFlight counts the peers' decisions in flight here (ApplyPeerEvent); engine is the
+	// latest engine report (ReportEngineLoad), and external the load last set on the ring
+	// (updateExternalLocked). engine and external are guarded by DefaultRouter.peers.mu.
+	peerInFlight atomic.Int64
+	engine       *engineReport
+	external     int
 }
 
 // backendSet is an immutable snapshot of the members, swapped whole on every change, so that
@@ -277,6 +306,8 @@ type DefaultRouter struct {
 	kv      *tier4       // nil when tier 4 is off
 	dis     *disaggState // nil when disaggregation is off
 	tracer  trace.Tracer // nil when tracing is off (Config.TracerProvider)
+	peers   peers        // the other replicas' decisions and the engines' reports (peers.go)
+	peerSeq atomic.Uint64
 
 	disaggSide DisaggRouter // Disagg's answer
 }
@@ -470,6 +501,7 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 		if r.routeKV(ctx, req, d, s4) {
 			d = r.finish(ctx, d)
 			r.addBacklog(d, s4)
+			r.share(d, s4.keys)
 			return d, nil
 		}
 		r.kv.handedOff.Add(1)
@@ -501,10 +533,22 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 		r.speculateTier1(ctx, d, s4)
 	}
 	d = r.finish(ctx, d)
+	var keys []uint64
 	if s4 != nil {
 		r.addBacklog(d, s4)
+		keys = s4.keys
 	}
+	r.share(d, keys)
 	return d, nil
+}
+
+// share publishes d, a decision Route made, to Config.Peers.
+func (r *DefaultRouter) share(d *Decision, keys []uint64) {
+	if r.cfg.Peers == nil {
+		return
+	}
+	d.peerID = r.peerSeq.Add(1)
+	r.publish(d, PeerRouted, keys)
 }
 
 // finish fills the decision's backend fields and counts it.
@@ -536,8 +580,10 @@ type Decision struct {
 	router   *DefaultRouter // nil for a Decision made by NewDecision
 	hooks    *hookState     // NewDecision's and WrapDecision's
 	ended    atomic.Bool    // Done has run
+	first    atomic.Bool    // FirstToken has run
 	backlog  atomic.Int64   // the tokens this request adds to state.backlog until its prefill ends
 	activeID uint64         // active-sequence id when tier 4 tracks sequences, else 0
+	peerID   uint64         // the decision's id in its PeerEvents, 0 when it is not shared
 	state    *backendState
 	handle   chwbl.Handle
 	start    time.Time
@@ -637,6 +683,7 @@ func (d *Decision) Done(o Outcome) {
 	if d.activeID != 0 {
 		d.router.kv.cfg.Active.Done(d.activeID)
 	}
+	d.router.publish(d, PeerDone, nil)
 	if o.Refused {
 		if d.state != nil {
 			d.state.refusals.Add(1)
@@ -688,10 +735,14 @@ func (d *Decision) FirstToken() {
 		h.inner.FirstToken()
 		return
 	}
+	if d.ended.Load() || !d.first.CompareAndSwap(false, true) {
+		return
+	}
 	d.endPrefill()
 	if d.activeID != 0 {
 		d.router.kv.cfg.Active.FirstToken(d.activeID)
 	}
+	d.router.publish(d, PeerFirstToken, nil)
 }
 
 // endPrefill takes the request's tokens off its backend's prefill backlog, once.

@@ -52,6 +52,11 @@ type BackendLoad struct {
 	LatencyEWMAMs    float64 `json:"latency_ewma_ms"`
 	SuccessRate      float64 `json:"success_rate"`
 	Refusals         uint64  `json:"refusals"` // requests it declined for lack of capacity (Outcome.Refused)
+	// ExternalLoad is the load no handle of this Router holds (see "Router replicas" in the
+	// package documentation): other replicas' requests, or its engine's beyond this Router's.
+	ExternalLoad int `json:"external_load"`
+	// Engine is its latest engine-reported load still counted (ReportEngineLoad), nil when none.
+	Engine *EngineLoad `json:"engine,omitempty"`
 }
 
 // Stats returns a snapshot of the Router's tier-1 statistics. Safe for concurrent use; the counters
@@ -89,12 +94,16 @@ func (r *DefaultRouter) Stats() PrefixRoutingStats {
 	loads := r.ring.Loads(make([]chwbl.Load, 0, len(set.list)))
 	s.BackendDistribution = make([]BackendLoad, 0, len(loads))
 	for _, l := range loads {
-		bl := BackendLoad{Backend: l.Name, InFlightRequests: l.InFlight, Healthy: l.Healthy, Weight: l.Weight, SuccessRate: 1}
+		bl := BackendLoad{Backend: l.Name, InFlightRequests: l.InFlight, Healthy: l.Healthy, Weight: l.Weight, SuccessRate: 1,
+			ExternalLoad: l.External}
 		if st := set.byName[l.Name]; st != nil {
 			bl.Decisions = st.decisions.Load()
 			bl.LatencyEWMAMs = st.latencyNs.load() / 1e6
 			bl.SuccessRate = st.success.load()
 			bl.Refusals = st.refusals.Load()
+			if e, ok := r.engineLoad(st); ok {
+				bl.Engine = &e
+			}
 		}
 		s.BackendDistribution = append(s.BackendDistribution, bl)
 	}

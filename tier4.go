@@ -344,7 +344,7 @@ func (r *DefaultRouter) candidates(s *scratch4, set *backendSet) {
 			CachedBlocks: s.matches[i].Blocks,
 			CachedTokens: s.matches[i].Tokens,
 			Overlap:      s.matches[i].Score,
-			InFlight:     l.InFlight,
+			InFlight:     l.InFlight + l.External,
 			Weight:       l.Weight,
 			Healthy:      true,
 			Health:       1,

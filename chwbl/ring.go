@@ -105,6 +105,8 @@ type Load struct {
 	Name     string
 	Weight   float64 // effective weight (an Add weight of 0 reads as 1)
 	InFlight int     // slots held, including those taken with AcquireBackend
+	// External is the load set with SetExternalLoad: requests other routers sent there.
+	External int
 	Healthy  bool
 }
 
@@ -116,6 +118,7 @@ type member struct {
 	weight float64
 
 	inflight int
+	external int    // SetExternalLoad's: load the bound counts that no handle of this ring holds
 	visit    uint32 // == ring.epoch when the current walk has already considered this member
 	healthy  bool
 	removed  bool // Remove ran: this member's slots no longer count in ring.total
@@ -236,7 +239,7 @@ func (r *Ring) Remove(name string) error {
 
 	r.mu.Lock()
 	if m.counted() {
-		r.total -= m.inflight
+		r.total -= m.inflight + m.external
 	}
 	m.removed = true
 	delete(r.byName, name)
@@ -269,9 +272,9 @@ func (r *Ring) SetHealthy(name string, healthy bool) error {
 		return nil
 	}
 	if healthy {
-		r.total += m.inflight
+		r.total += m.inflight + m.external
 	} else {
-		r.total -= m.inflight
+		r.total -= m.inflight + m.external
 	}
 	m.healthy = healthy
 	r.recount()
@@ -375,7 +378,7 @@ func (r *Ring) Loads(dst []Load) []Load {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, m := range r.order {
-		dst = append(dst, Load{Name: m.name, Weight: m.weight, InFlight: m.inflight, Healthy: m.healthy})
+		dst = append(dst, Load{Name: m.name, Weight: m.weight, InFlight: m.inflight, External: m.external, Healthy: m.healthy})
 	}
 	return dst
 }
@@ -392,8 +395,29 @@ func (r *Ring) InFlight(name string) (int, bool) {
 	return m.inflight, true
 }
 
-// TotalInFlight returns T: the slots held on healthy members (unhealthy members' and removed
-// backends' outstanding slots are not included). Safe for concurrent use.
+// SetExternalLoad sets the load on name that this ring's handles do not hold: requests other
+// router replicas sent there, or what the backend's engine reports beyond this ring's own slots.
+// It counts like held slots in name's bound check and in T (while name is healthy), and is
+// reported as Load.External; n < 0 counts as 0. Setting it again replaces the previous value. Safe
+// for concurrent use. The error is ErrUnknownBackend when name is not a member.
+func (r *Ring) SetExternalLoad(name string, n int) error {
+	n = max(n, 0)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	m, ok := r.byName[name]
+	if !ok {
+		return ErrUnknownBackend
+	}
+	if m.counted() {
+		r.total += n - m.external
+	}
+	m.external = n
+	return nil
+}
+
+// TotalInFlight returns T: the slots held on healthy members plus their external load
+// (SetExternalLoad); unhealthy members' and removed backends' are not included. Safe for
+// concurrent use.
 func (r *Ring) TotalInFlight() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -561,7 +585,7 @@ func (r *Ring) tryAcquire(h *Handle, name string, eps1 float64) (bool, error) {
 		r.mu.Unlock()
 		return false, ErrUnknownBackend
 	}
-	if !m.healthy || m.inflight >= boundOf(eps1*float64(r.total+1)/r.weight, m.weight) {
+	if !m.healthy || m.inflight+m.external >= boundOf(eps1*float64(r.total+1)/r.weight, m.weight) {
 		r.mu.Unlock()
 		return false, nil
 	}
@@ -582,7 +606,7 @@ func (r *Ring) tryAcquire(h *Handle, name string, eps1 float64) (bool, error) {
 // map or allocation is needed. The walk stops after considering every member.
 //
 // Why the walk always succeeds when at least one member is healthy. Let H be the healthy members,
-// T = Σ_{b∈H} inflight(b), W = Σ_{b∈H} w_b, and bound(b) = ceil((1+ε)(T+1)w_b/W). Every member
+// T = Σ_{b∈H} inflight(b) (each member's in-flight slots plus its external load), W = Σ_{b∈H} w_b, and bound(b) = ceil((1+ε)(T+1)w_b/W). Every member
 // owns at least one vnode and s holds exactly the current members (it is swapped under mu), so the
 // walk considers every b ∈ H. Suppose every one refused: inflight(b)+1 > bound(b), i.e.
 // inflight(b) ≥ bound(b) ≥ (1+ε)(T+1)w_b/W. Summing over H gives T ≥ (1+ε)(T+1) > T, a
@@ -610,7 +634,7 @@ func (r *Ring) pick(s *snapshot, start int) (*member, Reason) {
 				r.testVisit(m)
 			}
 			if m.healthy {
-				if m.inflight < boundOf(factor, m.weight) { // inflight+1 ≤ bound
+				if m.inflight+m.external < boundOf(factor, m.weight) { // load+1 ≤ bound
 					return m, reason
 				}
 				reason = ReasonOverflow

@@ -1280,7 +1280,7 @@ func TestLoads(t *testing.T) {
 	if err := r.Remove("z"); err != nil {
 		t.Fatal(err)
 	}
-	want := []Load{{"a", 1, 2, true}, {"m", 1, 0, false}, {"w2", 2, 0, true}}
+	want := []Load{{Name: "a", Weight: 1, InFlight: 2, Healthy: true}, {Name: "m", Weight: 1}, {Name: "w2", Weight: 2, Healthy: true}}
 	dst := make([]Load, 0, 8)
 	got := r.Loads(dst)
 	if !slices.Equal(got, want) {
@@ -1376,4 +1376,64 @@ func FuzzRingOps(f *testing.F) {
 			}
 		}
 	})
+}
+
+func TestSetExternalLoadCountsInBoundAndTotal(t *testing.T) {
+	r, err := New(Config{Epsilon: 0.25})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []string{"a", "b"} {
+		if err := r.Add(n, 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := r.SetExternalLoad("a", 6); err != nil {
+		t.Fatal(err)
+	}
+	if got := r.TotalInFlight(); got != 6 {
+		t.Fatalf("T = %d, want 6", got)
+	}
+	// bound = ceil(1.25·7/2) = 5: a, at 6, is over it; b is under.
+	var h Handle
+	if ok, _ := r.TryAcquireBackend(&h, "a"); ok {
+		t.Fatal("a took a slot beyond its bound counting its external load")
+	}
+	if ok, _ := r.TryAcquireBackend(&h, "b"); !ok {
+		t.Fatal("b refused")
+	}
+	h.Release()
+	// Every key goes to b while a's external load keeps it over its bound.
+	for k := range uint64(50) {
+		name, _, err := r.Candidate(k)
+		if err != nil || name != "b" {
+			t.Fatalf("key %d: %q %v, want b", k, name, err)
+		}
+	}
+	loads := r.Loads(nil)
+	if loads[0].External != 6 || loads[0].InFlight != 0 {
+		t.Fatalf("loads %+v", loads)
+	}
+	// Unhealthy: its external load leaves T; healthy again: it returns.
+	if err := r.SetHealthy("a", false); err != nil {
+		t.Fatal(err)
+	}
+	if got := r.TotalInFlight(); got != 0 {
+		t.Fatalf("T with a unhealthy = %d, want 0", got)
+	}
+	if err := r.SetHealthy("a", true); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.SetExternalLoad("a", -3); err != nil { // negative reads as 0
+		t.Fatal(err)
+	}
+	if got := r.TotalInFlight(); got != 0 {
+		t.Fatalf("T after clearing = %d, want 0", got)
+	}
+	if err := r.Remove("a"); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.SetExternalLoad("a", 1); err != ErrUnknownBackend {
+		t.Fatalf("unknown backend: %v", err)
+	}
 }

@@ -1,0 +1,378 @@
+package kvroute
+
+import (
+	"container/list"
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Router replicas and engine-reported load.
+//
+// A gateway that runs several router replicas gives each one a DefaultRouter, and each sees only
+// the requests it routed itself: with K replicas, its in-flight counts, prefill backlogs, active
+// sequences and speculative index entries are about 1/K of the truth. Two sources complete the
+// picture, and the Router blends them into the load its bounds and scorers use:
+//
+//   - Peer events (Config.Peers, ApplyPeerEvent): each replica publishes what it decides (a request
+//     routed to a backend with its block keys and prefill tokens, its first token, its end), and
+//     applies the others'. Package natsync carries them over NATS.
+//   - Engine-reported load (ReportEngineLoad): the engines' own running and waiting request
+//     counts, read from their metrics endpoints (package enginemetrics scrapes vLLM's and
+//     SGLang's), which count every replica's requests.
+//
+// A backend's external load, the requests no handle of this Router holds, is the larger of its
+// peers' in-flight requests and what its engine reports beyond this Router's own in-flight
+// requests at the time of the report; it counts in the backend's bound (tier 1's and tier 4's) and
+// in tier 4's candidates like the Router's own requests. Peers' prefill tokens join the backend's
+// prefill backlog, their block keys its speculative entries (with the Router's own speculation
+// TTL) and, with KVConfig.Active, its active sequences.
+//
+// Lost messages cost accuracy, never correctness: a peer decision whose end never arrives is
+// dropped Config.PeerMaxAge after it arrived, a peer that falls silent is dropped with ForgetPeer,
+// and an engine report older than Config.EngineLoadMaxAge no longer counts.
+
+// PeerEventKind is what a PeerEvent reports.
+type PeerEventKind uint8
+
+const (
+	// PeerRouted: the replica routed a request to Backend.
+	PeerRouted PeerEventKind = iota + 1
+	// PeerFirstToken: the request's first token came; its prefill load ends.
+	PeerFirstToken
+	// PeerDone: the request ended; its in-flight slot ends.
+	PeerDone
+)
+
+// String returns "routed", "first_token" or "done".
+func (k PeerEventKind) String() string {
+	switch k {
+	case PeerRouted:
+		return "routed"
+	case PeerFirstToken:
+		return "first_token"
+	case PeerDone:
+		return "done"
+	}
+	return fmt.Sprintf("PeerEventKind(%d)", uint8(k))
+}
+
+// PeerEvent is one step of a routing decision, as a replica shares it with the others.
+type PeerEvent struct {
+	Kind PeerEventKind
+	// ID identifies the decision among its replica's: the FirstToken and Done of a decision carry
+	// its Routed event's ID.
+	ID uint64
+	// Backend, BlockKeys, CachedBlocks and PrefillTokens are set on PeerRouted: the backend chosen,
+	// the request's block keys (nil when it was not tokenized), the blocks the backend held of
+	// it, and the prompt tokens it must prefill (not cached there).
+	Backend       string
+	BlockKeys     []uint64
+	CachedBlocks  int
+	PrefillTokens int
+}
+
+// PeerPublisher receives the Router's own decision events (Config.Peers) to share with the other
+// replicas. PublishPeerEvent is called on the goroutine that routed, finished or ended the
+// request: it must not block (buffer, and drop when the buffer is full), and must copy
+// ev.BlockKeys if it keeps them past the call.
+type PeerPublisher interface {
+	PublishPeerEvent(ev PeerEvent)
+}
+
+// DefaultPeerMaxAge is Config.PeerMaxAge's default.
+const DefaultPeerMaxAge = 5 * time.Minute
+
+// DefaultEngineLoadMaxAge is Config.EngineLoadMaxAge's default.
+const DefaultEngineLoadMaxAge = 10 * time.Second
+
+// EngineLoad is a backend's load as its engine reports it.
+type EngineLoad struct {
+	Running int `json:"running"` // requests the engine is running (vllm:num_requests_running)
+	Waiting int `json:"waiting"` // requests queued there (vllm:num_requests_waiting)
+	// KVCacheUsage is the fraction of its KV cache in use, in [0, 1] (vllm:kv_cache_usage_perc);
+	// negative when the engine does not report it.
+	KVCacheUsage float64 `json:"kv_cache_usage"`
+	// At is when the engine's answer was read; the zero time means now.
+	At time.Time `json:"at"`
+}
+
+// PeerStats is what the Router knows of its peers and of engine-reported load.
+type PeerStats struct {
+	Peers    int    `json:"peers"`     // replicas with decisions in flight here
+	InFlight int    `json:"in_flight"` // their decisions not yet done
+	Applied  uint64 `json:"applied"`   // peer events applied
+	Ignored  uint64 `json:"ignored"`   // peer events for an unknown backend or decision
+	Expired  uint64 `json:"expired"`   // peer decisions dropped after PeerMaxAge
+	Forgot   uint64 `json:"forgot"`    // peer decisions dropped by ForgetPeer
+	// EngineReports counts ReportEngineLoad calls applied, EngineStale the reports that had grown
+	// older than EngineLoadMaxAge (on arrival, or before the next one came).
+	EngineReports uint64 `json:"engine_reports"`
+	EngineStale   uint64 `json:"engine_stale"`
+}
+
+// peerKey names one peer decision.
+type peerKey struct {
+	replica string
+	id      uint64
+}
+
+// peerEntry is one peer decision in flight here.
+type peerEntry struct {
+	key      peerKey
+	st       *backendState
+	backlog  int64  // its tokens on st.backlog until its first token
+	activeID uint64 // its active-sequence id, 0 when none
+	at       time.Time
+	elem     *list.Element // in peers.order
+}
+
+// peers is the Router's state of its peers' decisions.
+type peers struct {
+	mu      sync.Mutex
+	entries map[peerKey]*peerEntry
+	order   *list.List // *peerEntry, oldest arrival first
+	byPeer  map[string]int
+
+	applied, ignored, expired, forgot atomic.Uint64
+	engineReports, engineStale        atomic.Uint64
+}
+
+// engineReport is a backend's latest engine-reported load.
+type engineReport struct {
+	others int // the engine's running and waiting requests beyond this Router's own at the time
+	load   EngineLoad
+	timer  *time.Timer // makes the report stale after EngineLoadMaxAge
+}
+
+// ApplyPeerEvent applies the decision event ev of another router replica, replica (a name unique
+// among the replicas, not this Router's own): see the package documentation's "Router replicas".
+// Events for a backend this Router does not have, a FirstToken or Done of a decision it does not
+// know (its Routed was lost, or it expired), and a second Routed for the same decision are
+// ignored and counted (PeerStats.Ignored). Safe for concurrent use.
+func (r *DefaultRouter) ApplyPeerEvent(replica string, ev PeerEvent) {
+	p := &r.peers
+	now := r.cfg.Now()
+	k := peerKey{replica, ev.ID}
+	p.mu.Lock()
+	r.expirePeersLocked(now)
+	switch ev.Kind {
+	case PeerRouted:
+		st := r.set.Load().byName[ev.Backend]
+		if st == nil || p.entries[k] != nil {
+			p.mu.Unlock()
+			p.ignored.Add(1)
+			return
+		}
+		e := &peerEntry{key: k, st: st, at: now}
+		if n := int64(ev.PrefillTokens); n > 0 {
+			e.backlog = n
+			st.backlog.Add(n)
+		}
+		if r.kv != nil && r.kv.cfg.Active != nil && len(ev.BlockKeys) > 0 {
+			e.activeID = r.kv.nextID.Add(1)
+			r.kv.cfg.Active.Add(e.activeID, ev.Backend, ev.BlockKeys, ev.CachedBlocks)
+		}
+		if p.entries == nil {
+			p.entries, p.order, p.byPeer = map[peerKey]*peerEntry{}, list.New(), map[string]int{}
+		}
+		p.entries[k] = e
+		e.elem = p.order.PushBack(e)
+		p.byPeer[replica]++
+		st.peerInFlight.Add(1)
+		r.updateExternalLocked(st)
+		p.mu.Unlock()
+		p.applied.Add(1)
+		// Speculation outside the lock: a remote index does I/O.
+		if r.kv != nil && r.kv.specTTL > 0 && len(ev.BlockKeys) > 0 {
+			_ = r.kv.spec.Speculate(context.Background(), ev.Backend, ev.BlockKeys, r.kv.specTTL)
+		}
+		return
+	case PeerFirstToken, PeerDone:
+		e := p.entries[k]
+		if e == nil {
+			p.mu.Unlock()
+			p.ignored.Add(1)
+			return
+		}
+		if ev.Kind == PeerFirstToken {
+			r.endPeerPrefill(e)
+		} else {
+			r.dropPeerLocked(e)
+		}
+		p.mu.Unlock()
+		p.applied.Add(1)
+		return
+	}
+	p.mu.Unlock()
+	p.ignored.Add(1)
+}
+
+// endPeerPrefill ends e's prefill load: its backlog tokens and its active sequence's prefill.
+func (r *DefaultRouter) endPeerPrefill(e *peerEntry) {
+	if e.backlog != 0 {
+		e.st.backlog.Add(-e.backlog)
+		e.backlog = 0
+	}
+	if e.activeID != 0 {
+		r.kv.cfg.Active.FirstToken(e.activeID)
+	}
+}
+
+// dropPeerLocked removes e and everything it added. Requires peers.mu.
+func (r *DefaultRouter) dropPeerLocked(e *peerEntry) {
+	p := &r.peers
+	r.endPeerPrefill(e)
+	if e.activeID != 0 {
+		r.kv.cfg.Active.Done(e.activeID)
+	}
+	delete(p.entries, e.key)
+	p.order.Remove(e.elem)
+	if p.byPeer[e.key.replica]--; p.byPeer[e.key.replica] <= 0 {
+		delete(p.byPeer, e.key.replica)
+	}
+	e.st.peerInFlight.Add(-1)
+	r.updateExternalLocked(e.st)
+}
+
+// expirePeersLocked drops the peer decisions older than PeerMaxAge. Requires peers.mu.
+func (r *DefaultRouter) expirePeersLocked(now time.Time) {
+	p := &r.peers
+	if p.order == nil {
+		return
+	}
+	cut := now.Add(-r.cfg.PeerMaxAge)
+	for f := p.order.Front(); f != nil; f = p.order.Front() {
+		e := f.Value.(*peerEntry)
+		if !e.at.Before(cut) {
+			return
+		}
+		r.dropPeerLocked(e)
+		p.expired.Add(1)
+	}
+}
+
+// ForgetPeer drops every decision of replica, as if each had ended, and returns how many: call it
+// when the replica stopped (its heartbeat stopped, or it said goodbye), so that its requests no
+// longer weigh on the backends. Safe for concurrent use.
+func (r *DefaultRouter) ForgetPeer(replica string) int {
+	p := &r.peers
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.byPeer[replica] == 0 {
+		return 0
+	}
+	n := 0
+	for e := p.order.Front(); e != nil; {
+		next := e.Next()
+		if pe := e.Value.(*peerEntry); pe.key.replica == replica {
+			r.dropPeerLocked(pe)
+			n++
+		}
+		e = next
+	}
+	p.forgot.Add(uint64(n))
+	return n
+}
+
+// ReportEngineLoad records backend's load as its engine reports it (see "Router replicas" in the
+// package documentation): until the next report, or EngineLoadMaxAge after l.At, the engine's
+// requests beyond this Router's own in-flight ones count as the backend's external load (unless
+// its peers' in-flight requests are more). A report already older than EngineLoadMaxAge is
+// counted stale and not applied. The error wraps ErrUnknownBackend when there is no such backend.
+// Safe for concurrent use.
+func (r *DefaultRouter) ReportEngineLoad(backend string, l EngineLoad) error {
+	st := r.set.Load().byName[backend]
+	if st == nil {
+		return fmt.Errorf("%w: %q", ErrUnknownBackend, backend)
+	}
+	now := r.cfg.Now()
+	if l.At.IsZero() {
+		l.At = now
+	}
+	age := now.Sub(l.At)
+	if age >= r.cfg.EngineLoadMaxAge {
+		r.peers.engineStale.Add(1)
+		return nil
+	}
+	own, _ := r.ring.InFlight(backend)
+	rep := &engineReport{others: max(l.Running+l.Waiting-own, 0), load: l}
+	p := &r.peers
+	p.mu.Lock()
+	if old := st.engine; old != nil {
+		old.timer.Stop()
+	}
+	st.engine = rep
+	rep.timer = time.AfterFunc(r.cfg.EngineLoadMaxAge-age, func() { r.staleEngineReport(st, rep) })
+	r.updateExternalLocked(st)
+	p.mu.Unlock()
+	p.engineReports.Add(1)
+	return nil
+}
+
+// staleEngineReport drops rep, st's engine report, when it is still the latest.
+func (r *DefaultRouter) staleEngineReport(st *backendState, rep *engineReport) {
+	p := &r.peers
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if st.engine != rep {
+		return
+	}
+	st.engine = nil
+	p.engineStale.Add(1)
+	r.updateExternalLocked(st)
+}
+
+// updateExternalLocked sets st's external load on the ring: the larger of its peers' in-flight
+// requests and its engine's others. Requires peers.mu.
+func (r *DefaultRouter) updateExternalLocked(st *backendState) {
+	n := int(st.peerInFlight.Load())
+	if st.engine != nil {
+		n = max(n, st.engine.others)
+	}
+	if st.external == n {
+		return
+	}
+	st.external = n
+	_ = r.ring.SetExternalLoad(st.name, n) // a removed backend: nothing to set
+}
+
+// PeerStats returns what the Router knows of its peers. Safe for concurrent use.
+func (r *DefaultRouter) PeerStats() PeerStats {
+	p := &r.peers
+	p.mu.Lock()
+	r.expirePeersLocked(r.cfg.Now())
+	s := PeerStats{Peers: len(p.byPeer), InFlight: len(p.entries)}
+	p.mu.Unlock()
+	s.Applied, s.Ignored, s.Expired, s.Forgot = p.applied.Load(), p.ignored.Load(), p.expired.Load(), p.forgot.Load()
+	s.EngineReports, s.EngineStale = p.engineReports.Load(), p.engineStale.Load()
+	return s
+}
+
+// engineLoad returns st's current engine report, if any.
+func (r *DefaultRouter) engineLoad(st *backendState) (EngineLoad, bool) {
+	r.peers.mu.Lock()
+	defer r.peers.mu.Unlock()
+	if st.engine == nil {
+		return EngineLoad{}, false
+	}
+	return st.engine.load, true
+}
+
+// publish sends one of d's events to Config.Peers, when d is one of this Router's decisions that
+// it shares.
+func (r *DefaultRouter) publish(d *Decision, kind PeerEventKind, keys []uint64) {
+	if d.peerID == 0 {
+		return
+	}
+	ev := PeerEvent{Kind: kind, ID: d.peerID}
+	if kind == PeerRouted {
+		ev.Backend, ev.BlockKeys, ev.PrefillTokens = d.Backend, keys, int(d.backlog.Load())
+		if len(keys) > 0 && r.kv != nil {
+			ev.CachedBlocks = min(d.ExpectedCachedTokens/r.kv.cfg.BlockSize, len(keys))
+		}
+	}
+	r.cfg.Peers.PublishPeerEvent(ev)
+}
