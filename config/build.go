@@ -90,6 +90,12 @@ func (c *Config) RouterConfig(o Options) (kvroute.Config, error) {
 		MeterProvider:                  o.MeterProvider,
 		TracerProvider:                 o.TracerProvider,
 	}
+	if c.Replicas.Enabled {
+		rcfg.PeerMaxAge = time.Duration(c.Replicas.PeerMaxAge)
+	}
+	if c.EngineMetrics.Enabled {
+		rcfg.EngineLoadMaxAge = time.Duration(c.EngineMetrics.MaxAge)
+	}
 	for _, b := range c.Backends {
 		rb := kvroute.Backend{Name: b.Name, Weight: b.Weight, Role: b.ParsedRole()}
 		if b.ExternalStorage != nil {

@@ -48,6 +48,11 @@ type Config struct {
 	DisaggregatedServing DisaggregatedConfig `yaml:"disaggregated_serving"`
 	// Tracing exports OpenTelemetry spans of each request (default off).
 	Tracing TracingConfig `yaml:"tracing"`
+	// EngineMetrics reads each backend's load from its engine's Prometheus endpoint (default off).
+	EngineMetrics EngineMetricsConfig `yaml:"engine_metrics"`
+	// Replicas shares load and KV-cache knowledge with the gateway's other replicas over NATS
+	// (default off: this gateway routes alone).
+	Replicas ReplicasConfig `yaml:"replicas"`
 	// LogLevel is the least level logged: debug, info (default), warn or error. The proxy's -v
 	// flag forces debug.
 	LogLevel string `yaml:"log_level"`
@@ -339,6 +344,9 @@ type BackendConfig struct {
 	// Role is prefill, decode or unified (default): what the backend does in disaggregated
 	// serving. Prefill and decode need disaggregated_serving.enabled.
 	Role string `yaml:"role"`
+	// MetricsURL is the engine's Prometheus endpoint for engine_metrics (default: URL +
+	// engine_metrics.path).
+	MetricsURL string `yaml:"metrics_url"`
 	// ExternalStorage is where the backend's KV tensors transit (default:
 	// disaggregated_serving.default_external_storage). A prefill and a decode backend are paired
 	// only when their storage is at the same location (endpoint, bucket and kv_namespace).
@@ -360,6 +368,83 @@ type TracingConfig struct {
 	// 1); a request that arrives with a traceparent follows its caller's sampling decision.
 	SampleRatio float64 `yaml:"sample_ratio"`
 }
+
+// EngineMetricsConfig is the engine_metrics section: the engines' own load (vLLM's
+// num_requests_running and num_requests_waiting, SGLang's num_running_reqs and num_queue_reqs),
+// scraped from their Prometheus endpoints, blended with the gateway's own in-flight counts: the
+// engines count every replica's requests. A failing or stale scrape falls back to the local
+// counts.
+type EngineMetricsConfig struct {
+	// Enabled scrapes every backend (default false).
+	Enabled bool `yaml:"enabled"`
+	// Path is the metrics path under each backend's URL (default /metrics); a backend's
+	// metrics_url overrides it.
+	Path string `yaml:"path"`
+	// Interval between two scrapes of one backend (default 2s; at least 100ms).
+	Interval Duration `yaml:"interval"`
+	// Timeout of one scrape (default 1s; less than interval).
+	Timeout Duration `yaml:"timeout"`
+	// MaxAge is how long a scraped load counts without a newer one (default 5 intervals).
+	MaxAge Duration `yaml:"max_age"`
+}
+
+// DefaultEngineMetricsPath is engine_metrics.path's default.
+const DefaultEngineMetricsPath = "/metrics"
+
+// ReplicasConfig is the replicas section: several gateways in front of one fleet share what each
+// routes (its requests in flight, their prefill and KV blocks) over NATS, and, with event_log, the
+// engines' KV events through a JetStream stream with periodic index snapshots, so that a new or
+// restarted replica starts with the fleet's index instead of an empty one.
+type ReplicasConfig struct {
+	// Enabled shares this replica's decisions with the others (default false).
+	Enabled bool `yaml:"enabled"`
+	// NATSURL is the NATS server (default nats://127.0.0.1:4222); several comma-separated URLs
+	// name a cluster. It may carry credentials (a secret: never logged).
+	NATSURL Secret `yaml:"nats_url"`
+	// Group names the fleet: replicas of one group share with each other only (default
+	// "default"; letters, digits, - and _).
+	Group string `yaml:"group"`
+	// ReplicaID names this replica among the group's (default: host name, process id and a random
+	// suffix). It must differ between replicas.
+	ReplicaID string `yaml:"replica_id"`
+	// Heartbeat is how often a replica says it is alive (default 1s); a replica not heard from
+	// for peer_timeout (default 3 heartbeats) is forgotten, with its requests.
+	Heartbeat   Duration `yaml:"heartbeat"`
+	PeerTimeout Duration `yaml:"peer_timeout"`
+	// PeerMaxAge drops a peer's request whose end never arrived after this long (default 5m; set
+	// it above your longest request).
+	PeerMaxAge Duration `yaml:"peer_max_age"`
+	// EventLog keeps the engines' KV events in JetStream (needs kv_cache_index.enabled with ZMQ or
+	// SSE event sources).
+	EventLog EventLogConfig `yaml:"event_log"`
+}
+
+// EventLogConfig is replicas.event_log.
+type EventLogConfig struct {
+	// Enabled publishes the engines' KV events this replica receives into the stream and feeds
+	// the index from the stream (default false).
+	Enabled bool `yaml:"enabled"`
+	// Stream is the JetStream stream (default KVROUTE_KV_EVENTS); MaxAge how long it keeps events
+	// (default 1h).
+	Stream string   `yaml:"stream"`
+	MaxAge Duration `yaml:"max_age"`
+	// Bucket is the JetStream object store of the index snapshots (default KVROUTE_KV_SNAPSHOTS);
+	// SnapshotInterval how often this replica writes one (default 1m).
+	Bucket           string   `yaml:"bucket"`
+	SnapshotInterval Duration `yaml:"snapshot_interval"`
+	// ResetOnStart purges the stream and deletes the snapshots when the gateway starts, for an
+	// operator starting over (default false).
+	ResetOnStart bool `yaml:"reset_on_start"`
+}
+
+// Defaults of the replicas section.
+const (
+	DefaultNATSURL          = "nats://127.0.0.1:4222"
+	DefaultReplicaGroup     = "default"
+	DefaultEventStream      = "KVROUTE_KV_EVENTS"
+	DefaultSnapshotBucket   = "KVROUTE_KV_SNAPSHOTS"
+	DefaultSnapshotInterval = time.Minute
+)
 
 // Exporters of tracing.exporter.
 const (

@@ -189,6 +189,48 @@ func (c *Config) ApplyDefaults() {
 	if tr.SampleRatio == 0 {
 		tr.SampleRatio = 1
 	}
+	em := &c.EngineMetrics
+	if em.Path == "" {
+		em.Path = DefaultEngineMetricsPath
+	}
+	if em.Interval == 0 {
+		em.Interval = Duration(2 * time.Second)
+	}
+	if em.Timeout == 0 {
+		em.Timeout = Duration(min(time.Second, time.Duration(em.Interval)/2))
+	}
+	if em.MaxAge == 0 {
+		em.MaxAge = 5 * em.Interval
+	}
+	rp := &c.Replicas
+	if rp.NATSURL == "" {
+		rp.NATSURL = DefaultNATSURL
+	}
+	if rp.Group == "" {
+		rp.Group = DefaultReplicaGroup
+	}
+	if rp.Heartbeat == 0 {
+		rp.Heartbeat = Duration(time.Second)
+	}
+	if rp.PeerTimeout == 0 {
+		rp.PeerTimeout = 3 * rp.Heartbeat
+	}
+	if rp.PeerMaxAge == 0 {
+		rp.PeerMaxAge = Duration(kvroute.DefaultPeerMaxAge)
+	}
+	el := &rp.EventLog
+	if el.Stream == "" {
+		el.Stream = DefaultEventStream
+	}
+	if el.MaxAge == 0 {
+		el.MaxAge = Duration(time.Hour)
+	}
+	if el.Bucket == "" {
+		el.Bucket = DefaultSnapshotBucket
+	}
+	if el.SnapshotInterval == 0 {
+		el.SnapshotInterval = Duration(DefaultSnapshotInterval)
+	}
 }
 
 // defaultTokenizer picks the tokenizer for a set of event sources: block events (ZMQ) need the

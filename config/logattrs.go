@@ -2,6 +2,7 @@ package config
 
 import (
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/kvroute/kvroute"
@@ -70,7 +71,24 @@ func (c *Config) LogAttrs() []slog.Attr {
 			slog.Bool("disaggregated_serving.conditional", *ds.Conditional.Enabled),
 			slog.Any("disaggregated_serving.default_external_storage", ds.DefaultExternalStorage.Location()))
 	}
+	if em := c.EngineMetrics; em.Enabled {
+		attrs = append(attrs, slog.Bool("engine_metrics", true), slog.String("engine_metrics.interval", em.Interval.String()),
+			slog.String("engine_metrics.max_age", em.MaxAge.String()))
+	}
+	if rp := c.Replicas; rp.Enabled {
+		attrs = append(attrs, slog.Bool("replicas", true), slog.String("replicas.nats_url", redactURLs(string(rp.NATSURL))),
+			slog.String("replicas.group", rp.Group), slog.Bool("replicas.event_log", rp.EventLog.Enabled))
+	}
 	return attrs
+}
+
+// redactURLs redacts each URL of a comma-separated list.
+func redactURLs(list string) string {
+	parts := strings.Split(list, ",")
+	for i, u := range parts {
+		parts[i] = RedactURL(strings.TrimSpace(u))
+	}
+	return strings.Join(parts, ",")
 }
 
 // orDefault returns v, or def when v is the zero value (or negative: Validate reports that).

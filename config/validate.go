@@ -112,7 +112,92 @@ func (c *Config) Validate() error {
 			fe.add("tracing.sample_ratio", "%v is not in (0, 1]", r)
 		}
 	}
+	c.validateReplicas(&fe)
 	return errors.Join(fe...)
+}
+
+// validateReplicas checks engine_metrics and replicas.
+func (c *Config) validateReplicas(fe *fieldErrors) {
+	if em := c.EngineMetrics; em.Enabled {
+		if !strings.HasPrefix(em.Path, "/") {
+			fe.add("engine_metrics.path", "%q must start with /", em.Path)
+		}
+		if time.Duration(em.Interval) < 100*time.Millisecond {
+			fe.add("engine_metrics.interval", "%v is below 100ms", time.Duration(em.Interval))
+		}
+		if em.Timeout <= 0 || em.Timeout >= em.Interval {
+			fe.add("engine_metrics.timeout", "%v must be positive and less than interval", time.Duration(em.Timeout))
+		}
+		if em.MaxAge < em.Interval || time.Duration(em.MaxAge) > time.Hour {
+			fe.add("engine_metrics.max_age", "%v must be at least interval and at most 1h", time.Duration(em.MaxAge))
+		}
+		for i, b := range c.Backends {
+			if b.MetricsURL != "" {
+				if err := checkHTTPURL(b.MetricsURL); err != nil {
+					fe.add(fmt.Sprintf("backends[%d].metrics_url", i), "%v", err)
+				}
+			}
+		}
+	}
+	rp := c.Replicas
+	if !rp.Enabled {
+		if rp.EventLog.Enabled {
+			fe.add("replicas.event_log.enabled", "needs replicas.enabled")
+		}
+		return
+	}
+	for _, u := range strings.Split(string(rp.NATSURL), ",") {
+		if pu, err := url.Parse(strings.TrimSpace(u)); err != nil || pu.Host == "" ||
+			(pu.Scheme != "nats" && pu.Scheme != "tls" && pu.Scheme != "ws" && pu.Scheme != "wss") {
+			fe.add("replicas.nats_url", "%q is not a nats://, tls://, ws:// or wss:// URL", RedactURL(strings.TrimSpace(u)))
+		}
+	}
+	if !natsToken(rp.Group) {
+		fe.add("replicas.group", "%q must be letters, digits, - and _ (1 to 64)", rp.Group)
+	}
+	if rp.ReplicaID != "" && !natsToken(rp.ReplicaID) {
+		fe.add("replicas.replica_id", "%q must be letters, digits, - and _ (1 to 64)", rp.ReplicaID)
+	}
+	if time.Duration(rp.Heartbeat) < 50*time.Millisecond {
+		fe.add("replicas.heartbeat", "%v is below 50ms", time.Duration(rp.Heartbeat))
+	}
+	if rp.PeerTimeout < 2*rp.Heartbeat {
+		fe.add("replicas.peer_timeout", "%v must be at least 2 heartbeats", time.Duration(rp.PeerTimeout))
+	}
+	if rp.PeerMaxAge <= 0 || time.Duration(rp.PeerMaxAge) > 24*time.Hour {
+		fe.add("replicas.peer_max_age", "%v is not in (0, 24h]", time.Duration(rp.PeerMaxAge))
+	}
+	if el := rp.EventLog; el.Enabled {
+		if !c.KVCacheIndex.Enabled || len(c.KVCacheIndex.EventSources) == 0 {
+			fe.add("replicas.event_log.enabled", "needs kv_cache_index.enabled with event_sources")
+		}
+		if !natsToken(el.Stream) {
+			fe.add("replicas.event_log.stream", "%q must be letters, digits, - and _ (1 to 64)", el.Stream)
+		}
+		if !natsToken(el.Bucket) {
+			fe.add("replicas.event_log.bucket", "%q must be letters, digits, - and _ (1 to 64)", el.Bucket)
+		}
+		if time.Duration(el.MaxAge) < time.Minute {
+			fe.add("replicas.event_log.max_age", "%v is below 1m", time.Duration(el.MaxAge))
+		}
+		if time.Duration(el.SnapshotInterval) < time.Second {
+			fe.add("replicas.event_log.snapshot_interval", "%v is below 1s", time.Duration(el.SnapshotInterval))
+		}
+	}
+}
+
+// natsToken reports whether s is usable as one token of a NATS subject and as a stream or bucket
+// name: 1 to 64 letters, digits, - and _.
+func natsToken(s string) bool {
+	if len(s) == 0 || len(s) > 64 {
+		return false
+	}
+	for _, r := range s {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_') {
+			return false
+		}
+	}
+	return true
 }
 
 func (c *Config) validateBackends(fe *fieldErrors) {
