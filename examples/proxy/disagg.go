@@ -14,6 +14,10 @@ import (
 	"time"
 
 	"github.com/tidwall/gjson"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 	"github.com/tidwall/sjson"
 
 	"github.com/kvroute/kvroute"
@@ -198,7 +202,7 @@ func (s *server) prefill(ctx context.Context, r *http.Request, pr *parsedRequest
 	return res
 }
 
-func (s *server) doPrefill(ctx context.Context, r *http.Request, pr *parsedRequest, backend, reqID string) prefillResult {
+func (s *server) doPrefill(ctx context.Context, r *http.Request, pr *parsedRequest, backend, reqID string) (res prefillResult) {
 	body, err := prefillBody(pr)
 	if err != nil {
 		return prefillResult{err: fmt.Errorf("prefill request: %w", err)}
@@ -215,6 +219,19 @@ func (s *server) doPrefill(ctx context.Context, r *http.Request, pr *parsedReque
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Accept", "application/json")
 	req.Header.Set(headerRequestID, reqID)
+	if s.tracer != nil { // the prefill call's span, whose trace context goes to the prefill backend
+		var span trace.Span
+		pctx, span = s.tracer.Start(pctx, "prefill", trace.WithSpanKind(trace.SpanKindClient),
+			trace.WithAttributes(attribute.String(kvroute.AttrBackend, backend)))
+		req = req.WithContext(pctx)
+		propagation.TraceContext{}.Inject(pctx, propagation.HeaderCarrier(req.Header))
+		defer func() {
+			if res.err != nil {
+				span.SetStatus(codes.Error, res.err.Error())
+			}
+			span.End()
+		}()
+	}
 	resp, err := s.transport.RoundTrip(req)
 	if err != nil {
 		if errors.Is(context.Cause(pctx), errPrefillTimeout) {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"compress/gzip"
 	"encoding/hex"
 	"fmt"
@@ -256,4 +257,39 @@ func hasAttr(s *tracepb.Span, key, want string) bool {
 		}
 	}
 	return false
+}
+
+// TestTracingDisaggPrefill: a disaggregated request's prefill call is a client span of its own,
+// child of the proxy's server span, and its trace context reaches the prefill engine.
+func TestTracingDisaggPrefill(t *testing.T) {
+	col := newOTLPCollector(t)
+	f := startPDFleet(t, 1, 1, 0, nil)
+	p := startProxy(t, pdConfig(t, f, func(c *config.Config) {
+		c.Tracing = config.TracingConfig{Enabled: true, Endpoint: col.URL + "/v1/traces"}
+	}))
+	resp, b := post(t, p.URL+"/v1/chat/completions", longPrompt("traced", 1200, `"max_tokens":4`), "Traceparent", clientTraceparent)
+	if r := readPD(resp, b); r.status != 200 || r.path != "prefill_then_decode" {
+		t.Fatalf("%v: %s", r, r.body)
+	}
+	if err := p.server.Close(); err != nil { // flushes the spans
+		t.Fatal(err)
+	}
+	spans := col.trace(clientTraceID)
+	var server, prefill *tracepb.Span
+	for _, s := range spans {
+		switch s.GetName() {
+		case "kvroute.proxy /v1/chat/completions":
+			server = s
+		case "prefill":
+			prefill = s
+		}
+	}
+	if server == nil || prefill == nil {
+		t.Fatalf("spans %v: want the server span and a prefill span", names(spans))
+	}
+	if !bytes.Equal(prefill.GetParentSpanId(), server.GetSpanId()) || prefill.GetKind() != tracepb.Span_SPAN_KIND_CLIENT ||
+		!hasAttr(prefill, kvroute.AttrBackend, f.prefill[0]) {
+		t.Errorf("prefill span: parent %x (server %x), kind %v, attributes %v", prefill.GetParentSpanId(), server.GetSpanId(),
+			prefill.GetKind(), prefill.GetAttributes())
+	}
 }
