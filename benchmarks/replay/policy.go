@@ -78,6 +78,10 @@ type policyEnv struct {
 	capacityBlocks int // per engine, in blocks of blockSize
 	model          string
 	seed           uint64
+	// peers and engineLoadMaxAge set kvroute.Config's Peers and EngineLoadMaxAge of a router
+	// replica (nil and 0 for a single router).
+	peers            kvroute.PeerPublisher
+	engineLoadMaxAge time.Duration
 }
 
 // newRouter builds the routing policy name over env's engines.
@@ -166,6 +170,7 @@ type kvRouter struct {
 
 // newKVRouter builds the router; feed says whether KV events go to ix.
 func newKVRouter(cfg kvroute.Config, env policyEnv, ix *kvindex.MemoryIndex, feed bool) (router, error) {
+	cfg.Peers, cfg.EngineLoadMaxAge = env.peers, env.engineLoadMaxAge
 	r, err := kvroute.New(cfg)
 	if err != nil {
 		if ix != nil {

@@ -7,6 +7,7 @@ import (
 	"math"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/kvroute/kvroute"
@@ -23,11 +24,12 @@ const (
 	DefaultUtilisation    = 0.8
 	DefaultEventLag       = 20 * time.Millisecond
 	DefaultModel          = "replay-model"
+	DefaultScrapePeriod   = 2 * time.Second
 )
 
-// Config configures one simulated fleet. The zero value of a field means its default, except
-// EventLag (0 is no lag) and Utilisation (0 means DefaultUtilisation; a negative value keeps the
-// workload's own timing).
+// Config configures one simulated fleet and its router replicas. The zero value of a field means
+// its default, except EventLag and SyncDelay (0 is no delay) and Utilisation (0 means
+// DefaultUtilisation; a negative value keeps the workload's own timing).
 type Config struct {
 	// Engines is the number of engines (DefaultEngines).
 	Engines int
@@ -52,8 +54,27 @@ type Config struct {
 	// come first served, while decodes overlap (enginesim.VirtualOptions.PrefillUnits 1).
 	ParallelPrefill bool
 	// Seed salts the synthesized tokens (and so the prefix keys' places on the ring) and seeds the
-	// random policy.
+	// random policy and the random spread of arrivals over replicas.
 	Seed uint64
+
+	// Replicas is the number of router replicas (1): a policy with router state runs as that many
+	// independent instances, each routing the arrivals Spread gives it and seeing only what Sync
+	// shares (see "Router replicas" in the package documentation). random and the oracles keep
+	// one instance: they have no router state.
+	Replicas int
+	// Spread is how arrivals are spread over the replicas: SpreadRandom (the default: a uniform
+	// choice seeded by Seed, as an L4 load balancer makes) or SpreadRoundRobin.
+	Spread string
+	// Sync is what the replicas share beyond the engines' KV events, which every replica's index
+	// receives: SyncNone (the default), SyncMetrics, SyncPeers or SyncBoth.
+	Sync string
+	// SyncDelay is the time from a replica's decision event (kvroute.PeerEvent) to the other
+	// replicas applying it, under SyncPeers and SyncBoth.
+	SyncDelay time.Duration
+	// ScrapePeriod is the interval between a replica's reports of the engines' load
+	// (kvroute.DefaultRouter.ReportEngineLoad) under SyncMetrics and SyncBoth
+	// (DefaultScrapePeriod).
+	ScrapePeriod time.Duration
 }
 
 func (c Config) withDefaults() (Config, error) {
@@ -75,6 +96,18 @@ func (c Config) withDefaults() (Config, error) {
 	if c.Utilisation == 0 {
 		c.Utilisation = DefaultUtilisation
 	}
+	if c.Replicas == 0 {
+		c.Replicas = 1
+	}
+	if c.Spread == "" {
+		c.Spread = SpreadRandom
+	}
+	if c.Sync == "" {
+		c.Sync = SyncNone
+	}
+	if c.ScrapePeriod == 0 {
+		c.ScrapePeriod = DefaultScrapePeriod
+	}
 	switch {
 	case c.Engines < 1 || c.Engines > 64:
 		return c, fmt.Errorf("%w: engines %d not in [1, 64]", ErrInvalidConfig, c.Engines)
@@ -88,6 +121,16 @@ func (c Config) withDefaults() (Config, error) {
 		return c, fmt.Errorf("%w: utilisation %v", ErrInvalidConfig, c.Utilisation)
 	case c.EventLag < 0:
 		return c, fmt.Errorf("%w: event lag %v", ErrInvalidConfig, c.EventLag)
+	case c.Replicas < 1 || c.Replicas > 64:
+		return c, fmt.Errorf("%w: replicas %d not in [1, 64]", ErrInvalidConfig, c.Replicas)
+	case c.Spread != SpreadRandom && c.Spread != SpreadRoundRobin:
+		return c, fmt.Errorf("%w: spread %q (want %s or %s)", ErrInvalidConfig, c.Spread, SpreadRandom, SpreadRoundRobin)
+	case !slices.Contains(SyncModes, c.Sync):
+		return c, fmt.Errorf("%w: sync %q (want %s)", ErrInvalidConfig, c.Sync, strings.Join(SyncModes, ", "))
+	case c.SyncDelay < 0:
+		return c, fmt.Errorf("%w: sync delay %v", ErrInvalidConfig, c.SyncDelay)
+	case c.ScrapePeriod < 0:
+		return c, fmt.Errorf("%w: scrape period %v", ErrInvalidConfig, c.ScrapePeriod)
 	}
 	return c, nil
 }
@@ -140,6 +183,16 @@ type Result struct {
 	Utilisation    float64 `json:"utilisation"`
 	EventLagSec    float64 `json:"event_lag_s"`
 	TimeScale      float64 `json:"time_scale"`
+	// Replicas and Sync are Config's; SyncDelaySec is Config.SyncDelay when peers sync (else 0),
+	// ScrapePeriodSec Config.ScrapePeriod when metrics sync (else 0), Spread Config.Spread with
+	// more than one replica (else ""). RouterInstances is how many router instances ran: Replicas
+	// for a policy with router state, 1 for random, 0 for the oracles.
+	Replicas        int     `json:"replicas"`
+	Sync            string  `json:"sync"`
+	SyncDelaySec    float64 `json:"sync_delay_s"`
+	ScrapePeriodSec float64 `json:"scrape_period_s"`
+	Spread          string  `json:"spread"`
+	RouterInstances int     `json:"router_instances"`
 
 	Requests     int   `json:"requests"`
 	Rejected     int   `json:"rejected"`
@@ -173,6 +226,18 @@ type Result struct {
 	// KVAware is the fraction of decisions taken by tier 4 (kv_aware or imbalance).
 	KVAware float64 `json:"kv_aware"`
 	WallSec float64 `json:"wall_s"`
+	// Peers sums the replicas' kvroute.PeerStats at the end of the run (zero with one replica and
+	// no sync).
+	Peers PeerCounts `json:"peers"`
+}
+
+// PeerCounts are the replicas' kvroute.PeerStats counters, summed.
+type PeerCounts struct {
+	Applied       uint64 `json:"applied"`
+	Ignored       uint64 `json:"ignored"`
+	Expired       uint64 `json:"expired"`
+	EngineReports uint64 `json:"engine_reports"`
+	EngineStale   uint64 `json:"engine_stale"`
 }
 
 // Run replays w on a simulated fleet configured by cfg under policy (one of AllPolicies) and
@@ -189,7 +254,24 @@ func Run(w *Workload, cfg Config, policy string) (Result, error) {
 		return Result{}, err
 	}
 	res := Result{Workload: w.Name, Policy: policy, Seed: cfg.Seed, Engines: cfg.Engines, CapacityTokens: cfg.CapacityTokens,
-		Utilisation: cfg.Utilisation, EventLagSec: cfg.EventLag.Seconds(), TimeScale: scale}
+		Utilisation: cfg.Utilisation, EventLagSec: cfg.EventLag.Seconds(), TimeScale: scale, Replicas: cfg.Replicas,
+		Sync: cfg.Sync}
+	if cfg.peerSync() {
+		res.SyncDelaySec = cfg.SyncDelay.Seconds()
+	}
+	if cfg.metricsSync() {
+		res.ScrapePeriodSec = cfg.ScrapePeriod.Seconds()
+	}
+	if cfg.Replicas > 1 {
+		res.Spread = cfg.Spread
+	}
+	switch policy {
+	case OracleInfinite, OracleGlobalLRU:
+	case PolicyRandom:
+		res.RouterInstances = 1
+	default:
+		res.RouterInstances = cfg.Replicas
+	}
 	if policy == OracleInfinite {
 		infinite(w, cfg, &res)
 	} else {
@@ -218,15 +300,19 @@ const (
 	evFirstToken
 	evFinish
 	evDeliver
+	evPeer   // a replica's decision event reaches the other replicas
+	evScrape // a replica reads the engines' load
 )
 
 type simEvent struct {
-	at     time.Duration
-	seq    uint64
-	kind   uint8
-	engine int32
-	req    int32
-	batch  *events.Batch
+	at      time.Duration
+	seq     uint64
+	kind    uint8
+	engine  int32
+	req     int32
+	replica int32
+	batch   *events.Batch
+	peer    *kvroute.PeerEvent
 }
 
 type eventHeap []simEvent
@@ -297,12 +383,14 @@ type sim struct {
 	eventQueue
 	engines []*enginesim.VirtualEngine
 	pol     router
+	reps    *replicaSet // pol when it is a policy's replicas, else nil
 	reqs    []reqState
 	starts  []enginesim.VirtualStart
+	left    int // requests neither finished nor rejected: scrapes stop at 0
 }
 
 func newSim(w *Workload, cfg Config, policy string, scale float64) (*sim, error) {
-	s := &sim{w: w, cfg: cfg, scale: scale, reqs: make([]reqState, len(w.Requests))}
+	s := &sim{w: w, cfg: cfg, scale: scale, reqs: make([]reqState, len(w.Requests)), left: len(w.Requests)}
 	ecfg := enginesim.Config{Model: DefaultModel, BlockSize: cfg.BlockSize, CapacityBlocks: cfg.capacityBlocks(),
 		MaxModelLen: math.MaxInt32, MaxConcurrent: cfg.MaxConcurrent, Latency: cfg.Latency, HashSeed: cfg.Seed | 1}
 	n := cfg.Engines
@@ -330,11 +418,19 @@ func newSim(w *Workload, cfg Config, policy string, scale float64) (*sim, error)
 		}
 		s.engines = append(s.engines, e)
 	}
-	if policy == OracleGlobalLRU {
+	env := policyEnv{names: names, now: s.clock, blockSize: cfg.BlockSize, capacityBlocks: cfg.capacityBlocks(),
+		model: DefaultModel, seed: cfg.Seed}
+	switch {
+	case policy == OracleGlobalLRU:
 		s.pol = &oneRouter{}
-	} else {
-		pol, err := newRouter(policy, policyEnv{names: names, now: s.clock, blockSize: cfg.BlockSize,
-			capacityBlocks: cfg.capacityBlocks(), model: DefaultModel, seed: cfg.Seed})
+	case policy != PolicyRandom && (cfg.Replicas > 1 || cfg.Sync != SyncNone):
+		reps, err := newReplicaSet(s, policy, env)
+		if err != nil {
+			return nil, err
+		}
+		s.pol, s.reps = reps, reps
+	default:
+		pol, err := newRouter(policy, env)
 		if err != nil {
 			return nil, err
 		}
@@ -350,6 +446,9 @@ func newSim(w *Workload, cfg Config, policy string, scale float64) (*sim, error)
 		s.reqs[i].arrival = at
 		s.push(simEvent{at: at, kind: evArrive, req: int32(i)})
 	}
+	if s.reps != nil {
+		s.reps.startScrapes()
+	}
 	return s, nil
 }
 
@@ -359,27 +458,38 @@ func (s *sim) run() error {
 		if !ok {
 			return nil
 		}
-		switch e.kind {
-		case evArrive:
-			if err := s.arrive(int(e.req)); err != nil {
-				return err
-			}
-		case evFirstToken:
-			r := &s.reqs[e.req]
-			r.d.FirstToken()
-		case evFinish:
-			r := &s.reqs[e.req]
-			r.d.Done(kvroute.Outcome{Latency: max(r.finish-r.arrival, 1)})
-			r.tokens = nil
-			s.starts = s.engines[r.engine].Finish(s.clock(), uint64(e.req), s.starts[:0])
-			s.started()
-			s.flush(int(r.engine))
-		case evDeliver:
-			if err := s.pol.apply(int(e.engine), e.batch); err != nil {
-				return fmt.Errorf("replay: applying events: %w", err)
-			}
+		if err := s.handle(e); err != nil {
+			return err
 		}
 	}
+}
+
+// handle handles e, the event just taken from the queue.
+func (s *sim) handle(e simEvent) error {
+	switch e.kind {
+	case evArrive:
+		return s.arrive(int(e.req))
+	case evFirstToken:
+		r := &s.reqs[e.req]
+		r.d.FirstToken()
+	case evFinish:
+		r := &s.reqs[e.req]
+		r.d.Done(kvroute.Outcome{Latency: max(r.finish-r.arrival, 1)})
+		r.tokens = nil
+		s.left--
+		s.starts = s.engines[r.engine].Finish(s.clock(), uint64(e.req), s.starts[:0])
+		s.started()
+		s.flush(int(r.engine))
+	case evDeliver:
+		if err := s.pol.apply(int(e.engine), e.batch); err != nil {
+			return fmt.Errorf("replay: applying events: %w", err)
+		}
+	case evPeer:
+		s.reps.deliver(int(e.replica), e.peer)
+	case evScrape:
+		s.reps.scrape(int(e.replica))
+	}
+	return nil
 }
 
 func (s *sim) arrive(i int) error {
@@ -408,6 +518,7 @@ func (s *sim) arrive(i int) error {
 		}
 		r.rejected = true
 		r.tokens = nil
+		s.left--
 		d.Done(kvroute.Outcome{Err: err, Latency: 1})
 		return nil
 	}
@@ -485,6 +596,9 @@ func (s *sim) result(res *Result) {
 	st := s.pol.stats()
 	if st.decisions > 0 {
 		res.KVAware = float64(st.kvAware) / float64(st.decisions)
+	}
+	if s.reps != nil {
+		res.Peers = s.reps.peerCounts()
 	}
 }
 

@@ -14,11 +14,11 @@ import (
 	"time"
 
 	"github.com/tidwall/gjson"
+	"github.com/tidwall/sjson"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
-	"github.com/tidwall/sjson"
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/apierror"

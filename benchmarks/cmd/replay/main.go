@@ -6,6 +6,8 @@
 //	go run ./benchmarks/cmd/replay -workload shared-prefix -out benchmarks/results
 //	go run ./benchmarks/cmd/replay -sweep engines -seeds 1,2,3 -out /tmp/sweep
 //	go run ./benchmarks/cmd/replay -trace my-trace.jsonl.gz -limit 300
+//	go run ./benchmarks/cmd/replay -replicas 4 -sync peers -policies kvroute
+//	go run ./benchmarks/cmd/replay -sweep replicas -workload trace,multi-turn -seeds 1,2,3
 //
 // See package benchmarks/replay for the model, and BENCHMARKS.md for results.
 package main
@@ -18,6 +20,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"sync"
@@ -45,13 +48,16 @@ type options struct {
 	bytesPerToken                                int64
 	bandwidth                                    float64
 	pdSpecOff                                    bool
+	replicas                                     int
+	sync, spread, cpuProfile                     string
+	syncDelay, scrapePeriod                      time.Duration
 }
 
 func run(args []string, stdout io.Writer) error {
 	var o options
 	fs := flag.NewFlagSet("replay", flag.ContinueOnError)
 	fs.StringVar(&o.trace, "trace", "../shared/traces/mooncake_synthetic_trace.jsonl.gz", "Mooncake-format trace (JSON lines, plain or gzip) for -workload trace")
-	fs.StringVar(&o.workload, "workload", "trace", "trace, shared-prefix or multi-turn")
+	fs.StringVar(&o.workload, "workload", "trace", "trace, shared-prefix or multi-turn, or a comma-separated list of them")
 	fs.IntVar(&o.requests, "requests", 0, "requests of a generated workload (0: the generator's default)")
 	fs.IntVar(&o.engines, "engines", replay.DefaultEngines, "engines in the fleet")
 	fs.IntVar(&o.capacity, "capacity-tokens", replay.DefaultCapacityTokens, "KV cache per engine, in tokens")
@@ -61,7 +67,7 @@ func run(args []string, stdout io.Writer) error {
 	fs.BoolVar(&o.parallelPrefill, "parallel-prefill", false, "run every admitted prefill at once (internal/enginesim's model) instead of one at a time per engine")
 	fs.StringVar(&o.seeds, "seeds", "1", "comma-separated seeds")
 	fs.StringVar(&o.policies, "policies", "all", "comma-separated policies: "+strings.Join(replay.AllPolicies, ", "))
-	fs.StringVar(&o.sweep, "sweep", "", "sweep one dimension: engines (4,8,16), capacity (131072,262144,524288), utilisation (0.5,0.7,0.8,0.9), lag (0,20ms,200ms,1s,5s), or all")
+	fs.StringVar(&o.sweep, "sweep", "", "sweep one dimension: engines (4,8,16), capacity (131072,262144,524288), utilisation (0.5,0.7,0.8,0.9), lag (0,20ms,200ms,1s,5s), or all; or replicas (1,2,4,8 router replicas × sync none, metrics, peers, both; -policies defaults to kvroute, one table)")
 	fs.StringVar(&o.out, "out", "", "directory for the .txt, .csv, .json and .svg outputs (none when empty)")
 	fs.IntVar(&o.limit, "limit", 0, "replay only the first N requests (0: all)")
 	fs.IntVar(&o.common, "common-prefix-tokens", 0, "prepend this many tokens shared by every request (one first block and prefix key for all)")
@@ -70,6 +76,12 @@ func run(args []string, stdout io.Writer) error {
 	fs.Int64Var(&o.bytesPerToken, "bytes-per-token", replay.DefaultBytesPerToken, "with -pd: KV bytes per token moved through storage")
 	fs.Float64Var(&o.bandwidth, "storage-bandwidth", replay.DefaultStorageBandwidth, "with -pd: bytes per second of each transfer between an engine and storage")
 	fs.BoolVar(&o.pdSpecOff, "pd-speculation-off", false, "with -pd: turn tier 4's speculation off for the P/D router")
+	fs.IntVar(&o.replicas, "replicas", 1, "router replicas: each policy with router state runs as that many instances, arrivals spread over them")
+	fs.StringVar(&o.sync, "sync", replay.SyncNone, "what router replicas share beyond the engines' KV events: none, metrics (engine load every -scrape-period), peers (decision events after -sync-delay) or both")
+	fs.DurationVar(&o.syncDelay, "sync-delay", 5*time.Millisecond, "with -sync peers or both: delay before the other replicas apply a replica's decision event")
+	fs.DurationVar(&o.scrapePeriod, "scrape-period", replay.DefaultScrapePeriod, "with -sync metrics or both: interval of each replica's engine-load reports")
+	fs.StringVar(&o.spread, "spread", replay.SpreadRandom, "how arrivals are spread over router replicas: random (seeded, as an L4 load balancer) or round_robin")
+	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the runs to this file")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -78,6 +90,9 @@ func run(args []string, stdout io.Writer) error {
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if o.sweep == "replicas" && !flagSet(fs, "policies") {
+		o.policies = replay.PolicyKVRoute
 	}
 	policies, err := replay.ParsePolicies(o.policies)
 	if err != nil {
@@ -88,22 +103,28 @@ func run(args []string, stdout io.Writer) error {
 		return err
 	}
 	base := replay.Config{Engines: o.engines, CapacityTokens: o.capacity, BlockSize: o.blockSize,
-		Utilisation: o.utilisation, EventLag: o.lag, ParallelPrefill: o.parallelPrefill}
+		Utilisation: o.utilisation, EventLag: o.lag, ParallelPrefill: o.parallelPrefill, Replicas: o.replicas,
+		Sync: o.sync, SyncDelay: o.syncDelay, ScrapePeriod: o.scrapePeriod, Spread: o.spread}
 	points, err := sweepPoints(base, o.sweep)
 	if err != nil {
 		return err
 	}
 
 	// Generated workloads depend on the seed; a trace does not (the seed salts its tokens).
-	workloads := map[uint64]*replay.Workload{}
-	for _, seed := range seeds {
-		w, err := load(o, seed)
-		if err != nil {
-			return err
+	kinds := strings.Split(o.workload, ",")
+	workloads := make([]map[uint64]*replay.Workload, len(kinds))
+	var names []string
+	for i, kind := range kinds {
+		workloads[i] = map[uint64]*replay.Workload{}
+		for _, seed := range seeds {
+			w, err := load(o, strings.TrimSpace(kind), seed)
+			if err != nil {
+				return err
+			}
+			workloads[i][seed] = w
 		}
-		workloads[seed] = w
+		names = append(names, workloads[i][seeds[0]].Name)
 	}
-	name := workloads[seeds[0]].Name
 
 	type job struct {
 		w      *replay.Workload
@@ -111,14 +132,27 @@ func run(args []string, stdout io.Writer) error {
 		policy string
 	}
 	var jobs []job
-	for _, p := range points {
-		for _, seed := range seeds {
-			for _, pol := range policies {
-				cfg := p
-				cfg.Seed = seed
-				jobs = append(jobs, job{workloads[seed], cfg, pol})
+	for i := range kinds {
+		for _, p := range points {
+			for _, seed := range seeds {
+				for _, pol := range policies {
+					cfg := p
+					cfg.Seed = seed
+					jobs = append(jobs, job{workloads[i][seed], cfg, pol})
+				}
 			}
 		}
+	}
+	if o.cpuProfile != "" {
+		f, err := os.Create(o.cpuProfile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
 	}
 	start := time.Now()
 	results := make([]replay.Result, len(jobs))
@@ -143,21 +177,54 @@ func run(args []string, stdout io.Writer) error {
 	wall := time.Since(start)
 
 	sums := replay.Summarise(results)
-	if err := replay.WriteTable(stdout, sums); err != nil {
+	table := replay.WriteTable
+	if o.sweep == "replicas" {
+		table = replay.WriteReplicaTable
+	}
+	if err := table(stdout, sums); err != nil {
 		return err
 	}
-	fmt.Fprintf(stdout, "\n%d requests × %d policies × %d seed(s) × %d point(s) in %.1f s wall (%d workers)\n",
-		len(workloads[seeds[0]].Requests), len(policies), len(seeds), len(points), wall.Seconds(), o.workers)
+	reqs := make([]string, len(kinds))
+	for i := range kinds {
+		reqs[i] = strconv.Itoa(len(workloads[i][seeds[0]].Requests))
+	}
+	fmt.Fprintf(stdout, "\n%s requests × %d policies × %d seed(s) × %d point(s) in %.1f s wall (%d workers)\n",
+		strings.Join(reqs, " + "), len(policies), len(seeds), len(points), wall.Seconds(), o.workers)
+	if o.sweep == "replicas" {
+		fmt.Fprintln(stdout, replicaNote(policies))
+	}
 	if o.out == "" {
 		return nil
 	}
-	return writeOutputs(o, name, results, sums)
+	return writeOutputs(o, strings.Join(names, "+"), results, sums)
 }
 
-func load(o options, seed uint64) (*replay.Workload, error) {
+// replicaNote says which of policies run as one instance whatever the replicas.
+func replicaNote(policies []string) string {
+	var one []string
+	for _, p := range policies {
+		if p == replay.PolicyRandom || p == replay.OracleGlobalLRU || p == replay.OracleInfinite {
+			one = append(one, p)
+		}
+	}
+	note := "Each replica has its own router and KV index (fed by every engine's KV events)."
+	if len(one) > 0 {
+		note += " " + strings.Join(one, ", ") + ": no router state, so the replicas change nothing for them."
+	}
+	return note
+}
+
+// flagSet reports whether the flag name was given.
+func flagSet(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
+}
+
+func load(o options, kind string, seed uint64) (*replay.Workload, error) {
 	var w *replay.Workload
 	var err error
-	switch o.workload {
+	switch kind {
 	case "trace":
 		w, err = replay.ReadTraceFile(o.trace)
 		if err == nil {
@@ -172,7 +239,7 @@ func load(o options, seed uint64) (*replay.Workload, error) {
 		}
 		w, err = replay.MultiTurn(replay.MultiTurnConfig{Conversations: conv, Seed: seed})
 	default:
-		return nil, fmt.Errorf("-workload %q: want trace, shared-prefix or multi-turn", o.workload)
+		return nil, fmt.Errorf("-workload %q: want trace, shared-prefix or multi-turn", kind)
 	}
 	if err != nil {
 		return nil, err
@@ -224,6 +291,13 @@ func sweepPoints(base replay.Config, sweep string) ([]replay.Config, error) {
 				add(func(c *replay.Config) { c.Utilisation = u })
 			}
 		},
+		"replicas": func() {
+			for _, k := range []int{1, 2, 4, 8} {
+				for _, m := range replay.SyncModes {
+					add(func(c *replay.Config) { c.Replicas, c.Sync = k, m })
+				}
+			}
+		},
 		"lag": func() {
 			for _, d := range []time.Duration{0, 20 * time.Millisecond, 200 * time.Millisecond, time.Second, 5 * time.Second} {
 				add(func(c *replay.Config) { c.EventLag = d })
@@ -241,7 +315,7 @@ func sweepPoints(base replay.Config, sweep string) ([]replay.Config, error) {
 	}
 	f, ok := dims[sweep]
 	if !ok {
-		return nil, fmt.Errorf("-sweep %q: want engines, capacity, utilisation, lag or all", sweep)
+		return nil, fmt.Errorf("-sweep %q: want engines, capacity, utilisation, lag, all or replicas", sweep)
 	}
 	f()
 	return out, nil
@@ -266,7 +340,11 @@ func writeOutputs(o options, name string, rs []replay.Result, ss []replay.Summar
 		}
 		return fh.Close()
 	}
-	if err := write(stem+".txt", func(w io.Writer) error { return replay.WriteTable(w, ss) }); err != nil {
+	table := replay.WriteTable
+	if o.sweep == "replicas" {
+		table = replay.WriteReplicaTable
+	}
+	if err := write(stem+".txt", func(w io.Writer) error { return table(w, ss) }); err != nil {
 		return err
 	}
 	if err := write(stem+".csv", func(w io.Writer) error { return replay.WriteCSV(w, rs) }); err != nil {
@@ -274,6 +352,9 @@ func writeOutputs(o options, name string, rs []replay.Result, ss []replay.Summar
 	}
 	if err := write(stem+".json", func(w io.Writer) error { return replay.WriteJSON(w, rs, ss) }); err != nil {
 		return err
+	}
+	if o.sweep == "replicas" { // the table is the result: one chart per point would be 16 per workload
+		return nil
 	}
 	// One chart per point.
 	for i := 0; i < len(ss); {
@@ -285,6 +366,8 @@ func writeOutputs(o options, name string, rs []replay.Result, ss []replay.Summar
 		if o.sweep != "" {
 			p := ss[i].Point
 			file = fmt.Sprintf("%s-e%d-c%d-u%g-lag%gs.svg", stem, p.Engines, p.CapacityTokens, p.Utilisation, p.EventLagSec)
+		} else if strings.Contains(o.workload, ",") {
+			file = ss[i].Point.Workload + ".svg"
 		}
 		title := ss[i].Point.String()
 		if err := write(file, func(w io.Writer) error { return replay.WriteChart(w, title, ss[i:j]) }); err != nil {
@@ -302,12 +385,7 @@ func runPD(fs *flag.FlagSet, o options, stdout io.Writer) error {
 		return err
 	}
 	baseline := []string{replay.PolicyKVRoute}
-	fs.Visit(func(f *flag.Flag) {
-		if f.Name == "policies" {
-			baseline = nil
-		}
-	})
-	if baseline == nil {
+	if flagSet(fs, "policies") {
 		if baseline, err = replay.ParsePolicies(o.policies); err != nil {
 			return err
 		}
@@ -321,6 +399,9 @@ func runPD(fs *flag.FlagSet, o options, stdout io.Writer) error {
 	if o.sweep != "" {
 		return errors.New("-pd does not combine with -sweep")
 	}
+	if o.replicas != 1 || o.sync != replay.SyncNone || strings.Contains(o.workload, ",") {
+		return errors.New("-pd does not combine with -replicas, -sync or several workloads")
+	}
 	seeds, err := parseSeeds(o.seeds)
 	if err != nil {
 		return err
@@ -329,7 +410,7 @@ func runPD(fs *flag.FlagSet, o options, stdout io.Writer) error {
 		Workers: o.workers, Base: replay.Config{CapacityTokens: o.capacity, BlockSize: o.blockSize,
 			Utilisation: o.utilisation, EventLag: o.lag, ParallelPrefill: o.parallelPrefill}}
 	for _, seed := range seeds {
-		if c.Workloads[seed], err = load(o, seed); err != nil {
+		if c.Workloads[seed], err = load(o, o.workload, seed); err != nil {
 			return err
 		}
 	}
