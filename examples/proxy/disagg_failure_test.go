@@ -18,24 +18,25 @@ import (
 // only: a stream that lasts longer is not cut, a decode engine that does not answer is replaced
 // by the unified engine, and so is a prefill engine that does not answer.
 func TestDisaggTimeouts(t *testing.T) {
-	// Real time: 150 ms per generated token, next to nothing per prompt token.
+	// Real time: 150 ms per generated token, next to nothing per prompt token. The timeouts are 3 s,
+	// not less: under -race beside the workspace's other tests, a 1 ms prefill has taken over 1 s.
 	f := startPDFleet(t, 1, 1, 1, func(c *enginesim.Config) {
 		c.Latency = enginesim.Latency{Base: time.Millisecond, PerToken: time.Microsecond, PerOutputToken: 150 * time.Millisecond, SpeedFactor: 1}
 	})
 	p := startProxy(t, pdConfig(t, f, func(c *config.Config) {
-		c.DisaggregatedServing.PrefillTimeout = config.Duration(time.Second)
-		c.DisaggregatedServing.KVTransferTimeout = config.Duration(time.Second)
+		c.DisaggregatedServing.PrefillTimeout = config.Duration(3 * time.Second)
+		c.DisaggregatedServing.KVTransferTimeout = config.Duration(3 * time.Second)
 	}))
 	prefill, decode, unified := f.engine(t, f.prefill[0]), f.engine(t, f.decode[0]), f.unified[0]
 
 	t.Run("a stream longer than kv_transfer_timeout is not cut", func(t *testing.T) {
-		resp, b := post(t, p.URL+"/v1/chat/completions", longPrompt("long-stream", 800, `"max_tokens":12,"stream":true`))
+		resp, b := post(t, p.URL+"/v1/chat/completions", longPrompt("long-stream", 800, `"max_tokens":24,"stream":true`))
 		r := readPD(resp, b)
 		if r.status != 200 || r.path != "prefill_then_decode" || r.decode != decode.Name() || resp.Header.Get(HeaderRetriedFrom) != "" {
 			t.Fatalf("%v retried from %q", r, resp.Header.Get(HeaderRetriedFrom))
 		}
-		if n := strings.Count(string(b), `"content":`); n < 12 || !strings.HasSuffix(strings.TrimSpace(string(b)), "data: [DONE]") {
-			t.Errorf("%d content chunks, want 12, in\n%s", n, b)
+		if n := strings.Count(string(b), `"content":`); n < 24 || !strings.HasSuffix(strings.TrimSpace(string(b)), "data: [DONE]") {
+			t.Errorf("%d content chunks, want 24, in\n%s", n, b)
 		}
 	})
 	t.Run("decode engine stalls: the unified engine serves", func(t *testing.T) {
