@@ -28,6 +28,9 @@ const (
 	dumpFlushEvery = 256
 )
 
+// dumpTimeout is DumpTimeout; tests shorten it.
+var dumpTimeout = DumpTimeout
+
 // ProbeHandler returns the handler of kvroute's POST /admin/route/probe: its body is an LLM
 // request body (at most maxBody bytes, 413 beyond), parsed with prefixkey.Parse in the format the
 // query parameter api names — chat (OpenAI chat completions), completions (OpenAI completions) or
@@ -104,7 +107,8 @@ func probeFormat(r *http.Request, body []byte) (prefixkey.Format, error) {
 // application/x-ndjson), flushed every 256 lines. limit defaults to kvindex.DefaultDumpLimit and
 // may not exceed MaxDumpLimit; the dump runs under the request's context bounded by DumpTimeout.
 // A missing backend or a bad limit is answered 400 {"error": …}, and a dump that fails before its
-// first line 500 {"error": …}; once lines have gone out, a failure (the deadline, the index)
+// first line 500 {"error": …}; once lines have gone out, a failure (the deadline, which bounds
+// the writes to a client that stops reading as well, the index)
 // ends the stream with a last line {"error": …}. Put it behind Guard. Safe for concurrent use
 // when d is.
 func DumpHandler(d kvindex.Dumper) http.Handler {
@@ -124,9 +128,16 @@ func DumpHandler(d kvindex.Dumper) http.Handler {
 			}
 			limit = n
 		}
-		ctx, cancel := context.WithTimeout(r.Context(), DumpTimeout)
+		ctx, cancel := context.WithTimeout(r.Context(), dumpTimeout)
 		defer cancel()
 		rc := http.NewResponseController(w)
+		// The deadline bounds the writes too: a client that stops reading must not hold the
+		// handler (and its buffers) past DumpTimeout. A writer without deadlines (a test
+		// recorder) is let be.
+		if err := rc.SetWriteDeadline(time.Now().Add(dumpTimeout)); err != nil && !errors.Is(err, http.ErrNotSupported) {
+			writeError(w, http.StatusInternalServerError, "dump: "+err.Error())
+			return
+		}
 		var line bytes.Buffer
 		enc := json.NewEncoder(&line)
 		n := 0

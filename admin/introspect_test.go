@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -13,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute/admin"
+	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 )
@@ -175,5 +177,42 @@ func TestDumpHandlerDeadline(t *testing.T) {
 	admin.DumpHandler(d).ServeHTTP(w, httptest.NewRequest("GET", "/admin/kv-index/dump?backend=x", nil))
 	if w.Code != http.StatusOK || !strings.HasSuffix(strings.TrimSpace(w.Body.String()), `{"error":"dump: context deadline exceeded"}`) {
 		t.Fatalf("%d %s", w.Code, w.Body)
+	}
+}
+
+// A client that asks for a long dump and stops reading does not hold the handler past the
+// deadline: the writes are bounded too.
+func TestDumpHandlerStalledClient(t *testing.T) {
+	defer admin.SetDumpTimeout(500 * time.Millisecond)()
+	done := make(chan struct{})
+	d := kvindex.DumperFunc(func(ctx context.Context, backend string, limit int, fn func(kvindex.DumpEntry) error) error {
+		for range limit {
+			if err := fn(kvindex.DumpEntry{Backend: backend, Key: 0xfeedfacecafebeef, Tiers: []kvindex.Tier{events.TierGPU}}); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		defer close(done)
+		admin.DumpHandler(d).ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if tc, ok := conn.(*net.TCPConn); ok {
+		_ = tc.SetReadBuffer(4096) // keep the kernel from absorbing the whole dump
+	}
+	if _, err := fmt.Fprintf(conn, "GET /?backend=x&limit=%d HTTP/1.1\r\nHost: x\r\n\r\n", admin.MaxDumpLimit); err != nil {
+		t.Fatal(err)
+	}
+	// Never read. The handler must give up once its deadline passes.
+	select {
+	case <-done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the dump handler is still writing to a client that stopped reading, 20 s after a 500 ms deadline")
 	}
 }
