@@ -49,7 +49,10 @@ type ReloadPlan struct {
 
 // PlanReload compares the running configuration with a new one (both valid: Parse, Load, or
 // ApplyDefaults then Validate) and says which changes apply at once (LiveSettings) and which need a
-// restart. Slices and maps compare whole: a change in one backend is a change of "backends".
+// restart. One live setting is held back: a new configuration without admin.auth_token
+// where the running one has a token keeps the token in force (listed in Restart), since removing
+// it would open the admin endpoints to loopback clients — every client, behind a reverse proxy on
+// the same host — without anyone restarting on purpose. Slices and maps compare whole: a change in one backend is a change of "backends".
 // When neither list has entries, nothing changed. PlanReload only reads running and next; it is
 // safe for concurrent use.
 func PlanReload(running, next *Config) ReloadPlan {
@@ -78,6 +81,11 @@ func (p *ReloadPlan) diff(prefix string, old, neu, merged reflect.Value) {
 		case reflect.DeepEqual(o.Interface(), n.Interface()):
 		case f.Type.Kind() == reflect.Struct:
 			p.diff(path, o, n, merged.Field(i))
+		case path == "admin.auth_token" && o.String() != "" && n.String() == "":
+			// Removing the token opens the admin endpoints to loopback clients, and behind a
+			// reverse proxy on the same host every client is one: never from a reload.
+			p.Restart = append(p.Restart, path)
+			merged.Field(i).Set(o)
 		case isLive(path):
 			p.Live = append(p.Live, path)
 		default:

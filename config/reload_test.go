@@ -56,6 +56,16 @@ backends:
   - {name: a, url: "http://127.0.0.1:8001"}
   - {name: b, url: "http://127.0.0.1:8002"}
 `, live: []string{"admin.auth_token"}, restart: []string{"server.port", "response_cache.capacity", "kv_cache_index.block_size"}},
+		{name: "the admin token is never removed by a reload", yaml: `
+server: {port: 8080}
+response_cache: {enabled: true, ttl: 5m, capacity: 100}
+kv_cache_index:
+  enabled: true
+  scoring: {min_overlap_threshold: 0.3}
+backends:
+  - {name: a, url: "http://127.0.0.1:8001"}
+  - {name: b, url: "http://127.0.0.1:8002"}
+`, restart: []string{"admin.auth_token"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			next, err := config.Parse([]byte(tc.yaml), nil)
@@ -68,7 +78,11 @@ backends:
 			}
 			n := p.Next
 			// Live settings are the new file's, restart-only ones the running configuration's.
-			if n.Admin.AuthToken != next.Admin.AuthToken || n.ResponseCache.TTL != next.ResponseCache.TTL ||
+			wantToken := next.Admin.AuthToken
+			if slices.Contains(tc.restart, "admin.auth_token") {
+				wantToken = running.Admin.AuthToken
+			}
+			if n.Admin.AuthToken != wantToken || n.ResponseCache.TTL != next.ResponseCache.TTL ||
 				!slices.EqualFunc(n.Backends, next.Backends, func(a, b config.BackendConfig) bool { return a.Name == b.Name && a.Weight == b.Weight }) ||
 				n.KVCacheIndex.Scoring.MinOverlapThreshold != next.KVCacheIndex.Scoring.MinOverlapThreshold || n.LogLevel != next.LogLevel {
 				t.Errorf("Next lacks a live setting: %+v", n)
