@@ -353,3 +353,21 @@ func TestEstimateTokenizerMedia(t *testing.T) {
 		})
 	}
 }
+
+func TestMediaItemsCapped(t *testing.T) {
+	parts := func(n int, part string) string {
+		return "[" + strings.Repeat(part+",", n-1) + part + "]"
+	}
+	oa := imagePart("https://x/a.png")
+	an := `{"type":"image","source":{"type":"url","url":"https://x/a.png"}}`
+	r := mustParse(t, FormatOpenAIChat, chatWith("", parts(MaxMediaItems, oa), ""))
+	require.Len(t, r.Media, MaxMediaItems)
+	for f, body := range map[Format]string{
+		FormatOpenAIChat:        chatWith("", parts(MaxMediaItems+1, oa), ""),
+		FormatAnthropicMessages: `{"model":"m","max_tokens":1,"messages":[{"role":"user","content":` + parts(MaxMediaItems+1, an) + `}]}`,
+	} {
+		_, err := Parse(f, []byte(body))
+		require.Error(t, err, f)
+		require.Contains(t, err.Error(), "more than 256 image, audio or video parts")
+	}
+}

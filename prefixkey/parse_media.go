@@ -8,6 +8,19 @@ import "strconv"
 // MaxCacheSaltLength is the longest cache_salt, in bytes, the parsers accept.
 const MaxCacheSaltLength = 1024
 
+// MaxMediaItems is the most image, audio and video parts a request may carry: a request with more
+// is refused (vLLM's own per-prompt limits, limit_mm_per_prompt, are far lower), so that a body
+// of tiny parts cannot make the parser hash and record hundreds of thousands of them.
+const MaxMediaItems = 256
+
+// mediaRoom returns the error for a request that already holds MaxMediaItems media items.
+func (d *decoder) mediaRoom() error {
+	if len(d.media) >= MaxMediaItems {
+		return fieldErr("", "the request has more than "+strconv.Itoa(MaxMediaItems)+" image, audio or video parts")
+	}
+	return nil
+}
+
 // readCacheSalt reads vLLM's top-level cache_salt: a non-empty string of at most
 // MaxCacheSaltLength bytes (vLLM, too, refuses an empty one); null reads as "" (absent).
 func (d *decoder) readCacheSalt() (string, error) {
@@ -102,6 +115,9 @@ func (d *decoder) strView(s jstr) string { return arenaString(d.strBytes(s)) }
 // preference: the part's "uuid" (vLLM), the payload's url (image_url, video_url, audio_url: an
 // object's "url", or a plain string) or data (input_audio), the canonical payload.
 func (d *decoder) openAIMedia(ms []member, typ, kind string, data []byte, depth int) error {
+	if err := d.mediaRoom(); err != nil {
+		return err
+	}
 	if u := d.findMember(ms, "uuid"); u != nil && u.kind == '"' && u.s.hi > u.s.lo {
 		d.addMedia(kind, MediaUUIDHash(d.strView(u.s)))
 		return nil
@@ -138,6 +154,9 @@ func (d *decoder) openAIMedia(ms []member, typ, kind string, data []byte, depth 
 // source by its data, a url source by its URL, any other by its canonical JSON — canon, or, when
 // nil, computed here (a missing source by the empty string's).
 func (d *decoder) anthropicImage(src *member, canon []byte, depth int) error {
+	if err := d.mediaRoom(); err != nil {
+		return err
+	}
 	if src != nil && src.kind == '{' {
 		saved, base := d.pos, len(d.members)
 		d.pos = src.val

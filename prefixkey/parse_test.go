@@ -879,7 +879,11 @@ func TestParseLargeBodies(t *testing.T) {
 			msgs.WriteByte(',')
 			manyKeys.WriteByte(',')
 		}
-		fmt.Fprintf(&msgs, `{"role":"user","content":[{"type":"text","text":"m%d"},{"type":"image_url","image_url":{"url":"u%d"}}],"name":"n%d"}`, i, i, i)
+		part := `{"type":"text","text":"t%d"}`
+		if i < MaxMediaItems {
+			part = `{"type":"image_url","image_url":{"url":"u%d"}}`
+		}
+		fmt.Fprintf(&msgs, `{"role":"user","content":[{"type":"text","text":"m%d"},`+part+`],"name":"n%d"}`, i, i, i)
 		fmt.Fprintf(&dupContent, `"content":"c%d",`, i)
 		fmt.Fprintf(&manyKeys, `"k%08d":%d`, n-i, i)
 	}
