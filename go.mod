@@ -3,6 +3,8 @@ module github.com/kvroute/kvroute
 go 1.26.0
 
 require (
+	github.com/prometheus/client_model v0.6.3
+	github.com/prometheus/common v0.73.1
 	github.com/stretchr/testify v1.12.1
 	github.com/zeebo/xxh3 v1.1.0
 	go.opentelemetry.io/otel v1.47.0
@@ -11,8 +13,9 @@ require (
 )
 
 require (
-	github.com/prometheus/client_model v0.6.3 // indirect
-	github.com/prometheus/common v0.73.1 // indirect
+	github.com/munnerz/goautoneg v0.0.0-20191010083416-a7dc8b61c822 // indirect
+	github.com/pandatix/go-abnf v0.5.3 // indirect
+	google.golang.org/protobuf v1.36.12 // indirect
 )
 
 require (

@@ -717,8 +717,10 @@ func (e *Engine) handleModels(w http.ResponseWriter, _ *http.Request) {
 	}}})
 }
 
-// handleMetrics serves GET /metrics in the Prometheus text format, with vLLM's names and labels
-// (engine, model_name).
+// handleMetrics serves GET /metrics in the Prometheus text format, with vLLM's names, types and
+// labels (engine, the engine index, and model_name). vllm:gpu_cache_usage_perc is the deprecated
+// alias of vllm:kv_cache_usage_perc that vLLM 0.9.2 to 0.10 export beside it (hidden since 0.11),
+// with vLLM's deprecation note.
 func (e *Engine) handleMetrics(w http.ResponseWriter, _ *http.Request) {
 	s := e.Stats()
 	lbl := fmt.Sprintf(`{engine="0",model_name=%q}`, e.cfg.Model)
@@ -729,7 +731,7 @@ func (e *Engine) handleMetrics(w http.ResponseWriter, _ *http.Request) {
 	}
 	metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", float64(s.Running))
 	metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", float64(s.Waiting))
-	metric("vllm:gpu_cache_usage_perc", "gauge", "GPU KV-cache usage. 1 means 100 percent usage.", s.Usage)
+	metric("vllm:gpu_cache_usage_perc", "gauge", "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.", s.Usage)
 	metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", s.Usage)
 	metric("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.", float64(s.PrefixCacheQueries))
 	metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", float64(s.PrefixCacheHits))
