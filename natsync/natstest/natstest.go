@@ -1,6 +1,6 @@
 // Package natstest runs a real NATS server with JetStream inside a test process (the server of
-// github.com/nats-io/nats-server/v2), on a loopback port of its own, so that tests of package
-// natsync and its users can stop and restart it.
+// github.com/nats-io/nats-server/v2), on a loopback port of its own, for the tests of kvroute's
+// NATS packages and of gateways built on them (the reference proxy's), which stop and restart it.
 package natstest
 
 import (
