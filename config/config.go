@@ -414,15 +414,17 @@ type ReplicasConfig struct {
 	// PeerMaxAge drops a peer's request whose end never arrived after this long (default 5m; set
 	// it above your longest request).
 	PeerMaxAge Duration `yaml:"peer_max_age"`
-	// EventLog keeps the engines' KV events in JetStream (needs kv_cache_index.enabled with ZMQ or
-	// SSE event sources).
+	// EventLog keeps the engines' KV events in a JetStream stream (needs kv_cache_index.enabled).
 	EventLog EventLogConfig `yaml:"event_log"`
 }
 
 // EventLogConfig is replicas.event_log.
 type EventLogConfig struct {
-	// Enabled publishes the engines' KV events this replica receives into the stream and feeds
-	// the index from the stream (default false).
+	// Enabled feeds the index from the stream, after restoring the fleet's latest snapshot, and
+	// publishes into the stream the KV events of this replica's event_sources, if it has any
+	// (default false). One replica with the event sources (or one bridge per group of engines)
+	// and the others without is the recommended topology: each engine's events then have one
+	// publisher, whose view of its losses is the log's.
 	Enabled bool `yaml:"enabled"`
 	// Stream is the JetStream stream (default KVROUTE_KV_EVENTS); MaxAge how long it keeps events
 	// (default 1h).

@@ -68,7 +68,7 @@ func TestReplicasValidation(t *testing.T) {
 			assert.NotContains(t, err.Error(), "secretpw", "a NATS password in an error message")
 		}
 	}
-	// The event log needs event sources to publish.
+	// The event log feeds the KV index.
 	_, err := Parse([]byte(strings.Replace(replicasBase, "enabled: true", "enabled: false", 1)+
 		"replicas: {enabled: true, event_log: {enabled: true}}"), env(nil))
 	require.Error(t, err)

@@ -168,8 +168,8 @@ func (c *Config) validateReplicas(fe *fieldErrors) {
 		fe.add("replicas.peer_max_age", "%v is not in (0, 24h]", time.Duration(rp.PeerMaxAge))
 	}
 	if el := rp.EventLog; el.Enabled {
-		if !c.KVCacheIndex.Enabled || len(c.KVCacheIndex.EventSources) == 0 {
-			fe.add("replicas.event_log.enabled", "needs kv_cache_index.enabled with event_sources")
+		if !c.KVCacheIndex.Enabled {
+			fe.add("replicas.event_log.enabled", "needs kv_cache_index.enabled")
 		}
 		if !natsToken(el.Stream) {
 			fe.add("replicas.event_log.stream", "%q must be letters, digits, - and _ (1 to 64)", el.Stream)

@@ -49,6 +49,7 @@ func (s *server) routes() http.Handler {
 	mux.Handle("GET /admin/kv-index/dump", s.admin(admin.DumpHandler(kvindex.DumperFunc(s.router.DumpKVIndex))))
 	mux.Handle("POST /admin/route/probe", s.admin(admin.ProbeHandler(s.router.Probe, s.cfg.Server.MaxBodyBytes)))
 	mux.Handle("GET /admin/disaggregation/stats", s.admin(http.HandlerFunc(s.disaggregationStats)))
+	mux.Handle("GET /admin/replicas/stats", s.admin(http.HandlerFunc(s.replicasStats)))
 	mux.Handle("/admin/", s.admin(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusNotFound, map[string]any{"error": "no such admin endpoint"})
 	})))
@@ -89,6 +90,12 @@ func (s *server) healthz(w http.ResponseWriter, _ *http.Request) {
 // GET /admin/backends: each backend's probes and circuit breaker.
 func (s *server) backendsHealth(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]any{"healthy_backends": s.health.HealthyCount(), "backends": s.health.Statuses()})
+}
+
+// GET /admin/replicas/stats: the replica sync, the event log, the engines' scraped load and what
+// the Router knows of its peers.
+func (s *server) replicasStats(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, s.fleet.stats(s.router))
 }
 
 // GET /admin/prefix-routing/stats: the Router's tier-1 stats.

@@ -169,7 +169,7 @@ func newGeneration(cfg *config.Config, log *slog.Logger, prev *server) (s *serve
 	}
 	if prev != nil {
 		s.transport, s.tel, s.opts, s.tracer, s.bodies = prev.transport, prev.tel, prev.opts, prev.tracer, prev.bodies
-		s.cache, s.index, s.sink, s.cons = prev.cache, prev.index, prev.sink, prev.cons
+		s.cache, s.index, s.sink, s.cons, s.fleet = prev.cache, prev.index, prev.sink, prev.cons, prev.fleet
 	} else {
 		s.transport = newTransport(cfg)
 		s.closers = append(s.closers, func() error { s.transport.CloseIdleConnections(); return nil })
@@ -197,7 +197,14 @@ func newGeneration(cfg *config.Config, log *slog.Logger, prev *server) (s *serve
 				return nil, err
 			}
 			s.closers = append(s.closers, reg.Unregister)
-			if s.cons, err = cfg.NewEventConsumers(s.sink, s.opts); err != nil {
+		}
+		// Replicas and the engines' own load; with the event log, the event sources feed the
+		// stream, and the stream the index.
+		if s.fleet, err = s.newFleet(cfg); err != nil {
+			return nil, err
+		}
+		if s.index != nil {
+			if s.cons, err = cfg.NewEventConsumers(s.fleet.eventsSink(s.sink), s.opts); err != nil {
 				return nil, err
 			}
 			for _, c := range s.cons {
@@ -217,6 +224,9 @@ func newGeneration(cfg *config.Config, log *slog.Logger, prev *server) (s *serve
 		return nil, err
 	}
 	rcfg.KV = cfg.KVConfig(s.index, s.tok)
+	if s.fleet.sync != nil {
+		rcfg.Peers = s.fleet.sync
+	}
 	if s.router, err = kvroute.New(rcfg); err != nil {
 		return nil, fmt.Errorf("router: %w", err)
 	}
@@ -231,6 +241,12 @@ func newGeneration(cfg *config.Config, log *slog.Logger, prev *server) (s *serve
 		return nil, err
 	}
 	s.handler = s.routes()
+	if prev != nil && s.fleet.scraper != nil {
+		if err := s.fleet.scraper.SetTargets(metricsTargets(cfg)); err != nil {
+			return nil, fmt.Errorf("engine_metrics: %w", err)
+		}
+	}
+	s.fleet.ref.cur.Store(s.router) // the peers' decisions and the engines' load go to it from now on
 	return s, nil
 }
 

@@ -270,3 +270,28 @@ func TestCloseWithoutStart(t *testing.T) {
 		t.Fatal("run with a failing bind hangs")
 	}
 }
+
+// Every configuration shipped in configs/ loads, with the environment its comments ask for, and
+// config's test copies of them are the same files.
+func TestShippedConfigs(t *testing.T) {
+	files, err := filepath.Glob("configs/*.yaml")
+	if err != nil || len(files) < 5 {
+		t.Fatalf("configs: %v %v", files, err)
+	}
+	vars := map[string]string{"ADMIN_TOKEN": "t0ken", "S3_ENDPOINT": "http://127.0.0.1:7070", "S3_BUCKET": "b",
+		"S3_ACCESS_KEY": "AKIAEXAMPLE", "S3_SECRET_KEY": "secret", "REDIS_URL": "redis://127.0.0.1:6379", "REPLICA_ID": "router-a"}
+	for _, f := range files {
+		t.Run(filepath.Base(f), func(t *testing.T) {
+			data, err := os.ReadFile(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := config.Parse(data, func(k string) (string, bool) { v, ok := vars[k]; return v, ok }); err != nil {
+				t.Fatal(err)
+			}
+			if copy, err := os.ReadFile(filepath.Join("..", "..", "config", "testdata", filepath.Base(f))); err == nil && !bytes.Equal(copy, data) {
+				t.Errorf("config/testdata/%s differs from the shipped file", filepath.Base(f))
+			}
+		})
+	}
+}

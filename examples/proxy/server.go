@@ -44,6 +44,7 @@ type server struct {
 	health *health.Monitor
 	tok    prefixkey.Tokenizer // the engines' /tokenize, when kv_cache_index.tokenizer is engine
 	tracer trace.Tracer        // the proxy's spans; nil when tracing is off
+	fleet  *fleet              // replicas and engine_metrics (replicas.go); shared by reloads
 
 	backends  map[string]*url.URL
 	transport *http.Transport // carries every request to the backends
@@ -102,6 +103,9 @@ func newHealth(cfg *config.Config, router health.Target, tr http.RoundTripper, l
 func (s *server) start(ctx context.Context) error {
 	if !s.started.CompareAndSwap(false, true) {
 		return errors.New("proxy already started")
+	}
+	if err := s.fleet.start(ctx); err != nil {
+		return err
 	}
 	for _, c := range s.cons {
 		if err := c.Start(ctx); err != nil {
