@@ -56,6 +56,27 @@
 // caches that policy's routing built. The gap between the two is what routing turned away; the
 // gap between reachable and the global LRU is what the partitioned caches' contents cost.
 //
+// # Router replicas
+//
+// Config.Replicas runs each policy with router state (every one but random and the oracles) as
+// that many kvroute.DefaultRouter instances, as a gateway with several router replicas behind a
+// load balancer does. Arrivals go to a replica drawn at random from the seed (Config.Spread; an L4
+// load balancer's spread) or round robin. Every replica has its own KV index, and every engine's
+// KV events reach each of them after Config.EventLag; what else they know is Config.Sync's:
+//
+//   - SyncNone: only their own decisions (in-flight counts, prefill backlogs, speculation).
+//   - SyncMetrics: every Config.ScrapePeriod of virtual time (replica j's phase j/Replicas of it),
+//     each replica reports every engine's running and waiting requests at that instant with
+//     ReportEngineLoad, as a scrape of vLLM's or SGLang's metrics would.
+//   - SyncPeers: each replica's kvroute.PeerEvents (routed, first token, done) are delivered to
+//     the others through the event queue Config.SyncDelay after it published them, and applied
+//     with ApplyPeerEvent.
+//   - SyncBoth: both.
+//
+// One replica is the single router exactly, whatever it syncs. The Router's engine-report
+// staleness runs on wall-clock timers, not on Config.Now, so the replicas' EngineLoadMaxAge is the
+// largest allowed (1 h) and each report counts until the next scrape replaces it.
+//
 // # Prefill/decode disaggregation
 //
 // RunPD replays a workload on a fleet of prefill and decode engines (PDConfig) routed by

@@ -21,6 +21,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"runtime/pprof"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -49,6 +50,7 @@ type options struct {
 	bandwidth                                    float64
 	pdSpecOff                                    bool
 	replicas                                     int
+	sweepReplicas                                string
 	sync, spread, cpuProfile                     string
 	syncDelay, scrapePeriod                      time.Duration
 }
@@ -81,6 +83,7 @@ func run(args []string, stdout io.Writer) error {
 	fs.DurationVar(&o.syncDelay, "sync-delay", 5*time.Millisecond, "with -sync peers or both: delay before the other replicas apply a replica's decision event")
 	fs.DurationVar(&o.scrapePeriod, "scrape-period", replay.DefaultScrapePeriod, "with -sync metrics or both: interval of each replica's engine-load reports")
 	fs.StringVar(&o.spread, "spread", replay.SpreadRandom, "how arrivals are spread over router replicas: random (seeded, as an L4 load balancer) or round_robin")
+	fs.StringVar(&o.sweepReplicas, "sweep-replicas", "1,2,4,8", "with -sweep replicas: the comma-separated replica counts")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the runs to this file")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -91,8 +94,15 @@ func run(args []string, stdout io.Writer) error {
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
-	if o.sweep == "replicas" && !flagSet(fs, "policies") {
-		o.policies = replay.PolicyKVRoute
+	if o.sweep == "replicas" {
+		// One kvroute run of the whole synthetic trace with 8 replicas takes about a minute of CPU:
+		// the sweep's default is the first replicaSweepLimit requests of each workload.
+		if !flagSet(fs, "policies") {
+			o.policies = replay.PolicyKVRoute
+		}
+		if !flagSet(fs, "limit") {
+			o.limit = replicaSweepLimit
+		}
 	}
 	policies, err := replay.ParsePolicies(o.policies)
 	if err != nil {
@@ -105,7 +115,16 @@ func run(args []string, stdout io.Writer) error {
 	base := replay.Config{Engines: o.engines, CapacityTokens: o.capacity, BlockSize: o.blockSize,
 		Utilisation: o.utilisation, EventLag: o.lag, ParallelPrefill: o.parallelPrefill, Replicas: o.replicas,
 		Sync: o.sync, SyncDelay: o.syncDelay, ScrapePeriod: o.scrapePeriod, Spread: o.spread}
-	points, err := sweepPoints(base, o.sweep)
+	if o.replicas < 1 {
+		return fmt.Errorf("-replicas %d: want at least 1", o.replicas)
+	}
+	if !slices.Contains(replay.SyncModes, o.sync) {
+		return fmt.Errorf("-sync %q: want %s", o.sync, strings.Join(replay.SyncModes, ", "))
+	}
+	if o.spread != replay.SpreadRandom && o.spread != replay.SpreadRoundRobin {
+		return fmt.Errorf("-spread %q: want %s or %s", o.spread, replay.SpreadRandom, replay.SpreadRoundRobin)
+	}
+	points, err := sweepPoints(base, o.sweep, o.sweepReplicas)
 	if err != nil {
 		return err
 	}
@@ -262,8 +281,20 @@ func parseSeeds(s string) ([]uint64, error) {
 	return out, nil
 }
 
-// sweepPoints returns the fleet configurations of a sweep (just base without one).
-func sweepPoints(base replay.Config, sweep string) ([]replay.Config, error) {
+// replicaSweepLimit is -sweep replicas' default -limit.
+const replicaSweepLimit = 2000
+
+// sweepPoints returns the fleet configurations of a sweep (just base without one); replicas is
+// the comma-separated replica counts of the replicas sweep.
+func sweepPoints(base replay.Config, sweep, replicas string) ([]replay.Config, error) {
+	var counts []int
+	for _, f := range strings.Split(replicas, ",") {
+		k, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || k < 1 {
+			return nil, fmt.Errorf("-sweep-replicas %q: want positive integers", replicas)
+		}
+		counts = append(counts, k)
+	}
 	var out []replay.Config
 	add := func(f func(*replay.Config)) { // each configuration once: the sweeps share the base point
 		c := base
@@ -292,7 +323,7 @@ func sweepPoints(base replay.Config, sweep string) ([]replay.Config, error) {
 			}
 		},
 		"replicas": func() {
-			for _, k := range []int{1, 2, 4, 8} {
+			for _, k := range counts {
 				for _, m := range replay.SyncModes {
 					add(func(c *replay.Config) { c.Replicas, c.Sync = k, m })
 				}

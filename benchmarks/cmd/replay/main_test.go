@@ -28,8 +28,32 @@ func TestRunSweepWritesOutputs(t *testing.T) {
 	require.Len(t, svgs, 5)
 }
 
+func TestRunReplicaSweep(t *testing.T) {
+	dir := t.TempDir()
+	var out bytes.Buffer
+	err := run([]string{"-sweep", "replicas", "-sweep-replicas", "1,2", "-workload", "shared-prefix,multi-turn", "-requests", "16",
+		"-engines", "2", "-capacity-tokens", "32768", "-out", dir}, &out)
+	require.NoError(t, err)
+	require.Equal(t, 1, strings.Count(out.String(), "| workload | policy | replicas |"), "one table:\n%s", out.String())
+	require.Equal(t, 2*2*4, strings.Count(out.String(), "| kvroute |"), "kvroute by default, 2 workloads × 2 replica counts × 4 syncs")
+	require.Contains(t, out.String(), "| multi-turn-2x8 | kvroute | 2 | both 2.00 s / 5 ms |")
+	for _, f := range []string{".txt", ".csv", ".json"} {
+		_, err := os.Stat(filepath.Join(dir, "shared-prefix-150x5-6000+1200+multi-turn-2x8-sweep-replicas"+f))
+		require.NoError(t, err, f)
+	}
+	svgs, _ := filepath.Glob(filepath.Join(dir, "*.svg"))
+	require.Empty(t, svgs)
+
+	out.Reset()
+	err = run([]string{"-workload", "shared-prefix", "-requests", "40", "-engines", "2", "-capacity-tokens", "32768",
+		"-policies", "kvroute,random", "-replicas", "3", "-sync", "metrics", "-spread", "round_robin"}, &out)
+	require.NoError(t, err)
+	require.Contains(t, out.String(), "3 router replica(s) (round_robin spread), sync metrics (every 2.00 s)")
+	require.Contains(t, out.String(), "| random (no router state: one instance for all replicas) |")
+}
+
 func TestSweepPointsOnce(t *testing.T) {
-	pts, err := sweepPoints(replay.Config{Engines: 8, CapacityTokens: 262_144, Utilisation: 0.8, EventLag: 20 * time.Millisecond}, "all")
+	pts, err := sweepPoints(replay.Config{Engines: 8, CapacityTokens: 262_144, Utilisation: 0.8, EventLag: 20 * time.Millisecond}, "all", "1,2,4,8")
 	require.NoError(t, err)
 	require.Len(t, pts, 3+3+4+5-3, "the base point appears once")
 }
@@ -40,6 +64,12 @@ func TestRunRejectsBadFlags(t *testing.T) {
 		{"-policies", "kvroute,nope"},
 		{"-sweep", "nope"},
 		{"-seeds", "x"},
+		{"-workload", "shared-prefix", "-requests", "8", "-sync", "gossip"},
+		{"-workload", "shared-prefix", "-requests", "8", "-spread", "hash"},
+		{"-workload", "shared-prefix", "-requests", "8", "-replicas", "0"},
+		{"-workload", "shared-prefix", "-requests", "8", "-sweep", "replicas", "-sweep-replicas", "1,x"},
+		{"-workload", "shared-prefix", "-requests", "8", "-pd", "1:1", "-replicas", "2"},
+		{"-workload", "shared-prefix,nope", "-requests", "8"},
 		{"-trace", filepath.Join(t.TempDir(), "missing.jsonl")},
 	} {
 		require.Error(t, run(args, &bytes.Buffer{}), "%v", args)
