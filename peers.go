@@ -138,13 +138,18 @@ type peers struct {
 
 	applied, ignored, expired, forgot atomic.Uint64
 	engineReports, engineStale        atomic.Uint64
+	// engineNext is the earliest expiry (Unix nanoseconds, by Config.Now) of the backends' engine
+	// reports, 0 when there is none: Route, which reads the clock anyway, sweeps them once it
+	// has passed (expireEngineReports), so that reports age by the Router's clock and no timer
+	// holds the Router.
+	engineNext atomic.Int64
 }
 
 // engineReport is a backend's latest engine-reported load.
 type engineReport struct {
-	others int // the engine's running and waiting requests beyond this Router's own at the time
-	load   EngineLoad
-	timer  *time.Timer // makes the report stale after EngineLoadMaxAge
+	others  int // the engine's running and waiting requests beyond this Router's own at the time
+	load    EngineLoad
+	expires int64 // Unix nanoseconds by Config.Now: load.At + EngineLoadMaxAge
 }
 
 // ApplyPeerEvent applies the decision event ev of another router replica, replica (a name unique
@@ -281,8 +286,9 @@ func (r *DefaultRouter) ForgetPeer(replica string) int {
 // package documentation): until the next report, or EngineLoadMaxAge after l.At, the engine's
 // requests beyond this Router's own in-flight ones count as the backend's external load (unless
 // its peers' in-flight requests are more). A report already older than EngineLoadMaxAge is
-// counted stale and not applied. The error wraps ErrUnknownBackend when there is no such backend.
-// Safe for concurrent use.
+// counted stale and not applied. Ages are read on Config.Now: the next Route (or Stats,
+// PeerStats, ReportEngineLoad) after a report's expiry drops it, and no timer runs. The error
+// wraps ErrUnknownBackend when there is no such backend. Safe for concurrent use.
 func (r *DefaultRouter) ReportEngineLoad(backend string, l EngineLoad) error {
 	st := r.set.Load().byName[backend]
 	if st == nil {
@@ -298,31 +304,53 @@ func (r *DefaultRouter) ReportEngineLoad(backend string, l EngineLoad) error {
 		return nil
 	}
 	own, _ := r.ring.InFlight(backend)
-	rep := &engineReport{others: max(l.Running+l.Waiting-own, 0), load: l}
+	rep := &engineReport{others: max(l.Running+l.Waiting-own, 0), load: l, expires: l.At.Add(r.cfg.EngineLoadMaxAge).UnixNano()}
 	p := &r.peers
 	p.mu.Lock()
-	if old := st.engine; old != nil {
-		old.timer.Stop()
-	}
+	r.expireEngineLocked(now)
 	st.engine = rep
-	rep.timer = time.AfterFunc(r.cfg.EngineLoadMaxAge-age, func() { r.staleEngineReport(st, rep) })
+	if n := p.engineNext.Load(); n == 0 || rep.expires < n {
+		p.engineNext.Store(rep.expires)
+	}
 	r.updateExternalLocked(st)
 	p.mu.Unlock()
 	p.engineReports.Add(1)
 	return nil
 }
 
-// staleEngineReport drops rep, st's engine report, when it is still the latest.
-func (r *DefaultRouter) staleEngineReport(st *backendState, rep *engineReport) {
-	p := &r.peers
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if st.engine != rep {
+// expireEngineReports drops the engine reports that have grown older than EngineLoadMaxAge at
+// now, once now has passed the earliest expiry: one atomic load when none has.
+func (r *DefaultRouter) expireEngineReports(now time.Time) {
+	if n := r.peers.engineNext.Load(); n == 0 || now.UnixNano() < n {
 		return
 	}
-	st.engine = nil
-	p.engineStale.Add(1)
-	r.updateExternalLocked(st)
+	r.peers.mu.Lock()
+	r.expireEngineLocked(now)
+	r.peers.mu.Unlock()
+}
+
+// expireEngineLocked is expireEngineReports with peers.mu held.
+func (r *DefaultRouter) expireEngineLocked(now time.Time) {
+	p := &r.peers
+	if n := p.engineNext.Load(); n == 0 || now.UnixNano() < n {
+		return
+	}
+	t, next := now.UnixNano(), int64(0)
+	set := r.set.Load()
+	for _, list := range [][]*backendState{set.list, set.pd} {
+		for _, st := range list {
+			switch e := st.engine; {
+			case e == nil:
+			case e.expires <= t:
+				st.engine = nil
+				p.engineStale.Add(1)
+				r.updateExternalLocked(st)
+			case next == 0 || e.expires < next:
+				next = e.expires
+			}
+		}
+	}
+	p.engineNext.Store(next)
 }
 
 // updateExternalLocked sets st's external load on the ring: the larger of its peers' in-flight
@@ -342,8 +370,10 @@ func (r *DefaultRouter) updateExternalLocked(st *backendState) {
 // PeerStats returns what the Router knows of its peers. Safe for concurrent use.
 func (r *DefaultRouter) PeerStats() PeerStats {
 	p := &r.peers
+	now := r.cfg.Now()
 	p.mu.Lock()
-	r.expirePeersLocked(r.cfg.Now())
+	r.expirePeersLocked(now)
+	r.expireEngineLocked(now)
 	s := PeerStats{Peers: len(p.byPeer), InFlight: len(p.entries)}
 	p.mu.Unlock()
 	s.Applied, s.Ignored, s.Expired, s.Forgot = p.applied.Load(), p.ignored.Load(), p.expired.Load(), p.forgot.Load()
@@ -353,8 +383,10 @@ func (r *DefaultRouter) PeerStats() PeerStats {
 
 // engineLoad returns st's current engine report, if any.
 func (r *DefaultRouter) engineLoad(st *backendState) (EngineLoad, bool) {
+	now := r.cfg.Now()
 	r.peers.mu.Lock()
 	defer r.peers.mu.Unlock()
+	r.expireEngineLocked(now)
 	if st.engine == nil {
 		return EngineLoad{}, false
 	}

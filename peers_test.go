@@ -174,7 +174,11 @@ func TestPeerEventsLostOrStale(t *testing.T) {
 }
 
 func TestReportEngineLoad(t *testing.T) {
-	r, err := New(Config{Backends: []Backend{{Name: "a"}, {Name: "b"}}, EngineLoadMaxAge: 200 * time.Millisecond})
+	now := time.Unix(1000, 0)
+	var mu sync.Mutex
+	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	advance := func(d time.Duration) { mu.Lock(); now = now.Add(d); mu.Unlock() }
+	r, err := New(Config{Backends: []Backend{{Name: "a"}, {Name: "b"}}, EngineLoadMaxAge: 2 * time.Second, Now: clock})
 	require.NoError(t, err)
 	d, err := r.Route(context.Background(), chatReq("sys", "q"))
 	require.NoError(t, err)
@@ -200,14 +204,34 @@ func TestReportEngineLoad(t *testing.T) {
 	r.ForgetPeer("p")
 	assert.Equal(t, 4, externalLoads(r)[d.Backend])
 
-	// A report too old on arrival is not applied; a report that ages out stops counting.
-	require.NoError(t, r.ReportEngineLoad(d.Backend, EngineLoad{Running: 50, At: time.Now().Add(-time.Second)}))
+	// A report too old on arrival is not applied; a report that ages out, by the Router's clock,
+	// stops counting at the next Route.
+	require.NoError(t, r.ReportEngineLoad(d.Backend, EngineLoad{Running: 50, At: clock().Add(-3 * time.Second)}))
 	assert.Equal(t, 4, externalLoads(r)[d.Backend])
-	assert.Eventually(t, func() bool { return externalLoads(r)[d.Backend] == 0 }, 5*time.Second, 10*time.Millisecond)
+	advance(1999 * time.Millisecond)
+	d2, err := r.Route(context.Background(), chatReq("sys", "q"))
+	require.NoError(t, err)
+	d2.Done(Outcome{})
+	assert.Equal(t, 4, externalLoads(r)[d.Backend], "still fresh 1.999 s after")
+	advance(time.Millisecond)
+	d3, err := r.Route(context.Background(), chatReq("sys", "q"))
+	require.NoError(t, err)
+	d3.Done(Outcome{})
+	assert.Equal(t, 0, r.ring.Loads(nil)[backendIndex(r, d.Backend)].External, "stale 2 s after, by Config.Now")
 	st := r.PeerStats()
 	assert.Equal(t, uint64(1), st.EngineReports)
 	assert.Equal(t, uint64(2), st.EngineStale)
 	assert.ErrorIs(t, r.ReportEngineLoad("zz", EngineLoad{}), ErrUnknownBackend)
+}
+
+// backendIndex is backend's index in r's ring loads.
+func backendIndex(r *DefaultRouter, backend string) int {
+	for i, l := range r.ring.Loads(nil) {
+		if l.Name == backend {
+			return i
+		}
+	}
+	return -1
 }
 
 func TestPeerConfigValidated(t *testing.T) {

@@ -488,6 +488,7 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 		return nil, err
 	}
 	d := &Decision{router: r, start: r.cfg.Now()}
+	r.expireEngineReports(d.start)
 	if !r.cfg.DisablePrefixRouting {
 		d.PrefixKey, d.HasPrefixKey = prefixkey.PrefixKey(req, r.cfg.MaxPrefixLength)
 	}

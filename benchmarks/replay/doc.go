@@ -73,9 +73,9 @@
 //     with ApplyPeerEvent.
 //   - SyncBoth: both.
 //
-// One replica is the single router exactly, whatever it syncs. The Router's engine-report
-// staleness runs on wall-clock timers, not on Config.Now, so the replicas' EngineLoadMaxAge is the
-// largest allowed (1 h) and each report counts until the next scrape replaces it.
+// One replica is the single router exactly, whatever it syncs. A replica's engine reports count
+// for five scrape periods of virtual time (EngineLoadMaxAge, aged by Config.Now, the simulation's
+// clock); the next scrape replaces each well before.
 //
 // # Prefill/decode disaggregation
 //

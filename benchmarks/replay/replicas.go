@@ -42,12 +42,10 @@ const (
 	SpreadRoundRobin = "round_robin"
 )
 
-// engineLoadMaxAge is the replicas' kvroute.Config.EngineLoadMaxAge. The Router makes a report
-// stale with a wall-clock timer (time.AfterFunc), not with Config.Now, so in a simulation it would
-// expire after that much real time, whatever the virtual time: the largest value the Router
-// accepts keeps every report until the next scrape replaces it, which happens every ScrapePeriod
-// of virtual time.
-const engineLoadMaxAge = time.Hour
+// engineLoadMaxAge is the replicas' kvroute.Config.EngineLoadMaxAge for a scrape period: five
+// periods, as the reference proxy's engine_metrics.max_age, within the Router's limit of an hour.
+// The Router ages reports by its Config.Now, the simulation's clock.
+func engineLoadMaxAge(scrape time.Duration) time.Duration { return min(5*scrape, time.Hour) }
 
 func (c Config) peerSync() bool    { return c.Sync == SyncPeers || c.Sync == SyncBoth }
 func (c Config) metricsSync() bool { return c.Sync == SyncMetrics || c.Sync == SyncBoth }
@@ -85,7 +83,7 @@ func newReplicaSet(s *sim, policy string, env policyEnv) (*replicaSet, error) {
 		if s.cfg.peerSync() {
 			e.peers = &peerLink{s: s, from: int32(j)}
 		}
-		e.engineLoadMaxAge = engineLoadMaxAge
+		e.engineLoadMaxAge = engineLoadMaxAge(set.s.cfg.ScrapePeriod)
 		pol, err := newRouter(policy, e)
 		if err != nil {
 			set.close()
@@ -180,21 +178,6 @@ func (set *replicaSet) peerCounts() PeerCounts {
 
 func (set *replicaSet) close() {
 	for _, r := range set.rs {
-		if set.s.cfg.metricsSync() {
-			releaseEngineReports(r, set.s.clock())
-		}
 		r.close()
-	}
-}
-
-// releaseEngineReports replaces r's engine reports by reports about to go stale. DefaultRouter.Close
-// does not stop the wall-clock timers that make reports stale, and each holds the Router (and its
-// KV index) until it fires, engineLoadMaxAge after the last scrape: over a sweep of many runs that
-// would keep every run's routers in memory. A report read engineLoadMaxAge − 1 ns ago stops the
-// previous timer and fires its own at once.
-func releaseEngineReports(r *kvRouter, now time.Time) {
-	at := now.Add(-engineLoadMaxAge + time.Nanosecond)
-	for _, n := range r.names {
-		_ = r.r.ReportEngineLoad(n, kvroute.EngineLoad{KVCacheUsage: -1, At: at})
 	}
 }
