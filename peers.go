@@ -85,6 +85,16 @@ type PeerPublisher interface {
 // DefaultPeerMaxAge is Config.PeerMaxAge's default.
 const DefaultPeerMaxAge = 5 * time.Minute
 
+// Bounds on what peers and engines can make a Router hold or count: at most MaxPeerDecisions peer
+// decisions in flight (beyond it the oldest is dropped, counted as expired), a peer decision's
+// prefill tokens and an engine's running or waiting requests at most MaxReportedLoad each. A
+// peer or engine that is wrong, or hostile, then costs routing accuracy and bounded memory, never
+// an overflow.
+const (
+	MaxPeerDecisions = 1 << 20
+	MaxReportedLoad  = 1 << 30
+)
+
 // DefaultEngineLoadMaxAge is Config.EngineLoadMaxAge's default.
 const DefaultEngineLoadMaxAge = 10 * time.Second
 
@@ -143,6 +153,9 @@ type peers struct {
 	// has passed (expireEngineReports), so that reports age by the Router's clock and no timer
 	// holds the Router.
 	engineNext atomic.Int64
+	// peerNext is when the oldest peer decision expires (Unix nanoseconds, by Config.Now), 0 when
+	// there is none: Route sweeps once it has passed.
+	peerNext atomic.Int64
 }
 
 // engineReport is a backend's latest engine-reported load.
@@ -171,8 +184,12 @@ func (r *DefaultRouter) ApplyPeerEvent(replica string, ev PeerEvent) {
 			p.ignored.Add(1)
 			return
 		}
+		if len(p.entries) >= MaxPeerDecisions {
+			r.dropPeerLocked(p.order.Front().Value.(*peerEntry))
+			p.expired.Add(1)
+		}
 		e := &peerEntry{key: k, st: st, at: now}
-		if n := int64(ev.PrefillTokens); n > 0 {
+		if n := int64(min(ev.PrefillTokens, MaxReportedLoad)); n > 0 {
 			e.backlog = n
 			st.backlog.Add(n)
 		}
@@ -185,6 +202,9 @@ func (r *DefaultRouter) ApplyPeerEvent(replica string, ev PeerEvent) {
 		}
 		p.entries[k] = e
 		e.elem = p.order.PushBack(e)
+		if p.order.Len() == 1 {
+			p.peerNext.Store(now.Add(r.cfg.PeerMaxAge).UnixNano())
+		}
 		p.byPeer[replica]++
 		st.peerInFlight.Add(1)
 		r.updateExternalLocked(st)
@@ -252,11 +272,29 @@ func (r *DefaultRouter) expirePeersLocked(now time.Time) {
 	for f := p.order.Front(); f != nil; f = p.order.Front() {
 		e := f.Value.(*peerEntry)
 		if !e.at.Before(cut) {
+			p.peerNext.Store(e.at.Add(r.cfg.PeerMaxAge).UnixNano())
 			return
 		}
 		r.dropPeerLocked(e)
 		p.expired.Add(1)
 	}
+	p.peerNext.Store(0)
+}
+
+// expireExternal drops, at now, the peer decisions older than PeerMaxAge and the engine reports
+// older than EngineLoadMaxAge: Route calls it, so that both age by Config.Now even when no peer
+// event or report comes. It costs two atomic loads until one has expired.
+func (r *DefaultRouter) expireExternal(now time.Time) {
+	p := &r.peers
+	t := now.UnixNano()
+	pn, en := p.peerNext.Load(), p.engineNext.Load()
+	if (pn == 0 || t < pn) && (en == 0 || t < en) {
+		return
+	}
+	p.mu.Lock()
+	r.expirePeersLocked(now)
+	r.expireEngineLocked(now)
+	p.mu.Unlock()
 }
 
 // ForgetPeer drops every decision of replica, as if each had ended, and returns how many: call it
@@ -304,6 +342,7 @@ func (r *DefaultRouter) ReportEngineLoad(backend string, l EngineLoad) error {
 		return nil
 	}
 	own, _ := r.ring.InFlight(backend)
+	l.Running, l.Waiting = min(max(l.Running, 0), MaxReportedLoad), min(max(l.Waiting, 0), MaxReportedLoad)
 	rep := &engineReport{others: max(l.Running+l.Waiting-own, 0), load: l, expires: l.At.Add(r.cfg.EngineLoadMaxAge).UnixNano()}
 	p := &r.peers
 	p.mu.Lock()
@@ -316,17 +355,6 @@ func (r *DefaultRouter) ReportEngineLoad(backend string, l EngineLoad) error {
 	p.mu.Unlock()
 	p.engineReports.Add(1)
 	return nil
-}
-
-// expireEngineReports drops the engine reports that have grown older than EngineLoadMaxAge at
-// now, once now has passed the earliest expiry: one atomic load when none has.
-func (r *DefaultRouter) expireEngineReports(now time.Time) {
-	if n := r.peers.engineNext.Load(); n == 0 || now.UnixNano() < n {
-		return
-	}
-	r.peers.mu.Lock()
-	r.expireEngineLocked(now)
-	r.peers.mu.Unlock()
 }
 
 // expireEngineLocked is expireEngineReports with peers.mu held.

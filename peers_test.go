@@ -240,3 +240,34 @@ func TestPeerConfigValidated(t *testing.T) {
 	_, err = New(Config{EngineLoadMaxAge: 2 * time.Hour})
 	assert.ErrorIs(t, err, ErrInvalidConfig)
 }
+
+func TestPeerAndEngineBounds(t *testing.T) {
+	now := time.Unix(1000, 0)
+	var mu sync.Mutex
+	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	r, err := New(Config{Backends: []Backend{{Name: "a"}, {Name: "b"}}, Now: clock, PeerMaxAge: time.Minute})
+	require.NoError(t, err)
+
+	// Huge reported counts are capped: the ring's total cannot overflow, and routing goes on.
+	require.NoError(t, r.ReportEngineLoad("a", EngineLoad{Running: 1 << 62, Waiting: 1 << 62}))
+	require.NoError(t, r.ReportEngineLoad("b", EngineLoad{Running: 1 << 62, Waiting: 1 << 62}))
+	d, err := r.Route(context.Background(), chatReq("sys", "q"))
+	require.NoError(t, err)
+	d.Done(Outcome{})
+	assert.Equal(t, 1<<30, externalLoads(r)["a"])
+
+	// A peer decision's prefill tokens are capped too.
+	r.ApplyPeerEvent("p", PeerEvent{Kind: PeerRouted, ID: 1, Backend: "b", PrefillTokens: 1<<62 + 5})
+	assert.Equal(t, MaxReportedLoad, pendingPrefill(r, "b"))
+
+	// A peer decision whose end never comes expires at the next Route after PeerMaxAge, with no
+	// other peer event or stats call.
+	mu.Lock()
+	now = now.Add(2 * time.Minute)
+	mu.Unlock()
+	d, err = r.Route(context.Background(), chatReq("sys", "q"))
+	require.NoError(t, err)
+	d.Done(Outcome{})
+	assert.Zero(t, pendingPrefill(r, "b"), "expired by Route")
+	assert.Equal(t, uint64(1), r.peers.expired.Load())
+}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -323,6 +324,9 @@ func New(cfg Config) (*DefaultRouter, error) {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	r := &DefaultRouter{cfg: cfg, ring: ring, tracer: newTracer(cfg.TracerProvider)}
+	// Decision ids shared with peers start at random, so that a Router built by a reload, sharing
+	// its replica id with the one it replaces, does not reuse that one's ids.
+	r.peerSeq.Store(rand.Uint64() >> 8)
 	r.disaggSide.r = r
 	if cfg.KV != nil {
 		if r.kv, err = newTier4(*cfg.KV); err != nil {
@@ -488,7 +492,7 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 		return nil, err
 	}
 	d := &Decision{router: r, start: r.cfg.Now()}
-	r.expireEngineReports(d.start)
+	r.expireExternal(d.start)
 	if !r.cfg.DisablePrefixRouting {
 		d.PrefixKey, d.HasPrefixKey = prefixkey.PrefixKey(req, r.cfg.MaxPrefixLength)
 	}

@@ -398,10 +398,11 @@ func (r *Ring) InFlight(name string) (int, bool) {
 // SetExternalLoad sets the load on name that this ring's handles do not hold: requests other
 // router replicas sent there, or what the backend's engine reports beyond this ring's own slots.
 // It counts like held slots in name's bound check and in T (while name is healthy), and is
-// reported as Load.External; n < 0 counts as 0. Setting it again replaces the previous value. Safe
-// for concurrent use. The error is ErrUnknownBackend when name is not a member.
+// reported as Load.External; n < 0 counts as 0, and n above 1<<30 as 1<<30 (T cannot overflow).
+// Setting it again replaces the previous value. Safe for concurrent use. The error is
+// ErrUnknownBackend when name is not a member.
 func (r *Ring) SetExternalLoad(name string, n int) error {
-	n = max(n, 0)
+	n = min(max(n, 0), 1<<30)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	m, ok := r.byName[name]

@@ -1,6 +1,7 @@
 package enginemetrics
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -72,7 +73,14 @@ var engines = [...]names{
 // detected engine's running and waiting gauges (see ErrNoLoadMetrics); the Engine is then "" or
 // the engine detected. It reads all of r, which the caller bounds. Safe for concurrent use.
 func Parse(r io.Reader, model string) (kvroute.EngineLoad, Engine, error) {
-	fams, err := parseText(r)
+	body, err := io.ReadAll(r)
+	if err != nil {
+		return kvroute.EngineLoad{}, "", err
+	}
+	if err := checkShape(body); err != nil {
+		return kvroute.EngineLoad{}, "", err
+	}
+	fams, err := parseText(bytes.NewReader(body))
 	if err != nil {
 		return kvroute.EngineLoad{}, "", err
 	}
@@ -108,6 +116,37 @@ func Parse(r io.Reader, model string) (kvroute.EngineLoad, Engine, error) {
 		}
 	}
 	return l, n.engine, nil
+}
+
+// Bounds of a line of a metrics body, checked before it is parsed. expfmt's text parser takes time
+// that grows faster than linearly with a series' labels (16,000 labels on one line, 149 KB, took
+// 29 s), and an engine's series carry a handful: a body beyond these is refused (ErrParse).
+const (
+	MaxLineBytes = 64 << 10
+	MaxLabels    = 64
+)
+
+// checkShape refuses a body with a line longer than MaxLineBytes or a series with more than
+// MaxLabels labels (counted as the label values' opening quotes, `="`, on a sample line), in one
+// linear pass.
+func checkShape(b []byte) error {
+	for len(b) > 0 {
+		line := b
+		if i := bytes.IndexByte(b, '\n'); i >= 0 {
+			line, b = b[:i], b[i+1:]
+		} else {
+			b = nil
+		}
+		if len(line) > MaxLineBytes {
+			return fmt.Errorf("%w: a line of %d bytes (at most %d)", ErrParse, len(line), MaxLineBytes)
+		}
+		if len(line) > 0 && line[0] != '#' {
+			if n := bytes.Count(line, []byte(`="`)); n > MaxLabels {
+				return fmt.Errorf("%w: a series with %d labels (at most %d)", ErrParse, n, MaxLabels)
+			}
+		}
+	}
+	return nil
 }
 
 // parseText parses r with expfmt's text parser. Metric names are checked as UTF-8, the laxer

@@ -2,6 +2,8 @@ package enginemetrics_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -169,4 +171,24 @@ func stallRequests(t *testing.T, e *enginesim.Engine, n int) {
 		s := e.Stats()
 		return s.Running+s.Waiting == n
 	}, waitFor, tick)
+}
+
+// A body whose lines would make the text parser slow is refused before it is parsed: one series
+// with many labels, or one very long line.
+func TestParseRefusesSlowShapes(t *testing.T) {
+	var labels strings.Builder
+	for i := range 8000 {
+		if i > 0 {
+			labels.WriteByte(',')
+		}
+		fmt.Fprintf(&labels, `l%d="v"`, i)
+	}
+	manyLabels := "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{" + labels.String() + "} 1\n"
+	longLine := "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"" + strings.Repeat("m", 70<<10) + "\"} 1\n"
+	for name, body := range map[string]string{"many labels": manyLabels, "long line": longLine} {
+		_, _, err := enginemetrics.Parse(strings.NewReader(body), "")
+		if !errors.Is(err, enginemetrics.ErrParse) {
+			t.Errorf("%s: %v, want ErrParse", name, err)
+		}
+	}
 }

@@ -95,6 +95,9 @@ func printBanner(w io.Writer, cfg *config.Config, addr net.Addr, demo bool) {
 	if cfg.DisaggregatedServing.Enabled {
 		paths = append(paths, "/admin/disaggregation/stats")
 	}
+	if cfg.Replicas.Enabled || cfg.EngineMetrics.Enabled {
+		paths = append(paths, "/admin/replicas/stats")
+	}
 	for _, p := range paths {
 		fmt.Fprintf(&b, "  %s%s\n", base, p)
 	}

@@ -136,7 +136,9 @@ func (f *fleet) newEventLog(s *server, cfg *config.Config) error {
 	if err != nil {
 		return err
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	// A NATS server that is down must not hold the start-up (and the listener) for long: without
+	// a snapshot the replica replays the whole stream once NATS is back.
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if cfg.Replicas.EventLog.ResetOnStart {
 		res, err := eventlog.Reset(ctx, ecfg)
