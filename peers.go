@@ -150,7 +150,7 @@ type peers struct {
 	engineReports, engineStale        atomic.Uint64
 	// engineNext is the earliest expiry (Unix nanoseconds, by Config.Now) of the backends' engine
 	// reports, 0 when there is none: Route, which reads the clock anyway, sweeps them once it
-	// has passed (expireEngineReports), so that reports age by the Router's clock and no timer
+	// has passed (expireExternal), so that reports age by the Router's clock and no timer
 	// holds the Router.
 	engineNext atomic.Int64
 	// peerNext is when the oldest peer decision expires (Unix nanoseconds, by Config.Now), 0 when
