@@ -25,7 +25,7 @@ func parseBenchSystemFor(size int) string {
 // parseBenchTurn returns the i-th user/assistant exchange of a benchmark conversation.
 func parseBenchTurn(i int) []map[string]any {
 	user := map[string]any{"role": "user", "content": fmt.Sprintf("Question %d: what is the weather like in city number %d, and can you search the docs for \"rate limits\" too? Please be thorough.", i, i)}
-	if i%3 == 1 {
+	if i%3 == 1 && i/3 < MaxMediaItems { // a request may carry at most MaxMediaItems images
 		user["content"] = []any{
 			map[string]any{"type": "text", "text": fmt.Sprintf("Look at picture %d and describe it.", i)},
 			map[string]any{"type": "image_url", "image_url": map[string]any{"url": fmt.Sprintf("https://example.com/img/%d.png", i), "detail": "low"}},
