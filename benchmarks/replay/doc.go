@@ -77,6 +77,13 @@
 // for five scrape periods of virtual time (EngineLoadMaxAge, aged by Config.Now, the simulation's
 // clock); the next scrape replaces each well before.
 //
+// # Grid
+//
+// RunGrid replays workloads over every combination of engines, cache sizes and utilisations
+// (Grid), for each seed and policy; GridPoints judges one policy at each point against the best
+// of the other non-oracle policies on the hit ratio and the TTFT p99 (Verdict: a loss within the
+// seeds' spread is a tie), and WriteGridTable prints the judgement as one table.
+//
 // # Prefill/decode disaggregation
 //
 // RunPD replays a workload on a fleet of prefill and decode engines (PDConfig) routed by

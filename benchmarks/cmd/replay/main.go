@@ -8,6 +8,7 @@
 //	go run ./benchmarks/cmd/replay -trace my-trace.jsonl.gz -limit 300
 //	go run ./benchmarks/cmd/replay -replicas 4 -sync peers -policies kvroute
 //	go run ./benchmarks/cmd/replay -sweep replicas -workload trace,multi-turn -seeds 1,2,3
+//	go run ./benchmarks/cmd/replay -sweep grid -seeds 1,2,3 -out /tmp/grid   # issue 21's grid
 //
 // See package benchmarks/replay for the model, and BENCHMARKS.md for results.
 package main
@@ -53,6 +54,8 @@ type options struct {
 	sweepReplicas                                string
 	sync, spread, cpuProfile                     string
 	syncDelay, scrapePeriod                      time.Duration
+	gridEngines, gridCapacity, gridUtilisation   string
+	parallel                                     int
 }
 
 func run(args []string, stdout io.Writer) error {
@@ -69,7 +72,7 @@ func run(args []string, stdout io.Writer) error {
 	fs.BoolVar(&o.parallelPrefill, "parallel-prefill", false, "run every admitted prefill at once (internal/enginesim's model) instead of one at a time per engine")
 	fs.StringVar(&o.seeds, "seeds", "1", "comma-separated seeds")
 	fs.StringVar(&o.policies, "policies", "all", "comma-separated policies: "+strings.Join(replay.AllPolicies, ", "))
-	fs.StringVar(&o.sweep, "sweep", "", "sweep one dimension: engines (4,8,16), capacity (131072,262144,524288), utilisation (0.5,0.7,0.8,0.9), lag (0,20ms,200ms,1s,5s), or all; or replicas (1,2,4,8 router replicas × sync none, metrics, peers, both; -policies defaults to kvroute, one table)")
+	fs.StringVar(&o.sweep, "sweep", "", "sweep one dimension: engines (4,8,16), capacity (131072,262144,524288), utilisation (0.5,0.7,0.8,0.9), lag (0,20ms,200ms,1s,5s), or all; or replicas (1,2,4,8 router replicas × sync none, metrics, peers, both; -policies defaults to kvroute, one table); or grid (issue 21: -grid-engines × -grid-capacity × -grid-utilisation × -workload, default trace,trace-common,multi-turn,shared-prefix; -policies defaults to every non-oracle policy and oracle_global_lru; one table judging kvroute)")
 	fs.StringVar(&o.out, "out", "", "directory for the .txt, .csv, .json and .svg outputs (none when empty)")
 	fs.IntVar(&o.limit, "limit", 0, "replay only the first N requests (0: all)")
 	fs.IntVar(&o.common, "common-prefix-tokens", 0, "prepend this many tokens shared by every request (one first block and prefix key for all)")
@@ -85,6 +88,10 @@ func run(args []string, stdout io.Writer) error {
 	fs.StringVar(&o.spread, "spread", replay.SpreadRandom, "how arrivals are spread over router replicas: random (seeded, as an L4 load balancer) or round_robin")
 	fs.StringVar(&o.sweepReplicas, "sweep-replicas", "1,2,4,8", "with -sweep replicas: the comma-separated replica counts")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the runs to this file")
+	fs.StringVar(&o.gridEngines, "grid-engines", "8,16", "with -sweep grid: the comma-separated engine counts")
+	fs.StringVar(&o.gridCapacity, "grid-capacity", "262144,1048576,3000000", "with -sweep grid: the comma-separated KV cache sizes per engine, in tokens")
+	fs.StringVar(&o.gridUtilisation, "grid-utilisation", "0.7,0.8,0.9", "with -sweep grid: the comma-separated utilisations")
+	fs.IntVar(&o.parallel, "parallel", 0, "with -sweep grid: runs simulated at once (0: -workers); each run has its own engines, router and index")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -93,6 +100,9 @@ func run(args []string, stdout io.Writer) error {
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if o.sweep == "grid" {
+		return runGrid(fs, o, stdout)
 	}
 	if o.sweep == "replicas" {
 		// One kvroute run of the whole synthetic trace with 8 replicas takes about a minute of CPU:
@@ -346,7 +356,7 @@ func sweepPoints(base replay.Config, sweep, replicas string) ([]replay.Config, e
 	}
 	f, ok := dims[sweep]
 	if !ok {
-		return nil, fmt.Errorf("-sweep %q: want engines, capacity, utilisation, lag, all or replicas", sweep)
+		return nil, fmt.Errorf("-sweep %q: want engines, capacity, utilisation, lag, all, replicas or grid", sweep)
 	}
 	f()
 	return out, nil

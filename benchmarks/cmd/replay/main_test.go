@@ -75,3 +75,53 @@ func TestRunRejectsBadFlags(t *testing.T) {
 		require.Error(t, run(args, &bytes.Buffer{}), "%v", args)
 	}
 }
+
+func TestRunGridSweep(t *testing.T) {
+	dir := t.TempDir()
+	var out bytes.Buffer
+	err := run([]string{"-sweep", "grid", "-workload", "shared-prefix", "-requests", "40", "-grid-engines", "2",
+		"-grid-capacity", "32768", "-grid-utilisation", "0.8", "-policies", "precise,kvroute", "-limit", "30", "-seeds", "1,2",
+		"-parallel", "2", "-out", dir}, &out)
+	require.NoError(t, err)
+	s := out.String()
+	require.Equal(t, 1, strings.Count(s, "| workload | engines |"), "one table:\n%s", s)
+	require.Contains(t, s, "| shared-prefix-150x5-6000+1200 | 2 | 32768 | 80 % | precise ")
+	require.Contains(t, s, "kvroute at 1 point(s), 2 seed(s): hit W/T/L ")
+	require.Contains(t, s, "30 requests × 2 policies × 2 seed(s) × 1 point(s) = 4 runs in ")
+	for _, f := range []string{".txt", ".csv", "-points.csv", ".json"} {
+		_, err := os.Stat(filepath.Join(dir, "sweep-grid"+f))
+		require.NoError(t, err, f)
+	}
+	txt, err := os.ReadFile(filepath.Join(dir, "sweep-grid.txt"))
+	require.NoError(t, err)
+	require.True(t, strings.HasPrefix(s, string(txt)), "the file holds the printed table")
+
+	// trace-common is the trace with -common-prefix-tokens (512 unless given).
+	out.Reset()
+	err = run([]string{"-sweep", "grid", "-workload", "trace-common", "-trace", writeTinyTrace(t), "-grid-engines", "2",
+		"-grid-capacity", "32768", "-grid-utilisation", "0.8", "-policies", "kvroute,oracle_global_lru"}, &out)
+	require.NoError(t, err)
+	require.Contains(t, out.String(), "| tiny+common512 | 2 | 32768 | 80 % | — |")
+}
+
+// writeTinyTrace writes a three-request Mooncake trace and returns its path.
+func writeTinyTrace(t *testing.T) string {
+	p := filepath.Join(t.TempDir(), "tiny.jsonl")
+	require.NoError(t, os.WriteFile(p, []byte(`{"timestamp": 0, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2]}
+{"timestamp": 50, "input_length": 1024, "output_length": 8, "hash_ids": [1, 3]}
+{"timestamp": 90, "input_length": 600, "output_length": 8, "hash_ids": [1, 2]}
+`), 0o644))
+	return p
+}
+
+func TestRunGridRejectsBadFlags(t *testing.T) {
+	for _, args := range [][]string{
+		{"-workload", "trace,nope"},
+		{"-grid-engines", "8,x"},
+		{"-grid-capacity", "0"},
+		{"-grid-utilisation", "-1"},
+		{"-workload", "shared-prefix", "-policies", "nope"},
+	} {
+		require.Error(t, run(append([]string{"-sweep", "grid", "-requests", "8"}, args...), &bytes.Buffer{}), "%v", args)
+	}
+}
