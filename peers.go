@@ -9,30 +9,7 @@ import (
 	"time"
 )
 
-// Router replicas and engine-reported load.
-//
-// A gateway that runs several router replicas gives each one a DefaultRouter, and each sees only
-// the requests it routed itself: with K replicas, its in-flight counts, prefill backlogs, active
-// sequences and speculative index entries are about 1/K of the truth. Two sources complete the
-// picture, and the Router blends them into the load its bounds and scorers use:
-//
-//   - Peer events (Config.Peers, ApplyPeerEvent): each replica publishes what it decides (a request
-//     routed to a backend with its block keys and prefill tokens, its first token, its end), and
-//     applies the others'. Package natsync carries them over NATS.
-//   - Engine-reported load (ReportEngineLoad): the engines' own running and waiting request
-//     counts, read from their metrics endpoints (package enginemetrics scrapes vLLM's and
-//     SGLang's), which count every replica's requests.
-//
-// A backend's external load, the requests no handle of this Router holds, is the larger of its
-// peers' in-flight requests and what its engine reports beyond this Router's own in-flight
-// requests at the time of the report; it counts in the backend's bound (tier 1's and tier 4's) and
-// in tier 4's candidates like the Router's own requests. Peers' prefill tokens join the backend's
-// prefill backlog, their block keys its speculative entries (with the Router's own speculation
-// TTL) and, with KVConfig.Active, its active sequences.
-//
-// Lost messages cost accuracy, never correctness: a peer decision whose end never arrives is
-// dropped Config.PeerMaxAge after it arrived, a peer that falls silent is dropped with ForgetPeer,
-// and an engine report older than Config.EngineLoadMaxAge no longer counts.
+// This file holds what the package documentation's "Router replicas" describes.
 
 // PeerEventKind is what a PeerEvent reports.
 type PeerEventKind uint8
