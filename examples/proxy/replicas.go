@@ -183,9 +183,35 @@ func (f *fleet) newEventLog(s *server, cfg *config.Config) error {
 // one (the stream then feeds the index), else the index.
 func (f *fleet) eventsSink(index events.Sink) events.Sink {
 	if f != nil && f.pub != nil {
-		return f.pub
+		return &outageTee{pub: f.pub, index: index, nc: f.nc}
 	}
 	return index
+}
+
+// outageTee hands the engines' events to the event log's Publisher and, while the connection to
+// NATS is down, to this replica's index as well, so that the replica that receives them keeps
+// indexing through an outage. Once NATS is back the stream may apply some of them a second time,
+// in the same order: the index ends as it would have.
+type outageTee struct {
+	pub   events.Sink
+	index events.Sink
+	nc    *nats.Conn
+}
+
+func (o *outageTee) Apply(ctx context.Context, backend string, b *events.Batch) error {
+	err := o.pub.Apply(ctx, backend, b)
+	if !o.nc.IsConnected() {
+		return o.index.Apply(ctx, backend, b)
+	}
+	return err
+}
+
+func (o *outageTee) ClearBackend(ctx context.Context, backend string) error {
+	err := o.pub.ClearBackend(ctx, backend)
+	if !o.nc.IsConnected() {
+		return o.index.ClearBackend(ctx, backend)
+	}
+	return err
 }
 
 // start starts what talks to the network: the sync (applying the peers' decisions to the Router

@@ -168,6 +168,28 @@ func TestE2EReplicasEventLogRestore(t *testing.T) {
 	}
 }
 
+// With the event log, the replica that receives the engines' events keeps indexing them while
+// NATS is down: a prefix an engine stored during the outage is routed to it by the KV index.
+func TestE2EReplicasEventLogNATSDown(t *testing.T) {
+	ns := natstest.Start(t)
+	f := startFleet(t, 3, true)
+	a := startProxy(t, replicaConfig(t, f, ns.URL(), "bridge", func(c *config.Config) {
+		c.Replicas.EventLog = config.EventLogConfig{Enabled: true}
+	}))
+	ns.Stop()
+	waitFor(t, 10*time.Second, "the replica to see NATS gone", func() bool { return !replicasOf(t, a).Sync.Connected })
+	sys := longSystemPrompt("outage", 100)
+	body := chatBody(sys, "A question.", `"temperature":0.5,"max_tokens":2`)
+	holder := warmNonOwner(t, a, f, body, chatBody(sys, "Warm-up.", `"max_tokens":1`))
+	r, out := post(t, a.URL+"/v1/chat/completions", body)
+	if r.StatusCode != 200 {
+		t.Fatalf("%d %s", r.StatusCode, out)
+	}
+	if got, route := r.Header.Get(HeaderBackend), r.Header.Get(HeaderRoute); got != holder || route != "kv_aware" {
+		t.Errorf("during the outage: %s (%s), want %s (kv_aware)", got, route, holder)
+	}
+}
+
 // NATS stops and comes back while requests flow through two replicas: no request fails, and the
 // replicas share again once it is back.
 func TestE2EReplicasSurviveNATSRestart(t *testing.T) {
