@@ -76,7 +76,8 @@ type fleet struct {
 
 // newFleet builds the replicas and engine_metrics parts of cfg (nothing starts talking to the
 // network but the NATS connection, which retries in the background while the server is down).
-// With the event log, the events sink becomes the Publisher; sink is the index's.
+// With the event log, the event sources write to the Publisher (eventsSink) and the Consumer
+// writes to the index's sink.
 func (s *server) newFleet(cfg *config.Config) (*fleet, error) {
 	f := &fleet{ref: &routerRef{}}
 	if em := cfg.EngineMetrics; em.Enabled {
