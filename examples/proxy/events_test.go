@@ -83,13 +83,7 @@ func TestE2ESSEEventSources(t *testing.T) {
 	sys := longSystemPrompt("SSE", 100)
 	body := chatBody(sys, "A question.", `"temperature":0.5,"max_tokens":2`)
 	holder := warmNonOwner(t, p, f, body, chatBody(sys, "Warm-up.", `"max_tokens":1`))
-	r, b := post(t, p.URL+"/v1/chat/completions", body)
-	if r.StatusCode != 200 {
-		t.Fatalf("%d %s", r.StatusCode, b)
-	}
-	if got, route := r.Header.Get(HeaderBackend), r.Header.Get(HeaderRoute); got != holder || route != "kv_aware" {
-		t.Errorf("routed to %s (%s), want %s (kv_aware)", got, route, holder)
-	}
+	expectKVRouted(t, p, body, holder, "the warmed prompt")
 	var st kvStatsBody
 	getJSON(t, p.URL+"/admin/kv-index/stats", &st)
 	if len(st.EventSources) != 3 || st.EventSources[0].Transport != "sse" || !st.EventSources[0].Connected {
@@ -134,13 +128,7 @@ func TestE2EZMQBind(t *testing.T) {
 	sys := longSystemPrompt("bind", 100)
 	body := chatBody(sys, "A question.", `"temperature":0.5,"max_tokens":2`)
 	holder := warmNonOwner(t, p, f, body, chatBody(sys, "Warm-up.", `"max_tokens":1`))
-	r, b := post(t, p.URL+"/v1/chat/completions", body)
-	if r.StatusCode != 200 {
-		t.Fatalf("%d %s", r.StatusCode, b)
-	}
-	if got, route := r.Header.Get(HeaderBackend), r.Header.Get(HeaderRoute); got != holder || route != "kv_aware" {
-		t.Errorf("routed to %s (%s), want %s (kv_aware)", got, route, holder)
-	}
+	expectKVRouted(t, p, body, holder, "the warmed prompt")
 }
 
 // Close stops every goroutine newServer and start started (consumers retrying unreachable

@@ -245,6 +245,19 @@ func indexCreated(t *testing.T, p *testProxy, backend string) uint64 {
 	return kvBackend(t, p, backend).Events.IndexCreated
 }
 
+// expectKVRouted posts body to p and checks that the KV index sent it to holder (kv_aware); when
+// says which request it is in a failure.
+func expectKVRouted(t *testing.T, p *testProxy, body, holder, when string) {
+	t.Helper()
+	r, out := post(t, p.URL+"/v1/chat/completions", body)
+	if r.StatusCode != 200 {
+		t.Fatalf("%s: %d %s", when, r.StatusCode, out)
+	}
+	if got, route := r.Header.Get(HeaderBackend), r.Header.Get(HeaderRoute); got != holder || route != "kv_aware" {
+		t.Errorf("%s: routed to %s (%s), want %s (kv_aware)", when, got, route, holder)
+	}
+}
+
 // kvBackend is what /admin/kv-index/backends reports of backend; zero when it is not listed.
 func kvBackend(t *testing.T, p *testProxy, backend string) events.BackendSummary {
 	t.Helper()

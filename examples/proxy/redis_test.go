@@ -154,13 +154,7 @@ func TestE2ERedisIndexSharedByReplicas(t *testing.T) {
 	}
 	routesToHolder := func(p *testProxy, when string) {
 		t.Helper()
-		r, out := post(t, p.URL+"/v1/chat/completions", body)
-		if r.StatusCode != 200 {
-			t.Fatalf("%s: %d %s", when, r.StatusCode, out)
-		}
-		if got, route := r.Header.Get(HeaderBackend), r.Header.Get(HeaderRoute); got != holder || route != "kv_aware" {
-			t.Errorf("%s: routed to %s (%s), want %s (kv_aware)", when, got, route, holder)
-		}
+		expectKVRouted(t, p, body, holder, when)
 	}
 	routesToHolder(b, "the other replica")
 

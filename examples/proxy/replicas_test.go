@@ -159,13 +159,7 @@ func TestE2EReplicasEventLogRestore(t *testing.T) {
 	if st := replicasOf(t, late).EventLog.Restore; !st.Found || !st.Restored || st.StartSeq <= seq {
 		t.Errorf("the late replica's restore: %+v, want a snapshot restored", st)
 	}
-	r, out := post(t, late.URL+"/v1/chat/completions", body)
-	if r.StatusCode != 200 {
-		t.Fatalf("%d %s", r.StatusCode, out)
-	}
-	if got, route := r.Header.Get(HeaderBackend), r.Header.Get(HeaderRoute); got != holder || route != "kv_aware" {
-		t.Errorf("the late replica's first request: %s (%s), want %s (kv_aware)", got, route, holder)
-	}
+	expectKVRouted(t, late, body, holder, "the late replica's first request")
 }
 
 // With the event log, the replica that receives the engines' events keeps indexing them while
@@ -181,13 +175,7 @@ func TestE2EReplicasEventLogNATSDown(t *testing.T) {
 	sys := longSystemPrompt("outage", 100)
 	body := chatBody(sys, "A question.", `"temperature":0.5,"max_tokens":2`)
 	holder := warmNonOwner(t, a, f, body, chatBody(sys, "Warm-up.", `"max_tokens":1`))
-	r, out := post(t, a.URL+"/v1/chat/completions", body)
-	if r.StatusCode != 200 {
-		t.Fatalf("%d %s", r.StatusCode, out)
-	}
-	if got, route := r.Header.Get(HeaderBackend), r.Header.Get(HeaderRoute); got != holder || route != "kv_aware" {
-		t.Errorf("during the outage: %s (%s), want %s (kv_aware)", got, route, holder)
-	}
+	expectKVRouted(t, a, body, holder, "during the outage")
 }
 
 // NATS stops and comes back while requests flow through two replicas: no request fails, and the
