@@ -97,8 +97,8 @@ func RunGrid(g Grid) ([]Result, error) {
 // Grid verdicts: how the judged policy compares with the best of the others at a point.
 const (
 	GridWin  = "W" // its mean is strictly better than every other non-oracle policy's
-	GridTie  = "T" // equal to the best, or worse by less than the seeds' spread (the ranges overlap)
-	GridLoss = "L" // worse than the best, beyond the seeds' spread
+	GridTie  = "T" // equal to the best, or worse by less than the spread over random seeds (the ranges overlap)
+	GridLoss = "L" // worse than the best, beyond the spread over random seeds
 	GridNone = "—" // no other non-oracle policy ran at the point
 )
 
@@ -224,7 +224,7 @@ func (m *GridMargin) judge(higher bool) {
 
 // Verdict classifies a mean over seeds, with its range [lo, hi] over seeds, against the best
 // other's mean and range: GridWin when strictly better, GridTie when equal (to within 1e-9 of
-// the larger magnitude) or worse but with the two ranges overlapping (a loss within the seeds'
+// the larger magnitude) or worse but with the two ranges overlapping (a loss within the random seeds'
 // spread), GridLoss otherwise. higher says whether more is better.
 func Verdict(mean, lo, hi, best, bestLo, bestHi float64, higher bool) string {
 	if math.Abs(mean-best) <= 1e-9*max(math.Abs(mean), math.Abs(best)) {

@@ -7,7 +7,6 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"runtime/pprof"
 	"strconv"
 	"strings"
 	"time"
@@ -93,17 +92,11 @@ func runGrid(fs *flag.FlagSet, o options, stdout io.Writer) error {
 		g.Workloads = append(g.Workloads, ws)
 		reqs = append(reqs, strconv.Itoa(len(ws[seeds[0]].Requests)))
 	}
-	if o.cpuProfile != "" {
-		f, err := os.Create(o.cpuProfile)
-		if err != nil {
-			return err
-		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			return err
-		}
-		defer pprof.StopCPUProfile()
+	stopProfile, err := startCPUProfile(o.cpuProfile)
+	if err != nil {
+		return err
 	}
+	defer stopProfile()
 	start := time.Now()
 	rs, err := replay.RunGrid(g)
 	if err != nil {

@@ -172,17 +172,11 @@ func run(args []string, stdout io.Writer) error {
 			}
 		}
 	}
-	if o.cpuProfile != "" {
-		f, err := os.Create(o.cpuProfile)
-		if err != nil {
-			return err
-		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			return err
-		}
-		defer pprof.StopCPUProfile()
+	stopProfile, err := startCPUProfile(o.cpuProfile)
+	if err != nil {
+		return err
 	}
+	defer stopProfile()
 	start := time.Now()
 	results := make([]replay.Result, len(jobs))
 	errs := make([]error, len(jobs))
@@ -470,4 +464,21 @@ func runPD(fs *flag.FlagSet, o options, stdout io.Writer) error {
 		return nil
 	}
 	return replay.WritePDOutputs(o.out, replay.PDStem(c.Workloads[seeds[0]].Name, fleets), rs, ss)
+}
+
+// startCPUProfile starts writing a CPU profile to path (nothing when path is empty) and returns
+// the function that stops it.
+func startCPUProfile(path string) (stop func(), err error) {
+	if path == "" {
+		return func() {}, nil
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() { pprof.StopCPUProfile(); f.Close() }, nil
 }
