@@ -4,9 +4,12 @@ import (
 	"container/list"
 	"context"
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/kvroute/kvroute/scorer"
 )
 
 // This file holds what the package documentation's "Router replicas" describes.
@@ -111,6 +114,7 @@ type peerEntry struct {
 	key      peerKey
 	st       *backendState
 	backlog  int64  // its tokens on st.backlog until its first token
+	work     int64  // its prefill work on st.backlogWork until then
 	activeID uint64 // its active-sequence id, 0 when none
 	at       time.Time
 	elem     *list.Element // in peers.order
@@ -169,6 +173,11 @@ func (r *DefaultRouter) ApplyPeerEvent(replica string, ev PeerEvent) {
 		if n := int64(min(ev.PrefillTokens, MaxReportedLoad)); n > 0 {
 			e.backlog = n
 			st.backlog.Add(n)
+			e.work = r.peerWork(int(n), len(ev.BlockKeys))
+			st.addWork(e.work, now.UnixNano())
+		}
+		if r.kv != nil {
+			st.noteDecision(now)
 		}
 		if r.kv != nil && r.kv.cfg.Active != nil && len(ev.BlockKeys) > 0 {
 			e.activeID = r.kv.nextID.Add(1)
@@ -212,11 +221,28 @@ func (r *DefaultRouter) ApplyPeerEvent(replica string, ev PeerEvent) {
 	p.ignored.Add(1)
 }
 
-// endPeerPrefill ends e's prefill load: its backlog tokens and its active sequence's prefill.
+// peerWork is the prefill work of a peer's decision with prefill tokens not cached on its backend
+// and blocks block keys: the prompt is taken as long as its blocks (or its prefill tokens, when
+// longer: the part of a block after the last full one has no key), cached but for those tokens.
+func (r *DefaultRouter) peerWork(prefill, blocks int) int64 {
+	if r.kv == nil {
+		return int64(prefill)
+	}
+	n := max(blocks*r.kv.cfg.BlockSize, prefill)
+	return int64(math.Ceil(min(scorer.PrefillWork(n, n-prefill, r.kv.attn), MaxReportedLoad)))
+}
+
+// endPeerPrefill ends e's prefill load: its backlog tokens and work, and its active sequence's
+// prefill. The peer's first token teaches this Router nothing of the backend's prefill rate: it
+// reaches it late and without the time the prefill started.
 func (r *DefaultRouter) endPeerPrefill(e *peerEntry) {
 	if e.backlog != 0 {
 		e.st.backlog.Add(-e.backlog)
 		e.backlog = 0
+	}
+	if e.work != 0 {
+		e.st.endWork(e.work, false, 0, r.cfg.Now().UnixNano())
+		e.work = 0
 	}
 	if e.activeID != 0 {
 		r.kv.cfg.Active.FirstToken(e.activeID)

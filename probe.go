@@ -73,6 +73,11 @@ type ProbeBackend struct {
 	Weight               float64 `json:"weight"`
 	InFlight             int     `json:"in_flight"`
 	PendingPrefillTokens int     `json:"pending_prefill_tokens"`
+	// PendingPrefillWork and RecentShare are scorer.Candidate's (tier 4's estimate of the
+	// prefill work ahead of a new request there, and the backend's share of the recent
+	// decisions over its fair share); 0 with tier 4 off.
+	PendingPrefillWork float64 `json:"pending_prefill_work,omitempty"`
+	RecentShare        float64 `json:"recent_share,omitempty"`
 	// CachedBlocks, CachedTokens and Overlap (tier-weighted blocks) are the index's answer for
 	// the request; Tier the slowest tier among the cached blocks (kvindex.Match.Tier), "" when it
 	// holds none. Unhealthy backends are not looked up.
@@ -81,9 +86,9 @@ type ProbeBackend struct {
 	Tier         string  `json:"tier,omitempty"`
 	Overlap      float64 `json:"overlap"`
 	// Score is the scorer's, when it was asked; nil otherwise and for a score that rules the
-	// backend out (not finite). PrefillWork is the least-work rule's measure (the backend's
-	// prefill backlog plus the request's tokens it does not hold, per unit of weight), when that
-	// rule decides.
+	// backend out (not finite). PrefillWork is the least-work rule's measure (the prefill work
+	// pending on the backend plus the request's own there, per unit of weight), when that rule
+	// decides.
 	Score       *float64 `json:"score,omitempty"`
 	PrefillWork *float64 `json:"prefill_work,omitempty"`
 	// RingBound is the ring's load bound for the backend (chwbl.Ring.Bound) and KVBound tier 4's
@@ -203,6 +208,7 @@ func (r *DefaultRouter) probeKV(ctx context.Context, req *prefixkey.Request, pk 
 		if res.Backends[j].Backend == s.cands[i].Backend {
 			b := &res.Backends[j]
 			b.CachedBlocks, b.CachedTokens, b.Overlap = s.cands[i].CachedBlocks, s.cands[i].CachedTokens, s.cands[i].Overlap
+			b.PendingPrefillWork, b.RecentShare = s.cands[i].PendingPrefillWork, s.cands[i].RecentShare
 			if s.matches[i].Blocks > 0 || s.matches[i].Tokens > 0 {
 				b.Tier = s.matches[i].Tier.String()
 			}
@@ -232,7 +238,7 @@ func (r *DefaultRouter) probeKV(ctx context.Context, req *prefixkey.Request, pk 
 			kv.HandedOff = "below_threshold"
 			return false
 		}
-		leastWorkScores(s, set)
+		t.leastWorkScores(s)
 		for i := range s.cands {
 			w := -s.work[i]
 			pos[i].PrefillWork = &w

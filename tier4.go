@@ -65,12 +65,23 @@ type KVConfig struct {
 	// Tokenizer supplies token IDs for requests that carry none; nil means only requests with
 	// TokenIDs get block keys. Its errors and time-outs route the request without block keys.
 	Tokenizer prefixkey.Tokenizer
-	// Scorer ranks candidates; nil means scorer.NewComposite(Weights). It is asked only when some
-	// backend holds at least MinOverlapThreshold of the request: below it the backend with the
-	// least prefill work takes the request (least_work), or tier 1 with RingFallback.
+	// Scorer ranks candidates. It is asked only when some backend holds at least
+	// MinOverlapThreshold of the request: below it the backend with the least prefill work
+	// takes the request (least_work), or tier 1 with RingFallback. nil means kvroute's default,
+	// scorer.ExpectedTTFT with this AttentionCost (the backend with the earliest expected first
+	// token, counting the compute a cache miss costs the fleet); or, when Weights is set, the
+	// composite scorer scorer.NewComposite(Weights).
 	Scorer scorer.BackendScorer
-	// Weights configure the default composite scorer (overlap 0.6, load 0.3, health 0.1).
+	// Weights, when not the zero value, choose the composite scorer (kv_overlap: overlap, load
+	// and health weighed 0.6/0.3/0.1 by default) as the scorer when Scorer is nil.
 	Weights scorer.CompositeConfig
+	// AttentionCost is the prefill cost model's attention term (scorer.PrefillWork): the cost a
+	// prompt token adds per token of context before it, relative to a token without context.
+	// The Router measures the prefill work queued on each backend with it
+	// (scorer.Candidate.PendingPrefillWork, least_work's choice). 0 means
+	// scorer.DefaultAttentionCost (2e-5, a dense 8B-class model); negative means none (work
+	// is tokens); at most scorer.MaxAttentionCost.
+	AttentionCost float64
 	// MinOverlapThreshold: 0 means DefaultMinOverlapThreshold. Valid: (0, 1].
 	MinOverlapThreshold float64
 	// LoadFactorEpsilon bounds tier 4's choices (kv_aware and least_work) as CHWBL's
@@ -127,6 +138,7 @@ type tier4 struct {
 	clear     indexClearer           // cfg.Index's, or nil
 	threshold float64
 	eps       float64 // LoadFactorEpsilon, defaulted
+	attn      float64 // AttentionCost, defaulted (0: none)
 	specTTL   time.Duration
 	scratch   sync.Pool // *scratch4
 	nextID    atomic.Uint64
@@ -183,12 +195,24 @@ func newTier4(cfg KVConfig) (*tier4, error) {
 	if math.IsNaN(t.eps) || t.eps < 0.01 || t.eps > 10 {
 		return nil, fmt.Errorf("%w: KV load_factor_epsilon %v not in [0.01, 10]", ErrInvalidConfig, cfg.LoadFactorEpsilon)
 	}
+	switch t.attn = cfg.AttentionCost; {
+	case math.IsNaN(t.attn) || t.attn > scorer.MaxAttentionCost:
+		return nil, fmt.Errorf("%w: KV attention_cost %v is above %v", ErrInvalidConfig, cfg.AttentionCost, scorer.MaxAttentionCost)
+	case t.attn == 0:
+		t.attn = scorer.DefaultAttentionCost
+	case t.attn < 0:
+		t.attn = 0
+	}
 	if t.scorer == nil {
-		c, err := scorer.NewComposite(cfg.Weights)
+		var err error
+		if cfg.Weights == (scorer.CompositeConfig{}) {
+			t.scorer, err = scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{AttentionCost: cfg.AttentionCost})
+		} else {
+			t.scorer, err = scorer.NewComposite(cfg.Weights)
+		}
 		if err != nil {
 			return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 		}
-		t.scorer = c
 	}
 	switch cfg.Speculation {
 	case SpeculateShort:
@@ -251,7 +275,7 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 		if t.cfg.RingFallback || usePrefix {
 			return false
 		}
-		return r.chooseLeastWork(ctx, d, s, set)
+		return r.chooseLeastWork(ctx, d, s)
 	}
 	return r.chooseScored(ctx, d, s, sreq)
 }
@@ -330,9 +354,11 @@ func (r *DefaultRouter) lookup(ctx context.Context, d *Decision, s *scratch4, us
 }
 
 // candidates builds s.cands, in the order of s.names, from the index's matches and the
-// backends' loads, health, prefill backlogs and (with KVConfig.Active) active sequences.
+// backends' loads, health, prefill backlogs, recent shares and (with KVConfig.Active) active
+// sequences.
 func (r *DefaultRouter) candidates(s *scratch4, set *backendSet) {
 	s.cands = s.cands[:0]
+	now := r.cfg.Now().UnixNano()
 	li := 0
 	for i := range s.matches {
 		for li < len(s.loads) && s.loads[li].Name != s.names[i] {
@@ -352,18 +378,70 @@ func (r *DefaultRouter) candidates(s *scratch4, set *backendSet) {
 		if st := set.byName[l.Name]; st != nil {
 			c.Health = st.success.load()
 			c.PendingPrefillTokens = int(max(st.backlog.Load(), 0))
+			c.PendingPrefillWork = st.pendingWork(now)
+			c.RecentShare = st.recent.load() // a logarithm until recentShares
 		}
 		s.cands = append(s.cands, c)
 	}
+	recentShares(s.cands, now)
 	if r.kv.cfg.Active != nil {
 		r.kv.cfg.Active.Fill(s.cands)
 	}
 }
 
+// minRecentPerBackend is how many recent decisions (decayed, see backendState.noteDecision) per
+// candidate recentShares needs before it reports shares: with fewer, chance alone moves a
+// backend's share by more than a fifth (the spread of a count of k is about √k).
+const minRecentPerBackend = 4
+
+// recentShares turns the candidates' RecentShare, which hold their backends' logarithmic decayed
+// decision counts (backendState.recent, 0 for none), into their shares of the candidates'
+// decisions over their shares of the candidates' weight, at now (Unix nanoseconds). It sets
+// them all to 0 (unknown) while the candidates have had fewer than minRecentPerBackend recent
+// decisions each.
+func recentShares(cands []scorer.Candidate, now int64) {
+	top := math.Inf(-1)
+	for i := range cands {
+		if v := cands[i].RecentShare; v != 0 {
+			top = max(top, v)
+		}
+	}
+	if math.IsInf(top, -1) {
+		return
+	}
+	sum, weights := 0.0, 0.0
+	for i := range cands {
+		c := &cands[i]
+		if c.RecentShare != 0 {
+			c.RecentShare = math.Exp(c.RecentShare - top) // the count relative to the largest
+			sum += c.RecentShare
+		}
+		weights += weightOf(c.Weight)
+	}
+	// sum·e^top is Σ e^(tᵢ/recentWindow) + 1: over e^(now/recentWindow), the decayed count.
+	if total := sum * math.Exp(top-1-float64(now)/float64(recentWindow)); total < minRecentPerBackend*float64(len(cands)) {
+		for i := range cands {
+			cands[i].RecentShare = 0
+		}
+		return
+	}
+	for i := range cands {
+		cands[i].RecentShare *= weights / (sum * weightOf(cands[i].Weight))
+	}
+}
+
+// weightOf is a candidate's weight, 1 unless a positive finite number.
+func weightOf(w float64) float64 {
+	if w > 0 && !math.IsInf(w, 1) {
+		return w
+	}
+	return 1
+}
+
 // chooseLeastWork takes, for a request no backend holds enough of, a slot on the backend with the
 // least prefill work ahead of it (least_work); false when every backend is at tier 4's bound.
-func (r *DefaultRouter) chooseLeastWork(ctx context.Context, d *Decision, s *scratch4, set *backendSet) bool {
-	i := r.acquireLeastWork(s, d, set)
+func (r *DefaultRouter) chooseLeastWork(ctx context.Context, d *Decision, s *scratch4) bool {
+	i := r.acquireLeastWork(s, d)
 	if i < 0 { // every backend at tier 4's bound: the CHWBL walk decides
 		return false
 	}
@@ -436,28 +514,22 @@ func (r *DefaultRouter) acquireBest(s *scratch4, d *Decision) int {
 }
 
 // acquireLeastWork takes a slot, under tier 4's bound, on the candidate with the least prefill
-// work per unit of weight: its backlog plus the request's tokens it does not hold; ties go to the
-// less loaded. It returns the candidate's index, or -1 when all are at their bound.
-func (r *DefaultRouter) acquireLeastWork(s *scratch4, d *Decision, set *backendSet) int {
-	leastWorkScores(s, set)
+// work per unit of weight: the work pending there plus the request's own there (scorer.PrefillWork
+// of its tokens, with what the backend holds of them cached); ties go to the less loaded. It
+// returns the candidate's index, or -1 when all are at their bound.
+func (r *DefaultRouter) acquireLeastWork(s *scratch4, d *Decision) int {
+	r.kv.leastWorkScores(s)
 	return r.acquireHighest(s, d)
 }
 
 // leastWorkScores fills s.work, for acquireHighest (or Probe), with each candidate's prefill work
 // per unit of weight, negated: the least work scores highest.
-func leastWorkScores(s *scratch4, set *backendSet) {
+func (t *tier4) leastWorkScores(s *scratch4) {
 	s.work = s.work[:0]
 	for i := range s.cands {
 		c := &s.cands[i]
-		w := c.Weight
-		if w <= 0 {
-			w = 1
-		}
-		var backlog int64
-		if st := set.byName[c.Backend]; st != nil {
-			backlog = st.backlog.Load()
-		}
-		s.work = append(s.work, -(float64(backlog)+float64(max(s.ntok-c.CachedTokens, 0)))/w)
+		own := scorer.PrefillWork(s.ntok, c.CachedTokens, t.attn)
+		s.work = append(s.work, -(c.PendingPrefillWork+own)/weightOf(c.Weight))
 	}
 }
 
@@ -499,6 +571,9 @@ func (r *DefaultRouter) addBacklog(d *Decision, s *scratch4) {
 	if n := int64(s.ntok - cached); n > 0 {
 		d.backlog.Store(n)
 		d.state.backlog.Add(n)
+		w := int64(math.Ceil(scorer.PrefillWork(s.ntok, cached, r.kv.attn)))
+		d.work.Store(w)
+		d.state.addWork(w, d.start.UnixNano())
 	}
 }
 

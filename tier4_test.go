@@ -232,7 +232,10 @@ func TestKVRespectsLoadBound(t *testing.T) {
 	}{{0, DefaultKVLoadFactorEpsilon}, {0.25, 0.25}, {3, 3}} {
 		t.Run(fmt.Sprint(tc.eps), func(t *testing.T) {
 			ix := newMemIndex(t)
-			r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff, LoadFactorEpsilon: tc.eps}})
+			// The hot-prefix spreading off: the bound alone limits the holder here.
+			sc, err := scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{HotDiscount: -1})
+			require.NoError(t, err)
+			r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff, LoadFactorEpsilon: tc.eps, Scorer: sc}})
 			toks := promptTokens(4, 16*16)
 			storeBlocks(t, ix, "vllm-1", toks, 16, events.TierGPU)
 			ctx := context.Background()

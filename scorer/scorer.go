@@ -28,6 +28,16 @@ type Candidate struct {
 	// cached there, of the requests routed to it that have not produced a first token (0 when
 	// the router does not know prompt lengths).
 	PendingPrefillTokens int
+	// PendingPrefillWork is the router's estimate of the prefill work still ahead of a new
+	// request on the backend, in token-equivalents (PrefillWork of each such request, with the
+	// router's attention cost), less the progress it estimates the backend has made since its
+	// last first token (at the prefill rate it has observed there). 0 when nothing is queued or
+	// the router does not know prompt lengths.
+	PendingPrefillWork float64
+	// RecentShare is the backend's share of the router's recent decisions (decayed over a few
+	// minutes) over its share of the fleet's weight: 1 is its fair share, 2 twice that; 0 when
+	// the router has made no decision yet.
+	RecentShare float64
 }
 
 // Request is what a scorer knows of the request itself.

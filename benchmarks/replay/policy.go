@@ -128,6 +128,15 @@ func newRouter(name string, env policyEnv) (router, error) {
 		cfg := loadOnly
 		cfg.Strategy = kvroute.StrategyLeastLoaded
 		cfg.KV = &kvroute.KVConfig{Index: ix, BlockSize: env.blockSize, Speculation: kvroute.SpeculateOff}
+		if name == PolicyPrecise {
+			// The composite scorer (kvroute's kv_overlap: overlap, load and health weighed
+			// 0.6/0.3/0.1), as llm-d's precise prefix-cache scorer weighs overlap with load.
+			composite, err := scorer.NewComposite(scorer.CompositeConfig{})
+			if err != nil {
+				return nil, err
+			}
+			cfg.KV.Scorer = composite
+		}
 		if name == PolicyCost {
 			cost, err := scorer.NewCost(scorer.CostConfig{})
 			if err != nil {
