@@ -284,7 +284,7 @@ type backendState struct {
 	prefillRate atomicFloat
 	// recent is the logarithm of the backend's decayed count of decisions (see noteDecision),
 	// 0 before the first.
-	recent atomicFloat
+	recent  atomicFloat
 	role    disagg.Role
 	storage *disagg.ExternalStorage // nil: the disaggregation default
 	// peerInFlight counts the peers' decisions in flight here (ApplyPeerEvent); engine is the
