@@ -621,6 +621,24 @@ type KVIndexStatsConfig struct {
 	LoadFactorEpsilon   float64 `json:"load_factor_epsilon"`
 	Speculation         string  `json:"speculation"`
 	SpeculativeTTLSecs  float64 `json:"speculative_ttl_seconds"`
+	// Scorer names tier 4's scorer: expected_ttft (the default), kv_overlap (the composite),
+	// cost, or custom (any other implementation). AttentionCost is KVConfig.AttentionCost in
+	// effect (0: prefill work counts tokens alone).
+	Scorer        string  `json:"scorer"`
+	AttentionCost float64 `json:"attention_cost"`
+}
+
+// scorerName is KVIndexStatsConfig.Scorer for s.
+func scorerName(s scorer.BackendScorer) string {
+	switch s.(type) {
+	case *scorer.ExpectedTTFT:
+		return "expected_ttft"
+	case *scorer.Composite:
+		return "kv_overlap"
+	case *scorer.Cost:
+		return "cost"
+	}
+	return "custom"
 }
 
 // KVRoutingDecisions counts the requests tier 4 looked at by outcome, with the labels of Reason:
@@ -653,6 +671,8 @@ func (r *DefaultRouter) KVStats(ctx context.Context) (KVIndexStats, error) {
 			LoadFactorEpsilon:   t.eps,
 			Speculation:         t.cfg.Speculation.String(),
 			SpeculativeTTLSecs:  t.specTTL.Seconds(),
+			Scorer:              scorerName(t.scorer),
+			AttentionCost:       t.attn,
 		},
 		Lookups:        t.lookups.Load(),
 		LookupErrors:   t.lookupErrs.Load(),
