@@ -28,6 +28,16 @@ func TestCostConformance(t *testing.T) {
 	})
 }
 
+func TestExpectedTTFTConformance(t *testing.T) {
+	scorertest.Run(t, func(t *testing.T) scorer.BackendScorer {
+		e, err := scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return e
+	})
+}
+
 // ScoreSafely turns a scorer's wrong answer or panic into ErrBadScores.
 func TestScoreSafely(t *testing.T) {
 	cands := []scorer.Candidate{{Backend: "a", Healthy: true}, {Backend: "b", Healthy: true}}

@@ -4,7 +4,20 @@
 // A caller builds one Candidate per backend (cached prefix from package kvindex, in-flight count and
 // health from its own accounting), scores them with a BackendScorer, and picks one:
 //
-//   - Composite is kvroute's KvOverlapScorer: OverlapWeight·overlap + LoadWeight·(1 − load) +
+//   - ExpectedTTFT is kvroute's default tier-4 scorer: it prefers the backend where the request's
+//     first token is expected soonest (the prefill work queued there, then the request's own,
+//     divided by the backend's weight), plus CacheWeight times the request's own prefill work,
+//     the compute a cache miss costs the rest of the fleet. With the other backends idle, the one
+//     holding the prefix keeps the request until the work queued on it exceeds
+//     (1 + CacheWeight) times the prefill the prefix saves (at weight 1). A backend taking more
+//     than its share of the recent requests (Candidate.RecentShare) has its cached prefix
+//     discounted, so that a hot prefix family gets warmed on a second backend.
+//   - PrefillWork is the prefill cost model ExpectedTTFT and kvroute's router share, in
+//     token-equivalents: (tokens − cached) + AttentionCost·(tokens² − cached²), a linear term
+//     for the weights and a quadratic one for attention over the context, so that the tail of a
+//     long prompt costs more than a short prompt of the same length.
+//   - Composite is kvroute's kv_overlap scorer (its KvOverlapScorer), the one kvroute's
+//     KVConfig.Weights selects: OverlapWeight·overlap + LoadWeight·(1 − load) +
 //     HealthWeight·health, with a minimum-overlap threshold (Composite.Active) below which the
 //     caller falls back to its consistent-hash ring.
 //   - Cost is Dynamo's KV router cost: PrefillWeight·prefill_blocks + decode_blocks, in blocks,

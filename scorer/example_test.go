@@ -102,3 +102,29 @@ func ExamplePrepareCache() {
 	// [pod-a pod-b] <nil>
 	// queries: 1
 }
+
+// Expected time to first token: pod-a holds the whole prompt, pod-b nothing. Behind a short queue
+// pod-a keeps the request, since its cache saves the whole prefill; behind a long queue of prefill
+// work the idle pod-b takes it, even counting what the cache miss costs the fleet (CacheWeight,
+// 6 by default, times the prefill pod-b must do).
+func ExampleExpectedTTFT() {
+	ttft, err := scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{}) // CacheWeight 6, AttentionCost 2e-5
+	if err != nil {
+		panic(err)
+	}
+	req := scorer.Request{Blocks: 512, Tokens: 8192}
+	fmt.Printf("prefill of the whole prompt: %.0f\n", scorer.PrefillWork(req.Tokens, 0, scorer.DefaultAttentionCost))
+	for _, queued := range []float64{30_000, 120_000} {
+		cands := []scorer.Candidate{
+			{Backend: "pod-a", CachedBlocks: 512, CachedTokens: 8192, PendingPrefillWork: queued, Weight: 1, Healthy: true},
+			{Backend: "pod-b", Weight: 1, Healthy: true},
+		}
+		scores := ttft.Score(req, cands, make([]float64, len(cands)))
+		fmt.Printf("pod-a queue %.0f: cost pod-a %.0f, pod-b %.0f: %s\n", queued, -scores[0], -scores[1],
+			cands[scorer.PickBest(scores, cands)].Backend)
+	}
+	// Output:
+	// prefill of the whole prompt: 9534
+	// pod-a queue 30000: cost pod-a 30000, pod-b 66739: pod-a
+	// pod-a queue 120000: cost pod-a 120000, pod-b 66739: pod-b
+}

@@ -7,8 +7,8 @@ import (
 	"time"
 )
 
-// benchCandidates returns n healthy candidates of varied overlap (of a blocks-long request),
-// load and health.
+// benchCandidates returns n candidates (every eleventh unhealthy) of varied overlap (of a
+// blocks-long request), load, queued prefill work, share of the recent decisions and health.
 func benchCandidates(n, blocks int) []Candidate {
 	c := make([]Candidate, n)
 	for i := range c {
@@ -24,6 +24,8 @@ func benchCandidates(n, blocks int) []Candidate {
 			Health:              0.95,
 			ActivePrefillBlocks: (i * 3) % 17,
 			ActiveDecodeBlocks:  (i * 13) % 101,
+			PendingPrefillWork:  float64((i * 977) % 4096),
+			RecentShare:         0.5 + 0.25*float64(i%5),
 		}
 	}
 	return c
@@ -54,6 +56,21 @@ func BenchmarkCostScore(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {
 				out = c.Score(req, cands, out)
+			}
+		})
+	}
+}
+
+func BenchmarkExpectedTTFT(b *testing.B) {
+	e, _ := NewExpectedTTFT(ExpectedTTFTConfig{})
+	for _, n := range []int{16, 64} {
+		b.Run("backends="+strconv.Itoa(n), func(b *testing.B) {
+			cands := benchCandidates(n, 512)
+			req := Request{Blocks: 512, Tokens: 512 * 16}
+			out := make([]float64, n)
+			b.ReportAllocs()
+			for b.Loop() {
+				out = e.Score(req, cands, out)
 			}
 		})
 	}

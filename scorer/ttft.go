@@ -37,8 +37,8 @@ const maxPendingWork = 1e18
 // The linear term is the weights' work on every token not cached; the quadratic one the
 // attention of each such token over the context before it, which is why the last 10,000 tokens
 // of a 100,000-token prompt take far longer than a 10,000-token prompt. cached is clamped to
-// [0, tokens], a negative tokens counts as 0, and a negative or NaN attentionCost as 0. It is a
-// pure function.
+// [0, tokens], a negative tokens counts as 0, and a negative or NaN attentionCost as 0;
+// attentionCost must be finite. It is a pure function.
 func PrefillWork(tokens, cached int, attentionCost float64) float64 {
 	n := float64(max(tokens, 0))
 	c := float64(min(max(cached, 0), max(tokens, 0)))
@@ -54,9 +54,11 @@ type ExpectedTTFTConfig struct {
 	// expected time to first token plus CacheWeight times the prefill work the request would
 	// add there. The first term alone sends a request wherever it starts soonest and throws
 	// cache hits away whenever the holder is busy; the second is what a cache miss costs the
-	// rest of the fleet (the recomputed prefix delays every request queued behind it). With 6,
-	// a prompt the holder has cached whole waits there up to about six times the prefill it
-	// saves before it goes elsewhere. Range: finite and > 0; 0 means DefaultCacheWeight.
+	// rest of the fleet (the recomputed prefix delays every request queued behind it). A prompt
+	// the holder has cached whole stays there while the work queued ahead of it is under
+	// 1 + CacheWeight times the prefill it saves (its own wait counts once, the fleet's
+	// compute CacheWeight times): seven times with the default 6. Range: finite and ≥ 0; 0
+	// means DefaultCacheWeight.
 	CacheWeight float64
 	// AttentionCost is PrefillWork's attentionCost: it must be the one the Router computes
 	// Candidate.PendingPrefillWork with (kvroute.KVConfig.AttentionCost). Range [0,
@@ -180,7 +182,8 @@ func (e *ExpectedTTFT) Score(req Request, cands []Candidate, out []float64) []fl
 		if !(w > 0) || math.IsInf(w, 1) {
 			w = 1
 		}
-		out[i] = -((pending+own)/w + e.cacheWeight*own)
+		// Finite for every healthy candidate, even with an absurdly small weight.
+		out[i] = max(-((pending+own)/w + e.cacheWeight*own), -math.MaxFloat64)
 	}
 	return out
 }
