@@ -18,12 +18,22 @@
 // The default Router (New) implements tier 1 with a fallback selection strategy (round_robin,
 // least_loaded, random or least_latency) for requests that carry no prefix key, and tier 4 when
 // Config.KV names a kvindex.KvCacheIndex: the request's block keys (from its tokens, or a
-// prefixkey.Tokenizer) are looked up among the healthy backends, scored with load and health, and
-// the best backend under tier 4's load bound wins when the best overlap reaches
-// min_overlap_threshold (Decision.Reason kv_aware). Below it the backend with the least prefill
-// work ahead of the request takes it (least_work: the uncached prompt tokens of the requests it
-// has not started answering, plus this one's), because the ring's bound counts requests, not
-// their length; KVConfig.RingFallback gives the decision to the ring instead. Every decision
+// prefixkey.Tokenizer) are looked up among the healthy backends, and when the best overlap
+// reaches min_overlap_threshold the scorer picks the backend under tier 4's load bound
+// (Decision.Reason kv_aware, or load_bound when it passes the backends holding enough). The
+// default scorer, scorer.ExpectedTTFT, weighs each backend by when the request's first token
+// would come there — the prefill work queued ahead of it, then its own, in a transformer's cost
+// (scorer.PrefillWork: linear in the uncached tokens, quadratic in their context) — plus six
+// times its own prefill work, what recomputing a cached prefix costs the rest of the fleet; a
+// backend taking more than 1.1 times its share of the recent requests has its cached prefix
+// discounted, so a hot prefix family warms a second backend instead of piling onto one. The
+// Router estimates the queued work from the requests it routed there that have no first token
+// yet, less the progress made since the head of that queue began, at the prefill rate the
+// backend's first tokens showed. KVConfig.Weights selects the composite overlap/load/health
+// scorer (kv_overlap) instead. Below the threshold the backend with the least prefill work ahead
+// of the request takes it (least_work: the same queued work, plus this request's own), because
+// the ring's bound counts requests, not their length; KVConfig.RingFallback gives the decision
+// to the ring instead. Every decision
 // holds an in-flight slot on its backend until Done; the slots are what the load bounds count:
 // CHWBL's (1+ε)·mean for the ring, and for tier 4 its own, looser KVConfig.LoadFactorEpsilon
 // (default 1.0: up to twice the mean), because a backend that holds the prompt's KV cache is

@@ -43,11 +43,13 @@
 // # Policies and oracles
 //
 // random (a seeded uniform choice), round_robin and least_loaded (kvroute strategies, prefix
-// routing off), chwbl (tier 1), approximate (tier 4 fed by its own routing decisions), precise
-// (tier 4 fed by KV events, composite scorer, no speculation), cost (tier 4 fed by KV events,
-// prefill+decode cost scorer with active-sequence tracking), kvroute (what the README recommends:
-// tier 1 plus tier 4 fed by KV events, every setting at its default). The tier-4 policies other
-// than kvroute fall back to least_loaded. The oracles: one engine with the whole fleet's cache,
+// routing off), chwbl (tier 1), approximate (tier 4 fed by its own routing decisions, default
+// scorer), precise (tier 4 fed by KV events, the composite overlap/load/health scorer, no
+// speculation), cost (tier 4 fed by KV events, prefill+decode cost scorer with active-sequence
+// tracking), kvroute (what the README recommends: tier 1 plus tier 4 fed by KV events, every
+// setting at its default, the expected-TTFT scorer among them). The tier-4 policies other than
+// kvroute fall back to least_loaded; all of them share the Router's queued-work estimate and its
+// least-work choice below the overlap threshold. The oracles: one engine with the whole fleet's cache,
 // slots and compute (a global LRU, load spread ideally), and an infinite cache (the ceiling of
 // the workload's reuse; its TTFT is the prefill at that hit without queueing).
 //

@@ -21,7 +21,7 @@ const (
 	PolicyRoundRobin  = "round_robin"  // kvroute.StrategyRoundRobin, prefix routing off
 	PolicyLeastLoaded = "least_loaded" // kvroute.StrategyLeastLoaded, prefix routing off
 	PolicyCHWBL       = "chwbl"        // tier 1: prefix key on the bounded-load ring
-	PolicyApproximate = "approximate"  // tier 4 fed by routing decisions only (Approximate)
+	PolicyApproximate = "approximate"  // tier 4 fed by routing decisions only (Approximate), default scorer
 	PolicyPrecise     = "precise"      // tier 4 fed by KV events, composite scorer, no speculation
 	PolicyCost        = "cost"         // tier 4 fed by KV events, prefill+decode cost scorer
 	PolicyKVRoute     = "kvroute"      // kvroute's recommended setup: tier 1 + tier 4, defaults
@@ -157,7 +157,7 @@ func newRouter(name string, env policyEnv) (router, error) {
 			return nil, err
 		}
 		// What README and doc.go recommend: prefix routing (tier 1) plus tier 4 with an event-fed
-		// index, every other setting at its default (composite 0.6/0.3/0.1, threshold 0.3,
+		// index, every other setting at its default (the expected-TTFT scorer, threshold 0.3,
 		// short speculation).
 		cfg := kvroute.Config{Strategy: kvroute.StrategyLeastLoaded, Backends: backends, Now: env.now,
 			KV: &kvroute.KVConfig{Index: ix, BlockSize: env.blockSize}}
