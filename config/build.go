@@ -114,7 +114,8 @@ func (c *Config) RouterConfig(o Options) (kvroute.Config, error) {
 
 // DisaggConfig maps disaggregated_serving onto the Router's disaggregation; it returns nil (and
 // no error) when disaggregated_serving is not enabled. Prefill and unified backends are scored
-// with kv_cache_index.scoring's weights when tier 4 is on. A conditional threshold of 0 (the
+// with kv_cache_index.scoring's weights (the composite scorer) when tier 4 is on, whatever
+// kv_cache_index.scoring.scorer is: see the comment in the body. A conditional threshold of 0 (the
 // YAML's "test off") becomes the library's negative value, since the library's 0 means its
 // default.
 //
@@ -146,6 +147,11 @@ func (c *Config) DisaggConfig() (*disagg.Config, error) {
 		dc.MaxUncachedRatio = -1
 	}
 	if c.KVCacheIndex.Enabled {
+		// The composite, even with scorer expected_ttft: the planner's candidates carry their
+		// in-flight counts (prefill load for the prefill pool), not the prefill work queued on
+		// them that ExpectedTTFT ranks by, so ExpectedTTFT would see idle backends everywhere and
+		// ignore load. The weights are then their defaults (Validate rejects weights of one's own
+		// with expected_ttft).
 		comp, err := scorer.NewComposite(c.compositeConfig())
 		if err != nil {
 			return nil, fmt.Errorf("disaggregated_serving: %w", err)
@@ -518,9 +524,13 @@ func (c *Config) newKVIndex(client rueidis.Client) (index kvindex.KvCacheIndex, 
 }
 
 // KVConfig maps kv_cache_index onto the Router's tier 4 over index (normally NewKVIndex's,
-// possibly wrapped) and tok: the scoring weights, min_overlap_threshold, load_factor_epsilon,
-// block_size, speculation, and UsePrefixEntries when some event source is SSE (prefix-granular
-// events). It returns nil when kv_cache_index is not enabled, so that
+// possibly wrapped) and tok: the scorer, attention_cost, min_overlap_threshold,
+// load_factor_epsilon, block_size, speculation, and UsePrefixEntries when some event source is
+// SSE (prefix-granular events). With scorer expected_ttft, Scorer is a scorer.ExpectedTTFT of
+// cache_weight and attention_cost and Weights is zero; with kv_overlap, Scorer is nil and
+// Weights are the scoring weights (the Router builds the composite). AttentionCost is
+// attention_cost, its 0 ("no attention term") the library's negative value (its 0 means its
+// default). It returns nil when kv_cache_index is not enabled, so that
 //
 //	rcfg.KV = cfg.KVConfig(index, tok)
 //
@@ -531,7 +541,9 @@ func (c *Config) newKVIndex(client rueidis.Client) (index kvindex.KvCacheIndex, 
 // estimate a nil tok means prefixkey.EstimateTokenizer; with mode none tok is ignored and
 // requests get no block keys.
 //
-// KVConfig panics when c's defaults were not applied. It only reads c.
+// c should be valid: a cache_weight Validate rejects leaves Scorer nil (the Router's default,
+// ExpectedTTFT with its default cache weight). KVConfig panics when c's defaults were not
+// applied. It only reads c.
 func (c *Config) KVConfig(index kvindex.KvCacheIndex, tok prefixkey.Tokenizer) *kvroute.KVConfig {
 	c.mustHaveDefaults("KVConfig")
 	kc := c.KVCacheIndex
@@ -560,16 +572,26 @@ func (c *Config) KVConfig(index kvindex.KvCacheIndex, tok prefixkey.Tokenizer) *
 		}
 	}
 	sc := kc.Scoring
-	return &kvroute.KVConfig{
+	kcfg := &kvroute.KVConfig{
 		Index:               index,
 		BlockSize:           kc.BlockSize,
 		Tokenizer:           tok,
-		Weights:             c.compositeConfig(),
+		AttentionCost:       *sc.AttentionCost,
 		MinOverlapThreshold: sc.MinOverlapThreshold,
 		LoadFactorEpsilon:   sc.LoadFactorEpsilon,
 		UsePrefixEntries:    usePrefix,
 		Speculation:         spec,
 	}
+	if kcfg.AttentionCost == 0 { // the YAML's "no attention term"; the library's 0 is its default
+		kcfg.AttentionCost = -1
+	}
+	if sc.Scorer == ScorerKVOverlap {
+		kcfg.Weights = c.compositeConfig()
+	} else if s, err := scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{CacheWeight: *sc.CacheWeight,
+		AttentionCost: kcfg.AttentionCost}); err == nil {
+		kcfg.Scorer = s
+	}
+	return kcfg
 }
 
 // EventConsumer is an events transport built by NewEventConsumers: an *events.SSEConsumer or a

@@ -22,6 +22,7 @@ import (
 	"github.com/kvroute/kvroute/kvindex/redisindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
+	"github.com/kvroute/kvroute/scorer"
 )
 
 // Integration environment: internal/testenv's REDIS_ADDR and S3_* variables, and
@@ -538,7 +539,7 @@ kv_cache_index:
   event_sources: [{backend_name: vllm-1, endpoint: "tcp://127.0.0.1:5557"}]
 `, tok, func(t *testing.T, kc *kvroute.KVConfig) {
 			if kc.Tokenizer != tok || kc.Speculation != kvroute.SpeculateOff || kc.UsePrefixEntries ||
-				kc.LoadFactorEpsilon != kvroute.DefaultKVLoadFactorEpsilon || kc.Weights.OverlapWeight != 0.6 {
+				kc.LoadFactorEpsilon != kvroute.DefaultKVLoadFactorEpsilon || kc.Weights != (scorer.CompositeConfig{}) {
 				t.Errorf("%+v", kc)
 			}
 		}},

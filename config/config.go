@@ -244,7 +244,7 @@ type KVCacheIndexConfig struct {
 	ApproximateCapacityBlocks int `yaml:"approximate_capacity_blocks"`
 	// Redis is the index's own Redis settings (backend redis).
 	Redis KVRedisConfig `yaml:"redis"`
-	// Scoring weighs overlap, load and health; they must sum to 1.0.
+	// Scoring chooses and tunes the scorer that ranks the backends holding part of a request.
 	Scoring ScoringConfig `yaml:"scoring"`
 	// StorageOffloading tracks the storage tier of prefix entries.
 	StorageOffloading StorageOffloadingConfig `yaml:"storage_offloading"`
@@ -264,10 +264,33 @@ type KVRedisConfig struct {
 
 // ScoringConfig is kv_cache_index.scoring.
 type ScoringConfig struct {
-	// OverlapWeight, LoadWeight and HealthWeight (defaults 0.6, 0.3, 0.1) must sum to 1.0.
+	// Scorer ranks the backends once one holds min_overlap_threshold of a request:
+	// expected_ttft (scorer.ExpectedTTFT: the backend with the earliest expected first token,
+	// counting the compute a cache miss costs the fleet; tuned by cache_weight) or kv_overlap
+	// (scorer.Composite: overlap, load and health weighed by overlap_weight, load_weight and
+	// health_weight). Default: kv_overlap when any of those three weights is set, so that a
+	// configuration that tuned them keeps the scorer they tune; otherwise expected_ttft. Each
+	// scorer's own settings are errors with the other one.
+	Scorer string `yaml:"scorer"`
+	// OverlapWeight, LoadWeight and HealthWeight (defaults 0.6, 0.3, 0.1) must sum to 1.0. They
+	// tune kv_overlap only: setting one selects it when scorer is unset, and is an error with
+	// scorer expected_ttft. The defaults also weigh disaggregated serving's prefill and unified
+	// candidates, whatever the scorer (see Config.DisaggConfig).
 	OverlapWeight *float64 `yaml:"overlap_weight"`
 	LoadWeight    *float64 `yaml:"load_weight"`
 	HealthWeight  *float64 `yaml:"health_weight"`
+	// CacheWeight is expected_ttft's weight of the prefill a request adds against its wait
+	// (scorer.ExpectedTTFTConfig.CacheWeight): a backend holding the whole prompt keeps it while
+	// the work queued on it is under 1 + cache_weight times the prefill it saves (default 6,
+	// finite and > 0). Only with scorer expected_ttft.
+	CacheWeight *float64 `yaml:"cache_weight"`
+	// AttentionCost is the prefill cost model's attention term (kvroute.KVConfig.AttentionCost):
+	// the cost a prompt token adds per token of context before it, relative to a token without
+	// context. Both scorers use it, since the Router measures the prefill work queued on each
+	// backend with it (expected_ttft's queue, and the least_work choice below
+	// min_overlap_threshold). Default 2e-5 (scorer.DefaultAttentionCost: a dense 8B-class
+	// model), range [0, 0.01]; 0 means no attention term (prefill work counts tokens alone).
+	AttentionCost *float64 `yaml:"attention_cost"`
 	// MinOverlapThreshold is the fraction of a request a backend must hold for KV-aware routing
 	// to take over (default 0.3, range (0, 1]).
 	MinOverlapThreshold float64 `yaml:"min_overlap_threshold"`
@@ -280,7 +303,35 @@ type ScoringConfig struct {
 	GPUTierWeight     *float64 `yaml:"gpu_tier_weight"`
 	CPUTierWeight     *float64 `yaml:"cpu_tier_weight"`
 	StorageTierWeight *float64 `yaml:"storage_tier_weight"`
+
+	// defaulted records which scorer-specific settings (scoringOverlap…scoringCache) ApplyDefaults
+	// filled, the others being the configuration's own: Validate rejects those with the scorer
+	// they do not tune. Bits are only ever added, so that ApplyDefaults stays idempotent.
+	defaulted scoringKeys
 }
+
+// scoringKeys is a set of ScoringConfig's scorer-specific settings.
+type scoringKeys uint8
+
+// The scorer-specific settings of ScoringConfig, in the order of scoringKeyNames.
+const (
+	scoringOverlap scoringKeys = 1 << iota
+	scoringLoad
+	scoringHealth
+	scoringCache
+)
+
+// scoringKeyNames are the YAML names of scoringOverlap, scoringLoad, scoringHealth and
+// scoringCache.
+var scoringKeyNames = [...]string{"overlap_weight", "load_weight", "health_weight", "cache_weight"}
+
+// Scorers of kv_cache_index.scoring.scorer.
+const (
+	// ScorerExpectedTTFT ranks backends by expected time to first token (scorer.ExpectedTTFT).
+	ScorerExpectedTTFT = "expected_ttft"
+	// ScorerKVOverlap weighs overlap, load and health (scorer.Composite).
+	ScorerKVOverlap = "kv_overlap"
+)
 
 // StorageOffloadingConfig is kv_cache_index.storage_offloading.
 type StorageOffloadingConfig struct {

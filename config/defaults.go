@@ -2,6 +2,7 @@ package config
 
 import (
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/kvroute/kvroute"
@@ -93,12 +94,31 @@ func (c *Config) ApplyDefaults() {
 		}
 	}
 	sc := &kv.Scoring
-	// Unset weights take their defaults; the sum of the three is then checked by validate.
+	// The scorer follows the settings the configuration gave: the composite's weights select it,
+	// as they did before expected_ttft became the default. Which scorer-specific settings the
+	// defaults fill is recorded before they are filled: Validate rejects the configuration's own
+	// with the scorer they do not tune.
+	scorerOwn := []*float64{sc.OverlapWeight, sc.LoadWeight, sc.HealthWeight, sc.CacheWeight}
+	if sc.Scorer == "" {
+		sc.Scorer = ScorerExpectedTTFT
+		if slices.ContainsFunc(scorerOwn[:3], func(w *float64) bool { return w != nil }) {
+			sc.Scorer = ScorerKVOverlap
+		}
+	}
+	for i, p := range scorerOwn {
+		if p == nil {
+			sc.defaulted |= 1 << i
+		}
+	}
+	// Unset weights take their defaults; the sum of the three is then checked by validate. Each
+	// scorer's settings get theirs whatever the scorer: the weights also weigh disaggregated
+	// serving's candidates.
 	for _, w := range []struct {
 		p **float64
 		v float64
 	}{{&sc.OverlapWeight, scorer.DefaultOverlapWeight}, {&sc.LoadWeight, scorer.DefaultLoadWeight},
-		{&sc.HealthWeight, scorer.DefaultHealthWeight},
+		{&sc.HealthWeight, scorer.DefaultHealthWeight}, {&sc.CacheWeight, scorer.DefaultCacheWeight},
+		{&sc.AttentionCost, scorer.DefaultAttentionCost},
 		{&sc.GPUTierWeight, kvindex.DefaultTierWeights[0]}, {&sc.CPUTierWeight, kvindex.DefaultTierWeights[1]},
 		{&sc.StorageTierWeight, kvindex.DefaultTierWeights[2]}} {
 		if *w.p == nil {
@@ -249,7 +269,7 @@ func defaultTokenizer(sources []EventSourceConfig) string {
 }
 
 // undefaulted returns the path of the first field that ApplyDefaults sets and that is still
-// nil, or "" when the defaults have been applied.
+// nil (or, for kv_cache_index.scoring.scorer, empty), or "" when the defaults have been applied.
 func (c *Config) undefaulted() string {
 	sc := &c.KVCacheIndex.Scoring
 	cd := &c.DisaggregatedServing.Conditional
@@ -262,9 +282,12 @@ func (c *Config) undefaulted() string {
 		{"response_cache.cache_streaming", c.ResponseCache.CacheStreaming != nil},
 		{"response_cache.redis.fallback_to_memory", c.ResponseCache.Redis.FallbackToMemory != nil},
 		{"response_cache.tiered.promote_on_hit", c.ResponseCache.Tiered.PromoteOnHit != nil},
+		{"kv_cache_index.scoring.scorer", sc.Scorer != ""},
 		{"kv_cache_index.scoring.overlap_weight", sc.OverlapWeight != nil},
 		{"kv_cache_index.scoring.load_weight", sc.LoadWeight != nil},
 		{"kv_cache_index.scoring.health_weight", sc.HealthWeight != nil},
+		{"kv_cache_index.scoring.cache_weight", sc.CacheWeight != nil},
+		{"kv_cache_index.scoring.attention_cost", sc.AttentionCost != nil},
 		{"kv_cache_index.scoring.gpu_tier_weight", sc.GPUTierWeight != nil},
 		{"kv_cache_index.scoring.cpu_tier_weight", sc.CPUTierWeight != nil},
 		{"kv_cache_index.scoring.storage_tier_weight", sc.StorageTierWeight != nil},

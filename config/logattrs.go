@@ -57,7 +57,12 @@ func (c *Config) LogAttrs() []slog.Attr {
 	}
 	if kc := &c.KVCacheIndex; kc.Enabled {
 		attrs = append(attrs, slog.String("kv_cache_index.backend", kc.Backend), slog.String("kv_cache_index.tokenizer", kc.Tokenizer),
-			slog.String("kv_cache_index.speculation", kc.Speculation), slog.Int("kv_cache_index.event_sources", len(kc.EventSources)))
+			slog.String("kv_cache_index.speculation", kc.Speculation), slog.Int("kv_cache_index.event_sources", len(kc.EventSources)),
+			slog.String("kv_cache_index.scoring.scorer", kc.Scoring.Scorer))
+		if kc.Scoring.Scorer == ScorerExpectedTTFT {
+			attrs = append(attrs, slog.Float64("kv_cache_index.scoring.cache_weight", *kc.Scoring.CacheWeight))
+		}
+		attrs = append(attrs, slog.Float64("kv_cache_index.scoring.attention_cost", *kc.Scoring.AttentionCost))
 		if kc.Backend == "redis" {
 			attrs = append(attrs, slog.String("kv_cache_index.redis.url", RedactURL(c.kvRedisURL())),
 				slog.String("kv_cache_index.redis.key_prefix", orDefault(kc.Redis.KeyPrefix, redisindex.DefaultKeyPrefix)),

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/kvindex"
+	"github.com/kvroute/kvroute/scorer"
 )
 
 // fieldErrors collects validation errors, each prefixed by its field path.
@@ -425,6 +426,31 @@ func (c *Config) validateKV(fe *fieldErrors) {
 	}
 
 	sc := kv.Scoring
+	// Each scorer's own settings are errors with the other: they would silently do nothing.
+	own := func(k scoringKeys) bool { return sc.defaulted&k == 0 }
+	switch sc.Scorer {
+	case ScorerExpectedTTFT:
+		for i, k := range []scoringKeys{scoringOverlap, scoringLoad, scoringHealth} {
+			if own(k) {
+				fe.add("kv_cache_index.scoring."+scoringKeyNames[i], "tunes scorer %s only, and scorer is %s: remove it, or set scorer: %s",
+					ScorerKVOverlap, ScorerExpectedTTFT, ScorerKVOverlap)
+			}
+		}
+	case ScorerKVOverlap:
+		if own(scoringCache) {
+			fe.add("kv_cache_index.scoring.cache_weight", "tunes scorer %s only, and scorer is %s (set, or chosen by overlap_weight, "+
+				"load_weight or health_weight): remove it, or set scorer: %s and remove the weights", ScorerExpectedTTFT, ScorerKVOverlap,
+				ScorerExpectedTTFT)
+		}
+	default:
+		fe.add("kv_cache_index.scoring.scorer", "%q is not one of %s, %s", sc.Scorer, ScorerExpectedTTFT, ScorerKVOverlap)
+	}
+	if w := *sc.CacheWeight; !(w > 0) || math.IsInf(w, 1) {
+		fe.add("kv_cache_index.scoring.cache_weight", "%v must be finite and > 0", w)
+	}
+	if a := *sc.AttentionCost; math.IsNaN(a) || a < 0 || a > scorer.MaxAttentionCost {
+		fe.add("kv_cache_index.scoring.attention_cost", "%v is not in [0, %v]", a, scorer.MaxAttentionCost)
+	}
 	ws := []float64{*sc.OverlapWeight, *sc.LoadWeight, *sc.HealthWeight}
 	sum := 0.0
 	for i, w := range ws {
