@@ -54,7 +54,8 @@ func runGrid(fs *flag.FlagSet, o options, stdout io.Writer) error {
 	}
 	g := replay.Grid{Seeds: seeds, Policies: policies, Parallel: o.parallel,
 		Base: replay.Config{BlockSize: o.blockSize, EventLag: o.lag, ParallelPrefill: o.parallelPrefill,
-			Replicas: o.replicas, Sync: o.sync, SyncDelay: o.syncDelay, ScrapePeriod: o.scrapePeriod, Spread: o.spread}}
+			Replicas: o.replicas, Sync: o.sync, SyncDelay: o.syncDelay, ScrapePeriod: o.scrapePeriod, Spread: o.spread,
+			Latency: o.latency()}}
 	if g.Parallel <= 0 {
 		g.Parallel = o.workers
 	}

@@ -30,6 +30,7 @@ import (
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/benchmarks/replay"
+	"github.com/kvroute/kvroute/internal/enginesim"
 )
 
 func main() {
@@ -46,6 +47,7 @@ type options struct {
 	utilisation                                  float64
 	lag                                          time.Duration
 	parallelPrefill                              bool
+	engineAttention                              float64
 	pd                                           string
 	bytesPerToken                                int64
 	bandwidth                                    float64
@@ -69,6 +71,7 @@ func run(args []string, stdout io.Writer) error {
 	fs.IntVar(&o.blockSize, "block-size", replay.DefaultBlockSize, "KV block size of the engines and of kvroute's index")
 	fs.Float64Var(&o.utilisation, "utilisation", replay.DefaultUtilisation, "offered load the arrivals are scaled to (fraction of the fleet's capacity without cache hits); negative keeps the workload's own timing")
 	fs.DurationVar(&o.lag, "event-lag", replay.DefaultEventLag, "delay before the router's index sees an engine's KV event")
+	fs.Float64Var(&o.engineAttention, "engine-attention", 0, "the simulated engines' attention cost in ns per token² (0: enginesim's default 1.5, which with its 75 µs per token is kvroute's default attention_cost of 2e-5); the router keeps its default, so other values measure a router whose cost model is off")
 	fs.BoolVar(&o.parallelPrefill, "parallel-prefill", false, "run every admitted prefill at once (internal/enginesim's model) instead of one at a time per engine")
 	fs.StringVar(&o.seeds, "seeds", "1", "comma-separated seeds")
 	fs.StringVar(&o.policies, "policies", "all", "comma-separated policies: "+strings.Join(replay.AllPolicies, ", "))
@@ -124,7 +127,7 @@ func run(args []string, stdout io.Writer) error {
 	}
 	base := replay.Config{Engines: o.engines, CapacityTokens: o.capacity, BlockSize: o.blockSize,
 		Utilisation: o.utilisation, EventLag: o.lag, ParallelPrefill: o.parallelPrefill, Replicas: o.replicas,
-		Sync: o.sync, SyncDelay: o.syncDelay, ScrapePeriod: o.scrapePeriod, Spread: o.spread}
+		Sync: o.sync, SyncDelay: o.syncDelay, ScrapePeriod: o.scrapePeriod, Spread: o.spread, Latency: o.latency()}
 	if o.replicas < 1 {
 		return fmt.Errorf("-replicas %d: want at least 1", o.replicas)
 	}
@@ -443,7 +446,7 @@ func runPD(fs *flag.FlagSet, o options, stdout io.Writer) error {
 	}
 	c := replay.PDComparison{Workloads: map[uint64]*replay.Workload{}, Seeds: seeds, Baseline: baseline, Fleets: fleets,
 		Workers: o.workers, Base: replay.Config{CapacityTokens: o.capacity, BlockSize: o.blockSize,
-			Utilisation: o.utilisation, EventLag: o.lag, ParallelPrefill: o.parallelPrefill}}
+			Utilisation: o.utilisation, EventLag: o.lag, ParallelPrefill: o.parallelPrefill, Latency: o.latency()}}
 	for _, seed := range seeds {
 		if c.Workloads[seed], err = load(o, o.workload, seed); err != nil {
 			return err
@@ -481,4 +484,15 @@ func startCPUProfile(path string) (stop func(), err error) {
 		return nil, err
 	}
 	return func() { pprof.StopCPUProfile(); f.Close() }, nil
+}
+
+// latency is the engines' latency model: enginesim's default, with -engine-attention's quadratic
+// term when it is set (the zero value, which replay.Config reads as the default, otherwise).
+func (o options) latency() enginesim.Latency {
+	if o.engineAttention <= 0 {
+		return enginesim.Latency{}
+	}
+	l := enginesim.DefaultLatency
+	l.Quadratic = o.engineAttention
+	return l
 }
