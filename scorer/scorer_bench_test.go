@@ -33,36 +33,21 @@ func benchCandidates(n, blocks int) []Candidate {
 
 func BenchmarkCompositeScore(b *testing.B) {
 	c, _ := NewComposite(CompositeConfig{})
-	for _, n := range []int{16, 64} {
-		b.Run("backends="+strconv.Itoa(n), func(b *testing.B) {
-			cands := benchCandidates(n, 512)
-			req := Request{Blocks: 512, Tokens: 512 * 16}
-			out := make([]float64, n)
-			b.ReportAllocs()
-			for b.Loop() {
-				out = c.Score(req, cands, out)
-			}
-		})
-	}
+	benchScore(b, c)
 }
 
 func BenchmarkCostScore(b *testing.B) {
 	c, _ := NewCost(CostConfig{})
-	for _, n := range []int{16, 64} {
-		b.Run("backends="+strconv.Itoa(n), func(b *testing.B) {
-			cands := benchCandidates(n, 512)
-			req := Request{Blocks: 512, Tokens: 512 * 16}
-			out := make([]float64, n)
-			b.ReportAllocs()
-			for b.Loop() {
-				out = c.Score(req, cands, out)
-			}
-		})
-	}
+	benchScore(b, c)
 }
 
 func BenchmarkExpectedTTFT(b *testing.B) {
 	e, _ := NewExpectedTTFT(ExpectedTTFTConfig{})
+	benchScore(b, e)
+}
+
+// benchScore measures s scoring 16 and 64 candidates for a 512-block request.
+func benchScore(b *testing.B, s BackendScorer) {
 	for _, n := range []int{16, 64} {
 		b.Run("backends="+strconv.Itoa(n), func(b *testing.B) {
 			cands := benchCandidates(n, 512)
@@ -70,7 +55,7 @@ func BenchmarkExpectedTTFT(b *testing.B) {
 			out := make([]float64, n)
 			b.ReportAllocs()
 			for b.Loop() {
-				out = e.Score(req, cands, out)
+				out = s.Score(req, cands, out)
 			}
 		})
 	}
