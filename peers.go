@@ -113,8 +113,8 @@ type peerKey struct {
 type peerEntry struct {
 	key      peerKey
 	st       *backendState
-	backlog  int64  // its tokens on st.backlog until its first token
-	work     int64  // its prefill work on st.backlogWork until then
+	backlog  int64       // its tokens on st.backlog until its first token
+	prefill  prefillNode // its place in st.prefill until then
 	activeID uint64 // its active-sequence id, 0 when none
 	at       time.Time
 	elem     *list.Element // in peers.order
@@ -173,11 +173,12 @@ func (r *DefaultRouter) ApplyPeerEvent(replica string, ev PeerEvent) {
 		if n := int64(min(ev.PrefillTokens, MaxReportedLoad)); n > 0 {
 			e.backlog = n
 			st.backlog.Add(n)
-			e.work = r.peerWork(int(n), len(ev.BlockKeys))
-			st.addWork(e.work, now.UnixNano())
+			st.prefill.add(&e.prefill, r.peerWork(int(n), len(ev.BlockKeys)), r.since(now))
 		}
-		if r.kv != nil {
-			st.noteDecision(now)
+		if r.kv != nil && len(ev.BlockKeys) > 0 {
+			// A decision of the peer's that tier 4 made (it carries block keys) counts in the
+			// backend's share of the recent decisions, as this Router's own do.
+			st.noteDecision(r.since(now))
 		}
 		if r.kv != nil && r.kv.cfg.Active != nil && len(ev.BlockKeys) > 0 {
 			e.activeID = r.kv.nextID.Add(1)
@@ -234,16 +235,13 @@ func (r *DefaultRouter) peerWork(prefill, blocks int) int64 {
 
 // endPeerPrefill ends e's prefill load: its backlog tokens and work, and its active sequence's
 // prefill. The peer's first token teaches this Router nothing of the backend's prefill rate: it
-// reaches it late and without the time the prefill started.
+// reaches it late.
 func (r *DefaultRouter) endPeerPrefill(e *peerEntry) {
 	if e.backlog != 0 {
 		e.st.backlog.Add(-e.backlog)
 		e.backlog = 0
 	}
-	if e.work != 0 {
-		e.st.endWork(e.work, false, 0, r.cfg.Now().UnixNano())
-		e.work = 0
-	}
+	e.st.prefill.end(&e.prefill, false, r.since(r.cfg.Now()))
 	if e.activeID != 0 {
 		r.kv.cfg.Active.FirstToken(e.activeID)
 	}

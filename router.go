@@ -83,8 +83,10 @@ const (
 	// threshold), or its prompt is shorter than one block; the backend with the least prefill
 	// work ahead of this request took it.
 	ReasonLeastWork
-	// ReasonLoadBound: a backend holds enough of the request, but the scorer's load terms or the
-	// load bound chose a backend holding less than MinOverlapThreshold of it.
+	// ReasonLoadBound: a backend holds enough of the request, but the scorer (its load terms, the
+	// expected-TTFT scorer's wait or its discount of a backend taking more than its share of the
+	// recent requests) or the load bound chose a backend holding less than MinOverlapThreshold
+	// of it.
 	ReasonLoadBound
 	// ReasonStrategy: prefix routing is off; the selection strategy chose.
 	ReasonStrategy
@@ -272,16 +274,10 @@ type backendState struct {
 	attrOption metric.MeasurementOption
 	// backlog is the prompt tokens, not cached on the backend, of the requests routed to it
 	// whose prefill has not ended (FirstToken or Done): the prefill work queued there. Only
-	// requests tier 4 knows the length of count. backlogWork is the same requests' prefill work
-	// (scorer.PrefillWork with KVConfig.AttentionCost), headStart (Unix nanoseconds by
-	// Config.Now) when the backend began the prefill at the head of that queue (when the queue
-	// last grew from empty, or at the last prefill's end), and prefillRate the rate, in
-	// token-equivalents per nanosecond, at which it was seen to prefill (a moving average over
-	// the prefills that ended with a first token; 0 before the first): see pendingWork.
-	backlog     atomic.Int64
-	backlogWork atomic.Int64
-	headStart   atomic.Int64
-	prefillRate atomicFloat
+	// requests tier 4 knows the length of count. prefill is the same requests' prefill work, in
+	// the order they were routed (prefillq.go).
+	backlog atomic.Int64
+	prefill prefillQueue
 	// recent is the logarithm of the backend's decayed count of decisions (see noteDecision),
 	// 0 before the first.
 	recent  atomicFloat
@@ -320,6 +316,9 @@ type DefaultRouter struct {
 	tracer  trace.Tracer // nil when tracing is off (Config.TracerProvider)
 	peers   peers        // the other replicas' decisions and the engines' reports (peers.go)
 	peerSeq atomic.Uint64
+	// epoch is Config.Now when New ran: tier 4's prefill queues and decision shares keep their
+	// times as nanoseconds since it (since), on the monotonic clock when Now reads it.
+	epoch time.Time
 
 	disaggSide DisaggRouter // Disagg's answer
 }
@@ -334,7 +333,7 @@ func New(cfg Config) (*DefaultRouter, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
-	r := &DefaultRouter{cfg: cfg, ring: ring, tracer: newTracer(cfg.TracerProvider)}
+	r := &DefaultRouter{cfg: cfg, ring: ring, tracer: newTracer(cfg.TracerProvider), epoch: cfg.Now()}
 	// Decision ids shared with peers start at random, so that a Router built by a reload, sharing
 	// its replica id with the one it replaces, does not reuse that one's ids.
 	r.peerSeq.Store(rand.Uint64() >> 8)
@@ -574,7 +573,7 @@ func (r *DefaultRouter) finish(ctx context.Context, d *Decision) *Decision {
 	if d.state != nil {
 		d.state.decisions.Add(1)
 		if r.kv != nil {
-			d.state.noteDecision(d.start)
+			d.state.noteDecision(r.since(d.start))
 		}
 	}
 	r.counts[d.Reason].Add(1)
@@ -601,7 +600,7 @@ type Decision struct {
 	ended    atomic.Bool    // Done has run
 	first    atomic.Bool    // FirstToken has run
 	backlog  atomic.Int64   // the tokens this request adds to state.backlog until its prefill ends
-	work     atomic.Int64   // the work it adds to state.backlogWork until then
+	prefill  prefillNode    // its place in state.prefill until then
 	activeID uint64         // active-sequence id when tier 4 tracks sequences, else 0
 	peerID   uint64         // the decision's id in its PeerEvents, 0 when it is not shared
 	state    *backendState
@@ -775,72 +774,7 @@ func (d *Decision) endPrefill(firstToken bool) {
 	if n := d.backlog.Swap(0); n != 0 {
 		d.state.backlog.Add(-n)
 	}
-	if w := d.work.Swap(0); w != 0 {
-		d.state.endWork(w, firstToken, d.start.UnixNano(), d.router.cfg.Now().UnixNano())
-	}
-}
-
-// addWork puts w of prefill work on the backend's queue at now (Unix nanoseconds).
-func (st *backendState) addWork(w, now int64) {
-	if st.backlogWork.Add(w) == w { // the queue was empty: this prefill starts now
-		st.headStart.Store(now)
-	}
-}
-
-// prefillRateAlpha is the weight of the newest prefill in backendState.prefillRate.
-const prefillRateAlpha = 0.2
-
-// endWork takes w off the backend's queue at now: a prefill routed at routed (Unix nanoseconds)
-// ended. With observed (it ended with a first token) the time since it reached the head of the
-// queue — since the previous prefill ended, or since it was routed if it came later — gives a
-// sample of the backend's prefill rate. The next prefill begins now.
-func (st *backendState) endWork(w int64, observed bool, routed, now int64) {
-	if observed {
-		if dt := now - max(st.headStart.Load(), routed); dt > 0 {
-			sample := float64(w) / float64(dt)
-			st.prefillRate.update(func(old float64) float64 {
-				if old == 0 {
-					return sample
-				}
-				return old + prefillRateAlpha*(sample-old)
-			})
-		}
-	}
-	st.headStart.Store(now)
-	st.backlogWork.Add(-w)
-}
-
-// pendingWork is the prefill work still ahead of a new request on the backend at now (Unix
-// nanoseconds): its queued work less what the backend has done of it since its head prefill
-// began, at its observed rate. Engines prefill first come, first served, so the progress counts
-// against the queue as a whole; the estimate never goes below 0.
-func (st *backendState) pendingWork(now int64) float64 {
-	w := float64(st.backlogWork.Load())
-	if w <= 0 {
-		return 0
-	}
-	if rate, el := st.prefillRate.load(), now-st.headStart.Load(); rate > 0 && el > 0 {
-		w = max(w-rate*float64(el), 0)
-	}
-	return w
-}
-
-// recentWindow is the time constant of backendState.recent: a decision counts e^(−age/5 min).
-const recentWindow = 5 * time.Minute
-
-// noteDecision counts a decision made at at in the backend's decayed count. recent holds
-// log Σ e^(tᵢ/recentWindow) over its decisions' times tᵢ (offset by 1, so that 0 means none), so
-// that one addition updates it and the counts of two backends compare by their logarithms at
-// any time.
-func (st *backendState) noteDecision(at time.Time) {
-	x := 1 + float64(at.UnixNano())/float64(recentWindow)
-	st.recent.update(func(old float64) float64 {
-		if old == 0 {
-			return x
-		}
-		hi, lo := max(old, x), min(old, x)
-		return hi + math.Log1p(math.Exp(lo-hi))
-	})
+	d.state.prefill.end(&d.prefill, firstToken, d.router.since(d.router.cfg.Now()))
 }
 
 // observe folds one finished request into the backend's averages.

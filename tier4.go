@@ -111,9 +111,10 @@ type KVConfig struct {
 	Active *scorer.Active
 	// RingFallback sends a request whose best overlap is below MinOverlapThreshold to tier 1 (the
 	// CHWBL ring, by prefix key), as kvroute's design has it. By default such a request goes instead
-	// to the backend with the least prefill work ahead of it (ReasonLeastWork): the prompt tokens,
-	// not cached there, of the requests routed to it whose first token has not come, plus this
-	// request's own uncached tokens there. The ring's bound counts requests, not their length, so
+	// to the backend with the least prefill work ahead of it (ReasonLeastWork): the prefill work
+	// (scorer.PrefillWork) of the requests routed to it whose first token has not come, less the
+	// progress estimated on the first of them, plus this request's own there (see
+	// scorer.Candidate.PendingPrefillWork). The ring's bound counts requests, not their length, so
 	// on traces whose prompts range from hundreds to a hundred thousand tokens it lets long
 	// prompts queue behind each other (BENCHMARKS.md, routing quality); speculation already
 	// gives the stickiness the ring would.
@@ -197,11 +198,17 @@ func newTier4(cfg KVConfig) (*tier4, error) {
 	}
 	switch t.attn = cfg.AttentionCost; {
 	case math.IsNaN(t.attn) || t.attn > scorer.MaxAttentionCost:
-		return nil, fmt.Errorf("%w: KV attention_cost %v is above %v", ErrInvalidConfig, cfg.AttentionCost, scorer.MaxAttentionCost)
+		return nil, fmt.Errorf("%w: KV attention_cost %v not at most %v", ErrInvalidConfig, cfg.AttentionCost, scorer.MaxAttentionCost)
 	case t.attn == 0:
 		t.attn = scorer.DefaultAttentionCost
 	case t.attn < 0:
 		t.attn = 0
+	}
+	if e, ok := t.scorer.(*scorer.ExpectedTTFT); ok {
+		// Its own work and the queued work the Router hands it must be in the same units.
+		if a := max(e.Config().AttentionCost, 0); a != t.attn {
+			return nil, fmt.Errorf("%w: the KV scorer's AttentionCost %v differs from KV attention_cost %v", ErrInvalidConfig, a, t.attn)
+		}
 	}
 	if t.scorer == nil {
 		var err error
@@ -358,7 +365,7 @@ func (r *DefaultRouter) lookup(ctx context.Context, d *Decision, s *scratch4, us
 // sequences.
 func (r *DefaultRouter) candidates(s *scratch4, set *backendSet) {
 	s.cands = s.cands[:0]
-	now := r.cfg.Now().UnixNano()
+	now := r.since(r.cfg.Now())
 	li := 0
 	for i := range s.matches {
 		for li < len(s.loads) && s.loads[li].Name != s.names[i] {
@@ -378,7 +385,7 @@ func (r *DefaultRouter) candidates(s *scratch4, set *backendSet) {
 		if st := set.byName[l.Name]; st != nil {
 			c.Health = st.success.load()
 			c.PendingPrefillTokens = int(max(st.backlog.Load(), 0))
-			c.PendingPrefillWork = st.pendingWork(now)
+			c.PendingPrefillWork = st.prefill.pending(now)
 			c.RecentShare = st.recent.load() // a logarithm until recentShares
 		}
 		s.cands = append(s.cands, c)
@@ -390,15 +397,15 @@ func (r *DefaultRouter) candidates(s *scratch4, set *backendSet) {
 }
 
 // minRecentPerBackend is how many recent decisions (decayed, see backendState.noteDecision) per
-// candidate recentShares needs before it reports shares: with fewer, chance alone moves a
-// backend's share by more than a fifth (the spread of a count of k is about √k).
+// candidate, on average, recentShares needs before it reports shares: a first few decisions
+// would otherwise make their backend look hot.
 const minRecentPerBackend = 4
 
 // recentShares turns the candidates' RecentShare, which hold their backends' logarithmic decayed
 // decision counts (backendState.recent, 0 for none), into their shares of the candidates'
-// decisions over their shares of the candidates' weight, at now (Unix nanoseconds). It sets
-// them all to 0 (unknown) while the candidates have had fewer than minRecentPerBackend recent
-// decisions each.
+// decisions over their shares of the candidates' weight, at now (nanoseconds since the Router's
+// epoch). It sets them all to 0 (unknown) while the candidates have had fewer than
+// minRecentPerBackend recent decisions on average.
 func recentShares(cands []scorer.Candidate, now int64) {
 	top := math.Inf(-1)
 	for i := range cands {
@@ -572,8 +579,7 @@ func (r *DefaultRouter) addBacklog(d *Decision, s *scratch4) {
 		d.backlog.Store(n)
 		d.state.backlog.Add(n)
 		w := int64(math.Ceil(scorer.PrefillWork(s.ntok, cached, r.kv.attn)))
-		d.work.Store(w)
-		d.state.addWork(w, d.start.UnixNano())
+		d.state.prefill.add(&d.prefill, w, r.since(d.start))
 	}
 }
 

@@ -2,6 +2,7 @@ package kvroute
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"sync"
 	"testing"
@@ -106,8 +107,10 @@ func TestKVQueuedHolderLosesToIdleBackend(t *testing.T) {
 	}
 }
 
-// The work queued on a backend shrinks with time at the prefill rate its first tokens showed, and
-// never below 0; the tokens queued do not (they are what the backend reports, not an estimate).
+// The work queued on a backend shrinks with time at the prefill rate its first tokens showed,
+// once three have; the credit never passes the first request's own work, so that work queued
+// behind a request that reports no first token (a stalled engine, a response without one) stays
+// counted. The tokens queued are not estimated.
 func TestKVPendingWorkProgress(t *testing.T) {
 	clock := newStepClock()
 	r := newRouter(t, Config{Backends: backends(1), Now: clock.Now,
@@ -115,33 +118,80 @@ func TestKVPendingWorkProgress(t *testing.T) {
 	ctx := context.Background()
 	name := backends(1)[0].Name
 	work := func(n int) float64 { return scorer.PrefillWork(n, 0, scorer.DefaultAttentionCost) }
+	route := func(seed, n int) *Decision {
+		d, err := r.Route(ctx, tokReq(fmt.Sprint("p", seed), promptTokens(seed, n)))
+		require.NoError(t, err)
+		return d
+	}
+	probe := promptTokens(99, 64)
 
-	// No rate is known before the first prefill ends: nothing is subtracted.
-	first := promptTokens(1, 10_000)
-	d1, err := r.Route(ctx, tokReq("first", first))
-	require.NoError(t, err)
-	clock.advance(time.Second)
-	b := probeOf(t, r, first, name)
-	assert.InDelta(t, work(10_000), b.PendingPrefillWork, 1)
-	assert.Equal(t, 10_000, b.PendingPrefillTokens)
-	d1.FirstToken() // 12,000 token-equivalents in one second
-	assert.Zero(t, probeOf(t, r, first, name).PendingPrefillWork)
+	// Three 10,000-token prefills of a second each: 12,000 token-equivalents per second. No
+	// progress is credited before the third.
+	for i := range 3 {
+		d := route(i, 10_000)
+		clock.advance(time.Second)
+		if i < 2 {
+			assert.InDelta(t, work(10_000), probeOf(t, r, probe, name).PendingPrefillWork, 1, "prefill %d", i)
+		}
+		d.FirstToken()
+		d.Done(Outcome{})
+	}
+	assert.InDelta(t, work(10_000), r.set.Load().byName[name].prefill.rate.load()*1e9, 1)
 
-	long := promptTokens(2, 100_000)
-	d2, err := r.Route(ctx, tokReq("long", long))
-	require.NoError(t, err)
-	assert.InDelta(t, work(100_000), probeOf(t, r, long, name).PendingPrefillWork, 1)
+	first := route(10, 100_000) // 300,000 token-equivalents
 	clock.advance(10 * time.Second)
-	b = probeOf(t, r, long, name)
+	b := probeOf(t, r, probe, name)
 	assert.InDelta(t, work(100_000)-10*work(10_000), b.PendingPrefillWork, 1)
 	assert.Equal(t, 100_000, b.PendingPrefillTokens)
+	second := route(11, 100_000)
 	clock.advance(time.Minute)
-	assert.Zero(t, probeOf(t, r, long, name).PendingPrefillWork, "never below 0")
-	// A prefill that ends without a first token (an error) teaches no rate but ends the queue.
-	d2.Done(Outcome{Err: context.DeadlineExceeded})
-	b = probeOf(t, r, long, name)
+	assert.InDelta(t, work(100_000), probeOf(t, r, probe, name).PendingPrefillWork, 1,
+		"the first request is credited whole, the second not at all until the first's first token")
+	first.FirstToken() // a slow sample: it lowers the rate
+	rate := r.set.Load().byName[name].prefill.rate.load() * 1e9
+	assert.Less(t, rate, work(10_000))
+	clock.advance(5 * time.Second)
+	assert.InDelta(t, work(100_000)-5*rate, probeOf(t, r, probe, name).PendingPrefillWork, 1)
+	// A prefill that ends without a first token (an error) teaches no rate but leaves the queue.
+	second.Done(Outcome{Err: context.DeadlineExceeded})
+	b = probeOf(t, r, probe, name)
 	assert.Zero(t, b.PendingPrefillWork)
 	assert.Zero(t, b.PendingPrefillTokens)
+	first.Done(Outcome{})
+}
+
+// Prefills that end together share the busy time that produced them (an engine prefilling a
+// batch), and a first token that comes at once (an engine's error) moves the rate by at most
+// maxRateStep: neither makes the backend look idle.
+func TestKVPrefillRateRobust(t *testing.T) {
+	clock := newStepClock()
+	r := newRouter(t, Config{Backends: backends(1), Now: clock.Now,
+		KV: &KVConfig{Index: newMemIndex(t), Speculation: SpeculateOff}})
+	ctx := context.Background()
+	q := &r.set.Load().byName[backends(1)[0].Name].prefill
+	w := scorer.PrefillWork(10_000, 0, scorer.DefaultAttentionCost)
+	batch := make([]*Decision, 8)
+	for i := range batch {
+		d, err := r.Route(ctx, tokReq(fmt.Sprint("b", i), promptTokens(i, 10_000)))
+		require.NoError(t, err)
+		batch[i] = d
+	}
+	clock.advance(4 * time.Second) // eight prefills in four seconds: 2w per second
+	for _, d := range batch {
+		d.FirstToken()
+		clock.advance(time.Millisecond)
+		d.Done(Outcome{})
+	}
+	rate := q.rate.load() * 1e9
+	assert.GreaterOrEqual(t, rate, w/2, "a batch's first tokens share its busy time")
+	assert.LessOrEqual(t, rate, 2*w, "the batch prefilled 2w per second")
+
+	d, err := r.Route(ctx, tokReq("refused", promptTokens(20, 100_000)))
+	require.NoError(t, err)
+	clock.advance(2 * time.Millisecond)
+	d.FirstToken()
+	d.Done(Outcome{})
+	assert.LessOrEqual(t, q.rate.load()*1e9, maxRateStep*rate)
 }
 
 // A prefix every request shares stays on its holder while the holder's share of decisions is
@@ -229,4 +279,18 @@ func TestKVAttentionCost(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 50_000.0, probeOf(t, r, toks, d.Backend).PendingPrefillWork)
 	d.Done(Outcome{})
+}
+
+// An ExpectedTTFT given as KVConfig.Scorer must measure work as the Router does.
+func TestKVScorerAttentionMustMatch(t *testing.T) {
+	sc, err := scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{AttentionCost: 4e-5})
+	require.NoError(t, err)
+	_, err = New(Config{Backends: backends(1), KV: &KVConfig{Index: newMemIndex(t), Scorer: sc}})
+	assert.ErrorIs(t, err, ErrInvalidConfig)
+	_, err = New(Config{Backends: backends(1), KV: &KVConfig{Index: newMemIndex(t), Scorer: sc, AttentionCost: 4e-5}})
+	assert.NoError(t, err)
+	linear, err := scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{AttentionCost: -1})
+	require.NoError(t, err)
+	_, err = New(Config{Backends: backends(1), KV: &KVConfig{Index: newMemIndex(t), Scorer: linear, AttentionCost: -1}})
+	assert.NoError(t, err)
 }

@@ -116,7 +116,7 @@ func ExampleExpectedTTFT() {
 	fmt.Printf("prefill of the whole prompt: %.0f\n", scorer.PrefillWork(req.Tokens, 0, scorer.DefaultAttentionCost))
 	for _, queued := range []float64{30_000, 120_000} {
 		cands := []scorer.Candidate{
-			{Backend: "pod-a", CachedBlocks: 512, CachedTokens: 8192, PendingPrefillWork: queued, Weight: 1, Healthy: true},
+			{Backend: "pod-a", CachedBlocks: 512, CachedTokens: 8192, Overlap: 512, PendingPrefillWork: queued, Weight: 1, Healthy: true},
 			{Backend: "pod-b", Weight: 1, Healthy: true},
 		}
 		scores := ttft.Score(req, cands, make([]float64, len(cands)))

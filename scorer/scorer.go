@@ -29,14 +29,16 @@ type Candidate struct {
 	// the router does not know prompt lengths).
 	PendingPrefillTokens int
 	// PendingPrefillWork is the router's estimate of the prefill work still ahead of a new
-	// request on the backend, in token-equivalents (PrefillWork of each such request, with the
-	// router's attention cost), less the progress it estimates the backend has made since its
-	// last first token (at the prefill rate it has observed there). 0 when nothing is queued or
-	// the router does not know prompt lengths.
+	// request on the backend, in token-equivalents (PrefillWork of each request routed there
+	// whose first token has not come, with the router's attention cost), less the progress it
+	// estimates on the first of them since it began (at the prefill rate the backend's first
+	// tokens showed, never more than that request's own work). 0 when nothing is queued or the
+	// router does not know prompt lengths.
 	PendingPrefillWork float64
 	// RecentShare is the backend's share of the router's recent decisions (decayed over a few
 	// minutes) over its share of the fleet's weight: 1 is its fair share, 2 twice that; 0 when
-	// the router has made no decision yet.
+	// unknown (kvroute's Router reports it once the fleet has had a few recent decisions per
+	// backend).
 	RecentShare float64
 }
 

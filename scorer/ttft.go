@@ -64,12 +64,14 @@ type ExpectedTTFTConfig struct {
 	// Candidate.PendingPrefillWork with (kvroute.KVConfig.AttentionCost). Range [0,
 	// MaxAttentionCost]; 0 means DefaultAttentionCost; negative means none (work is tokens).
 	AttentionCost float64
-	// HotShare and HotDiscount spread a hot prefix family: a backend receiving more than HotShare
-	// times its fair share of the recent requests (Candidate.RecentShare) has the cached part
-	// of the prompt counted only at 1 − HotDiscount·(RecentShare − HotShare) (never below 0). A
-	// family that keeps coming back to one backend (a shared system prompt, the conversations
-	// begun there) then starts a warm copy on another instead of piling its requests on the
-	// first, while a backend near its share keeps its hits. HotShare ≥ 1 (0 means
+	// HotShare and HotDiscount spread load that cache affinity piles up: a backend receiving
+	// more than HotShare times its fair share of the recent requests (Candidate.RecentShare, by
+	// weight) has the cached part of every prompt counted only at 1 − HotDiscount·(RecentShare −
+	// HotShare) (never below 0). The prefixes it holds then draw fewer new requests, whose
+	// families (a shared system prompt, conversations begun there) warm copies on other backends
+	// instead of piling onto it, while a backend near its share keeps its hits. The share is per
+	// backend, not per prefix: give backends of unequal speed their weights, or a fast backend
+	// that takes more than its weight's share loses the value of its cache. HotShare ≥ 1 (0 means
 	// DefaultHotShare); HotDiscount ≥ 0 (0 means DefaultHotDiscount; negative turns the
 	// spreading off).
 	HotShare    float64
@@ -84,8 +86,9 @@ type ExpectedTTFTConfig struct {
 //	cost(c) = (c.PendingPrefillWork + own(c)) / c.Weight + CacheWeight·own(c)
 //	score   = −cost
 //
-// where cached(c) is c.CachedTokens, discounted when c receives more than HotShare times its
-// fair share of the recent requests (see HotDiscount). The first term is the request's expected
+// where cached(c) is c.CachedTokens weighed by its tiers (times c.Overlap/c.CachedBlocks when
+// below 1: blocks on CPU or storage must be loaded back), and discounted when c receives more
+// than HotShare times its fair share of the recent requests (see HotDiscount). The first term is the request's expected
 // time to first token there (the prefill queued ahead of it, then its own), the second the
 // compute its prefix costs the fleet. Unhealthy candidates score -Inf. When r.Tokens is 0 (a
 // request known only by prefix entries), the prompt is taken as long as the best candidate's
@@ -170,6 +173,11 @@ func (e *ExpectedTTFT) Score(req Request, cands []Candidate, out []float64) []fl
 			continue
 		}
 		cached := float64(min(max(c.CachedTokens, 0), n))
+		if c.CachedBlocks > 0 && c.Overlap >= 0 && c.Overlap < float64(c.CachedBlocks) {
+			// Blocks on a slower tier (CPU, storage) weigh less in Overlap: they must be loaded
+			// back, so the prefix is worth less than one in GPU memory.
+			cached *= c.Overlap / float64(c.CachedBlocks)
+		}
 		if hot := c.RecentShare - e.hotShare; e.hotDiscount > 0 && hot > 0 {
 			cached *= max(1-e.hotDiscount*hot, 0)
 		}

@@ -534,3 +534,29 @@ func TestExpectedTTFTAllocs(t *testing.T) {
 	assertNoAllocs(t, func() { out = e.Score(Request{}, cands, out) })
 	assertNoAllocs(t, func() { _ = PrefillWork(100_000, 90_000, DefaultAttentionCost) })
 }
+
+// A prefix held on a slower tier counts as its tier-weighted share of the cached tokens
+// (Overlap/CachedBlocks below 1); an Overlap at or above CachedBlocks counts them whole.
+func TestExpectedTTFTTierWeight(t *testing.T) {
+	e := newTTFT(t, ExpectedTTFTConfig{})
+	req := Request{Blocks: 200, Tokens: 3200}
+	cands := []Candidate{
+		{Backend: "gpu", CachedBlocks: 100, CachedTokens: 1600, Overlap: 100, Weight: 1, Healthy: true},
+		{Backend: "storage", CachedBlocks: 100, CachedTokens: 1600, Overlap: 60, Weight: 1, Healthy: true},
+		{Backend: "over", CachedBlocks: 100, CachedTokens: 1600, Overlap: 150, Weight: 1, Healthy: true},
+	}
+	got := e.Score(req, cands, nil)
+	want := []float64{
+		ttftScore(DefaultCacheWeight, DefaultAttentionCost, 3200, 1600, 0, 1),
+		ttftScore(DefaultCacheWeight, DefaultAttentionCost, 3200, 960, 0, 1),
+		ttftScore(DefaultCacheWeight, DefaultAttentionCost, 3200, 1600, 0, 1),
+	}
+	for i := range want {
+		if !near(got[i], want[i]) {
+			t.Errorf("%s: score %v, want %v", cands[i].Backend, got[i], want[i])
+		}
+	}
+	if best(got, cands) != "gpu" {
+		t.Errorf("best %s, want gpu", best(got, cands))
+	}
+}

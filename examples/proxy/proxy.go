@@ -695,6 +695,7 @@ type attemptWriter struct {
 	http.ResponseWriter
 	a           *attempt
 	wroteHeader bool
+	status      int // the status written, 0 before WriteHeader (an implicit 200)
 	firstByte   bool
 	writeErr    error
 	tail        [streamTail]byte // the last bytes written (ntail of them), to spot a terminal event
@@ -743,8 +744,8 @@ func terminal(b []byte) bool {
 
 // WriteHeader implements http.ResponseWriter.
 func (w *attemptWriter) WriteHeader(code int) {
-	if code >= 200 {
-		w.wroteHeader = true
+	if code >= 200 && !w.wroteHeader {
+		w.wroteHeader, w.status = true, code
 	}
 	w.ResponseWriter.WriteHeader(code)
 }
@@ -754,7 +755,9 @@ func (w *attemptWriter) Write(p []byte) (int, error) {
 	w.wroteHeader = true
 	if !w.firstByte && len(p) > 0 {
 		w.firstByte = true
-		if w.a.stream {
+		// Only a streamed success's first byte is a first token: an engine's error comes at once
+		// and would teach tier 4 a prefill rate far above the engine's.
+		if w.a.stream && w.status < 300 {
 			w.a.lease.FirstToken()
 		}
 	}
