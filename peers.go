@@ -115,7 +115,7 @@ type peerEntry struct {
 	st       *backendState
 	backlog  int64       // its tokens on st.backlog until its first token
 	prefill  prefillNode // its place in st.prefill until then
-	activeID uint64 // its active-sequence id, 0 when none
+	activeID uint64      // its active-sequence id, 0 when none
 	at       time.Time
 	elem     *list.Element // in peers.order
 }
