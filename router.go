@@ -730,9 +730,11 @@ func (r *DefaultRouter) holdRefused(h *chwbl.Handle) {
 }
 
 // FirstToken tells the Router the backend produced the request's first token: its prefill load
-// ends (the backend's prefill backlog, and active-sequence tracking for cost scoring). Done does
-// the same for a request whose first token was never reported. Safe to call from any goroutine;
-// only the first call has an effect.
+// ends (the backend's prefill backlog, and active-sequence tracking for cost scoring), and tier 4
+// learns the backend's prefill rate from it. Call it for a successful response only: an error
+// the engine returns at once is no prefill. Done does the same for a request whose first token
+// was never reported (and teaches no rate). Safe to call from any goroutine; only the first call
+// has an effect.
 func (d *Decision) FirstToken() {
 	if d == nil {
 		return
