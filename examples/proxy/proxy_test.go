@@ -568,3 +568,30 @@ func TestNoteStream(t *testing.T) {
 		}
 	}
 }
+
+// countLease counts FirstToken calls.
+type countLease struct{ first int }
+
+func (l *countLease) FirstToken()          { l.first++ }
+func (l *countLease) Done(kvroute.Outcome) {}
+
+// A streamed response's first byte is a first token only for a success: an engine's error comes
+// at once and would teach tier 4 a prefill rate far above the engine's.
+func TestFirstTokenOnlyForSuccess(t *testing.T) {
+	for _, tc := range []struct {
+		status int // 0: no WriteHeader (an implicit 200)
+		want   int
+	}{{0, 1}, {http.StatusOK, 1}, {http.StatusBadRequest, 0}, {http.StatusInternalServerError, 0}} {
+		l := &countLease{}
+		a := &attempt{lease: l, stream: true}
+		w := &attemptWriter{ResponseWriter: httptest.NewRecorder(), a: a}
+		if tc.status != 0 {
+			w.WriteHeader(tc.status)
+		}
+		_, _ = w.Write([]byte("data: {}\n\n"))
+		_, _ = w.Write([]byte("data: {}\n\n"))
+		if l.first != tc.want {
+			t.Errorf("status %d: %d FirstToken calls, want %d", tc.status, l.first, tc.want)
+		}
+	}
+}
