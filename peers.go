@@ -430,7 +430,10 @@ func (r *DefaultRouter) publish(d *Decision, kind PeerEventKind, keys []uint64) 
 	}
 	ev := PeerEvent{Kind: kind, ID: d.peerID}
 	if kind == PeerRouted {
-		ev.Backend, ev.BlockKeys, ev.PrefillTokens = d.Backend, keys, int(d.backlog.Load())
+		ev.Backend, ev.BlockKeys = d.Backend, keys
+		if d.prefill != nil {
+			ev.PrefillTokens = int(d.prefill.tokens.Load())
+		}
 		if len(keys) > 0 && r.kv != nil {
 			ev.CachedBlocks = min(d.ExpectedCachedTokens/r.kv.cfg.BlockSize, len(keys))
 		}

@@ -20,6 +20,14 @@ type prefillNode struct {
 	queued     bool
 }
 
+// kvPrefill is a Decision's prefill on its backend's queue: its uncached tokens on
+// backendState.backlog and its work in backendState.prefill until its first token or Done. Only
+// decisions tier 4 knows the prompt of have one (allocated then), so that the others stay small.
+type kvPrefill struct {
+	tokens atomic.Int64 // 0 once the prefill has ended
+	node   prefillNode
+}
+
 // prefillQueue is a backend's pending prefills, in the order they were routed, and what its
 // first tokens have shown of its prefill rate. Engines prefill first come, first served (vLLM's
 // and SGLang's schedulers admit waiting requests in order), so the work ahead of a new request is

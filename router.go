@@ -599,8 +599,7 @@ type Decision struct {
 	hooks    *hookState     // NewDecision's and WrapDecision's
 	ended    atomic.Bool    // Done has run
 	first    atomic.Bool    // FirstToken has run
-	backlog  atomic.Int64   // the tokens this request adds to state.backlog until its prefill ends
-	prefill  prefillNode    // its place in state.prefill until then
+	prefill  *kvPrefill     // its prefill on its backend's queue, nil when tier 4 put none there
 	activeID uint64         // active-sequence id when tier 4 tracks sequences, else 0
 	peerID   uint64         // the decision's id in its PeerEvents, 0 when it is not shared
 	state    *backendState
@@ -770,13 +769,14 @@ func (d *Decision) FirstToken() {
 // firstToken says its prefill ended with a first token (not an error), which the backend's
 // prefill rate learns from.
 func (d *Decision) endPrefill(firstToken bool) {
-	if d.state == nil {
+	p := d.prefill
+	if p == nil || d.state == nil {
 		return
 	}
-	if n := d.backlog.Swap(0); n != 0 {
+	if n := p.tokens.Swap(0); n != 0 {
 		d.state.backlog.Add(-n)
+		d.state.prefill.end(&p.node, firstToken, d.router.since(d.router.cfg.Now()))
 	}
-	d.state.prefill.end(&d.prefill, firstToken, d.router.since(d.router.cfg.Now()))
 }
 
 // observe folds one finished request into the backend's averages.

@@ -576,10 +576,12 @@ func (r *DefaultRouter) addBacklog(d *Decision, s *scratch4) {
 		}
 	}
 	if n := int64(s.ntok - cached); n > 0 {
-		d.backlog.Store(n)
+		p := &kvPrefill{}
+		p.tokens.Store(n)
+		d.prefill = p
 		d.state.backlog.Add(n)
 		w := int64(math.Ceil(scorer.PrefillWork(s.ntok, cached, r.kv.attn)))
-		d.state.prefill.add(&d.prefill, w, r.since(d.start))
+		d.state.prefill.add(&p.node, w, r.since(d.start))
 	}
 }
 
