@@ -425,7 +425,8 @@ func recentShares(cands []scorer.Candidate, now int64) {
 		}
 		weights += weightOf(c.Weight)
 	}
-	// sum·e^top is Σ e^(tᵢ/recentWindow) + 1: over e^(now/recentWindow), the decayed count.
+	// sum·e^(top−1) is Σ e^(tᵢ/recentWindow) over the candidates' decisions (noteDecision);
+	// over e^(now/recentWindow), their decayed count.
 	if total := sum * math.Exp(top-1-float64(now)/float64(recentWindow)); total < minRecentPerBackend*float64(len(cands)) {
 		for i := range cands {
 			cands[i].RecentShare = 0
