@@ -114,7 +114,15 @@ func TestScrapeResults(t *testing.T) {
 			s := start(t, enginemetrics.Config{Targets: map[string]string{"b": srv.URL + "/metrics"},
 				Interval: 200 * time.Millisecond, Timeout: 100 * time.Millisecond, MaxBodyBytes: 64 << 10, MeterProvider: mp}, sink)
 			scrapes := func() int64 { return counter(t, rd, enginemetrics.MetricScrapes, "backend", "b", "result", tc.result) }
-			require.Eventually(t, func() bool { return scrapes() >= 2 }, waitFor, tick)
+			// The metric and the stats are updated one after the other: wait for both.
+			require.Eventually(t, func() bool {
+				for _, st := range s.Stats() {
+					if st.Backend == "b" && st.Scrapes >= 2 {
+						return scrapes() >= 2
+					}
+				}
+				return false
+			}, waitFor, tick)
 			st := statsOf(t, s, "b")
 			assert.Equal(t, srv.URL+"/metrics", st.URL)
 			assert.GreaterOrEqual(t, st.Scrapes, uint64(2))

@@ -27,6 +27,10 @@ func TestZMQHealsLostBackendWithoutBatches(t *testing.T) {
 	sink.Lose("a")
 	require.Eventually(t, func() bool { return len(sink.Seqs("a")) == 5 }, waitFor, tick)
 	assert.Equal(t, []int64{0, 1, -1, 0, 1}, sink.Seqs("a"), "cleared, then caught up through the last batch")
+	// The worker counts the catch-up once its batches are applied: wait for the counts too.
+	require.Eventually(t, func() bool {
+		return eventstest.StatusOf(t, c, "a").Sequence.CaughtUpBatches == 2
+	}, waitFor, tick)
 	st := eventstest.StatusOf(t, c, "a")
 	assert.Equal(t, uint64(1), st.Sequence.CatchUps)
 	assert.Equal(t, uint64(2), st.Sequence.CaughtUpBatches)
@@ -49,7 +53,8 @@ func TestZMQHealsPendingClearWithoutBatches(t *testing.T) {
 	sink.SetFail(nil)
 	require.Eventually(t, func() bool { return len(sink.Seqs("a")) == 6 }, waitFor, tick)
 	assert.Equal(t, []int64{0, 1, -1, 0, 1, 2}, sink.Seqs("a"), "cleared, then caught up through the refused batch")
-	assert.Equal(t, uint64(1), eventstest.StatusOf(t, c, "a").Sequence.CatchUps)
+	// Counted once the caught-up batches are applied.
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Sequence.CatchUps == 1 }, waitFor, tick)
 }
 
 // TestZMQLossChecksOff: a negative LossCheckInterval never asks the sink.
