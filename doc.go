@@ -33,8 +33,7 @@
 // scorer (kv_overlap) instead. Below the threshold the backend with the least prefill work ahead
 // of the request takes it (least_work: the same queued work, plus this request's own), because
 // the ring's bound counts requests, not their length; KVConfig.RingFallback gives the decision
-// to the ring instead. Every decision
-// holds an in-flight slot on its backend until Done; the slots are what the load bounds count:
+// to the ring instead. Every decision holds an in-flight slot on its backend until Done; the slots are what the load bounds count:
 // CHWBL's (1+ε)·mean for the ring, and for tier 4 its own, looser KVConfig.LoadFactorEpsilon
 // (default 1.0: up to twice the mean), because a backend that holds the prompt's KV cache is
 // worth more than an even spread. Decision.FirstToken tells the Router a prefill has ended.
