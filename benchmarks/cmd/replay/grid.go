@@ -52,10 +52,7 @@ func runGrid(fs *flag.FlagSet, o options, stdout io.Writer) error {
 	if err != nil {
 		return err
 	}
-	g := replay.Grid{Seeds: seeds, Policies: policies, Parallel: o.parallel,
-		Base: replay.Config{BlockSize: o.blockSize, EventLag: o.lag, ParallelPrefill: o.parallelPrefill,
-			Replicas: o.replicas, Sync: o.sync, SyncDelay: o.syncDelay, ScrapePeriod: o.scrapePeriod, Spread: o.spread,
-			Latency: o.latency()}}
+	g := replay.Grid{Seeds: seeds, Policies: policies, Parallel: o.parallel, Base: o.config()}
 	if g.Parallel <= 0 {
 		g.Parallel = o.workers
 	}

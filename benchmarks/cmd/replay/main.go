@@ -125,9 +125,7 @@ func run(args []string, stdout io.Writer) error {
 	if err != nil {
 		return err
 	}
-	base := replay.Config{Engines: o.engines, CapacityTokens: o.capacity, BlockSize: o.blockSize,
-		Utilisation: o.utilisation, EventLag: o.lag, ParallelPrefill: o.parallelPrefill, Replicas: o.replicas,
-		Sync: o.sync, SyncDelay: o.syncDelay, ScrapePeriod: o.scrapePeriod, Spread: o.spread, Latency: o.latency()}
+	base := o.config()
 	if o.replicas < 1 {
 		return fmt.Errorf("-replicas %d: want at least 1", o.replicas)
 	}
@@ -484,6 +482,14 @@ func startCPUProfile(path string) (stop func(), err error) {
 		return nil, err
 	}
 	return func() { pprof.StopCPUProfile(); f.Close() }, nil
+}
+
+// config is the fleet and router-replica configuration the flags give (a grid sets its points'
+// engines, capacity, utilisation and seed over it).
+func (o options) config() replay.Config {
+	return replay.Config{Engines: o.engines, CapacityTokens: o.capacity, BlockSize: o.blockSize,
+		Utilisation: o.utilisation, EventLag: o.lag, ParallelPrefill: o.parallelPrefill, Replicas: o.replicas,
+		Sync: o.sync, SyncDelay: o.syncDelay, ScrapePeriod: o.scrapePeriod, Spread: o.spread, Latency: o.latency()}
 }
 
 // latency is the engines' latency model: enginesim's default, with -engine-attention's quadratic
