@@ -201,7 +201,7 @@ func (r *DefaultRouter) probeKV(ctx context.Context, req *prefixkey.Request, pk 
 			return false
 		}
 	}
-	r.candidates(s, set)
+	r.candidates(s, set, r.since(r.cfg.Now()))
 	// Backends are the ring's members in order, and the candidates its healthy ones, in order.
 	pos := make([]*ProbeBackend, len(s.cands))
 	for i, j := 0, 0; i < len(s.cands) && j < len(res.Backends); j++ {

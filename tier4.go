@@ -261,7 +261,7 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 	if !r.lookup(ctx, d, s, usePrefix, short) {
 		return false
 	}
-	r.candidates(s, set)
+	r.candidates(s, set, r.since(d.start))
 	sreq := scorer.Request{Blocks: len(s.keys), Tokens: len(tokens)}
 
 	// Best overlap as a fraction of the request (for prefix entries: of the best backend's).
@@ -362,10 +362,9 @@ func (r *DefaultRouter) lookup(ctx context.Context, d *Decision, s *scratch4, us
 
 // candidates builds s.cands, in the order of s.names, from the index's matches and the
 // backends' loads, health, prefill backlogs, recent shares and (with KVConfig.Active) active
-// sequences.
-func (r *DefaultRouter) candidates(s *scratch4, set *backendSet) {
+// sequences, at now (nanoseconds since the Router's epoch: Route's start, read once).
+func (r *DefaultRouter) candidates(s *scratch4, set *backendSet, now int64) {
 	s.cands = s.cands[:0]
-	now := r.since(r.cfg.Now())
 	li := 0
 	for i := range s.matches {
 		for li < len(s.loads) && s.loads[li].Name != s.names[i] {
