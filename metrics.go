@@ -61,7 +61,7 @@ func newRouterMetrics(mp metric.MeterProvider, r *DefaultRouter) (*routerMetrics
 		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricPrefixRoutingRequests, err)
 	}
 	var byReason, byDecision [numReasons]metric.ObserveOption
-	for _, why := range Reasons {
+	for _, why := range allReasons {
 		byReason[why] = metric.WithAttributeSet(attribute.NewSet(attribute.String("strategy", why.String())))
 		byDecision[why] = metric.WithAttributeSet(attribute.NewSet(attribute.String("decision", why.String())))
 	}
@@ -107,7 +107,7 @@ func newRouterMetrics(mp metric.MeterProvider, r *DefaultRouter) (*routerMetrics
 			o.ObserveInt64(dist, int64(l.InFlight), opt)
 		}
 		o.ObserveInt64(card, int64(r.prefix.estimate()))
-		for _, why := range Reasons {
+		for _, why := range allReasons {
 			o.ObserveInt64(requests, int64(r.counts[why].Load()), byReason[why])
 		}
 		if t := r.kv; t != nil {
@@ -151,7 +151,7 @@ func (m *routerMetrics) close() error {
 // recording a plan allocates nothing.
 type disaggMetrics struct {
 	requests  metric.Int64Counter
-	byPlan    [len(disagg.Paths) + 1][len(disagg.Reasons) + 1][]metric.AddOption
+	byPlan    [][][]metric.AddOption // [path][reason]
 	noBackend metric.Int64Counter
 	failures  metric.Int64Counter
 	reg       metric.Registration
@@ -170,8 +170,11 @@ func newDisaggMetrics(mp metric.MeterProvider, r *DefaultRouter) (*disaggMetrics
 		metric.WithUnit("{request}")); err != nil {
 		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricDisaggRequests, err)
 	}
-	for _, p := range disagg.Paths {
-		for _, why := range disagg.Reasons {
+	paths, reasons := disagg.Paths(), disagg.Reasons()
+	m.byPlan = make([][][]metric.AddOption, len(paths)+1)
+	for _, p := range paths {
+		m.byPlan[p] = make([][]metric.AddOption, len(reasons)+1)
+		for _, why := range reasons {
 			m.byPlan[p][why] = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(
 				attribute.String("path", p.String()), attribute.String("reason", why.String())))}
 		}
@@ -212,7 +215,7 @@ func newDisaggMetrics(mp metric.MeterProvider, r *DefaultRouter) (*disaggMetrics
 }
 
 func (m *disaggMetrics) recordPlan(ctx context.Context, p disagg.Plan) {
-	if int(p.Path) < len(m.byPlan) && int(p.Reason) < len(m.byPlan[0]) {
+	if int(p.Path) < len(m.byPlan) && int(p.Reason) < len(m.byPlan[p.Path]) {
 		m.requests.Add(ctx, 1, m.byPlan[p.Path][p.Reason]...)
 	}
 }

@@ -289,7 +289,7 @@ func TestDumpKVIndex(t *testing.T) {
 }
 
 func TestReasonTextRoundTrip(t *testing.T) {
-	for _, r := range append([]Reason{0}, Reasons...) {
+	for _, r := range append([]Reason{0}, allReasons[:]...) {
 		b, err := r.MarshalText()
 		require.NoError(t, err)
 		var back Reason

@@ -96,8 +96,8 @@ const (
 	numReasons
 )
 
-// Reasons lists every Reason in the order of their values.
-var Reasons = []Reason{ReasonPrefixHash, ReasonOverflow, ReasonFallback, ReasonKVAware, ReasonImbalance,
+// allReasons lists every Reason in the order of their values.
+var allReasons = [...]Reason{ReasonPrefixHash, ReasonOverflow, ReasonFallback, ReasonKVAware, ReasonImbalance,
 	ReasonLeastWork, ReasonLoadBound, ReasonStrategy, ReasonCustom}
 
 // String returns the reason's label (see Reason); "none" for the zero value.

@@ -119,8 +119,8 @@ func (c *Config) ApplyDefaults() {
 	}{{&sc.OverlapWeight, scorer.DefaultOverlapWeight}, {&sc.LoadWeight, scorer.DefaultLoadWeight},
 		{&sc.HealthWeight, scorer.DefaultHealthWeight}, {&sc.CacheWeight, scorer.DefaultCacheWeight},
 		{&sc.AttentionCost, scorer.DefaultAttentionCost},
-		{&sc.GPUTierWeight, kvindex.DefaultTierWeights[0]}, {&sc.CPUTierWeight, kvindex.DefaultTierWeights[1]},
-		{&sc.StorageTierWeight, kvindex.DefaultTierWeights[2]}} {
+		{&sc.GPUTierWeight, kvindex.DefaultTierWeights()[0]}, {&sc.CPUTierWeight, kvindex.DefaultTierWeights()[1]},
+		{&sc.StorageTierWeight, kvindex.DefaultTierWeights()[2]}} {
 		if *w.p == nil {
 			*w.p = ptr(w.v)
 		}

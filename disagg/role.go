@@ -2,6 +2,7 @@ package disagg
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 )
 
@@ -94,8 +95,10 @@ const (
 	numPaths
 )
 
-// Paths lists every path, in the order of their constants.
-var Paths = [...]Path{PathFastDecode, PathPrefillThenDecode, PathUnified, PathFallback}
+var allPaths = [...]Path{PathFastDecode, PathPrefillThenDecode, PathUnified, PathFallback}
+
+// Paths returns every path, in the order of their constants (a new slice each call).
+func Paths() []Path { return slices.Clone(allPaths[:]) }
 
 // String returns "fast_decode", "prefill_then_decode", "unified" or "fallback"; "" for the zero
 // Path.
@@ -122,7 +125,7 @@ func (p Path) MarshalText() ([]byte, error) { return []byte(p.String()), nil }
 // ParsePath parses a label as String writes it (for a gateway reading the routing-path header
 // back). Anything else is an error.
 func ParsePath(s string) (Path, error) {
-	for _, p := range Paths {
+	for _, p := range allPaths {
 		if s == p.String() {
 			return p, nil
 		}
@@ -161,8 +164,10 @@ const (
 	numReasons
 )
 
-// Reasons lists every reason, in the order of their constants.
-var Reasons = [...]Reason{ReasonLocalHit, ReasonStorageHit, ReasonShortPrompt, ReasonCacheMiss,
+// Reasons returns every reason, in the order of their constants (a new slice each call).
+func Reasons() []Reason { return slices.Clone(allReasons[:]) }
+
+var allReasons = [...]Reason{ReasonLocalHit, ReasonStorageHit, ReasonShortPrompt, ReasonCacheMiss,
 	ReasonDisabled, ReasonNoPools, ReasonPoolUnavailable, ReasonPrefillFailed, ReasonDecodeFailed}
 
 // String returns the reason's label: "local_hit", "storage_hit", "short_prompt", "cache_miss",

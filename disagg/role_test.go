@@ -59,7 +59,7 @@ func TestRoleText(t *testing.T) {
 func TestPathAndReasonLabels(t *testing.T) {
 	want := map[Path]string{PathFastDecode: "fast_decode", PathPrefillThenDecode: "prefill_then_decode",
 		PathUnified: "unified", PathFallback: "fallback"}
-	for _, p := range Paths {
+	for _, p := range Paths() {
 		if p.String() != want[p] {
 			t.Errorf("%d.String() = %q, want %q", p, p.String(), want[p])
 		}
@@ -75,14 +75,14 @@ func TestPathAndReasonLabels(t *testing.T) {
 		t.Error("ParsePath accepted an unknown label")
 	}
 	seen := map[string]bool{}
-	for _, r := range Reasons {
+	for _, r := range Reasons() {
 		s := r.String()
 		if s == "" || seen[s] {
 			t.Errorf("reason %d has label %q (empty or duplicate)", r, s)
 		}
 		seen[s] = true
 	}
-	if len(Reasons) != int(numReasons)-1 || len(Paths) != int(numPaths)-1 {
+	if len(Reasons()) != int(numReasons)-1 || len(Paths()) != int(numPaths)-1 {
 		t.Error("Paths or Reasons misses a constant")
 	}
 }

@@ -14,8 +14,8 @@ type Tier = events.Tier
 // TierWeights weight a cached block by the tier it is on, indexed by Tier.
 type TierWeights [events.NumTiers]float64
 
-// DefaultTierWeights are the defaults: gpu 1.0, cpu 0.8, storage 0.6.
-var DefaultTierWeights = TierWeights{1.0, 0.8, 0.6}
+// DefaultTierWeights returns the defaults: gpu 1.0, cpu 0.8, storage 0.6.
+func DefaultTierWeights() TierWeights { return TierWeights{1.0, 0.8, 0.6} }
 
 // Defaults shared by the implementations' Configs.
 const (

@@ -139,7 +139,7 @@ func (c MemoryConfig) withDefaults() (MemoryConfig, error) {
 		c.SpeculativeTTL = DefaultSpeculativeTTL
 	}
 	if c.TierWeights == (TierWeights{}) {
-		c.TierWeights = DefaultTierWeights
+		c.TierWeights = DefaultTierWeights()
 	}
 	if c.MaxBackends == 0 {
 		c.MaxBackends = DefaultMaxBackends

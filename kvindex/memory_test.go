@@ -212,7 +212,7 @@ func TestMemoryConfigValidation(t *testing.T) {
 	defer m.Close()
 	c := m.cfg
 	if c.BlockSize != DefaultBlockSize || c.MaxEntries != DefaultMaxEntries || c.EntryTTL != DefaultEntryTTL ||
-		c.SpeculativeTTL != DefaultSpeculativeTTL || c.TierWeights != DefaultTierWeights ||
+		c.SpeculativeTTL != DefaultSpeculativeTTL || c.TierWeights != DefaultTierWeights() ||
 		c.MaxBackends != DefaultMaxBackends || c.MaxPrefixEntries != DefaultMaxPrefixEntries {
 		t.Errorf("defaults not applied: %+v", c)
 	}

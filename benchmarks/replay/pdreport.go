@@ -41,7 +41,7 @@ func SummarisePD(rs []PDResult) []PDSummary {
 		s := &out[idx[[2]string{r.point().String(), r.Policy}]]
 		s.Fleet = r.Fleet
 		n := float64(s.Seeds)
-		for _, p := range disagg.Paths {
+		for _, p := range disagg.Paths() {
 			s.Paths[p.String()] += float64(r.Paths[p.String()]) / n
 		}
 		s.WriteMean += r.WriteMean / n
@@ -102,7 +102,7 @@ func WritePDCSV(w io.Writer, rs []PDResult) error {
 	cw := csv.NewWriter(w)
 	head := append([]string{}, csvHeader...)
 	head = append(head, "fleet")
-	for _, p := range disagg.Paths {
+	for _, p := range disagg.Paths() {
 		head = append(head, p.String())
 	}
 	head = append(head, "storage_write_mean_s", "storage_read_mean_s", "decode_over_threshold")
@@ -122,7 +122,7 @@ func WritePDCSV(w io.Writer, rs []PDResult) error {
 		}
 		row := recs[len(recs)-1]
 		row = append(row, r.Fleet)
-		for _, p := range disagg.Paths {
+		for _, p := range disagg.Paths() {
 			row = append(row, strconv.Itoa(r.Paths[p.String()]))
 		}
 		row = append(row, f(r.WriteMean), f(r.ReadMean), strconv.Itoa(r.DecodeOverThreshold))

@@ -171,7 +171,7 @@ func setup(t *testing.T, newIndex NewIndexFunc, edit func(*Options)) *env {
 		DefaultModel:   defaultModel,
 		EntryTTL:       entryTTL,
 		SpeculativeTTL: specTTL,
-		TierWeights:    kvindex.DefaultTierWeights,
+		TierWeights:    kvindex.DefaultTierWeights(),
 		Now:            clk.Now,
 	}
 	if edit != nil {
@@ -363,7 +363,7 @@ func testLongRequest(t *testing.T, newIndex NewIndexFunc) {
 	e := setup(t, newIndex, nil)
 	toks := tokens(30, 300*blockSize)
 	ks := keys(model, "", toks)
-	w := kvindex.DefaultTierWeights
+	w := kvindex.DefaultTierWeights()
 	e.storeLong("full", toks, 1000, events.TierGPU)
 	e.storeLong("hole", toks, 1000, events.TierGPU)
 	e.apply("hole", removed([]uint64{1000 + 137}, events.TierGPU))
@@ -456,7 +456,7 @@ func testTierDowngrade(t *testing.T, newIndex NewIndexFunc) {
 	e := setup(t, newIndex, nil)
 	toks := tokens(8, 4*blockSize)
 	ks := keys(model, "", toks)
-	w := kvindex.DefaultTierWeights
+	w := kvindex.DefaultTierWeights()
 	e.apply("a", stored(hashes(100, 4), toks, blockSize, events.TierGPU))
 	e.apply("a", stored(hashes(100, 4), toks, blockSize, events.TierCPU))
 	e.wantMatch("GPU+CPU", e.lookup(ks, "a")[0], gpuMatch("a", 4))
@@ -491,7 +491,7 @@ func testTierDowngrade(t *testing.T, newIndex NewIndexFunc) {
 // storedMatch is a match of n blocks, the first gpu of them on GPU and the rest on storage only,
 // whose first stored blocks are on storage (their faster copies aside).
 func storedMatch(backend string, n, gpu, stored int) kvindex.Match {
-	w := kvindex.DefaultTierWeights
+	w := kvindex.DefaultTierWeights()
 	m := kvindex.Match{Backend: backend, Blocks: n, Tokens: n * blockSize, Tier: events.TierGPU,
 		StoredBlocks: stored, StoredTokens: stored * blockSize}
 	m.Score = float64(gpu)*w[events.TierGPU] + float64(n-gpu)*w[events.TierStorage]
@@ -525,7 +525,7 @@ func testStoredPrefix(t *testing.T, newIndex NewIndexFunc) {
 	e.wantMatch("GPU 300, storage 137", got[0], storedMatch("prefill", 300, 300, 137))
 	e.wantMatch("storage only", got[1], storedMatch("storage", 100, 0, 100))
 	e.wantMatch("storage for another prompt", got[2], storedMatch("elsewhere", 300, 300, 0))
-	w := kvindex.DefaultTierWeights
+	w := kvindex.DefaultTierWeights()
 	e.wantMatch("CPU block 0, then storage", got[3], kvindex.Match{Backend: "cpu-first", Blocks: 32, Tokens: 32 * blockSize,
 		Score: w[events.TierCPU] + 31*w[events.TierStorage], Tier: events.TierStorage})
 	e.wantMatch("unknown backend", got[4], kvindex.Match{Backend: "unknown"})
@@ -752,7 +752,7 @@ func testPrefixTransitions(t *testing.T, newIndex NewIndexFunc) {
 				o.StorageOffloading = st.storageOffloading
 				o.TreatEvictionAsOffload = st.treatEvictionAsOffload
 			})
-			w := kvindex.DefaultTierWeights
+			w := kvindex.DefaultTierWeights()
 			for i, tc := range cases {
 				prefix := fmt.Sprintf("9f2c%04x", i)
 				for _, op := range tc.ops {

@@ -439,7 +439,7 @@ func (x *Index) applyDefaults(cfg Config) error {
 	}
 	x.specTTL = min(x.specTTL, x.entryTTL)
 	if x.weights == (kvindex.TierWeights{}) {
-		x.weights = kvindex.DefaultTierWeights
+		x.weights = kvindex.DefaultTierWeights()
 	}
 	for t, w := range x.weights {
 		if !(w >= 0 && w <= 1) {

@@ -106,7 +106,7 @@ func New(cfg Config) (*Index, error) {
 		cfg.SpeculativeTTL = kvindex.DefaultSpeculativeTTL
 	}
 	if cfg.TierWeights == (kvindex.TierWeights{}) {
-		cfg.TierWeights = kvindex.DefaultTierWeights
+		cfg.TierWeights = kvindex.DefaultTierWeights()
 	}
 	if cfg.Now == nil {
 		cfg.Now = time.Now
