@@ -14,7 +14,7 @@ func BenchmarkRouteDisagg(b *testing.B) {
 	for _, path := range []string{"fast_decode", "prefill_then_decode"} {
 		b.Run("path="+path, func(b *testing.B) {
 			ix := dgIndex(b)
-			r := dgRouter(b, ix, disagg.Config{}, func(c *Config) { c.KV.Speculation = SpeculateOff })
+			r := dgRouter(b, ix, disagg.Config{}, func(c *Config) { c.KV.Speculation = SpeculationOff })
 			toks := dgTokens(1, 64*16)
 			if path == "fast_decode" {
 				dgHold(b, ix, "decode-2", toks, 64, events.TierGPU)

@@ -180,7 +180,7 @@ func TestRouteDisaggPaths(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			ix := dgIndex(t)
-			r := dgRouter(t, ix, tt.cfg, func(c *Config) { c.KV.Speculation = SpeculateOff })
+			r := dgRouter(t, ix, tt.cfg, func(c *Config) { c.KV.Speculation = SpeculationOff })
 			if tt.setup != nil {
 				tt.setup(t, r, ix)
 			}
@@ -216,7 +216,7 @@ func TestRouteDisaggStoredPrefix(t *testing.T) {
 	elsewhere := disagg.ExternalStorage{Endpoint: "http://other-store:8080", Namespace: "kv"}
 	ix := dgIndex(t)
 	r := dgRouter(t, ix, disagg.Config{}, func(c *Config) {
-		c.KV.Speculation = SpeculateOff
+		c.KV.Speculation = SpeculationOff
 		for i := range c.Backends {
 			if n := c.Backends[i].Name; n == "decode-1" || n == "decode-2" {
 				c.Backends[i].Storage = &elsewhere
@@ -530,7 +530,7 @@ func TestDisaggBackendsStayOffTheUnifiedRing(t *testing.T) {
 	// Membership changes go to the right ring.
 	require.NoError(t, r.RemoveBackend("decode-3"))
 	require.NoError(t, r.AddBackend(Backend{Name: "decode-4", Role: disagg.RoleDecode}))
-	assert.ErrorIs(t, r.AddBackend(Backend{Name: "decode-4", Role: disagg.RoleDecode}), ErrDuplicate)
+	assert.ErrorIs(t, r.AddBackend(Backend{Name: "decode-4", Role: disagg.RoleDecode}), ErrDuplicateBackend)
 	assert.ErrorIs(t, r.SetHealthy("decode-3", false), ErrUnknownBackend)
 	require.NoError(t, r.SetHealthy("decode-4", false))
 	st := r.Disagg().Stats()

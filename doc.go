@@ -89,6 +89,7 @@
 // Lost messages cost accuracy, never correctness: a peer decision whose end never arrives is
 // dropped Config.PeerMaxAge after it arrived, a peer that falls silent is dropped with ForgetPeer,
 // and an engine report older than Config.EngineLoadMaxAge no longer counts (both by Config.Now,
-// checked by Route). What peers and engines can make a Router hold is bounded (MaxPeerDecisions,
-// MaxReportedLoad). DisaggRouter's decisions are not shared.
+// checked by Route). What peers and engines can make a Router hold is bounded: at most 1,048,576
+// peer decisions in flight (beyond it the oldest is dropped, counted as expired), and a peer's
+// prefill tokens or an engine's running or waiting requests at most 2^30 each. DisaggRouter's decisions are not shared.
 package kvroute

@@ -66,7 +66,7 @@ func ExampleKVConfig_scorer() {
 	defer index.Close()
 	router, err := kvroute.New(kvroute.Config{
 		Backends: []kvroute.Backend{{Name: "vllm-1"}, {Name: "vllm-2"}},
-		KV:       &kvroute.KVConfig{Index: index, BlockSize: 16, Scorer: mostCached, Speculation: kvroute.SpeculateOff},
+		KV:       &kvroute.KVConfig{Index: index, BlockSize: 16, Scorer: mostCached, Speculation: kvroute.SpeculationOff},
 	})
 	if err != nil {
 		panic(err)

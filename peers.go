@@ -65,14 +65,14 @@ type PeerPublisher interface {
 // DefaultPeerMaxAge is Config.PeerMaxAge's default.
 const DefaultPeerMaxAge = 5 * time.Minute
 
-// Bounds on what peers and engines can make a Router hold or count: at most MaxPeerDecisions peer
+// Bounds on what peers and engines can make a Router hold or count: at most maxPeerDecisions peer
 // decisions in flight (beyond it the oldest is dropped, counted as expired), a peer decision's
-// prefill tokens and an engine's running or waiting requests at most MaxReportedLoad each. A
+// prefill tokens and an engine's running or waiting requests at most maxReportedLoad each. A
 // peer or engine that is wrong, or hostile, then costs routing accuracy and bounded memory, never
 // an overflow.
 const (
-	MaxPeerDecisions = 1 << 20
-	MaxReportedLoad  = 1 << 30
+	maxPeerDecisions = 1 << 20
+	maxReportedLoad  = 1 << 30
 )
 
 // DefaultEngineLoadMaxAge is Config.EngineLoadMaxAge's default.
@@ -165,12 +165,12 @@ func (r *DefaultRouter) ApplyPeerEvent(replica string, ev PeerEvent) {
 			p.ignored.Add(1)
 			return
 		}
-		if len(p.entries) >= MaxPeerDecisions {
+		if len(p.entries) >= maxPeerDecisions {
 			r.dropPeerLocked(p.order.Front().Value.(*peerEntry))
 			p.expired.Add(1)
 		}
 		e := &peerEntry{key: k, st: st, at: now}
-		if n := int64(min(ev.PrefillTokens, MaxReportedLoad)); n > 0 {
+		if n := int64(min(ev.PrefillTokens, maxReportedLoad)); n > 0 {
 			e.backlog = n
 			st.backlog.Add(n)
 			st.prefill.add(&e.prefill, r.peerWork(int(n), len(ev.BlockKeys)), r.since(now))
@@ -230,7 +230,7 @@ func (r *DefaultRouter) peerWork(prefill, blocks int) int64 {
 		return int64(prefill)
 	}
 	n := max(blocks*r.kv.cfg.BlockSize, prefill)
-	return int64(math.Ceil(min(scorer.PrefillWork(n, n-prefill, r.kv.attn), MaxReportedLoad)))
+	return int64(math.Ceil(min(scorer.PrefillWork(n, n-prefill, r.kv.attn), maxReportedLoad)))
 }
 
 // endPeerPrefill ends e's prefill load: its backlog tokens and work, and its active sequence's
@@ -343,7 +343,7 @@ func (r *DefaultRouter) ReportEngineLoad(backend string, l EngineLoad) error {
 		return nil
 	}
 	own, _ := r.ring.InFlight(backend)
-	l.Running, l.Waiting = min(max(l.Running, 0), MaxReportedLoad), min(max(l.Waiting, 0), MaxReportedLoad)
+	l.Running, l.Waiting = min(max(l.Running, 0), maxReportedLoad), min(max(l.Waiting, 0), maxReportedLoad)
 	rep := &engineReport{others: max(l.Running+l.Waiting-own, 0), load: l, expires: l.At.Add(r.cfg.EngineLoadMaxAge).UnixNano()}
 	p := &r.peers
 	p.mu.Lock()

@@ -258,7 +258,7 @@ func TestPeerAndEngineBounds(t *testing.T) {
 
 	// A peer decision's prefill tokens are capped too.
 	r.ApplyPeerEvent("p", PeerEvent{Kind: PeerRouted, ID: 1, Backend: "b", PrefillTokens: 1<<62 + 5})
-	assert.Equal(t, MaxReportedLoad, pendingPrefill(r, "b"))
+	assert.Equal(t, maxReportedLoad, pendingPrefill(r, "b"))
 
 	// A peer decision whose end never comes expires at the next Route after PeerMaxAge, with no
 	// other peer event or stats call.

@@ -160,7 +160,7 @@ func TestProbeTier4LeastWorkTies(t *testing.T) {
 // The imbalance guard: a skewed fleet sends a cached prompt to the least-loaded backend.
 func TestProbeTier4Imbalance(t *testing.T) {
 	ix := newMemIndex(t)
-	r := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: ix, Speculation: SpeculateOff,
+	r := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: ix, Speculation: SpeculationOff,
 		Guard: scorer.Guard{MaxSpread: 2}, LoadFactorEpsilon: 10}})
 	toks := promptTokens(12, 8*16)
 	storeBlocks(t, ix, "vllm-1", toks, 8, events.TierGPU)
@@ -231,7 +231,7 @@ func TestProbeTier4HandsOff(t *testing.T) {
 	assert.Equal(t, "no_block_keys", probes[0].KV.HandedOff)
 	assert.Contains(t, probes[0].Why, "tier 4 leaves it")
 
-	failing := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: lookupOnly{failingIndex{}}, Speculation: SpeculateOff}})
+	failing := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: lookupOnly{failingIndex{}}, Speculation: SpeculationOff}})
 	probes = lockstep(t, failing, tokReq("x", promptTokens(1, 64)))
 	assert.Equal(t, "lookup_error", probes[0].KV.HandedOff)
 	assert.NotEmpty(t, probes[0].KV.Error)
@@ -272,7 +272,7 @@ func TestDumpKVIndex(t *testing.T) {
 	off := newRouter(t, Config{Backends: backends(1)})
 	assert.NoError(t, off.DumpKVIndex(ctx, "vllm-1", 10, none), "tier 4 off: nothing to list")
 
-	plain := newRouter(t, Config{Backends: backends(1), KV: &KVConfig{Index: lookupOnly{newMemIndex(t)}, Speculation: SpeculateOff}})
+	plain := newRouter(t, Config{Backends: backends(1), KV: &KVConfig{Index: lookupOnly{newMemIndex(t)}, Speculation: SpeculationOff}})
 	assert.ErrorIs(t, plain.DumpKVIndex(ctx, "vllm-1", 10, none), ErrUnsupported)
 
 	ix := newMemIndex(t)

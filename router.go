@@ -28,25 +28,16 @@ type Router interface {
 	Route(ctx context.Context, req *prefixkey.Request) (*Decision, error)
 }
 
-// RouterFunc adapts a function to the Router interface.
-type RouterFunc func(ctx context.Context, req *prefixkey.Request) (*Decision, error)
-
-// Route calls f(ctx, req).
-func (f RouterFunc) Route(ctx context.Context, req *prefixkey.Request) (*Decision, error) {
-	return f(ctx, req)
-}
-
 var _ Router = (*DefaultRouter)(nil)
-var _ Router = RouterFunc(nil)
 
 // Errors returned by the default Router. Callers branch on them with errors.Is.
 var (
-	ErrNoBackend      = errors.New("kvroute: no healthy backend")
-	ErrNilRequest     = errors.New("kvroute: nil request")
-	ErrUnknownBackend = errors.New("kvroute: unknown backend")
-	ErrDuplicate      = errors.New("kvroute: backend already present")
-	ErrInvalidConfig  = errors.New("kvroute: invalid config")
-	ErrUnsupported    = errors.New("kvroute: not supported by the configured KV index")
+	ErrNoBackend        = errors.New("kvroute: no healthy backend")
+	ErrNilRequest       = errors.New("kvroute: nil request")
+	ErrUnknownBackend   = errors.New("kvroute: unknown backend")
+	ErrDuplicateBackend = errors.New("kvroute: backend already present")
+	ErrInvalidConfig    = errors.New("kvroute: invalid config")
+	ErrUnsupported      = errors.New("kvroute: not supported by the configured KV index")
 )
 
 // Reason says why a Decision chose its backend. Its String values are kvroute's routing-decision
@@ -379,7 +370,7 @@ func (r *DefaultRouter) Close() error {
 // Config returns the configuration in force, defaults filled in. Backends lists the initial ones.
 func (r *DefaultRouter) Config() Config { return r.cfg }
 
-// AddBackend adds a healthy backend. It returns an error wrapping ErrDuplicate when the name is
+// AddBackend adds a healthy backend. It returns an error wrapping ErrDuplicateBackend when the name is
 // taken, or ErrInvalidConfig for an empty name, a negative or non-finite weight, an invalid role,
 // or a prefill or decode role on a Router without Config.Disagg. Safe for concurrent use.
 func (r *DefaultRouter) AddBackend(b Backend) error {
@@ -400,11 +391,11 @@ func (r *DefaultRouter) AddBackend(b Backend) error {
 	defer r.mu.Unlock()
 	old := r.set.Load()
 	if _, ok := old.byName[b.Name]; ok {
-		return fmt.Errorf("%w: %q", ErrDuplicate, b.Name)
+		return fmt.Errorf("%w: %q", ErrDuplicateBackend, b.Name)
 	}
 	if err := ring.Add(b.Name, b.Weight); err != nil {
 		if errors.Is(err, chwbl.ErrDuplicate) {
-			return fmt.Errorf("%w: %q", ErrDuplicate, b.Name)
+			return fmt.Errorf("%w: %q", ErrDuplicateBackend, b.Name)
 		}
 		return err
 	}

@@ -55,12 +55,12 @@ func TestDefaultRouterConformance(t *testing.T) {
 	}
 }
 
-// A wrapper built with RouterFunc and NewDecision, as a third party writes one, passes it too.
+// A wrapper built with a func type of its own and NewDecision, as a third party writes one, passes it too.
 func TestWrappingRouterConformance(t *testing.T) {
 	routertest.Run(t, func(t *testing.T, backends []string) routertest.Subject {
 		inner := newDefault(t, backends, false)
 		var wrapped atomic.Int64
-		rt := kvroute.RouterFunc(func(ctx context.Context, req *prefixkey.Request) (*kvroute.Decision, error) {
+		rt := routerFunc(func(ctx context.Context, req *prefixkey.Request) (*kvroute.Decision, error) {
 			d, err := inner.Route(ctx, req)
 			if err != nil {
 				return nil, err
@@ -73,4 +73,11 @@ func TestWrappingRouterConformance(t *testing.T) {
 		})
 		return routertest.Subject{Router: rt, InFlight: func() int { return int(wrapped.Load()) }}
 	})
+}
+
+// routerFunc adapts a function to kvroute.Router, as a caller wrapping the Router writes it.
+type routerFunc func(ctx context.Context, req *prefixkey.Request) (*kvroute.Decision, error)
+
+func (f routerFunc) Route(ctx context.Context, req *prefixkey.Request) (*kvroute.Decision, error) {
+	return f(ctx, req)
 }

@@ -23,7 +23,7 @@ func TestRouterWrapperWithExportedAPI(t *testing.T) {
 	require.NoError(t, err)
 	defer inner.Close()
 	var pinnedDone, wrappedDone, firstTokens atomic.Int32
-	var rt kvroute.Router = kvroute.RouterFunc(func(ctx context.Context, req *prefixkey.Request) (*kvroute.Decision, error) {
+	var rt kvroute.Router = routerFunc(func(ctx context.Context, req *prefixkey.Request) (*kvroute.Decision, error) {
 		if req.Model == "pinned" {
 			return kvroute.NewDecision("b", kvroute.ReasonFallback, &kvroute.DecisionHooks{
 				Done: func(kvroute.Outcome) { pinnedDone.Add(1) }}), nil
@@ -90,11 +90,14 @@ func (lookupOnly) Lookup(_ context.Context, keys []uint64, cands []string, out [
 // reported as ErrUnsupported, never a panic.
 func TestLookupOnlyIndex(t *testing.T) {
 	backends := []kvroute.Backend{{Name: "a"}, {Name: "b"}, {Name: "c"}}
-	_, err := kvroute.New(kvroute.Config{Backends: backends, KV: &kvroute.KVConfig{Index: lookupOnly{}}})
+	_, err := kvroute.New(kvroute.Config{Backends: backends, KV: &kvroute.KVConfig{Index: lookupOnly{}, Speculation: kvroute.SpeculationOn}})
 	require.ErrorIs(t, err, kvroute.ErrInvalidConfig, "speculation needs a kvindex.Speculator")
+	auto, err := kvroute.New(kvroute.Config{Backends: backends, KV: &kvroute.KVConfig{Index: lookupOnly{}}})
+	require.NoError(t, err, "the zero Speculation turns speculation off for an index that cannot")
+	auto.Close()
 
 	r, err := kvroute.New(kvroute.Config{Backends: backends,
-		KV: &kvroute.KVConfig{Index: lookupOnly{}, Speculation: kvroute.SpeculateOff, SpeculativeTTL: time.Second}})
+		KV: &kvroute.KVConfig{Index: lookupOnly{}, Speculation: kvroute.SpeculationOff, SpeculativeTTL: time.Second}})
 	require.NoError(t, err)
 	defer r.Close()
 	toks := make([]uint32, 8*16)

@@ -197,7 +197,7 @@ func TestUnhealthyAndNoBackend(t *testing.T) {
 
 	assert.ErrorIs(t, r.SetHealthy("nope", true), ErrUnknownBackend)
 	assert.ErrorIs(t, r.RemoveBackend("nope"), ErrUnknownBackend)
-	assert.ErrorIs(t, r.AddBackend(Backend{Name: "vllm-1"}), ErrDuplicate)
+	assert.ErrorIs(t, r.AddBackend(Backend{Name: "vllm-1"}), ErrDuplicateBackend)
 	assert.ErrorIs(t, r.AddBackend(Backend{Name: ""}), ErrInvalidConfig)
 	assert.ErrorIs(t, r.AddBackend(Backend{Name: "w", Weight: -1}), ErrInvalidConfig)
 }

@@ -27,15 +27,18 @@ const DefaultKVLoadFactorEpsilon = 1.0
 type Speculation uint8
 
 const (
-	// SpeculateShort (the default) inserts predicted entries for the chosen backend with the
-	// index's short speculative TTL (2 s): requests arriving before the engine's KV events see
-	// where the prefix is going. A confirming BlockStored makes them real.
-	SpeculateShort Speculation = iota
-	// SpeculateOff records nothing.
-	SpeculateOff
-	// Approximate is for fleets without KV events: routing decisions are the index's only source,
-	// with kvindex.DefaultApproximateTTL (120 s) unless SpeculativeTTL says otherwise.
-	Approximate
+	// SpeculationAuto, the zero value, is SpeculationOn when the index implements
+	// kvindex.Speculator and SpeculationOff when it does not.
+	SpeculationAuto Speculation = iota
+	// SpeculationOn inserts predicted entries for the chosen backend with the index's short
+	// speculative TTL (2 s): requests arriving before the engine's KV events see where the prefix
+	// is going. A confirming BlockStored makes them real.
+	SpeculationOn
+	// SpeculationOff records nothing.
+	SpeculationOff
+	// SpeculationApproximate is for fleets without KV events: routing decisions are the index's
+	// only source, with kvindex.DefaultApproximateTTL (120 s) unless SpeculativeTTL says otherwise.
+	SpeculationApproximate
 )
 
 // indexStatser and indexClearer are the parts of kvindex.KvCacheIndex behind KVStats and
@@ -55,12 +58,14 @@ type KVConfig struct {
 	// Index is the KV-block index fed by the engines' KV events (or by speculation alone in
 	// Approximate mode). Routing needs only its Lookup; an index of one's own may implement less
 	// than kvindex.KvCacheIndex: kvindex.Speculator is required unless Speculation is
-	// SpeculateOff, kvindex.PrefixLookuper when UsePrefixEntries is set, and Stats and Clear (as
+	// SpeculationOff, kvindex.PrefixLookuper when UsePrefixEntries is set, and Stats and Clear (as
 	// KvCacheIndex declares them) back KVStats and ClearKVIndex, which report ErrUnsupported
 	// without them. kvindex.MemoryIndex and redisindex.Index implement all of it.
 	Index kvindex.Lookuper
-	// BlockSize is the index's block size in tokens; 0 means kvindex.DefaultBlockSize. It must be
-	// the block size the index was built with.
+	// BlockSize is the index's block size in tokens; 0 means the index's own when it reports one
+	// (kvindex.BlockSizer, as kvindex.MemoryIndex and redisindex.Index do), else
+	// kvindex.DefaultBlockSize. A value that differs from the index's own is a configuration
+	// error: lookups would never match.
 	BlockSize int
 	// Tokenizer supplies token IDs for requests that carry none; nil means only requests with
 	// TokenIDs get block keys. Its errors and time-outs route the request without block keys.
@@ -134,7 +139,7 @@ type tier4 struct {
 	cfg       KVConfig
 	scorer    scorer.BackendScorer
 	prefix    kvindex.PrefixLookuper // cfg.Index's, or nil
-	spec      kvindex.Speculator     // cfg.Index's, or nil (then Speculation is SpeculateOff)
+	spec      kvindex.Speculator     // cfg.Index's, or nil (then Speculation is SpeculationOff)
 	stats     indexStatser           // cfg.Index's, or nil
 	clear     indexClearer           // cfg.Index's, or nil
 	threshold float64
@@ -168,6 +173,14 @@ type scratch4 struct {
 func newTier4(cfg KVConfig) (*tier4, error) {
 	if cfg.Index == nil {
 		return nil, fmt.Errorf("%w: KV.Index is nil", ErrInvalidConfig)
+	}
+	if bs, ok := cfg.Index.(kvindex.BlockSizer); ok {
+		switch own := bs.BlockSize(); {
+		case cfg.BlockSize == 0:
+			cfg.BlockSize = own
+		case cfg.BlockSize != own:
+			return nil, fmt.Errorf("%w: KV.BlockSize %d differs from the index's block size %d", ErrInvalidConfig, cfg.BlockSize, own)
+		}
 	}
 	if cfg.BlockSize == 0 {
 		cfg.BlockSize = kvindex.DefaultBlockSize
@@ -221,20 +234,26 @@ func newTier4(cfg KVConfig) (*tier4, error) {
 			return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 		}
 	}
+	if cfg.Speculation == SpeculationAuto {
+		t.cfg.Speculation, cfg.Speculation = SpeculationOff, SpeculationOff
+		if t.spec != nil {
+			t.cfg.Speculation, cfg.Speculation = SpeculationOn, SpeculationOn
+		}
+	}
 	switch cfg.Speculation {
-	case SpeculateShort:
+	case SpeculationOn:
 		t.specTTL = kvindex.DefaultSpeculativeTTL
-	case Approximate:
+	case SpeculationApproximate:
 		t.specTTL = kvindex.DefaultApproximateTTL
-	case SpeculateOff:
+	case SpeculationOff:
 	default:
 		return nil, fmt.Errorf("%w: speculation mode %d", ErrInvalidConfig, cfg.Speculation)
 	}
-	if cfg.SpeculativeTTL > 0 && cfg.Speculation != SpeculateOff {
+	if cfg.SpeculativeTTL > 0 && cfg.Speculation != SpeculationOff {
 		t.specTTL = cfg.SpeculativeTTL
 	}
-	if cfg.Speculation != SpeculateOff && t.spec == nil {
-		return nil, fmt.Errorf("%w: KV.Index does not implement kvindex.Speculator: set Speculation to SpeculateOff", ErrInvalidConfig)
+	if cfg.Speculation != SpeculationOff && t.spec == nil {
+		return nil, fmt.Errorf("%w: speculation %s needs an index that implements kvindex.Speculator; KV.Index does not", ErrInvalidConfig, cfg.Speculation)
 	}
 	t.scratch.New = func() any { return &scratch4{} }
 	return t, nil
@@ -718,16 +737,42 @@ func (r *DefaultRouter) ClearKVIndex(ctx context.Context) (int, error) {
 	return r.kv.clear.Clear(ctx)
 }
 
-// String returns "speculate", "off" or "approximate".
+// String returns the mode's name in kvroute's configuration (kv_cache_index.speculation):
+// "auto", "speculate", "off" or "approximate".
 func (s Speculation) String() string {
 	switch s {
-	case SpeculateShort:
+	case SpeculationAuto:
+		return "auto"
+	case SpeculationOn:
 		return "speculate"
-	case SpeculateOff:
+	case SpeculationOff:
 		return "off"
-	case Approximate:
+	case SpeculationApproximate:
 		return "approximate"
 	default:
 		return fmt.Sprintf("speculation(%d)", uint8(s))
 	}
+}
+
+// MarshalText implements encoding.TextMarshaler with String's names.
+func (s Speculation) MarshalText() ([]byte, error) {
+	if s > SpeculationApproximate {
+		return nil, fmt.Errorf("kvroute: unknown speculation mode %d", uint8(s))
+	}
+	return []byte(s.String()), nil
+}
+
+// UnmarshalText implements encoding.TextUnmarshaler: it accepts String's names ("" is auto).
+func (s *Speculation) UnmarshalText(b []byte) error {
+	for m := SpeculationAuto; m <= SpeculationApproximate; m++ {
+		if string(b) == m.String() {
+			*s = m
+			return nil
+		}
+	}
+	if len(b) == 0 {
+		*s = SpeculationAuto
+		return nil
+	}
+	return fmt.Errorf("kvroute: speculation %q is not one of auto, speculate, off, approximate", b)
 }

@@ -62,7 +62,7 @@ func BenchmarkRouteKV(b *testing.B) {
 					b.Fatal(err)
 				}
 				defer ix.Close()
-				r, err := New(Config{Backends: backends(16), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+				r, err := New(Config{Backends: backends(16), KV: &KVConfig{Index: ix, Speculation: SpeculationOff}})
 				if err != nil {
 					b.Fatal(err)
 				}

@@ -59,7 +59,7 @@ func tokReq(system string, tokens []uint32) *prefixkey.Request {
 
 func TestKVAwareRoutesToHolder(t *testing.T) {
 	ix := newMemIndex(t)
-	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculationOff}})
 	toks := promptTokens(1, 32*16+5)
 	storeBlocks(t, ix, "vllm-3", toks, 32, events.TierGPU)
 	storeBlocks(t, ix, "vllm-1", toks, 8, events.TierGPU)
@@ -86,7 +86,7 @@ func TestKVAwareRoutesToHolder(t *testing.T) {
 
 func TestKVBelowThresholdRingFallback(t *testing.T) {
 	ix := newMemIndex(t)
-	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff, RingFallback: true}})
+	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculationOff, RingFallback: true}})
 	toks := promptTokens(2, 40*16)
 	storeBlocks(t, ix, "vllm-2", toks, 4, events.TierGPU) // 10 % < 30 %
 	d, err := r.Route(context.Background(), tokReq("system B", toks))
@@ -103,7 +103,7 @@ func TestKVBelowThresholdRingFallback(t *testing.T) {
 // FirstToken and Done take a request's tokens off its backend's backlog.
 func TestKVBelowThresholdLeastWork(t *testing.T) {
 	ix := newMemIndex(t)
-	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculationOff}})
 	ctx := context.Background()
 	backlog := func(name string) int64 { return r.set.Load().byName[name].backlog.Load() }
 	toks := promptTokens(2, 40*16)
@@ -141,7 +141,7 @@ func TestKVBelowThresholdLeastWork(t *testing.T) {
 // turn, not always the first.
 func TestKVColdFleetSpreadsTies(t *testing.T) {
 	ix := newMemIndex(t)
-	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculationOff}})
 	ctx := context.Background()
 	got := map[string]int{}
 	for i := range 40 {
@@ -166,7 +166,7 @@ func TestKVFaultyScorerFallsBack(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			ix := newMemIndex(t)
-			r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff, Scorer: sc}})
+			r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculationOff, Scorer: sc}})
 			toks := promptTokens(3, 40*16)
 			storeBlocks(t, ix, "vllm-2", toks, 40, events.TierGPU)
 			d, err := r.Route(context.Background(), tokReq("system F", toks))
@@ -183,7 +183,7 @@ func TestKVFaultyScorerFallsBack(t *testing.T) {
 // the least prefill work takes it, not the ring; its tokens count on that backend's backlog.
 func TestKVShortPromptLeastWork(t *testing.T) {
 	ix := newMemIndex(t)
-	r := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	r := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: ix, Speculation: SpeculationOff}})
 	ctx := context.Background()
 	backlog := func(name string) int64 { return r.set.Load().byName[name].backlog.Load() }
 	long, err := r.Route(ctx, tokReq("system L", promptTokens(3, 64*16)))
@@ -214,7 +214,7 @@ func TestKVShortPromptLeastWork(t *testing.T) {
 
 func TestKVTierWeightsPreferGPU(t *testing.T) {
 	ix := newMemIndex(t)
-	r := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	r := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: ix, Speculation: SpeculationOff}})
 	toks := promptTokens(3, 20*16)
 	storeBlocks(t, ix, "vllm-1", toks, 20, events.TierStorage)
 	storeBlocks(t, ix, "vllm-2", toks, 20, events.TierGPU)
@@ -235,7 +235,7 @@ func TestKVRespectsLoadBound(t *testing.T) {
 			// The hot-prefix spreading off: the bound alone limits the holder here.
 			sc, err := scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{HotDiscount: -1})
 			require.NoError(t, err)
-			r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff, LoadFactorEpsilon: tc.eps, Scorer: sc}})
+			r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculationOff, LoadFactorEpsilon: tc.eps, Scorer: sc}})
 			toks := promptTokens(4, 16*16)
 			storeBlocks(t, ix, "vllm-1", toks, 16, events.TierGPU)
 			ctx := context.Background()
@@ -277,7 +277,7 @@ func TestKVRespectsLoadBound(t *testing.T) {
 // holder takes say kv_aware with its cached tokens.
 func TestKVLoadBoundLabel(t *testing.T) {
 	ix := newMemIndex(t)
-	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff, LoadFactorEpsilon: 0.25}})
+	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculationOff, LoadFactorEpsilon: 0.25}})
 	toks := promptTokens(5, 16*16)
 	storeBlocks(t, ix, "vllm-1", toks, 16, events.TierGPU)
 	ctx := context.Background()
@@ -311,7 +311,7 @@ func TestKVLoadBoundLabel(t *testing.T) {
 }
 
 func TestKVSpeculationThenApproximate(t *testing.T) {
-	for _, mode := range []Speculation{SpeculateShort, Approximate} {
+	for _, mode := range []Speculation{SpeculationOn, SpeculationApproximate} {
 		t.Run(mode.String(), func(t *testing.T) {
 			ix := newMemIndex(t)
 			r := newRouter(t, Config{Backends: backends(8), KV: &KVConfig{Index: ix, Speculation: mode}})
@@ -333,7 +333,7 @@ func TestKVSpeculationThenApproximate(t *testing.T) {
 	}
 	t.Run("off", func(t *testing.T) {
 		ix := newMemIndex(t)
-		r := newRouter(t, Config{Backends: backends(8), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+		r := newRouter(t, Config{Backends: backends(8), KV: &KVConfig{Index: ix, Speculation: SpeculationOff}})
 		toks := promptTokens(6, 24*16)
 		first, err := r.Route(context.Background(), tokReq("", toks))
 		require.NoError(t, err)
@@ -378,7 +378,7 @@ func TestKVTokenizer(t *testing.T) {
 		}
 		return toks, nil
 	})
-	r := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: ix, Tokenizer: tok, Speculation: SpeculateOff}})
+	r := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: ix, Tokenizer: tok, Speculation: SpeculationOff}})
 	storeBlocks(t, ix, "vllm-2", toks, 10, events.TierGPU)
 	req := chatReq("tokenize me", "u")
 	req.Model = testModel
@@ -405,7 +405,7 @@ func TestKVTokenizer(t *testing.T) {
 
 func TestKVUnhealthyHolderSkipped(t *testing.T) {
 	ix := newMemIndex(t)
-	r := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	r := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: ix, Speculation: SpeculationOff}})
 	toks := promptTokens(8, 16*16)
 	storeBlocks(t, ix, "vllm-1", toks, 16, events.TierGPU)
 	storeBlocks(t, ix, "vllm-3", toks, 12, events.TierGPU)
@@ -420,7 +420,7 @@ func TestKVUnhealthyHolderSkipped(t *testing.T) {
 func TestKVImbalanceGuard(t *testing.T) {
 	ix := newMemIndex(t)
 	r := newRouter(t, Config{Backends: backends(3), Epsilon: 10, KV: &KVConfig{
-		Index: ix, Speculation: SpeculateOff, Guard: scorer.Guard{MaxSpread: 3},
+		Index: ix, Speculation: SpeculationOff, Guard: scorer.Guard{MaxSpread: 3},
 	}})
 	toks := promptTokens(9, 16*16)
 	storeBlocks(t, ix, "vllm-1", toks, 16, events.TierGPU)
@@ -446,7 +446,7 @@ func TestKVActiveSequences(t *testing.T) {
 	ix := newMemIndex(t)
 	active, err := scorer.NewActive(scorer.ActiveConfig{})
 	require.NoError(t, err)
-	r := newRouter(t, Config{Backends: backends(2), KV: &KVConfig{Index: ix, Speculation: SpeculateOff, Active: active}})
+	r := newRouter(t, Config{Backends: backends(2), KV: &KVConfig{Index: ix, Speculation: SpeculationOff, Active: active}})
 	toks := promptTokens(10, 16*16)
 	storeBlocks(t, ix, "vllm-2", toks, 8, events.TierGPU)
 	d, err := r.Route(context.Background(), tokReq("s", toks))
@@ -502,7 +502,7 @@ func TestKVClearAndConfig(t *testing.T) {
 // build their keys through prefixkey.Request.BlockKeysOf.
 func TestKVUnplacedMediaHasNoBlockKeys(t *testing.T) {
 	ix := newMemIndex(t)
-	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculateOff}})
+	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculationOff}})
 	toks := promptTokens(6, 32*16)
 	storeBlocks(t, ix, "vllm-3", toks, 32, events.TierGPU)
 	ctx := context.Background()

@@ -61,7 +61,7 @@ func TestKVQueuedHolderLosesToIdleBackend(t *testing.T) {
 			clock := newStepClock()
 			ix := newMemIndex(t)
 			r := newRouter(t, Config{Backends: backends(2), Now: clock.Now,
-				KV: &KVConfig{Index: ix, Speculation: SpeculateOff, Weights: tc.weights}})
+				KV: &KVConfig{Index: ix, Speculation: SpeculationOff, Weights: tc.weights}})
 			ctx := context.Background()
 			st, err := r.KVStats(ctx)
 			require.NoError(t, err)
@@ -114,7 +114,7 @@ func TestKVQueuedHolderLosesToIdleBackend(t *testing.T) {
 func TestKVPendingWorkProgress(t *testing.T) {
 	clock := newStepClock()
 	r := newRouter(t, Config{Backends: backends(1), Now: clock.Now,
-		KV: &KVConfig{Index: newMemIndex(t), Speculation: SpeculateOff}})
+		KV: &KVConfig{Index: newMemIndex(t), Speculation: SpeculationOff}})
 	ctx := context.Background()
 	name := backends(1)[0].Name
 	work := func(n int) float64 { return scorer.PrefillWork(n, 0, scorer.DefaultAttentionCost) }
@@ -166,7 +166,7 @@ func TestKVPendingWorkProgress(t *testing.T) {
 func TestKVPrefillRateRobust(t *testing.T) {
 	clock := newStepClock()
 	r := newRouter(t, Config{Backends: backends(1), Now: clock.Now,
-		KV: &KVConfig{Index: newMemIndex(t), Speculation: SpeculateOff}})
+		KV: &KVConfig{Index: newMemIndex(t), Speculation: SpeculationOff}})
 	ctx := context.Background()
 	q := &r.set.Load().byName[backends(1)[0].Name].prefill
 	w := scorer.PrefillWork(10_000, 0, scorer.DefaultAttentionCost)
@@ -246,7 +246,7 @@ func TestKVHotPrefixSpreads(t *testing.T) {
 func TestKVPeerDecisionWork(t *testing.T) {
 	clock := newStepClock()
 	r := newRouter(t, Config{Backends: backends(2), Now: clock.Now,
-		KV: &KVConfig{Index: newMemIndex(t), Speculation: SpeculateOff}})
+		KV: &KVConfig{Index: newMemIndex(t), Speculation: SpeculationOff}})
 	name := backends(2)[1].Name
 	keys := make([]uint64, 100)
 	for i := range keys {
@@ -270,7 +270,7 @@ func TestKVAttentionCost(t *testing.T) {
 		_, err := New(Config{Backends: backends(1), KV: &KVConfig{Index: newMemIndex(t), AttentionCost: bad}})
 		assert.ErrorIs(t, err, ErrInvalidConfig, "%v", bad)
 	}
-	r := newRouter(t, Config{Backends: backends(1), KV: &KVConfig{Index: newMemIndex(t), AttentionCost: -1, Speculation: SpeculateOff}})
+	r := newRouter(t, Config{Backends: backends(1), KV: &KVConfig{Index: newMemIndex(t), AttentionCost: -1, Speculation: SpeculationOff}})
 	st, err := r.KVStats(context.Background())
 	require.NoError(t, err)
 	assert.Zero(t, st.Config.AttentionCost)

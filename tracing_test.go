@@ -103,10 +103,10 @@ func TestTracingRouteSpans(t *testing.T) {
 			if tc.kv {
 				ix := newMemIndex(t)
 				storeBlocks(t, ix, "vllm-2", toks, 10, events.TierGPU)
-				cfg.KV = &KVConfig{Index: ix, Tokenizer: tok, Speculation: SpeculateOff}
+				cfg.KV = &KVConfig{Index: ix, Tokenizer: tok, Speculation: SpeculationOff}
 			}
 			if tc.index {
-				cfg.KV = &KVConfig{Index: failingIndex{}, Speculation: SpeculateOff}
+				cfg.KV = &KVConfig{Index: failingIndex{}, Speculation: SpeculationOff}
 			}
 			r := newRouter(t, cfg)
 
@@ -186,7 +186,7 @@ func TestTracingOffAllocs(t *testing.T) {
 				if tc.kv {
 					ix := newMemIndex(t)
 					storeBlocks(t, ix, "vllm-1", toks, 8, events.TierGPU)
-					cfg.KV = &KVConfig{Index: ix, Speculation: SpeculateOff}
+					cfg.KV = &KVConfig{Index: ix, Speculation: SpeculationOff}
 				}
 				r := newRouter(t, cfg)
 				req := tokReq("allocs", toks)

@@ -558,13 +558,8 @@ func (c *Config) KVConfig(index kvindex.KvCacheIndex, tok prefixkey.Tokenizer) *
 	case TokenizerNone:
 		tok = nil
 	}
-	spec := kvroute.SpeculateShort
-	switch kc.Speculation {
-	case "approximate":
-		spec = kvroute.Approximate
-	case "off":
-		spec = kvroute.SpeculateOff
-	}
+	var spec kvroute.Speculation
+	_ = spec.UnmarshalText([]byte(kc.Speculation)) // validated: speculate, approximate or off
 	usePrefix := false
 	for _, es := range kc.EventSources {
 		if !IsZMQEndpoint(es.Endpoint) {

@@ -514,7 +514,7 @@ func TestKVConfig(t *testing.T) {
 		}},
 		{"no sources: estimate, approximate", minimalBackends + "kv_cache_index: {enabled: true}\n", nil,
 			func(t *testing.T, kc *kvroute.KVConfig) {
-				if _, ok := kc.Tokenizer.(prefixkey.EstimateTokenizer); !ok || kc.Speculation != kvroute.Approximate ||
+				if _, ok := kc.Tokenizer.(prefixkey.EstimateTokenizer); !ok || kc.Speculation != kvroute.SpeculationApproximate ||
 					kc.UsePrefixEntries || kc.BlockSize != kvindex.DefaultBlockSize || kc.Index != ix {
 					t.Errorf("%+v", kc)
 				}
@@ -526,7 +526,7 @@ kv_cache_index:
   event_sources: [{backend_name: vllm-1, endpoint: "http://127.0.0.1:8001/v1/kv_events"}]
   scoring: {overlap_weight: 0.5, load_weight: 0.5, health_weight: 0, min_overlap_threshold: 0.2, load_factor_epsilon: 0.5}
 `, tok, func(t *testing.T, kc *kvroute.KVConfig) {
-			if kc.Tokenizer != nil || kc.Speculation != kvroute.SpeculateShort || !kc.UsePrefixEntries || kc.BlockSize != 32 ||
+			if kc.Tokenizer != nil || kc.Speculation != kvroute.SpeculationOn || !kc.UsePrefixEntries || kc.BlockSize != 32 ||
 				kc.Weights.OverlapWeight != 0.5 || kc.Weights.LoadWeight != 0.5 || kc.Weights.HealthWeight != 0 ||
 				kc.Weights.MinOverlapThreshold != 0.2 || kc.MinOverlapThreshold != 0.2 || kc.LoadFactorEpsilon != 0.5 {
 				t.Errorf("%+v", kc)
@@ -538,7 +538,7 @@ kv_cache_index:
   speculation: "off"
   event_sources: [{backend_name: vllm-1, endpoint: "tcp://127.0.0.1:5557"}]
 `, tok, func(t *testing.T, kc *kvroute.KVConfig) {
-			if kc.Tokenizer != tok || kc.Speculation != kvroute.SpeculateOff || kc.UsePrefixEntries ||
+			if kc.Tokenizer != tok || kc.Speculation != kvroute.SpeculationOff || kc.UsePrefixEntries ||
 				kc.LoadFactorEpsilon != kvroute.DefaultKVLoadFactorEpsilon || kc.Weights != (scorer.CompositeConfig{}) {
 				t.Errorf("%+v", kc)
 			}

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/prefixkey"
 )
 
 // Tier re-exports events.Tier: where a block lives on a backend.
@@ -19,7 +20,7 @@ func DefaultTierWeights() TierWeights { return TierWeights{1.0, 0.8, 0.6} }
 
 // Defaults shared by the implementations' Configs.
 const (
-	DefaultBlockSize       = 16
+	DefaultBlockSize       = prefixkey.DefaultBlockSize
 	DefaultMaxEntries      = 1 << 20 // blocks (in-memory) — kvroute's max_entries counts prefix entries
 	DefaultEntryTTL        = 600 * time.Second
 	DefaultSpeculativeTTL  = 2 * time.Second
@@ -51,6 +52,12 @@ type Match struct {
 	// the prefix from there.
 	StoredBlocks int
 	StoredTokens int
+}
+
+// BlockSizer is implemented by an index that knows its block size in tokens. kvroute.New checks
+// that KVConfig.BlockSize agrees with it, and takes it when KVConfig.BlockSize is 0.
+type BlockSizer interface {
+	BlockSize() int
 }
 
 // Lookuper finds how much of a request's prefix each candidate backend holds.

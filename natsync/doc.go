@@ -62,7 +62,7 @@
 // A Sync believes every message on its subject: replica ids are not authenticated. Whoever can
 // publish there can make backends look loaded (routed events), make the replicas forget a peer's
 // requests (a goodbye in its name, or a gap in its sequence), and cost the receivers memory up to
-// the Router's bounds (kvroute.MaxPeerDecisions). Restrict the subject to the routers: a NATS user
+// the Router's bounds (1,048,576 peer decisions in flight). Restrict the subject to the routers: a NATS user
 // or account of theirs whose publish and subscribe permissions cover <SubjectPrefix>.>, and TLS.
 //
 // # Wire format

@@ -88,7 +88,7 @@ func (p PDConfig) Fleet() string { return strconv.Itoa(p.Prefill) + ":" + strcon
 // policy returns the results' policy name: "pd-P:D", with "/spec-off" when speculation is off.
 func (p PDConfig) policy() string {
 	n := PolicyPD + "-" + p.Fleet()
-	if p.Speculation == kvroute.SpeculateOff {
+	if p.Speculation == kvroute.SpeculationOff {
 		n += "/spec-off"
 	}
 	return n

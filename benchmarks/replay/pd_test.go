@@ -93,7 +93,7 @@ func TestRunPDConditionalThreshold(t *testing.T) {
 	cfg.EventLag = 0
 	cfg.CapacityTokens = 262_144
 	exact := pdFleet
-	exact.Speculation = kvroute.SpeculateOff
+	exact.Speculation = kvroute.SpeculationOff
 	s, res := runPDSim(t, w, cfg, exact)
 	require.Equal(t, "pd-1:3/spec-off", res.Policy)
 	require.Zero(t, res.DecodeOverThreshold)

@@ -98,7 +98,7 @@ func PDStem(workload string, fleets []PDConfig) string {
 	for i, f := range fleets {
 		f, _ = f.withDefaults()
 		tags[i] = fmt.Sprintf("%dx%d", f.Prefill, f.Decode)
-		if f.Speculation == kvroute.SpeculateOff {
+		if f.Speculation == kvroute.SpeculationOff {
 			tags[i] += "-specoff"
 		}
 	}

@@ -118,7 +118,7 @@ func newRouter(name string, env policyEnv) (router, error) {
 		}
 		cfg := loadOnly
 		cfg.Strategy = kvroute.StrategyLeastLoaded
-		cfg.KV = &kvroute.KVConfig{Index: ix, BlockSize: env.blockSize, Speculation: kvroute.Approximate}
+		cfg.KV = &kvroute.KVConfig{Index: ix, BlockSize: env.blockSize, Speculation: kvroute.SpeculationApproximate}
 		return newKVRouter(cfg, env, ix, false) // routing decisions are its only source
 	case PolicyPrecise, PolicyCost:
 		ix, err := newIndex(false)
@@ -127,7 +127,7 @@ func newRouter(name string, env policyEnv) (router, error) {
 		}
 		cfg := loadOnly
 		cfg.Strategy = kvroute.StrategyLeastLoaded
-		cfg.KV = &kvroute.KVConfig{Index: ix, BlockSize: env.blockSize, Speculation: kvroute.SpeculateOff}
+		cfg.KV = &kvroute.KVConfig{Index: ix, BlockSize: env.blockSize, Speculation: kvroute.SpeculationOff}
 		if name == PolicyPrecise {
 			// The composite scorer (kvroute's kv_overlap: overlap, load and health weighed
 			// 0.6/0.3/0.1), as llm-d's precise prefix-cache scorer weighs overlap with load.

@@ -429,7 +429,7 @@ func runPD(fs *flag.FlagSet, o options, stdout io.Writer) error {
 	for i := range fleets {
 		fleets[i].BytesPerToken, fleets[i].BandwidthBytesPerSec = o.bytesPerToken, o.bandwidth
 		if o.pdSpecOff {
-			fleets[i].Speculation = kvroute.SpeculateOff
+			fleets[i].Speculation = kvroute.SpeculationOff
 		}
 	}
 	if o.sweep != "" {

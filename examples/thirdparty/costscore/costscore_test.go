@@ -66,7 +66,7 @@ func TestScore(t *testing.T) {
 }
 
 // staticIndex is a KV index that says what each backend holds of any request: a fixed number of
-// its leading blocks. It answers lookups only (KVConfig then needs SpeculateOff).
+// its leading blocks. It answers lookups only (KVConfig then needs SpeculationOff).
 type staticIndex map[string]int
 
 func (ix staticIndex) Lookup(_ context.Context, keys []uint64, cands []string, out []kvindex.Match) ([]kvindex.Match, error) {
@@ -91,7 +91,7 @@ func TestWithDefaultRouter(t *testing.T) {
 		KV: &kvroute.KVConfig{
 			Index:       staticIndex{"a": 8, "b": 6}, // of an 8-block prompt
 			Scorer:      s,
-			Speculation: kvroute.SpeculateOff,
+			Speculation: kvroute.SpeculationOff,
 		},
 	})
 	if err != nil {
