@@ -97,14 +97,15 @@ func (dr *DisaggRouter) Config() (disagg.Config, bool) {
 	return r.dis.planner.Config(), true
 }
 
-// DisaggDecision is the outcome of DisaggRouter.Route: the embedded Plan (path, reason, prefill and decode
+// DisaggDecision is the outcome of DisaggRouter.Route: its Plan (path, reason, prefill and decode
 // backends, expected cached tokens, storage) and the in-flight slots it holds — a prefill slot on
 // Prefill until PrefillDone (or Done), a decode slot on Decode until Done. For the unified and
 // fallback paths, Unified is the Route decision that holds the slot on the unified backend (Decode
 // names it). Every method is safe for concurrent use and idempotent; the exported fields are
 // read-only for the caller.
 type DisaggDecision struct {
-	disagg.Plan
+	// Plan is the planner's answer: path, reason, backends, cached and uncached tokens, storage.
+	Plan         disagg.Plan
 	PrefixKey    prefixkey.Key
 	HasPrefixKey bool
 	// Unified is non-nil for the unified and fallback paths: the tier-1/tier-4 decision over the
@@ -184,9 +185,9 @@ func (dr *DisaggRouter) Route(ctx context.Context, req *prefixkey.Request) (*Dis
 		}
 	}
 	set := r.set.Load()
-	d.dst = set.byName[d.Decode]
-	if d.Prefill != "" {
-		d.pst = set.byName[d.Prefill]
+	d.dst = set.byName[d.Plan.Decode]
+	if d.Plan.Prefill != "" {
+		d.pst = set.byName[d.Plan.Prefill]
 	}
 	for _, st := range [...]*backendState{d.pst, d.dst} {
 		if st != nil {
@@ -194,14 +195,14 @@ func (dr *DisaggRouter) Route(ctx context.Context, req *prefixkey.Request) (*Dis
 		}
 	}
 	if k := r.kv; k != nil && k.specTTL > 0 && len(s.keys) > 0 {
-		if d.Prefill != "" {
+		if d.Plan.Prefill != "" {
 			// The prompt's KV exists only once the prefill has computed it and written it to
 			// storage, on its way to the decode backend: PrefillDone speculates for both. Doing it
 			// now would send a twin request arriving meanwhile, as a local or storage hit, to a
 			// decode backend that would find nothing and compute the whole prompt itself.
 			d.specKeys = append([]uint64(nil), s.keys...)
 		} else {
-			_ = k.spec.Speculate(ctx, d.Decode, s.keys, k.specTTL)
+			_ = k.spec.Speculate(ctx, d.Plan.Decode, s.keys, k.specTTL)
 		}
 	}
 	t.counters.Record(d.Plan)
@@ -341,8 +342,8 @@ func (r *DefaultRouter) disaggCandidates(ctx context.Context, d *DisaggDecision,
 func (d *DisaggDecision) PrefillDone(o Outcome) {
 	if d.endPrefill(o) && o.Err == nil && d.specKeys != nil {
 		if k := d.router.kv; k != nil {
-			_ = k.spec.Speculate(context.Background(), d.Prefill, d.specKeys, k.specTTL)
-			_ = k.spec.Speculate(context.Background(), d.Decode, d.specKeys, k.specTTL)
+			_ = k.spec.Speculate(context.Background(), d.Plan.Prefill, d.specKeys, k.specTTL)
+			_ = k.spec.Speculate(context.Background(), d.Plan.Decode, d.specKeys, k.specTTL)
 		}
 		d.specKeys = nil
 	}
@@ -438,7 +439,7 @@ func (d *DisaggDecision) PrefillFailed(ctx context.Context, cause error) (*Disag
 	if err != nil {
 		t.counters.RecordNoBackend()
 		t.metrics.recordNoBackend(ctx)
-		return nil, fmt.Errorf("%w: prefill on %q failed (%w): %w", ErrNoBackend, d.Prefill, cause, err)
+		return nil, fmt.Errorf("%w: prefill on %q failed (%w): %w", ErrNoBackend, d.Plan.Prefill, cause, err)
 	}
 	return r.routeUnified(ctx, d.req, plan, nil)
 }
@@ -478,7 +479,7 @@ func (d *DisaggDecision) DecodeFailed(ctx context.Context, cause error) (*Disagg
 	if err != nil {
 		t.counters.RecordNoBackend()
 		t.metrics.recordNoBackend(ctx)
-		return nil, fmt.Errorf("%w: decode on %q failed (%w): %w", ErrNoBackend, d.Decode, cause, err)
+		return nil, fmt.Errorf("%w: decode on %q failed (%w): %w", ErrNoBackend, d.Plan.Decode, cause, err)
 	}
 	return r.routeUnified(ctx, d.req, plan, nil)
 }

@@ -27,8 +27,8 @@ func BenchmarkRouteDisagg(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
-				if d.Path.String() != path {
-					b.Fatalf("path %v", d.Path)
+				if d.Plan.Path.String() != path {
+					b.Fatalf("path %v", d.Plan.Path)
 				}
 				d.PrefillDone(Outcome{})
 				d.Done(Outcome{})

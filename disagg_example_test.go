@@ -37,9 +37,9 @@ func ExampleDisaggRouter_Route() {
 	if err != nil {
 		panic(err) // errors.Is(err, kvroute.ErrNoBackend): answer 503
 	}
-	fmt.Println(d.Path, d.Reason, d.Prefill, cfg.PrefillTimeout)
-	if d.Path == disagg.PathPrefillThenDecode {
-		if err := prefill(d.Prefill); err != nil {
+	fmt.Println(d.Plan.Path, d.Plan.Reason, d.Plan.Prefill, cfg.PrefillTimeout)
+	if d.Plan.Path == disagg.PathPrefillThenDecode {
+		if err := prefill(d.Plan.Prefill); err != nil {
 			if d, err = d.PrefillFailed(ctx, err); err != nil {
 				panic(err) // fallback to unified is off, or no unified backend is healthy
 			}
@@ -48,8 +48,8 @@ func ExampleDisaggRouter_Route() {
 		}
 	}
 	h := http.Header{}
-	d.SetHeaders(h) // X-Kvroute-Routing-Path, X-Kvroute-Prefill-Backend, X-Kvroute-Decode-Backend
-	fmt.Println(h.Get(disagg.HeaderRoutingPath), h.Get(disagg.HeaderDecodeBackend), d.Reason)
+	d.Plan.SetHeaders(h) // X-Kvroute-Routing-Path, X-Kvroute-Prefill-Backend, X-Kvroute-Decode-Backend
+	fmt.Println(h.Get(disagg.HeaderRoutingPath), h.Get(disagg.HeaderDecodeBackend), d.Plan.Reason)
 	// … forward the request to d.Decode and stream the answer …
 	d.Done(kvroute.Outcome{})
 	fmt.Println(router.Disagg().Stats().Requests.PrefillFailures)

@@ -187,16 +187,16 @@ func TestRouteDisaggPaths(t *testing.T) {
 			d, err := r.Disagg().Route(context.Background(), dgReq(tt.tokens))
 			require.NoError(t, err)
 			defer d.Done(Outcome{})
-			assert.Equal(t, tt.path, d.Path)
-			assert.Equal(t, tt.reason, d.Reason)
-			assert.Equal(t, tt.prefill, d.Prefill)
-			assert.Equal(t, tt.decode, d.Decode)
-			assert.Equal(t, tt.cached, d.ExpectedCachedTokens)
+			assert.Equal(t, tt.path, d.Plan.Path)
+			assert.Equal(t, tt.reason, d.Plan.Reason)
+			assert.Equal(t, tt.prefill, d.Plan.Prefill)
+			assert.Equal(t, tt.decode, d.Plan.Decode)
+			assert.Equal(t, tt.cached, d.Plan.ExpectedCachedTokens)
 			unified := tt.path == disagg.PathFallback || tt.path == disagg.PathUnified
 			assert.Equal(t, unified, d.Unified != nil)
 
 			h := http.Header{}
-			d.SetHeaders(h)
+			d.Plan.SetHeaders(h)
 			assert.Equal(t, tt.path.String(), h.Get(disagg.HeaderRoutingPath))
 			assert.Equal(t, tt.decode, h.Get(disagg.HeaderDecodeBackend))
 			assert.Equal(t, tt.prefill, h.Get(disagg.HeaderPrefillBackend))
@@ -234,24 +234,24 @@ func TestRouteDisaggStoredPrefix(t *testing.T) {
 
 	dgHold(t, ix, "prefill-1", long, 64, events.TierGPU)
 	d := route("on GPU only")
-	assert.Equal(t, disagg.PathPrefillThenDecode, d.Path, "on GPU only")
-	assert.Equal(t, "prefill-1", d.Prefill, "on GPU only")
-	assert.Equal(t, "decode-3", d.Decode, "on GPU only: the one decode backend reading prefill-1's storage")
-	assert.Equal(t, 1024, d.ExpectedCachedTokens, "on GPU only")
+	assert.Equal(t, disagg.PathPrefillThenDecode, d.Plan.Path, "on GPU only")
+	assert.Equal(t, "prefill-1", d.Plan.Prefill, "on GPU only")
+	assert.Equal(t, "decode-3", d.Plan.Decode, "on GPU only: the one decode backend reading prefill-1's storage")
+	assert.Equal(t, 1024, d.Plan.ExpectedCachedTokens, "on GPU only")
 
 	dgHold(t, ix, "prefill-1", long, 20, events.TierStorage)
 	d = route("20 blocks written")
-	assert.Equal(t, disagg.PathPrefillThenDecode, d.Path, "20 blocks written: 709 tokens left is not short")
+	assert.Equal(t, disagg.PathPrefillThenDecode, d.Plan.Path, "20 blocks written: 709 tokens left is not short")
 
 	dgHold(t, ix, "prefill-1", long, 64, events.TierStorage)
 	d = route("64 blocks written")
-	assert.Equal(t, disagg.PathFastDecode, d.Path, "64 blocks written")
-	assert.Equal(t, disagg.ReasonStorageHit, d.Reason, "64 blocks written")
-	assert.Equal(t, "decode-3", d.Decode, "64 blocks written: the decode backend sharing the storage")
-	assert.Equal(t, "", d.Prefill, "64 blocks written")
-	assert.Equal(t, 1024, d.ExpectedCachedTokens, "64 blocks written")
-	assert.Equal(t, 5, d.UncachedTokens, "64 blocks written")
-	assert.True(t, d.Storage.SameLocation(dgStore), "64 blocks written: storage %v", d.Storage)
+	assert.Equal(t, disagg.PathFastDecode, d.Plan.Path, "64 blocks written")
+	assert.Equal(t, disagg.ReasonStorageHit, d.Plan.Reason, "64 blocks written")
+	assert.Equal(t, "decode-3", d.Plan.Decode, "64 blocks written: the decode backend sharing the storage")
+	assert.Equal(t, "", d.Plan.Prefill, "64 blocks written")
+	assert.Equal(t, 1024, d.Plan.ExpectedCachedTokens, "64 blocks written")
+	assert.Equal(t, 5, d.Plan.UncachedTokens, "64 blocks written")
+	assert.True(t, d.Plan.Storage.SameLocation(dgStore), "64 blocks written: storage %v", d.Plan.Storage)
 
 	m, err := ix.Lookup(context.Background(), prefixkey.AppendBlockKeys(nil, prefixkey.BlockRoot("llama-3-8b", ""), long, 16, nil),
 		[]string{"prefill-1"}, make([]kvindex.Match, 1))
@@ -288,23 +288,23 @@ func TestRouteDisaggPhases(t *testing.T) {
 	toks := dgTokens(4, 80*16)
 	d, err := r.Disagg().Route(ctx, dgReq(toks))
 	require.NoError(t, err)
-	require.Equal(t, disagg.PathPrefillThenDecode, d.Path)
+	require.Equal(t, disagg.PathPrefillThenDecode, d.Plan.Path)
 	loads := dgLoads(r)
-	assert.Equal(t, 1, loads[d.Prefill])
-	assert.Equal(t, 1, loads[d.Decode])
+	assert.Equal(t, 1, loads[d.Plan.Prefill])
+	assert.Equal(t, 1, loads[d.Plan.Decode])
 
 	// Before the prefill is done nobody holds the prompt: a twin request is no hit anywhere.
 	twin, err := r.Disagg().Route(ctx, dgReq(toks))
 	require.NoError(t, err)
-	assert.Equal(t, disagg.PathPrefillThenDecode, twin.Path, "%+v", twin.Plan)
-	assert.Zero(t, twin.ExpectedCachedTokens)
+	assert.Equal(t, disagg.PathPrefillThenDecode, twin.Plan.Path, "%+v", twin.Plan)
+	assert.Zero(t, twin.Plan.ExpectedCachedTokens)
 	twin.Done(Outcome{}) // ends both phases; no prefill done, no speculation
 
 	d.PrefillDone(Outcome{})
 	d.PrefillDone(Outcome{Err: errors.New("late")}) // idempotent: no second release or outcome
 	loads = dgLoads(r)
-	assert.Zero(t, loads[d.Prefill])
-	assert.Equal(t, 1, loads[d.Decode])
+	assert.Zero(t, loads[d.Plan.Prefill])
+	assert.Equal(t, 1, loads[d.Plan.Decode])
 	d.Done(Outcome{})
 	d.Done(Outcome{})
 	for name, n := range dgLoads(r) {
@@ -319,13 +319,13 @@ func TestRouteDisaggPhases(t *testing.T) {
 	again, err := r.Disagg().Route(ctx, dgReq(toks))
 	require.NoError(t, err)
 	defer again.Done(Outcome{})
-	assert.Equal(t, disagg.PathFastDecode, again.Path)
-	assert.Equal(t, disagg.ReasonLocalHit, again.Reason)
-	assert.Equal(t, d.Decode, again.Decode)
+	assert.Equal(t, disagg.PathFastDecode, again.Plan.Path)
+	assert.Equal(t, disagg.ReasonLocalHit, again.Plan.Reason)
+	assert.Equal(t, d.Plan.Decode, again.Plan.Decode)
 	again.PrefillDone(Outcome{}) // no prefill phase: a no-op
 	_, err = again.PrefillFailed(ctx, errors.New("x"))
 	assert.Error(t, err)
-	assert.Equal(t, 1, dgLoads(r)[again.Decode])
+	assert.Equal(t, 1, dgLoads(r)[again.Plan.Decode])
 }
 
 // A decode backend that fails before answering: its slots are released, the failure counts
@@ -338,7 +338,7 @@ func TestRouteDisaggDecodeFailed(t *testing.T) {
 			ctx := context.Background()
 			d, err := r.Disagg().Route(ctx, dgReq(dgTokens(6, 3000)))
 			require.NoError(t, err)
-			require.Equal(t, disagg.PathPrefillThenDecode, d.Path)
+			require.Equal(t, disagg.PathPrefillThenDecode, d.Plan.Path)
 			d.PrefillDone(Outcome{})
 			cause := errors.New("connection refused")
 			fb, err := d.DecodeFailed(ctx, cause)
@@ -348,9 +348,9 @@ func TestRouteDisaggDecodeFailed(t *testing.T) {
 				assert.ErrorIs(t, err, cause)
 			} else {
 				require.NoError(t, err)
-				assert.Equal(t, disagg.PathFallback, fb.Path)
-				assert.Equal(t, disagg.ReasonDecodeFailed, fb.Reason)
-				assert.Equal(t, "unified-fallback", fb.Decode)
+				assert.Equal(t, disagg.PathFallback, fb.Plan.Path)
+				assert.Equal(t, disagg.ReasonDecodeFailed, fb.Plan.Reason)
+				assert.Equal(t, "unified-fallback", fb.Plan.Decode)
 				assert.Equal(t, 1, dgLoads(r)["unified-fallback"])
 				_, err = fb.DecodeFailed(ctx, cause)
 				assert.Error(t, err, "a unified decision has no decode phase")
@@ -368,7 +368,7 @@ func TestRouteDisaggDecodeFailed(t *testing.T) {
 				assert.Equal(t, uint64(1), st.Requests.Reasons.DecodeFailed)
 			}
 			for _, b := range st.Backends {
-				if b.Backend == d.Decode {
+				if b.Backend == d.Plan.Decode {
 					assert.Less(t, b.SuccessRate, 1.0, "the failure counts against the decode backend")
 				} else {
 					assert.Equal(t, 1.0, b.SuccessRate, b.Backend)
@@ -385,7 +385,7 @@ func TestRouteDisaggPrefillFailed(t *testing.T) {
 			ctx := context.Background()
 			d, err := r.Disagg().Route(ctx, dgReq(dgTokens(5, 3000)))
 			require.NoError(t, err)
-			require.Equal(t, disagg.PathPrefillThenDecode, d.Path)
+			require.Equal(t, disagg.PathPrefillThenDecode, d.Plan.Path)
 			cause := errors.New("prefill timed out")
 			fb, err := d.PrefillFailed(ctx, cause)
 			if !fallback {
@@ -394,14 +394,14 @@ func TestRouteDisaggPrefillFailed(t *testing.T) {
 				assert.ErrorIs(t, err, cause)
 			} else {
 				require.NoError(t, err)
-				assert.Equal(t, disagg.PathFallback, fb.Path)
-				assert.Equal(t, disagg.ReasonPrefillFailed, fb.Reason)
-				assert.Equal(t, "unified-fallback", fb.Decode)
-				assert.Empty(t, fb.Prefill)
+				assert.Equal(t, disagg.PathFallback, fb.Plan.Path)
+				assert.Equal(t, disagg.ReasonPrefillFailed, fb.Plan.Reason)
+				assert.Equal(t, "unified-fallback", fb.Plan.Decode)
+				assert.Empty(t, fb.Plan.Prefill)
 				assert.Equal(t, 1, dgLoads(r)["unified-fallback"])
 				h := http.Header{}
-				d.SetHeaders(h)
-				fb.SetHeaders(h)
+				d.Plan.SetHeaders(h)
+				fb.Plan.SetHeaders(h)
 				assert.Empty(t, h.Get(disagg.HeaderPrefillBackend))
 				fb.Done(Outcome{})
 			}
@@ -414,7 +414,7 @@ func TestRouteDisaggPrefillFailed(t *testing.T) {
 			st := r.Disagg().Stats()
 			assert.Equal(t, uint64(1), st.Requests.PrefillFailures)
 			for _, b := range st.Backends {
-				if b.Backend == d.Prefill {
+				if b.Backend == d.Plan.Prefill {
 					assert.Less(t, b.SuccessRate, 1.0, "the failure counts against the prefill backend")
 				} else {
 					assert.Equal(t, 1.0, b.SuccessRate, b.Backend)
@@ -465,7 +465,7 @@ func TestRouteDisaggLoadReturnsToZero(t *testing.T) {
 					failed.Store(fmt.Sprint(g, i), err)
 					continue
 				}
-				routed.Store(d.Path, true)
+				routed.Store(d.Plan.Path, true)
 				switch rnd.IntN(5) {
 				case 0: // the normal two-phase flow
 					d.PrefillDone(Outcome{})
@@ -542,7 +542,7 @@ func TestDisaggBackendsStayOffTheUnifiedRing(t *testing.T) {
 	// A decode slot held across its backend's removal is released once, harmlessly.
 	d, err := r.Disagg().Route(ctx, dgReq(dgTokens(9, 100)))
 	require.NoError(t, err)
-	require.NoError(t, r.RemoveBackend(d.Decode))
+	require.NoError(t, r.RemoveBackend(d.Plan.Decode))
 	d.Done(Outcome{})
 	for name, n := range dgLoads(r) {
 		assert.Zero(t, n, name)
@@ -561,14 +561,14 @@ func TestDisaggNeedsConfig(t *testing.T) {
 	r := newRouter(t, Config{Backends: backends(2)})
 	d, err := r.Disagg().Route(context.Background(), chatReq("s", "u"))
 	require.NoError(t, err)
-	assert.Equal(t, disagg.PathUnified, d.Path)
-	assert.Equal(t, disagg.ReasonDisabled, d.Reason)
+	assert.Equal(t, disagg.PathUnified, d.Plan.Path)
+	assert.Equal(t, disagg.ReasonDisabled, d.Plan.Reason)
 	require.NotNil(t, d.Unified)
-	assert.Equal(t, d.Unified.Backend, d.Decode)
-	inflight, _ := r.ring.InFlight(d.Decode)
+	assert.Equal(t, d.Unified.Backend, d.Plan.Decode)
+	inflight, _ := r.ring.InFlight(d.Plan.Decode)
 	assert.Equal(t, 1, inflight)
 	d.Done(Outcome{})
-	inflight, _ = r.ring.InFlight(d.Decode)
+	inflight, _ = r.ring.InFlight(d.Plan.Decode)
 	assert.Zero(t, inflight)
 	assert.Equal(t, DisaggStats{}, r.Disagg().Stats())
 	_, ok := r.Disagg().Config()
@@ -646,8 +646,8 @@ func TestDisaggMetrics(t *testing.T) {
 		inflight[ph.AsString()+"/"+b.AsString()] = dp.Value
 	}
 	assert.Len(t, inflight, 5)
-	assert.Equal(t, int64(1), inflight["prefill/"+pinned.Prefill])
-	assert.Equal(t, int64(1), inflight["decode/"+pinned.Decode])
+	assert.Equal(t, int64(1), inflight["prefill/"+pinned.Plan.Prefill])
+	assert.Equal(t, int64(1), inflight["decode/"+pinned.Plan.Decode])
 	require.NoError(t, r.Close())
 	require.NoError(t, r.Close())
 }

@@ -347,11 +347,11 @@ func (s *pdSim) arrive(i int) error {
 	}
 	r.d = d
 	s.inMax = max(s.inMax, s.inFlight())
-	r.decode = int32(s.engine(d.Decode))
-	if d.Path != disagg.PathPrefillThenDecode {
+	r.decode = int32(s.engine(d.Plan.Decode))
+	if d.Plan.Path != disagg.PathPrefillThenDecode {
 		return s.submitDecode(i)
 	}
-	p := s.engine(d.Prefill)
+	p := s.engine(d.Plan.Prefill)
 	r.prefill = int32(p)
 	// The prefill phase is the request with max_tokens 1, as a gateway sends it.
 	s.starts, err = s.engines[p].Submit(s.clock(), uint64(i), enginesim.Input{Tokens: r.tokens, OutputTokens: 1}, s.starts[:0])
@@ -480,9 +480,9 @@ func (s *pdSim) result() PDResult {
 		r := &s.reqs[i]
 		res.Requests++
 		if r.d != nil {
-			res.Paths[r.d.Path.String()]++
-			res.Reasons[r.d.Reason.String()]++
-			if r.d.ExpectedCachedTokens > 0 {
+			res.Paths[r.d.Plan.Path.String()]++
+			res.Reasons[r.d.Plan.Reason.String()]++
+			if r.d.Plan.ExpectedCachedTokens > 0 {
 				expected++
 			}
 		}

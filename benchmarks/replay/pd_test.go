@@ -39,7 +39,7 @@ func TestRunPDCompletesAndAccounts(t *testing.T) {
 		require.Positive(t, r.finish, "request %d never finished", i)
 		require.GreaterOrEqual(t, r.finish, r.first)
 		require.GreaterOrEqual(t, r.first-r.arrival, r.write+r.read, "request %d: TTFT shorter than its transfers", i)
-		switch r.d.Path {
+		switch r.d.Plan.Path {
 		case disagg.PathPrefillThenDecode:
 			pt++
 			require.GreaterOrEqual(t, int(r.prefill), 0)
@@ -51,7 +51,7 @@ func TestRunPDCompletesAndAccounts(t *testing.T) {
 		case disagg.PathFastDecode:
 			require.Equal(t, int32(-1), r.prefill)
 		default:
-			t.Fatalf("request %d took path %v on a fleet without unified engines", i, r.d.Path)
+			t.Fatalf("request %d took path %v on a fleet without unified engines", i, r.d.Plan.Path)
 		}
 		require.GreaterOrEqual(t, int(r.decode), pdFleet.Prefill, "request %d decoded on a prefill engine", i)
 	}
@@ -100,7 +100,7 @@ func TestRunPDConditionalThreshold(t *testing.T) {
 	for i := range s.reqs {
 		r := &s.reqs[i]
 		require.False(t, s.overThreshold(r.computed, r.prompt), "request %d: decode engine computed %d of %d tokens", i, r.computed, r.prompt)
-		if r.d.Path == disagg.PathPrefillThenDecode {
+		if r.d.Plan.Path == disagg.PathPrefillThenDecode {
 			require.LessOrEqual(t, r.computed, DefaultBlockSize, "request %d: the decode engine recomputed a prefilled prompt", i)
 		}
 	}
@@ -120,8 +120,8 @@ func TestRunPDConditionalThreshold(t *testing.T) {
 	for i := range s3.reqs {
 		r := &s3.reqs[i]
 		if s3.overThreshold(r.computed, r.prompt) {
-			require.Equal(t, disagg.PathFastDecode, r.d.Path, "request %d", i)
-			require.Equal(t, disagg.ReasonLocalHit, r.d.Reason, "request %d", i)
+			require.Equal(t, disagg.PathFastDecode, r.d.Plan.Path, "request %d", i)
+			require.Equal(t, disagg.ReasonLocalHit, r.d.Plan.Reason, "request %d", i)
 		}
 	}
 	require.Equal(t, res.Requests, res3.Requests)

@@ -84,12 +84,12 @@ func (s *server) forwardDisagg(w http.ResponseWriter, r *http.Request, pr *parse
 		return
 	}
 	up := disaggUpstream(d, pr.body)
-	if d.Path == disagg.PathPrefillThenDecode {
+	if d.Plan.Path == disagg.PathPrefillThenDecode {
 		reqID := r.Header.Get(headerRequestID)
 		if reqID == "" {
 			reqID = newRequestID()
 		}
-		res := s.prefill(ctx, r, pr, d.Prefill, reqID)
+		res := s.prefill(ctx, r, pr, d.Plan.Prefill, reqID)
 		switch {
 		case ctx.Err() != nil: // the client left: nobody reads an answer
 			d.Done(kvroute.Outcome{})
@@ -101,7 +101,7 @@ func (s *server) forwardDisagg(w http.ResponseWriter, r *http.Request, pr *parse
 			s.relay(w, d, res.relay)
 			return
 		case res.err != nil:
-			prefillBackend := d.Prefill
+			prefillBackend := d.Plan.Prefill
 			s.log.Warn("prefill failed; falling back to a unified backend", "backend", prefillBackend, "err", res.err)
 			nd, err := d.PrefillFailed(ctx, res.err)
 			if err != nil {
@@ -149,7 +149,7 @@ func (s *server) forwardDisagg(w http.ResponseWriter, r *http.Request, pr *parse
 	s.failedBeforeAnswer(ctx, up, err)
 	d2, err2 := s.routeAvoiding(ctx, pr.req, up.backend)
 	path := disagg.PathFallback
-	if d.Path == disagg.PathUnified { // no pools to fall back from: another unified backend
+	if d.Plan.Path == disagg.PathUnified { // no pools to fall back from: another unified backend
 		path = disagg.PathUnified
 	}
 	s.retryOn(w, r, pr, up.backend, err, d2, err2, &disagg.Plan{Path: path})
@@ -160,7 +160,7 @@ func (s *server) forwardDisagg(w http.ResponseWriter, r *http.Request, pr *parse
 // short_prompt, cache_miss) and the unified decision's label on the others.
 func disaggUpstream(d *kvroute.DisaggDecision, body []byte) *upstream {
 	plan := d.Plan
-	up := &upstream{backend: d.Decode, route: d.Reason.String(), plan: &plan, lease: d, body: body}
+	up := &upstream{backend: d.Plan.Decode, route: d.Plan.Reason.String(), plan: &plan, lease: d, body: body}
 	if d.Unified != nil {
 		up.route = d.Unified.Reason.String()
 	}
@@ -170,12 +170,12 @@ func disaggUpstream(d *kvroute.DisaggDecision, body []byte) *upstream {
 // canFallback reports whether a decode or unified attempt of d that fails before answering may be
 // retried: on a unified backend (another one when d is already on one), with fallback_to_unified.
 func (s *server) canFallback(d *kvroute.DisaggDecision) bool {
-	if !*s.cfg.DisaggregatedServing.FallbackToUnified && d.Path != disagg.PathUnified {
+	if !*s.cfg.DisaggregatedServing.FallbackToUnified && d.Plan.Path != disagg.PathUnified {
 		return false
 	}
 	n := 0
 	for _, b := range s.cfg.Backends {
-		if b.ParsedRole() == disagg.RoleUnified && b.Name != d.Decode && s.health.InRotation(b.Name) {
+		if b.ParsedRole() == disagg.RoleUnified && b.Name != d.Plan.Decode && s.health.InRotation(b.Name) {
 			n++
 		}
 	}
@@ -320,9 +320,9 @@ func (s *server) relay(w http.ResponseWriter, d *kvroute.DisaggDecision, res *re
 	for k, v := range res.header {
 		h[k] = v
 	}
-	d.SetHeaders(h)
-	h.Set(HeaderBackend, d.Prefill)
-	h.Set(HeaderRoute, d.Reason.String())
+	d.Plan.SetHeaders(h)
+	h.Set(HeaderBackend, d.Plan.Prefill)
+	h.Set(HeaderRoute, d.Plan.Reason.String())
 	h.Set("Content-Length", strconv.Itoa(len(res.body)))
 	w.WriteHeader(res.status)
 	_, _ = w.Write(res.body)
