@@ -154,7 +154,7 @@ func (dr *DisaggRouter) Route(ctx context.Context, req *prefixkey.Request) (*Dis
 	defer t.scratch.Put(s)
 	d := &DisaggDecision{router: r, req: req, start: r.cfg.Now()}
 	if !r.cfg.DisablePrefixRouting {
-		d.PrefixKey, d.HasPrefixKey = prefixkey.PrefixKey(req, r.cfg.MaxPrefixLength)
+		d.PrefixKey, d.HasPrefixKey = req.PrefixKey(r.cfg.MaxPrefixLength)
 	}
 	in := disagg.Input{TieBreak: d.PrefixKey.Uint64()}
 	if !d.HasPrefixKey {

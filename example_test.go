@@ -50,7 +50,7 @@ func ExampleDefaultRouter_Route() {
 // backend holding the most of the prompt and breaks ties by load. kvroute calls it through
 // scorer.ScoreSafely (a wrong answer costs a fallback decision), and scorer/scorertest checks it.
 func ExampleKVConfig_scorer() {
-	mostCached := scorer.ScorerFunc(func(_ scorer.Request, cands []scorer.Candidate, out []float64) []float64 {
+	mostCached := scorer.Func(func(_ scorer.Request, cands []scorer.Candidate, out []float64) []float64 {
 		for i, c := range cands {
 			out[i] = math.Inf(-1)
 			if c.Healthy {

@@ -10,7 +10,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/scorer"
 )
 
@@ -124,7 +123,7 @@ func TestPeerEventsSpeculateAndTrackActive(t *testing.T) {
 
 // chatKey is the ring key of TestPeerEventsShareLoad's requests.
 func chatKey(t *testing.T, r *DefaultRouter) uint64 {
-	k, ok := prefixkey.PrefixKey(chatReq("one shared system prompt", "q"), r.cfg.MaxPrefixLength)
+	k, ok := chatReq("one shared system prompt", "q").PrefixKey(r.cfg.MaxPrefixLength)
 	require.True(t, ok)
 	return k.Uint64()
 }

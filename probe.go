@@ -128,7 +128,7 @@ func (r *DefaultRouter) Probe(ctx context.Context, req *prefixkey.Request) (Prob
 	var pk prefixkey.Key
 	hasKey := false
 	if !r.cfg.DisablePrefixRouting {
-		pk, hasKey = prefixkey.PrefixKey(req, r.cfg.MaxPrefixLength)
+		pk, hasKey = req.PrefixKey(r.cfg.MaxPrefixLength)
 	}
 	if hasKey {
 		res.PrefixKey = pk.String()

@@ -495,7 +495,7 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 	d := &Decision{router: r, start: r.cfg.Now()}
 	r.expireExternal(d.start)
 	if !r.cfg.DisablePrefixRouting {
-		d.PrefixKey, d.HasPrefixKey = prefixkey.PrefixKey(req, r.cfg.MaxPrefixLength)
+		d.PrefixKey, d.HasPrefixKey = req.PrefixKey(r.cfg.MaxPrefixLength)
 	}
 	if d.HasPrefixKey {
 		r.prefix.add(d.PrefixKey.Uint64())

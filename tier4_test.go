@@ -160,7 +160,7 @@ func TestKVColdFleetSpreadsTies(t *testing.T) {
 // A third party's scorer that answers with the wrong number of scores, or panics, costs a
 // fallback decision, counted, never the process.
 func TestKVFaultyScorerFallsBack(t *testing.T) {
-	for name, sc := range map[string]scorer.ScorerFunc{
+	for name, sc := range map[string]scorer.Func{
 		"short": func(_ scorer.Request, _ []scorer.Candidate, out []float64) []float64 { return out[:1] },
 		"panic": func(_ scorer.Request, c []scorer.Candidate, out []float64) []float64 { return out[:len(c)+1] },
 	} {

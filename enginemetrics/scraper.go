@@ -31,16 +31,9 @@ type SinkFunc func(backend string, l kvroute.EngineLoad) error
 // ReportEngineLoad calls f(backend, l).
 func (f SinkFunc) ReportEngineLoad(backend string, l kvroute.EngineLoad) error { return f(backend, l) }
 
-// NopSink discards every load.
-type NopSink struct{}
-
-// ReportEngineLoad does nothing and returns nil.
-func (NopSink) ReportEngineLoad(string, kvroute.EngineLoad) error { return nil }
-
 var (
 	_ Sink = (*kvroute.DefaultRouter)(nil)
 	_ Sink = SinkFunc(nil)
-	_ Sink = NopSink{}
 )
 
 // acceptHeader asks for the Prometheus text format: both engines' prometheus_client serves it

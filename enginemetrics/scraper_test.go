@@ -44,7 +44,7 @@ func TestNewConfig(t *testing.T) {
 		{"no host", enginemetrics.Config{Targets: map[string]string{"a": "http:///metrics"}}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s, err := enginemetrics.New(tc.cfg, enginemetrics.NopSink{})
+			s, err := enginemetrics.New(tc.cfg, nopSink)
 			if !tc.good {
 				require.ErrorIs(t, err, enginemetrics.ErrInvalidConfig)
 				return
@@ -57,7 +57,7 @@ func TestNewConfig(t *testing.T) {
 	require.ErrorIs(t, err, enginemetrics.ErrInvalidConfig, "nil sink")
 
 	// The error names the bad URL without its password.
-	_, err = enginemetrics.New(enginemetrics.Config{Targets: map[string]string{"a": "ftp://u:secret@h/metrics"}}, enginemetrics.NopSink{})
+	_, err = enginemetrics.New(enginemetrics.Config{Targets: map[string]string{"a": "ftp://u:secret@h/metrics"}}, nopSink)
 	require.ErrorIs(t, err, enginemetrics.ErrInvalidConfig)
 	assert.NotContains(t, err.Error(), "secret")
 }
@@ -376,7 +376,7 @@ func TestWarningsRateLimited(t *testing.T) {
 	srv := serve(t, engine.ServeHTTP)
 	logs := &logRecords{}
 	s := start(t, enginemetrics.Config{Targets: map[string]string{"v": srv.URL}, Logger: slog.New(logs), Now: clock},
-		enginemetrics.NopSink{})
+		nopSink)
 	require.Eventually(t, func() bool { return statsOf(t, s, "v").Failures >= 5 }, waitFor, tick)
 	require.Len(t, logs.at(slog.LevelWarn), 1, "one warning within LogEvery")
 
@@ -399,7 +399,7 @@ func TestStatsJSON(t *testing.T) {
 	srv := serve(t, body(fixture(t, "vllm.prom")))
 	u := strings.Replace(srv.URL, "http://", "http://scraper:s3cret@", 1)
 	s := start(t, enginemetrics.Config{Targets: map[string]string{"v": u + "/metrics", "down": "http://127.0.0.1:1/metrics"}},
-		enginemetrics.NopSink{})
+		nopSink)
 	require.Eventually(t, func() bool { return statsOf(t, s, "v").LastLoad != nil && statsOf(t, s, "down").Failures > 0 }, waitFor, tick)
 	b, err := json.Marshal(s.Stats())
 	require.NoError(t, err)
@@ -422,3 +422,6 @@ func TestStatsJSON(t *testing.T) {
 		assert.Contains(t, v, k)
 	}
 }
+
+// nopSink discards every load.
+var nopSink = enginemetrics.SinkFunc(func(string, kvroute.EngineLoad) error { return nil })

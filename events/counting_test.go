@@ -63,10 +63,10 @@ func TestSummarizeBackends(t *testing.T) {
 	sources := []events.SourceStatus{
 		{Backend: "a", Transport: "zmq", Endpoint: "tcp://a:5557",
 			Connection: events.ConnectionStatus{Connected: false, State: "reconnecting", ReconnectCount: 2, LastEventAt: t2},
-			Events:     events.EventStats{Received: 10, Processed: 9, Dropped: 1, Malformed: 1}},
+			Events:     events.Stats{Received: 10, Processed: 9, Dropped: 1, Malformed: 1}},
 		{Backend: "a", Transport: "zmq", Endpoint: "tcp://a:5558",
 			Connection: events.ConnectionStatus{Connected: true, State: "connected", ReconnectCount: 1, LastEventAt: t1},
-			Events:     events.EventStats{Received: 5, Processed: 5}, Sequence: events.SequenceStats{Resets: 1}},
+			Events:     events.Stats{Received: 5, Processed: 5}, Sequence: events.SequenceStats{Resets: 1}},
 		{Backend: "phantom", Transport: "sse", Endpoint: "http://p/v1/kv_events"},
 	}
 	counts := map[string]events.MutationCounts{"a": {Created: 7, Evicted: 2}, "z": {Created: 1}, "y": {Created: 1}}

@@ -199,25 +199,5 @@ type LossReporter interface {
 	BackendLost(ctx context.Context, backend string) (lost bool, err error)
 }
 
-// LossReporterFunc adapts a function to LossReporter.
-type LossReporterFunc func(ctx context.Context, backend string) (bool, error)
-
-// BackendLost calls f.
-func (f LossReporterFunc) BackendLost(ctx context.Context, backend string) (bool, error) {
-	return f(ctx, backend)
-}
-
-// NeverLost is the LossReporter of a sink that keeps what it is given (an in-process index): it
-// reports no backend lost.
-type NeverLost struct{}
-
-// BackendLost returns false, nil.
-func (NeverLost) BackendLost(context.Context, string) (bool, error) { return false, nil }
-
-var (
-	_ LossReporter = LossReporterFunc(nil)
-	_ LossReporter = NeverLost{}
-)
-
 // ErrMalformed is wrapped by every decode error: the payload is not a valid batch or event.
 var ErrMalformed = errors.New("events: malformed event")

@@ -28,10 +28,6 @@ func TestCountingSinkForwardsLoss(t *testing.T) {
 	lost, err = events.NewCountingSink(eventstest.NewRecordingSink()).BackendLost(ctx, "a")
 	require.NoError(t, err)
 	assert.False(t, lost)
-	lost, err = events.LossReporterFunc(func(context.Context, string) (bool, error) { return true, nil }).BackendLost(ctx, "x")
-	assert.True(t, lost && err == nil)
-	lost, err = events.NeverLost{}.BackendLost(ctx, "x")
-	assert.False(t, lost || err != nil)
 }
 
 // TestSummarySequenceBeforeFirstBatch: a ZMQ source's summary carries its sequence block, zero,

@@ -87,7 +87,7 @@ type SourceStatus struct {
 	Topic     string `json:"topic,omitempty"`
 
 	Connection ConnectionStatus `json:"connection"`
-	Events     EventStats       `json:"events"`
+	Events     Stats            `json:"events"`
 	Sequence   SequenceStats    `json:"sequence,omitzero"`
 
 	// LastError is the last error the source met (dial, stream, decode or sink), "" for none.
@@ -106,8 +106,8 @@ type ConnectionStatus struct {
 	LastEventAt    time.Time `json:"last_event_at,omitzero"` // last message with events
 }
 
-// EventStats counts a source's events. Received = Processed + Dropped once the queue is empty.
-type EventStats struct {
+// Stats counts a source's events. Received = Processed + Dropped once the queue is empty.
+type Stats struct {
 	// Received counts events that arrived in decodable messages (skipped events included).
 	Received uint64 `json:"received"`
 	// Processed counts events the sink applied without error.
@@ -163,7 +163,7 @@ type SourceInfo struct {
 // concurrent use. A Source must not be copied. The zero value is a source with an empty
 // SourceInfo, in state StateConnecting, on the wall clock; NewSource and SourceSet.Add name it.
 type Source struct {
-	// Counters of EventStats. A transport adds Received for every event of a decodable message
+	// Counters of Stats. A transport adds Received for every event of a decodable message
 	// (events the decoder skipped included), Malformed for undecodable input (whole messages, and
 	// skipped events, which it also adds to Dropped), Dropped for events it received but will
 	// not apply (a full queue, skipped events), and Oversized for input over its size cap.
@@ -285,7 +285,7 @@ func (s *Source) Status() SourceStatus {
 			ConnectedSince: unixNanoTime(s.connectedSince.Load()),
 			LastEventAt:    unixNanoTime(s.lastEventAt.Load()),
 		},
-		Events: EventStats{
+		Events: Stats{
 			Received:  s.Received.Load(),
 			Processed: s.Processed.Load(),
 			Dropped:   s.Dropped.Load(),

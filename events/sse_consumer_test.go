@@ -165,7 +165,7 @@ func TestSSEConsumer(t *testing.T) {
 			st := eventstest.StatusOf(t, c, "vllm-1")
 			assert.True(t, st.Connection.Connected)
 			assert.Equal(t, "sse", st.Transport)
-			assert.Equal(t, events.EventStats{Received: 4, Processed: 4, Malformed: 1}, st.Events)
+			assert.Equal(t, events.Stats{Received: 4, Processed: 4, Malformed: 1}, st.Events)
 			assert.Contains(t, st.LastError, "malformed")
 			assert.Zero(t, st.Connection.ReconnectCount)
 			assert.Equal(t, []string{"text/event-stream"}, srv.accept)

@@ -144,7 +144,7 @@ func (c Config) withDefaults() (Config, error) {
 		c.Clock = systemClock{}
 	}
 	if c.Target == nil {
-		c.Target = NopTarget{}
+		c.Target = nopTarget{}
 	}
 	if c.Client == nil {
 		c.Client = &http.Client{Timeout: p.Timeout}

@@ -24,15 +24,15 @@ type TargetFunc func(name string, healthy bool) error
 // SetHealthy calls f(name, healthy).
 func (f TargetFunc) SetHealthy(name string, healthy bool) error { return f(name, healthy) }
 
-// NopTarget is a Target that ignores every call; a Config with a nil Target uses it.
-type NopTarget struct{}
+// nopTarget is a Target that ignores every call; a Config with a nil Target uses it.
+type nopTarget struct{}
 
 // SetHealthy does nothing and returns nil.
-func (NopTarget) SetHealthy(string, bool) error { return nil }
+func (nopTarget) SetHealthy(string, bool) error { return nil }
 
 var (
 	_ Target = TargetFunc(nil)
-	_ Target = NopTarget{}
+	_ Target = nopTarget{}
 )
 
 // Clock is a Monitor's source of time. Its methods must be safe for concurrent use.

@@ -69,16 +69,9 @@ func (f DumperFunc) Dump(ctx context.Context, backend string, limit int, fn func
 	return f(ctx, backend, limit, fn)
 }
 
-// NopDumper is a Dumper of an index that holds nothing: Dump lists no entry and returns nil.
-type NopDumper struct{}
-
-// Dump returns nil without calling fn.
-func (NopDumper) Dump(context.Context, string, int, func(DumpEntry) error) error { return nil }
-
 var (
 	_ Dumper = (*MemoryIndex)(nil)
 	_ Dumper = DumperFunc(nil)
-	_ Dumper = NopDumper{}
 )
 
 // dumpJSON is DumpEntry's JSON shape.

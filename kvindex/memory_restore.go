@@ -114,14 +114,6 @@ type Restorer interface {
 	Restore(ctx context.Context, backend string, recs []StateRecord) error
 }
 
-// ExporterFunc adapts a function to Exporter.
-type ExporterFunc func(ctx context.Context, fn func(backend string, rec *StateRecord) error) error
-
-// Export calls f(ctx, fn).
-func (f ExporterFunc) Export(ctx context.Context, fn func(backend string, rec *StateRecord) error) error {
-	return f(ctx, fn)
-}
-
 // RestorerFunc adapts a function to Restorer.
 type RestorerFunc func(ctx context.Context, backend string, recs []StateRecord) error
 
@@ -130,25 +122,10 @@ func (f RestorerFunc) Restore(ctx context.Context, backend string, recs []StateR
 	return f(ctx, backend, recs)
 }
 
-// NopExporter is the Exporter of an index that holds nothing: Export lists no record.
-type NopExporter struct{}
-
-// Export returns nil without calling fn.
-func (NopExporter) Export(context.Context, func(string, *StateRecord) error) error { return nil }
-
-// NopRestorer is a Restorer that keeps nothing: Restore returns nil.
-type NopRestorer struct{}
-
-// Restore returns nil.
-func (NopRestorer) Restore(context.Context, string, []StateRecord) error { return nil }
-
 var (
 	_ Exporter = (*MemoryIndex)(nil)
-	_ Exporter = ExporterFunc(nil)
-	_ Exporter = NopExporter{}
 	_ Restorer = (*MemoryIndex)(nil)
 	_ Restorer = RestorerFunc(nil)
-	_ Restorer = NopRestorer{}
 )
 
 // BlockSize returns the number of tokens per block key: a snapshot restores into an index of the

@@ -249,11 +249,8 @@ func TestTierSet(t *testing.T) {
 	for _, k := range []StateKind{StateBlock, StateEngineHash, StatePrefix, 0} {
 		assert.NotEmpty(t, k.String())
 	}
-	assert.NoError(t, NopExporter{}.Export(context.Background(), nil))
-	assert.NoError(t, NopRestorer{}.Restore(context.Background(), "a", nil))
 	var called bool
 	_ = RestorerFunc(func(context.Context, string, []StateRecord) error { called = true; return nil }).Restore(context.Background(), "", nil)
-	_ = ExporterFunc(func(context.Context, func(string, *StateRecord) error) error { return nil }).Export(context.Background(), nil)
 	assert.True(t, called)
 }
 

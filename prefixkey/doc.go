@@ -9,7 +9,7 @@
 //     ErrMalformed. InjectAnthropicCacheControl rewrites an Anthropic body so that its system
 //     prompt ends with a prompt-caching breakpoint (cache_control), for gateways that forward to
 //     Anthropic's API.
-//   - Prefix keys. PrefixKey hashes a request's anchor — its system prompt, else its first message
+//   - Prefix keys. Request.PrefixKey hashes a request's anchor — its system prompt, else its first message
 //     — into a 128-bit Key, which a consistent-hash ring (package chwbl) maps to a preferred
 //     backend. It needs no tokens.
 //   - Block keys. Request.BlockKeys and AppendBlockKeys hash a request's token IDs into one chained
@@ -117,7 +117,7 @@
 //	if err != nil {
 //		return err // errors.Is(err, prefixkey.ErrMalformed): answer 400
 //	}
-//	if key, ok := prefixkey.PrefixKey(req, prefixkey.DefaultMaxPrefixLength); ok {
+//	if key, ok := req.PrefixKey(prefixkey.DefaultMaxPrefixLength); ok {
 //		preferred, _, err = ring.Candidate(key.Uint64()) // a *chwbl.Ring
 //	} // else: no anchor, take the fallback path
 //	req.TokenIDs = tokens // the engine's token IDs, when known (and req.MultiModal, with media)

@@ -6,24 +6,24 @@ import (
 	"github.com/kvroute/kvroute/prefixkey"
 )
 
-func ExamplePrefixKey() {
+func ExampleRequest_PrefixKey() {
 	req := &prefixkey.Request{
 		Model:     "meta-llama/Llama-3.1-8B-Instruct",
 		HasSystem: true,
 		System:    "You are a helpful assistant.",
 		Messages:  []prefixkey.Message{{Role: "user", Text: "Hello!"}},
 	}
-	key, ok := prefixkey.PrefixKey(req, prefixkey.DefaultMaxPrefixLength)
+	key, ok := req.PrefixKey(prefixkey.DefaultMaxPrefixLength)
 	fmt.Println(ok, key)
 
 	// The same text as the first message instead of the system prompt gets another key.
 	req.HasSystem, req.System = false, ""
 	req.Messages[0].Text = "You are a helpful assistant."
-	other, _ := prefixkey.PrefixKey(req, 0)
+	other, _ := req.PrefixKey(0)
 	fmt.Println(other != key)
 
 	// A request with neither system prompt nor message has no key: route it another way.
-	_, ok = prefixkey.PrefixKey(&prefixkey.Request{Model: "m"}, 0)
+	_, ok = (&prefixkey.Request{Model: "m"}).PrefixKey(0)
 	fmt.Println(ok)
 	// Output:
 	// true fa7c2d530f28fdf74eacad6a4adbde4f

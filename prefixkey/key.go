@@ -23,7 +23,7 @@ var ErrBadKey = errors.New("prefixkey: bad prefix key")
 //	model ‖ 0x00 ‖ tag ‖ TruncateUTF8(text, maxPrefixLength)
 //
 // where tag is 'S' when text is the system prompt and 'M' when it is the first message (see
-// Request.Anchor). The zero Key is what PrefixKey returns when a request has no anchor; a real key is
+// Request.Anchor). The zero Key is what Request.PrefixKey returns when a request has no anchor; a real key is
 // zero with probability 2⁻¹²⁸.
 //
 // A Key is a comparable value, usable as a map key; it is safe for concurrent use.
@@ -173,7 +173,7 @@ func computeKeyStream(model string, tag byte, text string) Key {
 // (Request.BlockKeys) decide what is actually cached.
 //
 // It does not allocate and is safe for concurrent use with other readers of r.
-func PrefixKey(r *Request, maxPrefixLength int) (k Key, ok bool) {
+func (r *Request) PrefixKey(maxPrefixLength int) (k Key, ok bool) {
 	tag, text, ok := r.Anchor()
 	if !ok {
 		return Key{}, false
@@ -215,7 +215,7 @@ func inAnchor(m *Media, maxPrefixLength int) bool {
 // where t is TruncateUTF8(text, maxPrefixLength), tag|0x20 the tag in lower case ('s' or 'm', so
 // that no ComputeKey input of tag 'S' or 'M' is one of these), and the n (offset, hash) pairs are
 // the Offset and Hash of the items of media with Message 0 and Offset < maxPrefixLength, in
-// order. maxPrefixLength <= 0 means DefaultMaxPrefixLength. PrefixKey calls it for salted requests
+// order. maxPrefixLength <= 0 means DefaultMaxPrefixLength. Request.PrefixKey calls it for salted requests
 // and anchors with media (pass nil media for a system-prompt anchor).
 //
 // It does not allocate and is safe for concurrent use.

@@ -25,7 +25,7 @@ func BenchmarkPrefixKey(b *testing.B) {
 			b.ReportAllocs()
 			b.SetBytes(int64(min(size.n, DefaultMaxPrefixLength)))
 			for b.Loop() {
-				sinkKey, _ = PrefixKey(r, 0)
+				sinkKey, _ = r.PrefixKey(0)
 			}
 		})
 	}
@@ -43,7 +43,7 @@ func BenchmarkPrefixKey(b *testing.B) {
 			b.ReportAllocs()
 			b.SetBytes(DefaultMaxPrefixLength)
 			for b.Loop() {
-				sinkKey, _ = PrefixKey(tc.r, 0)
+				sinkKey, _ = tc.r.PrefixKey(0)
 			}
 		})
 	}

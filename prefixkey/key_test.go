@@ -161,7 +161,7 @@ func TestPrefixKey(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			k, ok := PrefixKey(&tt.req, 0)
+			k, ok := tt.req.PrefixKey(0)
 			if ok != tt.ok {
 				t.Fatalf("ok = %v, want %v", ok, tt.ok)
 			}
@@ -275,8 +275,8 @@ func TestKeyAllocs(t *testing.T) {
 		name string
 		fn   func()
 	}{
-		{"PrefixKey", func() { sink, _ = PrefixKey(r, 0) }},
-		{"PrefixKey/streamed", func() { sink, _ = PrefixKey(long, 4096) }},
+		{"PrefixKey", func() { sink, _ = r.PrefixKey(0) }},
+		{"PrefixKey/streamed", func() { sink, _ = long.PrefixKey(4096) }},
 		{"TruncateUTF8", func() { _ = TruncateUTF8(long5000, 1000) }},
 	} {
 		if n := testing.AllocsPerRun(100, tt.fn); n != 0 {

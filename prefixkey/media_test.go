@@ -192,7 +192,7 @@ func FuzzExtendedKey(f *testing.F) {
 func TestPrefixKeySaltAndMedia(t *testing.T) {
 	key := func(body string) Key {
 		t.Helper()
-		k, ok := PrefixKey(mustParse(t, FormatOpenAIChat, body), 0)
+		k, ok := mustParse(t, FormatOpenAIChat, body).PrefixKey(0)
 		require.True(t, ok)
 		return k
 	}
@@ -236,7 +236,7 @@ func TestPrefixKeySaltAndMedia(t *testing.T) {
 
 	// Anthropic: the same rules.
 	ak := func(url string) Key {
-		k, _ := PrefixKey(mustParse(t, FormatAnthropicMessages, `{"model":"m","messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"`+url+`"}},{"type":"text","text":"What is it?"}]}]}`), 0)
+		k, _ := mustParse(t, FormatAnthropicMessages, `{"model":"m","messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"`+url+`"}},{"type":"text","text":"What is it?"}]}]}`).PrefixKey(0)
 		return k
 	}
 	require.NotEqual(t, ak("https://x/a.png"), ak("https://x/b.png"))
@@ -294,8 +294,8 @@ func TestPrefixKeyAllocsSaltMedia(t *testing.T) {
 	r := mustParse(t, FormatOpenAIChat, chatWith("", `[{"type":"text","text":"Describe "},`+imagePart("https://x/a.png")+`]`, `"cache_salt":"tenant-a",`))
 	s := mustParse(t, FormatOpenAIChat, chatWith("sys", `"q"`, `"cache_salt":"tenant-a",`))
 	var sink Key
-	require.Zero(t, testing.AllocsPerRun(100, func() { sink, _ = PrefixKey(r, 0) }))
-	require.Zero(t, testing.AllocsPerRun(100, func() { sink, _ = PrefixKey(s, 0) }))
+	require.Zero(t, testing.AllocsPerRun(100, func() { sink, _ = r.PrefixKey(0) }))
+	require.Zero(t, testing.AllocsPerRun(100, func() { sink, _ = s.PrefixKey(0) }))
 	_ = sink
 }
 

@@ -66,7 +66,7 @@ func checkMedia(t *testing.T, r *Request) {
 	if len(r.CacheSalt) > MaxCacheSaltLength {
 		t.Fatalf("cache_salt of %d bytes", len(r.CacheSalt))
 	}
-	PrefixKey(r, 0)
+	r.PrefixKey(0)
 	if len(r.Media) > 0 {
 		c := *r
 		c.TokenIDs = make([]uint32, 64)

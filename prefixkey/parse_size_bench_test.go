@@ -92,7 +92,7 @@ func BenchmarkParseBodySize(b *testing.B) {
 					if err != nil {
 						b.Fatal(err)
 					}
-					sinkKey, _ = PrefixKey(r, DefaultMaxPrefixLength)
+					sinkKey, _ = r.PrefixKey(DefaultMaxPrefixLength)
 				}
 			})
 		}

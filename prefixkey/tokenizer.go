@@ -35,19 +35,8 @@ type TokenizerFunc func(ctx context.Context, r *Request) ([]uint32, error)
 // Tokenize calls f.
 func (f TokenizerFunc) Tokenize(ctx context.Context, r *Request) ([]uint32, error) { return f(ctx, r) }
 
-// NopTokenizer tokenizes nothing: it returns the tokens a request already carries (TokenIDs, else
-// PromptTokens) and nil otherwise, never an error. It is safe for concurrent use.
-type NopTokenizer struct{}
-
-// Tokenize returns r.TokenIDs when set, else r.PromptTokens (nil when neither is set), and a nil
-// error.
-func (NopTokenizer) Tokenize(_ context.Context, r *Request) ([]uint32, error) {
-	return knownTokens(r), nil
-}
-
 var (
 	_ Tokenizer = TokenizerFunc(nil)
-	_ Tokenizer = NopTokenizer{}
 	_ Tokenizer = (*EngineTokenizer)(nil)
 	_ Tokenizer = EstimateTokenizer{}
 )

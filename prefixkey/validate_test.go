@@ -70,8 +70,8 @@ func TestInvalidUnicodeNeverSharesAKey(t *testing.T) {
 					continue
 				}
 				for _, a := range accepted {
-					k1, _ := PrefixKey(a.req, 0)
-					k2, _ := PrefixKey(r, 0)
+					k1, _ := a.req.PrefixKey(0)
+					k2, _ := r.PrefixKey(0)
 					same := a.in == `\ufffd` && bad == "\uFFFD" // the same character, escaped or not
 					if !same && requestsEqual(a.req, r) {
 						t.Errorf("%q and %q parse to the same request (prefix keys %v, %v)", a.in, bad, k1, k2)

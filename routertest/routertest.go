@@ -36,17 +36,17 @@ type Subject struct {
 	InFlight func() int
 }
 
-// New builds the Router under test over backends, all healthy (none: a Router with no backend),
+// NewSubject builds the Router under test over backends, all healthy (none: a Router with no backend),
 // and releases it through t.Cleanup.
-type New func(t *testing.T, backends []string) Subject
+type NewSubject func(t *testing.T, backends []string) Subject
 
 // Run runs the suite, one subtest per behaviour, each with a Router of its own.
-func Run(t *testing.T, newSubject New) {
+func Run(t *testing.T, newSubject NewSubject) {
 	t.Helper()
 	backends := []string{"engine-a", "engine-b", "engine-c"}
 	tests := []struct {
 		name string
-		fn   func(*testing.T, New, []string)
+		fn   func(*testing.T, NewSubject, []string)
 	}{
 		{"DecisionNamesABackend", testDecision},
 		{"NilRequest", testNilRequest},
@@ -83,7 +83,7 @@ func requests(t *testing.T) []*prefixkey.Request {
 	return append(out, &prefixkey.Request{Model: "m"}) // no prefix key at all
 }
 
-func testDecision(t *testing.T, newSubject New, backends []string) {
+func testDecision(t *testing.T, newSubject NewSubject, backends []string) {
 	s := newSubject(t, backends)
 	for i, req := range requests(t) {
 		d, err := s.Router.Route(context.Background(), req)
@@ -100,7 +100,7 @@ func testDecision(t *testing.T, newSubject New, backends []string) {
 	}
 }
 
-func testNilRequest(t *testing.T, newSubject New, backends []string) {
+func testNilRequest(t *testing.T, newSubject NewSubject, backends []string) {
 	s := newSubject(t, backends)
 	d, err := s.Router.Route(context.Background(), nil)
 	if d != nil || !errors.Is(err, kvroute.ErrNilRequest) {
@@ -108,7 +108,7 @@ func testNilRequest(t *testing.T, newSubject New, backends []string) {
 	}
 }
 
-func testEndedContext(t *testing.T, newSubject New, backends []string) {
+func testEndedContext(t *testing.T, newSubject NewSubject, backends []string) {
 	s := newSubject(t, backends)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
@@ -121,7 +121,7 @@ func testEndedContext(t *testing.T, newSubject New, backends []string) {
 	}
 }
 
-func testNoBackend(t *testing.T, newSubject New, _ []string) {
+func testNoBackend(t *testing.T, newSubject NewSubject, _ []string) {
 	s := newSubject(t, nil)
 	d, err := s.Router.Route(context.Background(), requests(t)[0])
 	if d != nil || !errors.Is(err, kvroute.ErrNoBackend) {
@@ -129,7 +129,7 @@ func testNoBackend(t *testing.T, newSubject New, _ []string) {
 	}
 }
 
-func testDoneIdempotent(t *testing.T, newSubject New, backends []string) {
+func testDoneIdempotent(t *testing.T, newSubject NewSubject, backends []string) {
 	s := newSubject(t, backends)
 	req := requests(t)[0]
 	outcomes := []kvroute.Outcome{{}, {Err: errors.New("upstream 500")}, {Refused: true}, {NotSent: true}}
@@ -150,7 +150,7 @@ func testDoneIdempotent(t *testing.T, newSubject New, backends []string) {
 	nilDecision.FirstToken()
 }
 
-func testHolds(t *testing.T, newSubject New, backends []string) {
+func testHolds(t *testing.T, newSubject NewSubject, backends []string) {
 	s := newSubject(t, backends)
 	if s.InFlight == nil {
 		t.Skip("the Subject reports no in-flight count")
@@ -176,7 +176,7 @@ func testHolds(t *testing.T, newSubject New, backends []string) {
 	}
 }
 
-func testConcurrent(t *testing.T, newSubject New, backends []string) {
+func testConcurrent(t *testing.T, newSubject NewSubject, backends []string) {
 	s := newSubject(t, backends)
 	reqs := requests(t)
 	var wg sync.WaitGroup

@@ -42,15 +42,15 @@ func TestExpectedTTFTConformance(t *testing.T) {
 func TestScoreSafely(t *testing.T) {
 	cands := []scorer.Candidate{{Backend: "a", Healthy: true}, {Backend: "b", Healthy: true}}
 	for name, s := range map[string]scorer.BackendScorer{
-		"short": scorer.ScorerFunc(func(_ scorer.Request, _ []scorer.Candidate, out []float64) []float64 { return out[:1] }),
-		"long":  scorer.ScorerFunc(func(_ scorer.Request, _ []scorer.Candidate, _ []float64) []float64 { return make([]float64, 3) }),
-		"panic": scorer.ScorerFunc(func(_ scorer.Request, _ []scorer.Candidate, out []float64) []float64 { return out[:5] }),
+		"short": scorer.Func(func(_ scorer.Request, _ []scorer.Candidate, out []float64) []float64 { return out[:1] }),
+		"long":  scorer.Func(func(_ scorer.Request, _ []scorer.Candidate, _ []float64) []float64 { return make([]float64, 3) }),
+		"panic": scorer.Func(func(_ scorer.Request, _ []scorer.Candidate, out []float64) []float64 { return out[:5] }),
 	} {
 		if _, err := scorer.ScoreSafely(s, scorer.Request{}, cands, nil); !errors.Is(err, scorer.ErrBadScores) {
 			t.Errorf("%s: %v, want ErrBadScores", name, err)
 		}
 	}
-	ok := scorer.ScorerFunc(func(_ scorer.Request, cands []scorer.Candidate, out []float64) []float64 {
+	ok := scorer.Func(func(_ scorer.Request, cands []scorer.Candidate, out []float64) []float64 {
 		for i := range cands {
 			out[i] = float64(i)
 		}

@@ -58,15 +58,15 @@ type BackendScorer interface {
 	Score(req Request, cands []Candidate, out []float64) []float64
 }
 
-// ScorerFunc adapts a function to BackendScorer.
-type ScorerFunc func(req Request, cands []Candidate, out []float64) []float64
+// Func adapts a function to BackendScorer.
+type Func func(req Request, cands []Candidate, out []float64) []float64
 
 // Score calls f.
-func (f ScorerFunc) Score(req Request, cands []Candidate, out []float64) []float64 {
+func (f Func) Score(req Request, cands []Candidate, out []float64) []float64 {
 	return f(req, cands, out)
 }
 
-var _ BackendScorer = ScorerFunc(nil)
+var _ BackendScorer = Func(nil)
 
 // ErrBadScores is returned by ScoreSafely when a scorer returned another number of scores than
 // candidates, or panicked.

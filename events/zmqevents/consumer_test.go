@@ -150,7 +150,7 @@ func TestZMQConnectMode(t *testing.T) {
 			st := eventstest.StatusOf(t, c, "vllm-0")
 			assert.True(t, st.Connection.Connected)
 			assert.Equal(t, events.StateConnected, st.Connection.State)
-			assert.Equal(t, events.EventStats{Received: 10, Processed: 10}, st.Events)
+			assert.Equal(t, events.Stats{Received: 10, Processed: 10}, st.Events)
 			assert.Equal(t, uint64(5), st.Sequence.Batches)
 			assert.Equal(t, tc.firstSeq+4, st.Sequence.LastSeq)
 			assert.Zero(t, st.Sequence.Gaps)
@@ -474,7 +474,7 @@ func TestZMQCatchUp(t *testing.T) {
 			assert.Zero(t, st.Sequence.Gaps)
 			assert.Zero(t, st.Sequence.Replays, "a catch-up is not a gap replay")
 			assert.Zero(t, sink.Clears("a"))
-			assert.Equal(t, events.EventStats{Received: uint64(len(want)), Processed: uint64(len(want))}, st.Events)
+			assert.Equal(t, events.Stats{Received: uint64(len(want)), Processed: uint64(len(want))}, st.Events)
 
 			// The chain goes on from the live batch: no second request.
 			next := pub.Publish(stored(2))
@@ -734,10 +734,10 @@ func TestZMQQueueOverflow(t *testing.T) {
 			st = eventstest.StatusOf(t, c, "a")
 			assert.Equal(t, uint64(1), st.Sequence.Gaps)
 			if tc.replay { // replayed batches are received (and processed) a second time
-				assert.Equal(t, events.EventStats{Received: 16, Processed: 10, Dropped: 6}, st.Events)
+				assert.Equal(t, events.Stats{Received: 16, Processed: 10, Dropped: 6}, st.Events)
 				assert.Zero(t, sink.Clears("a"))
 			} else {
-				assert.Equal(t, events.EventStats{Received: 10, Processed: 4, Dropped: 6}, st.Events)
+				assert.Equal(t, events.Stats{Received: 10, Processed: 4, Dropped: 6}, st.Events)
 				assert.Equal(t, 1, sink.Clears("a"))
 			}
 		})

@@ -96,8 +96,8 @@ func TestMultimodalImagesDoNotShareHits(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			greedyA, greedyB := tc.body(tc.name, tc.a, `"temperature":0`), tc.body(tc.name, tc.b, `"temperature":0`)
 			format := prefixkey.FormatOfPath(tc.path)
-			ka, _ := prefixkey.PrefixKey(mustParseReq(t, format, greedyA), 0)
-			kb, _ := prefixkey.PrefixKey(mustParseReq(t, format, greedyB), 0)
+			ka, _ := mustParseReq(t, format, greedyA).PrefixKey(0)
+			kb, _ := mustParseReq(t, format, greedyB).PrefixKey(0)
 			if ka == kb {
 				t.Errorf("the two images share prefix key %v", ka)
 			}
@@ -150,9 +150,9 @@ func TestMultimodalCacheSaltIsolates(t *testing.T) {
 		return chatBody(sys, "What is the refund policy?", strings.TrimSuffix(extra, ","))
 	}
 	a, b := salted("tenant-a", `"temperature":0,"max_tokens":4`), salted("tenant-b", `"temperature":0,"max_tokens":4`)
-	ka, _ := prefixkey.PrefixKey(mustParseReq(t, prefixkey.FormatOpenAIChat, a), 0)
-	kb, _ := prefixkey.PrefixKey(mustParseReq(t, prefixkey.FormatOpenAIChat, b), 0)
-	k0, _ := prefixkey.PrefixKey(mustParseReq(t, prefixkey.FormatOpenAIChat, salted("", `"temperature":0`)), 0)
+	ka, _ := mustParseReq(t, prefixkey.FormatOpenAIChat, a).PrefixKey(0)
+	kb, _ := mustParseReq(t, prefixkey.FormatOpenAIChat, b).PrefixKey(0)
+	k0, _ := mustParseReq(t, prefixkey.FormatOpenAIChat, salted("", `"temperature":0`)).PrefixKey(0)
 	if ka == kb || ka == k0 {
 		t.Errorf("prefix keys: tenant-a %v, tenant-b %v, unsalted %v: salts must not share", ka, kb, k0)
 	}

@@ -84,8 +84,8 @@
 // it (ZMQ's high-water mark; the consumer sees a sequence gap and replays).
 //
 // SSE events (kvroute's form, Events.SSE) are prefix-granular: "event: cache_created" with
-// {"event", "prefix_hash" (kvroute's prefix key of the request: prefixkey.PrefixKey(req,
-// 1024).String()), "token_count"} where token_count is the number of leading tokens of the last
+// {"event", "prefix_hash" (kvroute's prefix key of the request: req.PrefixKey(1024)
+// .String()), "token_count"} where token_count is the number of leading tokens of the last
 // such request's full blocks the engine holds; it is published again when evictions shorten it.
 // cache_offloaded reports a prefix whose leading blocks are only on the CPU tier, cache_reloaded
 // its return, cache_evicted its loss from the GPU with no CPU copy, cache_purged its loss from the

@@ -59,7 +59,7 @@ func (e *Engine) InputOf(r *prefixkey.Request) Input {
 	case r.Params.MaxTokens.Set:
 		in.OutputTokens = int(max(r.Params.MaxTokens.V, 0))
 	}
-	in.PrefixKey, _ = prefixkey.PrefixKey(r, prefixkey.DefaultMaxPrefixLength)
+	in.PrefixKey, _ = r.PrefixKey(prefixkey.DefaultMaxPrefixLength)
 	return in
 }
 

@@ -438,7 +438,7 @@ func TestSSEKVEvents(t *testing.T) {
 
 	r := chatReq(t, `{"model":"llama","messages":[{"role":"system","content":"Short system prompt for the test."},{"role":"user","content":"hi"}]}`)
 	in := e.InputOf(r)
-	key, ok := prefixkey.PrefixKey(r, 1024)
+	key, ok := r.PrefixKey(1024)
 	require.True(t, ok)
 	_, err = e.Generate(context.Background(), in)
 	require.NoError(t, err)

@@ -62,7 +62,7 @@ func TestSnapshotDamaged(t *testing.T) {
 	_, err := eventlog.WriteSnapshot(context.Background(), &buf, eventlog.SnapshotHeader{Stream: "S"}, src)
 	require.NoError(t, err)
 	data := buf.Bytes()
-	nop := kvindex.NopRestorer{}
+	nop := kvindex.RestorerFunc(func(context.Context, string, []kvindex.StateRecord) error { return nil })
 	for n := 0; n < len(data); n += 1 + n/50 {
 		_, _, err := eventlog.ReadSnapshot(context.Background(), bytes.NewReader(data[:n]), nop)
 		assert.ErrorIs(t, err, eventlog.ErrMalformed, "cut at %d", n)

@@ -142,7 +142,7 @@ func (ru *rule) matches(req *prefixkey.Request) bool {
 
 // routePinned chooses among the rule's healthy backends and takes a slot on it.
 func (r *Router) routePinned(ru *rule, req *prefixkey.Request) (*kvroute.Decision, error) {
-	key, hasKey := prefixkey.PrefixKey(req, prefixkey.DefaultMaxPrefixLength)
+	key, hasKey := req.PrefixKey(prefixkey.DefaultMaxPrefixLength)
 	h := key.Uint64()
 	if !hasKey {
 		h = r.turn.Add(1) * 0x9e3779b97f4a7c15
