@@ -21,6 +21,7 @@ import (
 	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 var dgStore = disagg.ExternalStorage{Endpoint: "http://kv-store:8080", Namespace: "inference/kv-cache",
@@ -630,17 +631,17 @@ func TestDisaggMetrics(t *testing.T) {
 		}
 	}
 	byPath := map[string]int64{}
-	for _, dp := range got[MetricDisaggRequests].(metricdata.Sum[int64]).DataPoints {
+	for _, dp := range got[telemetry.MetricDisaggRequests].(metricdata.Sum[int64]).DataPoints {
 		p, _ := dp.Attributes.Value("path")
 		why, _ := dp.Attributes.Value("reason")
 		byPath[p.AsString()+"/"+why.AsString()] += dp.Value
 	}
 	assert.Equal(t, map[string]int64{"prefill_then_decode/cache_miss": 2, "fast_decode/short_prompt": 1, "fallback/prefill_failed": 1}, byPath)
-	fails := got[MetricDisaggPrefillFailures].(metricdata.Sum[int64]).DataPoints
+	fails := got[telemetry.MetricDisaggPrefillFailures].(metricdata.Sum[int64]).DataPoints
 	require.Len(t, fails, 1)
 	assert.Equal(t, int64(1), fails[0].Value)
 	inflight := map[string]int64{}
-	for _, dp := range got[MetricDisaggInFlight].(metricdata.Gauge[int64]).DataPoints {
+	for _, dp := range got[telemetry.MetricDisaggInFlight].(metricdata.Gauge[int64]).DataPoints {
 		b, _ := dp.Attributes.Value("backend")
 		ph, _ := dp.Attributes.Value("phase")
 		inflight[ph.AsString()+"/"+b.AsString()] = dp.Value

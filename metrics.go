@@ -12,30 +12,11 @@ import (
 
 	"github.com/kvroute/kvroute/chwbl"
 	"github.com/kvroute/kvroute/disagg"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
-// Instrumentation scope and metric names. They follow kvroute's metric list, prefixed kvroute, in
-// OpenTelemetry style; a Prometheus exporter turns them into kvroute_prefix_routing_requests_total,
-// kvroute_prefix_routing_backend_distribution and kvroute_prefix_routing_prefix_cardinality.
-const (
-	ScopeName = "github.com/kvroute/kvroute"
-
-	MetricPrefixRoutingRequests     = "kvroute.prefix_routing.requests"
-	MetricPrefixRoutingDistribution = "kvroute.prefix_routing.backend_distribution"
-	MetricPrefixRoutingCardinality  = "kvroute.prefix_routing.prefix_cardinality"
-
-	MetricKVRoutingDecisions = "kvroute.kv_index.routing_decisions"
-	MetricKVQueryLatency     = "kvroute.kv_index.query_latency"
-	MetricKVOverlapScore     = "kvroute.kv_index.overlap_score"
-
-	// Disaggregated serving (registered only with Config.Disagg): requests by path and reason,
-	// requests no path could serve, failed remote prefills, and phases in flight per prefill or
-	// decode backend.
-	MetricDisaggRequests        = "kvroute.disagg.requests"
-	MetricDisaggNoBackend       = "kvroute.disagg.no_backend"
-	MetricDisaggPrefillFailures = "kvroute.disagg.prefill_failures"
-	MetricDisaggInFlight        = "kvroute.disagg.in_flight"
-)
+// scopeName is the instrumentation scope of the package's metrics.
+const scopeName = "github.com/kvroute/kvroute"
 
 // routerMetrics holds the Router's instruments. The decision counters are observed from the
 // Router's own atomic counts when metrics are collected, so that routing a request costs no
@@ -51,50 +32,50 @@ func newRouterMetrics(mp metric.MeterProvider, r *DefaultRouter) (*routerMetrics
 	if mp == nil {
 		mp = noop.NewMeterProvider()
 	}
-	meter := mp.Meter(ScopeName)
+	meter := mp.Meter(scopeName)
 	m := &routerMetrics{}
 	var err error
-	requests, err := meter.Int64ObservableCounter(MetricPrefixRoutingRequests,
+	requests, err := meter.Int64ObservableCounter(telemetry.MetricPrefixRoutingRequests,
 		metric.WithDescription("Routing decisions by strategy (prefix_hash, overflow, fallback, strategy, kv_aware, load_bound, imbalance, least_work)."),
 		metric.WithUnit("{request}"))
 	if err != nil {
-		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricPrefixRoutingRequests, err)
+		return nil, fmt.Errorf("kvroute: metric %s: %w", telemetry.MetricPrefixRoutingRequests, err)
 	}
 	var byReason, byDecision [numReasons]metric.ObserveOption
 	for _, why := range allReasons {
 		byReason[why] = metric.WithAttributeSet(attribute.NewSet(attribute.String("strategy", why.String())))
 		byDecision[why] = metric.WithAttributeSet(attribute.NewSet(attribute.String("decision", why.String())))
 	}
-	kvDecisions, err := meter.Int64ObservableCounter(MetricKVRoutingDecisions,
+	kvDecisions, err := meter.Int64ObservableCounter(telemetry.MetricKVRoutingDecisions,
 		metric.WithDescription("Requests tier 4 looked at, by outcome (kv_aware, load_bound, imbalance, least_work; fallback: left to tier 1)."),
 		metric.WithUnit("{request}"))
 	if err != nil {
-		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricKVRoutingDecisions, err)
+		return nil, fmt.Errorf("kvroute: metric %s: %w", telemetry.MetricKVRoutingDecisions, err)
 	}
 	kvFallback := metric.WithAttributeSet(attribute.NewSet(attribute.String("decision", "fallback")))
-	m.queryLatency, err = meter.Float64Histogram(MetricKVQueryLatency,
+	m.queryLatency, err = meter.Float64Histogram(telemetry.MetricKVQueryLatency,
 		metric.WithDescription("KV index query latency."), metric.WithUnit("s"),
 		metric.WithExplicitBucketBoundaries(1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2))
 	if err != nil {
-		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricKVQueryLatency, err)
+		return nil, fmt.Errorf("kvroute: metric %s: %w", telemetry.MetricKVQueryLatency, err)
 	}
-	m.overlap, err = meter.Float64Histogram(MetricKVOverlapScore,
+	m.overlap, err = meter.Float64Histogram(telemetry.MetricKVOverlapScore,
 		metric.WithDescription("Best overlap (fraction of the request's blocks cached) seen for routed requests."),
 		metric.WithExplicitBucketBoundaries(0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1))
 	if err != nil {
-		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricKVOverlapScore, err)
+		return nil, fmt.Errorf("kvroute: metric %s: %w", telemetry.MetricKVOverlapScore, err)
 	}
-	dist, err := meter.Int64ObservableGauge(MetricPrefixRoutingDistribution,
+	dist, err := meter.Int64ObservableGauge(telemetry.MetricPrefixRoutingDistribution,
 		metric.WithDescription("In-flight requests per backend under prefix routing."),
 		metric.WithUnit("{request}"))
 	if err != nil {
-		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricPrefixRoutingDistribution, err)
+		return nil, fmt.Errorf("kvroute: metric %s: %w", telemetry.MetricPrefixRoutingDistribution, err)
 	}
-	card, err := meter.Int64ObservableGauge(MetricPrefixRoutingCardinality,
+	card, err := meter.Int64ObservableGauge(telemetry.MetricPrefixRoutingCardinality,
 		metric.WithDescription("Approximate count of unique prefix keys seen."),
 		metric.WithUnit("{prefix}"))
 	if err != nil {
-		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricPrefixRoutingCardinality, err)
+		return nil, fmt.Errorf("kvroute: metric %s: %w", telemetry.MetricPrefixRoutingCardinality, err)
 	}
 	m.reg, err = meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
 		set := r.set.Load()
@@ -162,13 +143,13 @@ func newDisaggMetrics(mp metric.MeterProvider, r *DefaultRouter) (*disaggMetrics
 	if mp == nil {
 		mp = noop.NewMeterProvider()
 	}
-	meter := mp.Meter(ScopeName)
+	meter := mp.Meter(scopeName)
 	m := &disaggMetrics{}
 	var err error
-	if m.requests, err = meter.Int64Counter(MetricDisaggRequests,
+	if m.requests, err = meter.Int64Counter(telemetry.MetricDisaggRequests,
 		metric.WithDescription("Requests routed with disaggregation on, by path (fast_decode, prefill_then_decode, unified, fallback) and reason."),
 		metric.WithUnit("{request}")); err != nil {
-		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricDisaggRequests, err)
+		return nil, fmt.Errorf("kvroute: metric %s: %w", telemetry.MetricDisaggRequests, err)
 	}
 	paths, reasons := disagg.Paths(), disagg.Reasons()
 	m.byPlan = make([][][]metric.AddOption, len(paths)+1)
@@ -179,21 +160,21 @@ func newDisaggMetrics(mp metric.MeterProvider, r *DefaultRouter) (*disaggMetrics
 				attribute.String("path", p.String()), attribute.String("reason", why.String())))}
 		}
 	}
-	if m.noBackend, err = meter.Int64Counter(MetricDisaggNoBackend,
+	if m.noBackend, err = meter.Int64Counter(telemetry.MetricDisaggNoBackend,
 		metric.WithDescription("Requests that no routing path could serve (ErrNoBackend)."),
 		metric.WithUnit("{request}")); err != nil {
-		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricDisaggNoBackend, err)
+		return nil, fmt.Errorf("kvroute: metric %s: %w", telemetry.MetricDisaggNoBackend, err)
 	}
-	if m.failures, err = meter.Int64Counter(MetricDisaggPrefillFailures,
+	if m.failures, err = meter.Int64Counter(telemetry.MetricDisaggPrefillFailures,
 		metric.WithDescription("Remote prefills reported failed."),
 		metric.WithUnit("{request}")); err != nil {
-		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricDisaggPrefillFailures, err)
+		return nil, fmt.Errorf("kvroute: metric %s: %w", telemetry.MetricDisaggPrefillFailures, err)
 	}
-	inflight, err := meter.Int64ObservableGauge(MetricDisaggInFlight,
+	inflight, err := meter.Int64ObservableGauge(telemetry.MetricDisaggInFlight,
 		metric.WithDescription("Request phases in flight per prefill or decode backend."),
 		metric.WithUnit("{request}"))
 	if err != nil {
-		return nil, fmt.Errorf("kvroute: metric %s: %w", MetricDisaggInFlight, err)
+		return nil, fmt.Errorf("kvroute: metric %s: %w", telemetry.MetricDisaggInFlight, err)
 	}
 	m.reg, err = meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
 		var buf [loadsBuf]chwbl.Load

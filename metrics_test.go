@@ -10,6 +10,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/kvroute/kvroute/prefixkey"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 func TestMetricsExported(t *testing.T) {
@@ -33,12 +34,12 @@ func TestMetricsExported(t *testing.T) {
 	require.NoError(t, reader.Collect(ctx, &rm))
 	got := map[string]metricdata.Aggregation{}
 	for _, sm := range rm.ScopeMetrics {
-		assert.Equal(t, ScopeName, sm.Scope.Name)
+		assert.Equal(t, scopeName, sm.Scope.Name)
 		for _, m := range sm.Metrics {
 			got[m.Name] = m.Data
 		}
 	}
-	reqs := got[MetricPrefixRoutingRequests].(metricdata.Sum[int64])
+	reqs := got[telemetry.MetricPrefixRoutingRequests].(metricdata.Sum[int64])
 	byStrategy := map[string]int64{}
 	for _, dp := range reqs.DataPoints {
 		v, _ := dp.Attributes.Value("strategy")
@@ -47,7 +48,7 @@ func TestMetricsExported(t *testing.T) {
 	assert.Equal(t, int64(4), byStrategy["prefix_hash"]+byStrategy["overflow"])
 	assert.Equal(t, int64(1), byStrategy["fallback"])
 
-	dist := got[MetricPrefixRoutingDistribution].(metricdata.Gauge[int64])
+	dist := got[telemetry.MetricPrefixRoutingDistribution].(metricdata.Gauge[int64])
 	inflight := map[string]int64{}
 	for _, dp := range dist.DataPoints {
 		v, _ := dp.Attributes.Value("backend")
@@ -56,7 +57,7 @@ func TestMetricsExported(t *testing.T) {
 	assert.Len(t, inflight, 2)
 	assert.Equal(t, int64(1), inflight[held.Backend])
 
-	card := got[MetricPrefixRoutingCardinality].(metricdata.Gauge[int64])
+	card := got[telemetry.MetricPrefixRoutingCardinality].(metricdata.Gauge[int64])
 	require.Len(t, card.DataPoints, 1)
 	assert.Equal(t, int64(2), card.DataPoints[0].Value)
 

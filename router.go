@@ -169,7 +169,7 @@ type Config struct {
 	Backends []Backend
 	// MeterProvider receives the Router's metrics; nil means no metrics.
 	MeterProvider metric.MeterProvider
-	// TracerProvider receives the Router's spans (SpanRoute and its children); nil means none.
+	// TracerProvider receives the Router's spans (telemetry.SpanRoute and its children); nil means none.
 	TracerProvider trace.TracerProvider
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
@@ -476,7 +476,7 @@ func (r *DefaultRouter) SetHealthy(name string, healthy bool) error {
 // strategy with prefix routing off). Tier 1 does no I/O and blocks on other requests no longer
 // than the ring's bound check; tier 4 calls the KV index (a remote one does I/O) and, for a
 // request without token IDs, KVConfig.Tokenizer, both bounded by ctx. With Config.TracerProvider,
-// each call is a SpanRoute span, child of ctx's.
+// each call is a telemetry.SpanRoute span, child of ctx's.
 func (r *DefaultRouter) Route(ctx context.Context, req *prefixkey.Request) (*Decision, error) {
 	if r.tracer != nil {
 		return r.routeTraced(ctx, req)

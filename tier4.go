@@ -12,6 +12,7 @@ import (
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/scorer"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 // DefaultMinOverlapThreshold is kvroute's min_overlap_threshold: the best backend must hold at
@@ -361,7 +362,7 @@ func (r *DefaultRouter) lookup(ctx context.Context, d *Decision, s *scratch4, us
 		return true
 	}
 	start := r.cfg.Now()
-	lctx, span := r.startSpan(ctx, SpanKVLookup)
+	lctx, span := r.startSpan(ctx, telemetry.SpanKVLookup)
 	var err error
 	if usePrefix {
 		s.matches, err = t.prefix.LookupPrefix(lctx, d.PrefixKey.String(), s.names, s.matches[:len(s.names)])

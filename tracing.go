@@ -9,45 +9,7 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/kvroute/kvroute/prefixkey"
-)
-
-// Spans of the default Router, recorded through Config.TracerProvider (OpenTelemetry's trace API;
-// without a provider, or with the API's no-op one, the Router records none and allocates nothing
-// for them). kvroute.route is a child of the span in Route's context, the others children of
-// kvroute.route. DisaggRouter.Route records only the kvroute.route of a unified decision.
-//
-//	kvroute.route              Route: AttrReason, AttrBackend, AttrPrefixKey when the request has one,
-//	                           AttrExpectedCachedTokens when tier 4 decided (Reason.FromKVIndex),
-//	                           AttrBestOverlap when the KV index was asked; status Error with the
-//	                           error Route returned
-//	  kvroute.tokenize         KVConfig.Tokenizer's call: AttrTokens; status Error with its error
-//	  kvroute.kv_index.lookup  the KV index's Lookup (or LookupPrefix): AttrBlocks, AttrBackends;
-//	                           status Error with its error
-const (
-	SpanRoute    = "kvroute.route"
-	SpanTokenize = "kvroute.tokenize"
-	SpanKVLookup = "kvroute.kv_index.lookup"
-)
-
-// Attribute keys of the Router's spans.
-const (
-	// AttrReason is the decision's Reason label (prefix_hash, kv_aware, …).
-	AttrReason = "kvroute.reason"
-	// AttrBackend is the chosen backend.
-	AttrBackend = "kvroute.backend"
-	// AttrPrefixKey is the request's prefix key, in hex (prefixkey.Key.String).
-	AttrPrefixKey = "kvroute.prefix_key"
-	// AttrExpectedCachedTokens is Decision.ExpectedCachedTokens.
-	AttrExpectedCachedTokens = "kvroute.expected_cached_tokens"
-	// AttrBestOverlap is the largest share of the request's blocks (tier-weighted) that one
-	// healthy backend holds by the KV index, in [0, 1]; 1 when it holds a prefix entry.
-	AttrBestOverlap = "kvroute.best_overlap"
-	// AttrTokens is the number of prompt tokens the tokenizer returned.
-	AttrTokens = "kvroute.tokens"
-	// AttrBlocks is the number of the request's block keys looked up (0 for a prefix entry).
-	AttrBlocks = "kvroute.blocks"
-	// AttrBackends is the number of healthy backends the index was asked about.
-	AttrBackends = "kvroute.backends"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 // tracerScope is the instrumentation scope of the Router's spans.
@@ -65,17 +27,17 @@ func newTracer(tp trace.TracerProvider) trace.Tracer {
 	return tp.Tracer(tracerScope)
 }
 
-// routeTraced is route within a SpanRoute span.
+// routeTraced is route within a telemetry.SpanRoute span.
 func (r *DefaultRouter) routeTraced(ctx context.Context, req *prefixkey.Request) (*Decision, error) {
-	ctx, span := r.tracer.Start(ctx, SpanRoute)
+	ctx, span := r.tracer.Start(ctx, telemetry.SpanRoute)
 	d, err := r.route(ctx, req)
 	if err == nil {
-		span.SetAttributes(attribute.String(AttrReason, d.Reason.String()), attribute.String(AttrBackend, d.Backend))
+		span.SetAttributes(attribute.String(telemetry.AttrReason, d.Reason.String()), attribute.String(telemetry.AttrBackend, d.Backend))
 		if d.HasPrefixKey {
-			span.SetAttributes(attribute.String(AttrPrefixKey, d.PrefixKey.String()))
+			span.SetAttributes(attribute.String(telemetry.AttrPrefixKey, d.PrefixKey.String()))
 		}
 		if d.Reason.FromKVIndex() {
-			span.SetAttributes(attribute.Int(AttrExpectedCachedTokens, d.ExpectedCachedTokens))
+			span.SetAttributes(attribute.Int(telemetry.AttrExpectedCachedTokens, d.ExpectedCachedTokens))
 		}
 	}
 	endSpan(span, err)
@@ -91,29 +53,29 @@ func (r *DefaultRouter) startSpan(ctx context.Context, name string) (context.Con
 	return r.tracer.Start(ctx, name)
 }
 
-// tokenize calls KVConfig.Tokenizer within a SpanTokenize span.
+// tokenize calls KVConfig.Tokenizer within a telemetry.SpanTokenize span.
 func (r *DefaultRouter) tokenize(ctx context.Context, req *prefixkey.Request) ([]uint32, error) {
-	ctx, span := r.startSpan(ctx, SpanTokenize)
+	ctx, span := r.startSpan(ctx, telemetry.SpanTokenize)
 	tokens, err := r.kv.cfg.Tokenizer.Tokenize(ctx, req)
 	if r.tracer != nil {
-		span.SetAttributes(attribute.Int(AttrTokens, len(tokens)))
+		span.SetAttributes(attribute.Int(telemetry.AttrTokens, len(tokens)))
 		endSpan(span, err)
 	}
 	return tokens, err
 }
 
-// endLookup ends the SpanKVLookup span of a lookup of s's block keys on s's backends.
+// endLookup ends the telemetry.SpanKVLookup span of a lookup of s's block keys on s's backends.
 func (r *DefaultRouter) endLookup(span trace.Span, s *scratch4, err error) {
 	if r.tracer != nil {
-		span.SetAttributes(attribute.Int(AttrBlocks, len(s.keys)), attribute.Int(AttrBackends, len(s.names)))
+		span.SetAttributes(attribute.Int(telemetry.AttrBlocks, len(s.keys)), attribute.Int(telemetry.AttrBackends, len(s.names)))
 		endSpan(span, err)
 	}
 }
 
-// traceOverlap records the best overlap ratio on the SpanRoute span in ctx.
+// traceOverlap records the best overlap ratio on the telemetry.SpanRoute span in ctx.
 func (r *DefaultRouter) traceOverlap(ctx context.Context, ratio float64) {
 	if r.tracer != nil {
-		trace.SpanFromContext(ctx).SetAttributes(attribute.Float64(AttrBestOverlap, ratio))
+		trace.SpanFromContext(ctx).SetAttributes(attribute.Float64(telemetry.AttrBestOverlap, ratio))
 	}
 }
 

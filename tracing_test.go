@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/prefixkey"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 // recorder returns an SDK TracerProvider that keeps every ended span in memory, and the recorder.
@@ -73,29 +74,29 @@ func TestTracingRouteSpans(t *testing.T) {
 		childFrom string                            // the span child holds
 	}{{
 		name: "kv_aware", kv: true, req: kvReq,
-		spans:  []string{SpanRoute, SpanTokenize, SpanKVLookup},
+		spans:  []string{telemetry.SpanRoute, telemetry.SpanTokenize, telemetry.SpanKVLookup},
 		reason: "kv_aware",
-		attrs: map[attribute.Key]attribute.Value{AttrBackend: attribute.StringValue("vllm-2"),
-			AttrExpectedCachedTokens: attribute.IntValue(160), AttrBestOverlap: attribute.Float64Value(1)},
-		child: map[attribute.Key]attribute.Value{AttrTokens: attribute.IntValue(160), AttrBlocks: attribute.IntValue(10),
-			AttrBackends: attribute.IntValue(3)},
+		attrs: map[attribute.Key]attribute.Value{telemetry.AttrBackend: attribute.StringValue("vllm-2"),
+			telemetry.AttrExpectedCachedTokens: attribute.IntValue(160), telemetry.AttrBestOverlap: attribute.Float64Value(1)},
+		child: map[attribute.Key]attribute.Value{telemetry.AttrTokens: attribute.IntValue(160), telemetry.AttrBlocks: attribute.IntValue(10),
+			telemetry.AttrBackends: attribute.IntValue(3)},
 	}, {
 		name: "tier1_only", req: chatReq("system A", "u"),
-		spans:  []string{SpanRoute},
+		spans:  []string{telemetry.SpanRoute},
 		reason: "prefix_hash",
-		absent: []attribute.Key{AttrExpectedCachedTokens, AttrBestOverlap},
+		absent: []attribute.Key{telemetry.AttrExpectedCachedTokens, telemetry.AttrBestOverlap},
 	}, {
 		name: "tokenizer_error", kv: true, req: chatReq("broken", "u"),
-		spans:  []string{SpanRoute, SpanTokenize},
+		spans:  []string{telemetry.SpanRoute, telemetry.SpanTokenize},
 		reason: "prefix_hash",
-		absent: []attribute.Key{AttrExpectedCachedTokens, AttrBestOverlap},
-		failed: SpanTokenize,
+		absent: []attribute.Key{telemetry.AttrExpectedCachedTokens, telemetry.AttrBestOverlap},
+		failed: telemetry.SpanTokenize,
 	}, {
 		name: "index_error", index: true, req: tokReq("s", promptTokens(1, 64)),
-		spans:  []string{SpanRoute, SpanKVLookup},
+		spans:  []string{telemetry.SpanRoute, telemetry.SpanKVLookup},
 		reason: "prefix_hash",
-		absent: []attribute.Key{AttrExpectedCachedTokens, AttrBestOverlap},
-		failed: SpanKVLookup,
+		absent: []attribute.Key{telemetry.AttrExpectedCachedTokens, telemetry.AttrBestOverlap},
+		failed: telemetry.SpanKVLookup,
 	}} {
 		t.Run(tc.name, func(t *testing.T) {
 			tp, rec := recorder(t)
@@ -118,14 +119,14 @@ func TestTracingRouteSpans(t *testing.T) {
 
 			spans := spansByName(t, rec)
 			require.Len(t, spans, len(tc.spans)+1)
-			route := spans[SpanRoute]
+			route := spans[telemetry.SpanRoute]
 			require.NotNil(t, route)
 			assert.Equal(t, parent.SpanContext().SpanID(), route.Parent().SpanID(), "route is a child of the caller's span")
 			assert.Equal(t, parent.SpanContext().TraceID(), route.SpanContext().TraceID())
 			got := attrs(route)
-			assert.Equal(t, tc.reason, got[AttrReason].AsString())
-			assert.Equal(t, d.Backend, got[AttrBackend].AsString())
-			assert.Equal(t, d.PrefixKey.String(), got[AttrPrefixKey].AsString())
+			assert.Equal(t, tc.reason, got[telemetry.AttrReason].AsString())
+			assert.Equal(t, d.Backend, got[telemetry.AttrBackend].AsString())
+			assert.Equal(t, d.PrefixKey.String(), got[telemetry.AttrPrefixKey].AsString())
 			for k, v := range tc.attrs {
 				assert.Equal(t, v, got[k], "%s", k)
 			}
@@ -159,7 +160,7 @@ func TestTracingRouteError(t *testing.T) {
 	require.ErrorIs(t, err, ErrNoBackend)
 	spans := rec.Ended()
 	require.Len(t, spans, 1)
-	assert.Equal(t, SpanRoute, spans[0].Name())
+	assert.Equal(t, telemetry.SpanRoute, spans[0].Name())
 	assert.Equal(t, codes.Error, spans[0].Status().Code)
 	assert.Equal(t, ErrNoBackend.Error(), spans[0].Status().Description)
 	assert.False(t, spans[0].Parent().IsValid(), "a root span without a caller's span")

@@ -71,7 +71,7 @@
 // waiting gauges. It reports nothing: the backend's previous report goes on counting until it
 // is Config.EngineLoadMaxAge (of the Router, 10 s by default: keep it at a few intervals) old, and
 // then the Router falls back to its own counts and its peers'. Failures are counted
-// (MetricScrapes with result error, too_large or parse_error), shown in Stats (last error,
+// (telemetry.MetricEngineScrapes with result error, too_large or parse_error), shown in Stats (last error,
 // consecutive failures) and logged as a warning at most once per LogEvery per target; the
 // first success after them is logged too.
 //

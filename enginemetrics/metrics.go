@@ -6,27 +6,14 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/metric/noop"
+
+	"github.com/kvroute/kvroute/telemetry"
 )
 
-// ScopeName is the instrumentation scope of the Scraper's metrics.
-const ScopeName = "github.com/kvroute/kvroute/enginemetrics"
+// scopeName is the instrumentation scope of the package's metrics.
+const scopeName = "github.com/kvroute/kvroute/enginemetrics"
 
-// Metric names of the Scraper (OpenTelemetry style; a Prometheus exporter turns the first into
-// kvroute_engine_metrics_scrapes_total).
-const (
-	// MetricScrapes counts scrapes by backend and result: ok, error (connection, timeout, status
-	// other than 200), too_large (body over MaxBodyBytes) or parse_error (malformed, or without the
-	// engine's load gauges).
-	MetricScrapes = "kvroute.engine_metrics.scrapes"
-	// MetricScrapeDuration is the duration of scrapes by backend, in seconds: request, body and
-	// parse.
-	MetricScrapeDuration = "kvroute.engine_metrics.scrape_duration"
-	// MetricReportErrors counts the loads the Sink refused, by backend (a backend the Router does
-	// not have, say).
-	MetricReportErrors = "kvroute.engine_metrics.report_errors"
-)
-
-// result is the outcome of one scrape, the result attribute of MetricScrapes.
+// result is the outcome of one scrape, the result attribute of telemetry.MetricEngineScrapes.
 type result uint8
 
 const (
@@ -61,24 +48,24 @@ func newInstruments(mp metric.MeterProvider) (*instruments, error) {
 	if mp == nil {
 		mp = noop.NewMeterProvider()
 	}
-	meter := mp.Meter(ScopeName)
+	meter := mp.Meter(scopeName)
 	m := &instruments{}
 	var err error
-	if m.scrapes, err = meter.Int64Counter(MetricScrapes,
+	if m.scrapes, err = meter.Int64Counter(telemetry.MetricEngineScrapes,
 		metric.WithDescription("Scrapes of engine metrics endpoints by backend and result (ok, error, too_large, parse_error)."),
 		metric.WithUnit("{scrape}")); err != nil {
-		return nil, fmt.Errorf("enginemetrics: metric %s: %w", MetricScrapes, err)
+		return nil, fmt.Errorf("enginemetrics: metric %s: %w", telemetry.MetricEngineScrapes, err)
 	}
-	if m.duration, err = meter.Float64Histogram(MetricScrapeDuration,
+	if m.duration, err = meter.Float64Histogram(telemetry.MetricEngineScrapeDuration,
 		metric.WithDescription("Duration of engine metrics scrapes by backend: request, body and parse."),
 		metric.WithUnit("s"),
 		metric.WithExplicitBucketBoundaries(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5)); err != nil {
-		return nil, fmt.Errorf("enginemetrics: metric %s: %w", MetricScrapeDuration, err)
+		return nil, fmt.Errorf("enginemetrics: metric %s: %w", telemetry.MetricEngineScrapeDuration, err)
 	}
-	if m.reports, err = meter.Int64Counter(MetricReportErrors,
+	if m.reports, err = meter.Int64Counter(telemetry.MetricEngineReportErrors,
 		metric.WithDescription("Engine loads the sink refused, by backend."),
 		metric.WithUnit("{report}")); err != nil {
-		return nil, fmt.Errorf("enginemetrics: metric %s: %w", MetricReportErrors, err)
+		return nil, fmt.Errorf("enginemetrics: metric %s: %w", telemetry.MetricEngineReportErrors, err)
 	}
 	return m, nil
 }

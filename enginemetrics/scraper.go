@@ -18,7 +18,7 @@ import (
 // Sink receives the engine-reported loads. *kvroute.DefaultRouter implements it.
 type Sink interface {
 	// ReportEngineLoad records backend's load as its engine reported it at l.At. An error (an
-	// unknown backend, say) is counted (MetricReportErrors) and shown in Stats; the Scraper goes
+	// unknown backend, say) is counted (telemetry.MetricEngineReportErrors) and shown in Stats; the Scraper goes
 	// on. It is called from the target's own goroutine: one call at a time per backend, and
 	// concurrently for different backends. It should not block (a slow Sink delays that
 	// backend's next scrape) and must not call the Scraper's SetTargets or Close.

@@ -18,6 +18,7 @@ import (
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/enginemetrics"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 func TestNewConfig(t *testing.T) {
@@ -113,7 +114,9 @@ func TestScrapeResults(t *testing.T) {
 			sink := newRecorder()
 			s := start(t, enginemetrics.Config{Targets: map[string]string{"b": srv.URL + "/metrics"},
 				Interval: 200 * time.Millisecond, Timeout: 100 * time.Millisecond, MaxBodyBytes: 64 << 10, MeterProvider: mp}, sink)
-			scrapes := func() int64 { return counter(t, rd, enginemetrics.MetricScrapes, "backend", "b", "result", tc.result) }
+			scrapes := func() int64 {
+				return counter(t, rd, telemetry.MetricEngineScrapes, "backend", "b", "result", tc.result)
+			}
 			// The metric and the stats are updated one after the other: wait for both.
 			require.Eventually(t, func() bool {
 				for _, st := range s.Stats() {
@@ -317,12 +320,12 @@ func TestSinkError(t *testing.T) {
 	sink := newRecorder()
 	sink.err = errors.New("unknown backend")
 	s := start(t, enginemetrics.Config{Targets: map[string]string{"v": srv.URL}, MeterProvider: mp}, sink)
-	require.Eventually(t, func() bool { return counter(t, rd, enginemetrics.MetricReportErrors, "backend", "v") >= 2 }, waitFor, tick)
+	require.Eventually(t, func() bool { return counter(t, rd, telemetry.MetricEngineReportErrors, "backend", "v") >= 2 }, waitFor, tick)
 	st := statsOf(t, s, "v")
 	assert.Equal(t, "unknown backend", st.LastReportError)
 	assert.Zero(t, st.Failures, "the scrape itself succeeded")
 	assert.NotNil(t, st.LastLoad)
-	assert.Positive(t, counter(t, rd, enginemetrics.MetricScrapes, "backend", "v", "result", "ok"))
+	assert.Positive(t, counter(t, rd, telemetry.MetricEngineScrapes, "backend", "v", "result", "ok"))
 }
 
 // logRecords is a slog handler that keeps the records.

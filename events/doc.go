@@ -69,7 +69,7 @@
 //
 //   - SourceSet holds its sources: Add returns a Source per engine stream or subscription,
 //     Status lists their SourceStatus, RegisterMetrics reports them as the Metric* instruments
-//     under ScopeName, and Close marks them closed.
+//     under scopeName, and Close marks them closed.
 //   - Source is one source's counters and state: SetState as it connects, SetError, Touch
 //     and the Received, Malformed, Gaps, … atomics as it receives, WarnDue to rate-limit its
 //     logs.

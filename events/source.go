@@ -13,28 +13,11 @@ import (
 	"go.opentelemetry.io/otel/metric/noop"
 
 	"github.com/kvroute/kvroute/events/internal/run"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
-// Instrumentation scope and metric names of the transports: the SSE consumer, the ZMQ consumer
-// of package zmqevents and any transport that reports its sources with SourceSet.RegisterMetrics.
-// They follow kvroute's Tier-4 list with the kvroute prefix in OpenTelemetry style; a Prometheus
-// exporter renders them as kvroute_kv_event_received_total, kvroute_kv_consumer_connected, …
-// Every instrument carries a "backend" attribute; the source-status gauge also carries "status"
-// (one of the SourceState values, 1 for the current state and 0 for the others).
-//
-// The counters are observable: they report the same atomics Status reads, so counting an event
-// costs one atomic add and no OpenTelemetry call.
-const (
-	ScopeName = "github.com/kvroute/kvroute/events"
-
-	MetricEventReceived      = "kvroute.kv_event.received"
-	MetricEventProcessed     = "kvroute.kv_event.processed"
-	MetricEventDropped       = "kvroute.kv_event.dropped"
-	MetricConsumerConnected  = "kvroute.kv_consumer.connected"
-	MetricConsumerReconnects = "kvroute.kv_consumer.reconnects"
-	MetricConsumerGaps       = "kvroute.kv_consumer.sequence_gaps"
-	MetricEventSourceStatus  = "kvroute.kv_index.event_source_status"
-)
+// scopeName is the instrumentation scope of the package's metrics.
+const scopeName = "github.com/kvroute/kvroute/events"
 
 // Errors callers branch on.
 var (
@@ -418,7 +401,7 @@ func stateRank(st SourceState) int {
 	}
 }
 
-// RegisterMetrics registers the set's observable instruments (ScopeName and the Metric* names)
+// RegisterMetrics registers the set's observable instruments (scopeName and the Metric* names)
 // on mp, and a callback that reports the sources at each collection: per backend, the counters
 // summed over its sources (received, processed, dropped, reconnects, gaps) and its connection by
 // its worst source (connected, and the source-status gauge). The counters report the atomics
@@ -430,7 +413,7 @@ func (r *SourceSet) RegisterMetrics(mp metric.MeterProvider) error {
 	if mp == nil {
 		mp = noop.NewMeterProvider()
 	}
-	meter := mp.Meter(ScopeName)
+	meter := mp.Meter(scopeName)
 	counter := func(name, desc, unit string) (metric.Int64ObservableCounter, error) {
 		c, err := meter.Int64ObservableCounter(name, metric.WithDescription(desc), metric.WithUnit(unit))
 		if err != nil {
@@ -438,35 +421,35 @@ func (r *SourceSet) RegisterMetrics(mp metric.MeterProvider) error {
 		}
 		return c, nil
 	}
-	received, err := counter(MetricEventReceived, "KV events received per backend.", "{event}")
+	received, err := counter(telemetry.MetricEventReceived, "KV events received per backend.", "{event}")
 	if err != nil {
 		return err
 	}
-	processed, err := counter(MetricEventProcessed, "KV events successfully applied to the index per backend.", "{event}")
+	processed, err := counter(telemetry.MetricEventProcessed, "KV events successfully applied to the index per backend.", "{event}")
 	if err != nil {
 		return err
 	}
-	dropped, err := counter(MetricEventDropped, "KV events dropped per backend (queue backpressure, undecodable, sink errors).", "{event}")
+	dropped, err := counter(telemetry.MetricEventDropped, "KV events dropped per backend (queue backpressure, undecodable, sink errors).", "{event}")
 	if err != nil {
 		return err
 	}
-	reconnects, err := counter(MetricConsumerReconnects, "Event-stream reconnection attempts per backend.", "{reconnect}")
+	reconnects, err := counter(telemetry.MetricConsumerReconnects, "Event-stream reconnection attempts per backend.", "{reconnect}")
 	if err != nil {
 		return err
 	}
-	gaps, err := counter(MetricConsumerGaps, "Sequence gaps detected per backend (replayed or reset).", "{gap}")
+	gaps, err := counter(telemetry.MetricConsumerGaps, "Sequence gaps detected per backend (replayed or reset).", "{gap}")
 	if err != nil {
 		return err
 	}
-	connected, err := meter.Int64ObservableGauge(MetricConsumerConnected,
+	connected, err := meter.Int64ObservableGauge(telemetry.MetricConsumerConnected,
 		metric.WithDescription("1 when every event source of the backend is connected."))
 	if err != nil {
-		return fmt.Errorf("events: metric %s: %w", MetricConsumerConnected, err)
+		return fmt.Errorf("events: metric %s: %w", telemetry.MetricConsumerConnected, err)
 	}
-	status, err := meter.Int64ObservableGauge(MetricEventSourceStatus,
+	status, err := meter.Int64ObservableGauge(telemetry.MetricEventSourceStatus,
 		metric.WithDescription("Event source connection status per backend: 1 for the current status, 0 for the others."))
 	if err != nil {
-		return fmt.Errorf("events: metric %s: %w", MetricEventSourceStatus, err)
+		return fmt.Errorf("events: metric %s: %w", telemetry.MetricEventSourceStatus, err)
 	}
 	type agg struct {
 		received, processed, dropped, reconnects, gaps int64

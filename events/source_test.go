@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/events/internal/eventstest"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 func TestSourceStatusJSON(t *testing.T) {
@@ -77,21 +78,21 @@ func TestSourceSetMetrics(t *testing.T) {
 
 	got := eventstest.CollectInt64(t, reader)
 	for key, want := range map[string]int64{
-		events.MetricEventReceived + ",backend=a":                            7,
-		events.MetricConsumerGaps + ",backend=a":                             1,
-		events.MetricConsumerConnected + ",backend=a":                        0,
-		events.MetricEventSourceStatus + ",backend=a,status=disconnected":    1,
-		events.MetricEventSourceStatus + ",backend=a,status=connected":       0,
-		events.MetricEventReceived + ",backend=b":                            0,
-		events.MetricConsumerReconnects + ",backend=b":                       2,
-		events.MetricConsumerConnected + ",backend=b":                        1,
-		events.MetricEventSourceStatus + ",backend=b,status=connected":       1,
-		events.MetricEventSourceStatus + ",backend=b,status=" + "connecting": 0,
+		telemetry.MetricEventReceived + ",backend=a":                            7,
+		telemetry.MetricConsumerGaps + ",backend=a":                             1,
+		telemetry.MetricConsumerConnected + ",backend=a":                        0,
+		telemetry.MetricEventSourceStatus + ",backend=a,status=disconnected":    1,
+		telemetry.MetricEventSourceStatus + ",backend=a,status=connected":       0,
+		telemetry.MetricEventReceived + ",backend=b":                            0,
+		telemetry.MetricConsumerReconnects + ",backend=b":                       2,
+		telemetry.MetricConsumerConnected + ",backend=b":                        1,
+		telemetry.MetricEventSourceStatus + ",backend=b,status=connected":       1,
+		telemetry.MetricEventSourceStatus + ",backend=b,status=" + "connecting": 0,
 	} {
 		assert.Contains(t, got, key)
 		assert.Equal(t, want, got[key], key)
 	}
-	assert.NotContains(t, got, events.MetricEventReceived+",backend=", "a source of its own is not reported")
+	assert.NotContains(t, got, telemetry.MetricEventReceived+",backend=", "a source of its own is not reported")
 
 	st := set.Status()
 	require.Len(t, st, 3)

@@ -70,7 +70,7 @@ type SSEConfig struct {
 	// the index keeps its entries until their TTL.
 	ClearOnReconnect bool
 
-	// MeterProvider supplies the instruments (ScopeName); nil means no metrics.
+	// MeterProvider supplies the instruments (scopeName); nil means no metrics.
 	MeterProvider metric.MeterProvider
 	// Logger receives connection-level events at Debug and Warn; nil discards them.
 	Logger *slog.Logger

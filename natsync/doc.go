@@ -93,6 +93,6 @@
 //
 // # Metrics
 //
-// With Config.MeterProvider, a Sync reports MetricEvents, MetricMessages, MetricGaps,
-// MetricPeersForgotten, MetricPeers and MetricConnected, read from the counts Stats returns.
+// With Config.MeterProvider, a Sync reports telemetry.MetricNatsyncEvents, telemetry.MetricNatsyncMessages, telemetry.MetricNatsyncGaps,
+// telemetry.MetricNatsyncPeersForgotten, telemetry.MetricNatsyncPeers and telemetry.MetricNatsyncConnected, read from the counts Stats returns.
 package natsync

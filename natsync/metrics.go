@@ -6,70 +6,53 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
+
+	"github.com/kvroute/kvroute/telemetry"
 )
 
-// Instrumentation scope and metric names. Each instrument carries the attribute group (Config.Group);
-// the event and message counters are observed from the Sync's own counts when metrics are
-// collected, so that PublishPeerEvent makes no metrics call.
-const (
-	ScopeName = "github.com/kvroute/kvroute/natsync"
-
-	// MetricEvents counts events by outcome: published, dropped, truncated (Stats.Published,
-	// Dropped, Truncated) and applied (Stats.Applied).
-	MetricEvents = "kvroute.natsync.events"
-	// MetricMessages counts messages by direction and outcome: sent, send_error, received,
-	// decode_error.
-	MetricMessages = "kvroute.natsync.messages"
-	// MetricGaps counts the peers' sequence gaps (Stats.Gaps).
-	MetricGaps = "kvroute.natsync.sequence_gaps"
-	// MetricPeersForgotten counts the peers forgotten, by reason: timeout, goodbye.
-	MetricPeersForgotten = "kvroute.natsync.peers_forgotten"
-	// MetricPeers is the number of peers heard from within PeerTimeout.
-	MetricPeers = "kvroute.natsync.peers"
-	// MetricConnected is 1 while the NATS connection is up, 0 otherwise.
-	MetricConnected = "kvroute.natsync.connected"
-)
+// scopeName is the instrumentation scope of the package's metrics.
+const scopeName = "github.com/kvroute/kvroute/natsync"
 
 // registerMetrics registers the Sync's instruments with mp; it returns nil with no provider.
 func (s *Sync) registerMetrics(mp metric.MeterProvider) (metric.Registration, error) {
 	if mp == nil {
 		return nil, nil
 	}
-	meter := mp.Meter(ScopeName)
-	events, err := meter.Int64ObservableCounter(MetricEvents,
+	meter := mp.Meter(scopeName)
+	events, err := meter.Int64ObservableCounter(telemetry.MetricNatsyncEvents,
 		metric.WithDescription("Peer decision events, by outcome (published, dropped, truncated, applied)."),
 		metric.WithUnit("{event}"))
 	if err != nil {
-		return nil, fmt.Errorf("natsync: metric %s: %w", MetricEvents, err)
+		return nil, fmt.Errorf("natsync: metric %s: %w", telemetry.MetricNatsyncEvents, err)
 	}
-	messages, err := meter.Int64ObservableCounter(MetricMessages,
+	messages, err := meter.Int64ObservableCounter(telemetry.MetricNatsyncMessages,
 		metric.WithDescription("Messages on the group's subject, by outcome (sent, send_error, received, decode_error)."),
 		metric.WithUnit("{message}"))
 	if err != nil {
-		return nil, fmt.Errorf("natsync: metric %s: %w", MetricMessages, err)
+		return nil, fmt.Errorf("natsync: metric %s: %w", telemetry.MetricNatsyncMessages, err)
 	}
-	gaps, err := meter.Int64ObservableCounter(MetricGaps,
+	gaps, err := meter.Int64ObservableCounter(telemetry.MetricNatsyncGaps,
 		metric.WithDescription("Gaps in the peers' message sequences; each made the replica forget that peer's decisions."),
 		metric.WithUnit("{gap}"))
 	if err != nil {
-		return nil, fmt.Errorf("natsync: metric %s: %w", MetricGaps, err)
+		return nil, fmt.Errorf("natsync: metric %s: %w", telemetry.MetricNatsyncGaps, err)
 	}
-	forgotten, err := meter.Int64ObservableCounter(MetricPeersForgotten,
+	forgotten, err := meter.Int64ObservableCounter(telemetry.MetricNatsyncPeersForgotten,
 		metric.WithDescription("Peers forgotten, by reason (timeout, goodbye)."),
 		metric.WithUnit("{peer}"))
 	if err != nil {
-		return nil, fmt.Errorf("natsync: metric %s: %w", MetricPeersForgotten, err)
+		return nil, fmt.Errorf("natsync: metric %s: %w", telemetry.MetricNatsyncPeersForgotten, err)
 	}
-	peers, err := meter.Int64ObservableGauge(MetricPeers,
+	peers, err := meter.Int64ObservableGauge(telemetry.MetricNatsyncPeers,
 		metric.WithDescription("Peers heard from within the peer timeout."),
 		metric.WithUnit("{peer}"))
 	if err != nil {
-		return nil, fmt.Errorf("natsync: metric %s: %w", MetricPeers, err)
+		return nil, fmt.Errorf("natsync: metric %s: %w", telemetry.MetricNatsyncPeers, err)
 	}
-	connected, err := meter.Int64ObservableGauge(MetricConnected,
+	connected, err := meter.Int64ObservableGauge(telemetry.MetricNatsyncConnected,
 		metric.WithDescription("1 while the NATS connection is up, 0 otherwise."))
 	if err != nil {
-		return nil, fmt.Errorf("natsync: metric %s: %w", MetricConnected, err)
+		return nil, fmt.Errorf("natsync: metric %s: %w", telemetry.MetricNatsyncConnected, err)
 	}
 	group := attribute.String("group", s.cfg.Group)
 	with := func(k, v string) metric.ObserveOption {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/natsync/natstest"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 // unstarted returns a Sync that is never started, on a connection that never connects: its
@@ -153,7 +154,7 @@ func TestMetrics(t *testing.T) {
 	require.NoError(t, reader.Collect(context.Background(), &rm))
 	got := map[string]int64{}
 	for _, sm := range rm.ScopeMetrics {
-		require.Equal(t, ScopeName, sm.Scope.Name)
+		require.Equal(t, scopeName, sm.Scope.Name)
 		for _, m := range sm.Metrics {
 			var points []metricdata.DataPoint[int64]
 			switch d := m.Data.(type) {
@@ -175,15 +176,15 @@ func TestMetrics(t *testing.T) {
 			}
 		}
 	}
-	assert.Equal(t, int64(3), got[MetricEvents+"/published"])
-	assert.Equal(t, int64(3), got[MetricEvents+"/applied"])
-	assert.Equal(t, int64(0), got[MetricEvents+"/dropped"])
-	assert.Equal(t, int64(1), got[MetricPeersForgotten+"/goodbye"])
-	assert.Equal(t, int64(0), got[MetricPeersForgotten+"/timeout"])
-	assert.Positive(t, got[MetricMessages+"/sent"])
-	assert.Positive(t, got[MetricMessages+"/received"])
-	assert.Equal(t, int64(0), got[MetricMessages+"/decode_error"])
-	assert.Equal(t, int64(0), got[MetricPeers])
-	assert.Equal(t, int64(1), got[MetricConnected])
-	assert.Contains(t, got, MetricGaps)
+	assert.Equal(t, int64(3), got[telemetry.MetricNatsyncEvents+"/published"])
+	assert.Equal(t, int64(3), got[telemetry.MetricNatsyncEvents+"/applied"])
+	assert.Equal(t, int64(0), got[telemetry.MetricNatsyncEvents+"/dropped"])
+	assert.Equal(t, int64(1), got[telemetry.MetricNatsyncPeersForgotten+"/goodbye"])
+	assert.Equal(t, int64(0), got[telemetry.MetricNatsyncPeersForgotten+"/timeout"])
+	assert.Positive(t, got[telemetry.MetricNatsyncMessages+"/sent"])
+	assert.Positive(t, got[telemetry.MetricNatsyncMessages+"/received"])
+	assert.Equal(t, int64(0), got[telemetry.MetricNatsyncMessages+"/decode_error"])
+	assert.Equal(t, int64(0), got[telemetry.MetricNatsyncPeers])
+	assert.Equal(t, int64(1), got[telemetry.MetricNatsyncConnected])
+	assert.Contains(t, got, telemetry.MetricNatsyncGaps)
 }

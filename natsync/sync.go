@@ -130,7 +130,7 @@ type Config struct {
 	// max_payload (New lowers it to that when it is connected).
 	MaxMessageBytes int
 
-	// MeterProvider receives the Sync's metrics (see MetricEvents); nil means none.
+	// MeterProvider receives the Sync's metrics (see telemetry.MetricNatsyncEvents); nil means none.
 	MeterProvider metric.MeterProvider
 	// Logger receives peer arrivals and departures, connection losses and the first malformed
 	// message; nil means none.

@@ -108,7 +108,7 @@ type Config struct {
 	// MeterProvider receives the Cache's metrics (see the Metric* constants). Nil means no metrics.
 	MeterProvider metric.MeterProvider
 
-	// TracerProvider receives the Cache's spans (SpanLookup). Nil means none.
+	// TracerProvider receives the Cache's spans (telemetry.SpanResponseCacheLookup). Nil means none.
 	TracerProvider trace.TracerProvider
 
 	// Now is the clock handed to the default MemoryStore. Nil means time.Now.

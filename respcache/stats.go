@@ -14,37 +14,16 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/metric/noop"
+
+	"github.com/kvroute/kvroute/telemetry"
 )
+
+// scopeName is the instrumentation scope of the package's metrics.
+const scopeName = "github.com/kvroute/kvroute/respcache"
 
 // This file holds the Cache's counters, its OpenTelemetry instruments, and the two admin
 // operations: GET /admin/response-cache/stats (Stats) and
 // POST /admin/response-cache/invalidate (Invalidate).
-
-// ScopeName is the instrumentation scope of the Cache's metrics.
-const ScopeName = "github.com/kvroute/kvroute/respcache"
-
-// Metric names: kvroute's Tier 2 list with the kvroute prefix in OpenTelemetry style; a Prometheus
-// exporter turns them into kvroute_response_cache_requests_total, kvroute_response_cache_entries,
-// kvroute_response_cache_size_bytes, kvroute_response_cache_evictions_total,
-// kvroute_response_cache_hit_rate, kvroute_response_cache_coalesced_total and
-// kvroute_response_cache_store_errors_total.
-const (
-	// MetricRequests counts lookups by result: "hit", "miss", "skip" (attribute "result").
-	MetricRequests = "kvroute.response_cache.requests"
-	// MetricEntries is the store's entry count (gauge).
-	MetricEntries = "kvroute.response_cache.entries"
-	// MetricSize is the store's approximate size in bytes (gauge).
-	MetricSize = "kvroute.response_cache.size"
-	// MetricEvictions is the store's eviction count (observable counter).
-	MetricEvictions = "kvroute.response_cache.evictions"
-	// MetricHitRate is hits / (hits + misses) since New (gauge, 0 to 1).
-	MetricHitRate = "kvroute.response_cache.hit_rate"
-	// MetricCoalesced counts requests served by another request's call (coalescing).
-	MetricCoalesced = "kvroute.response_cache.coalesced"
-	// MetricStoreErrors counts failed store operations and corrupt entries (attribute "op": get,
-	// set, delete, clear, corrupt).
-	MetricStoreErrors = "kvroute.response_cache.store_errors"
-)
 
 // lookup results
 const (
@@ -106,21 +85,21 @@ func newCacheMetrics(mp metric.MeterProvider, c *Cache) (*cacheMetrics, error) {
 	if mp == nil {
 		mp = noop.NewMeterProvider()
 	}
-	meter := mp.Meter(ScopeName)
+	meter := mp.Meter(scopeName)
 	m := &cacheMetrics{}
 	var err error
 	wrap := func(name string, err error) error { return fmt.Errorf("respcache: metric %s: %w", name, err) }
-	if m.requests, err = meter.Int64Counter(MetricRequests, metric.WithUnit("{request}"),
+	if m.requests, err = meter.Int64Counter(telemetry.MetricResponseCacheRequests, metric.WithUnit("{request}"),
 		metric.WithDescription("Response cache lookups by result (hit, miss, skip).")); err != nil {
-		return nil, wrap(MetricRequests, err)
+		return nil, wrap(telemetry.MetricResponseCacheRequests, err)
 	}
-	if m.coalesced, err = meter.Int64Counter(MetricCoalesced, metric.WithUnit("{request}"),
+	if m.coalesced, err = meter.Int64Counter(telemetry.MetricResponseCacheCoalesced, metric.WithUnit("{request}"),
 		metric.WithDescription("Requests served by a concurrent identical request's call.")); err != nil {
-		return nil, wrap(MetricCoalesced, err)
+		return nil, wrap(telemetry.MetricResponseCacheCoalesced, err)
 	}
-	if m.storeErrors, err = meter.Int64Counter(MetricStoreErrors, metric.WithUnit("{error}"),
+	if m.storeErrors, err = meter.Int64Counter(telemetry.MetricResponseCacheStoreErrors, metric.WithUnit("{error}"),
 		metric.WithDescription("Failed store operations and corrupt entries, by operation.")); err != nil {
-		return nil, wrap(MetricStoreErrors, err)
+		return nil, wrap(telemetry.MetricResponseCacheStoreErrors, err)
 	}
 	for i, n := range dispNames {
 		m.byResult[i] = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("result", n)))}
@@ -128,25 +107,25 @@ func newCacheMetrics(mp metric.MeterProvider, c *Cache) (*cacheMetrics, error) {
 	for i, n := range seNames {
 		m.byOp[i] = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("op", n)))}
 	}
-	entries, err := meter.Int64ObservableGauge(MetricEntries, metric.WithUnit("{entry}"),
+	entries, err := meter.Int64ObservableGauge(telemetry.MetricResponseCacheEntries, metric.WithUnit("{entry}"),
 		metric.WithDescription("Current number of cached responses."))
 	if err != nil {
-		return nil, wrap(MetricEntries, err)
+		return nil, wrap(telemetry.MetricResponseCacheEntries, err)
 	}
-	size, err := meter.Int64ObservableGauge(MetricSize, metric.WithUnit("By"),
+	size, err := meter.Int64ObservableGauge(telemetry.MetricResponseCacheSize, metric.WithUnit("By"),
 		metric.WithDescription("Approximate size of the cached responses."))
 	if err != nil {
-		return nil, wrap(MetricSize, err)
+		return nil, wrap(telemetry.MetricResponseCacheSize, err)
 	}
-	evictions, err := meter.Int64ObservableCounter(MetricEvictions, metric.WithUnit("{entry}"),
+	evictions, err := meter.Int64ObservableCounter(telemetry.MetricResponseCacheEvictions, metric.WithUnit("{entry}"),
 		metric.WithDescription("Entries evicted from the response cache's store."))
 	if err != nil {
-		return nil, wrap(MetricEvictions, err)
+		return nil, wrap(telemetry.MetricResponseCacheEvictions, err)
 	}
-	hitRate, err := meter.Float64ObservableGauge(MetricHitRate, metric.WithUnit("1"),
+	hitRate, err := meter.Float64ObservableGauge(telemetry.MetricResponseCacheHitRate, metric.WithUnit("1"),
 		metric.WithDescription("Hits / (hits + misses) since the cache was created."))
 	if err != nil {
-		return nil, wrap(MetricHitRate, err)
+		return nil, wrap(telemetry.MetricResponseCacheHitRate, err)
 	}
 	m.reg, err = meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
 		st := c.store.Stats(ctx)

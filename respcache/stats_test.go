@@ -10,6 +10,8 @@ import (
 
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 func TestCompactDuration(t *testing.T) {
@@ -145,7 +147,7 @@ func TestMetrics(t *testing.T) {
 	}
 	got := map[string]any{}
 	for _, sm := range rm.ScopeMetrics {
-		if sm.Scope.Name != ScopeName {
+		if sm.Scope.Name != scopeName {
 			continue
 		}
 		for _, m := range sm.Metrics {
@@ -166,19 +168,19 @@ func TestMetrics(t *testing.T) {
 		}
 	}
 	for name, want := range map[string]any{
-		MetricRequests + "{result=hit}":  int64(2),
-		MetricRequests + "{result=miss}": int64(1),
-		MetricRequests + "{result=skip}": int64(1),
-		MetricEntries:                    int64(1),
-		MetricEvictions:                  int64(0),
-		MetricHitRate:                    2.0 / 3,
+		telemetry.MetricResponseCacheRequests + "{result=hit}":  int64(2),
+		telemetry.MetricResponseCacheRequests + "{result=miss}": int64(1),
+		telemetry.MetricResponseCacheRequests + "{result=skip}": int64(1),
+		telemetry.MetricResponseCacheEntries:                    int64(1),
+		telemetry.MetricResponseCacheEvictions:                  int64(0),
+		telemetry.MetricResponseCacheHitRate:                    2.0 / 3,
 	} {
 		if got[name] != want {
 			t.Errorf("%s = %v, want %v (all: %v)", name, got[name], want, got)
 		}
 	}
-	if v, _ := got[MetricSize].(int64); v <= 0 {
-		t.Errorf("%s = %v", MetricSize, got[MetricSize])
+	if v, _ := got[telemetry.MetricResponseCacheSize].(int64); v <= 0 {
+		t.Errorf("%s = %v", telemetry.MetricResponseCacheSize, got[telemetry.MetricResponseCacheSize])
 	}
 	if err := c.Close(); err != nil {
 		t.Fatal(err)
@@ -192,7 +194,7 @@ func TestMetrics(t *testing.T) {
 	}
 	for _, sm := range rm.ScopeMetrics {
 		for _, m := range sm.Metrics {
-			if m.Name == MetricEntries {
+			if m.Name == telemetry.MetricResponseCacheEntries {
 				t.Fatal("entries still observed after Close")
 			}
 		}

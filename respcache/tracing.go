@@ -7,16 +7,9 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
+
+	"github.com/kvroute/kvroute/telemetry"
 )
-
-// SpanLookup is the span of the Cache's store lookup for an eligible request (Config.TracerProvider),
-// a child of the request context's span: AttrHit tells whether the store held the response;
-// status Error with a store error or a corrupt entry (both a miss). A request a concurrent
-// identical one then answers (coalescing) shows as a miss here.
-const SpanLookup = "respcache.lookup"
-
-// AttrHit is SpanLookup's attribute: true when the store held the response.
-const AttrHit = "respcache.hit"
 
 // tracerScope is the instrumentation scope of the Cache's spans.
 const tracerScope = "github.com/kvroute/kvroute/respcache"
@@ -33,19 +26,19 @@ func newTracer(tp trace.TracerProvider) trace.Tracer {
 	return tp.Tracer(tracerScope)
 }
 
-// lookup is get within a SpanLookup span when tracing is on.
+// lookup is get within a telemetry.SpanResponseCacheLookup span when tracing is on.
 func (c *Cache) lookup(ctx context.Context, key string) *storedResponse {
 	if c.tracer == nil {
 		return c.get(ctx, key)
 	}
-	ctx, span := c.tracer.Start(ctx, SpanLookup)
+	ctx, span := c.tracer.Start(ctx, telemetry.SpanResponseCacheLookup)
 	e := c.get(ctx, key)
-	span.SetAttributes(attribute.Bool(AttrHit, e != nil))
+	span.SetAttributes(attribute.Bool(telemetry.AttrResponseCacheHit, e != nil))
 	span.End()
 	return e
 }
 
-// traceError marks the SpanLookup span in ctx failed with err.
+// traceError marks the telemetry.SpanResponseCacheLookup span in ctx failed with err.
 func (c *Cache) traceError(ctx context.Context, err error) {
 	if c.tracer != nil {
 		span := trace.SpanFromContext(ctx)

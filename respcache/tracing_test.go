@@ -11,9 +11,11 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+
+	"github.com/kvroute/kvroute/telemetry"
 )
 
-// TestTracingLookupSpans: each eligible request's store lookup is a SpanLookup span, child of the
+// TestTracingLookupSpans: each eligible request's store lookup is a telemetry.SpanResponseCacheLookup span, child of the
 // request's span, telling hit or miss, and failed with a store error; bypassed requests have none.
 func TestTracingLookupSpans(t *testing.T) {
 	type want struct {
@@ -44,7 +46,7 @@ func TestTracingLookupSpans(t *testing.T) {
 
 				var lookups []sdktrace.ReadOnlySpan
 				for _, s := range rec.Ended() {
-					if s.Name() == SpanLookup && s.SpanContext().TraceID() == parent.SpanContext().TraceID() {
+					if s.Name() == telemetry.SpanResponseCacheLookup && s.SpanContext().TraceID() == parent.SpanContext().TraceID() {
 						lookups = append(lookups, s)
 					}
 				}
@@ -61,8 +63,8 @@ func TestTracingLookupSpans(t *testing.T) {
 				if s.Parent().SpanID() != parent.SpanContext().SpanID() {
 					t.Errorf("request %d: lookup span's parent %v, want the request's span %v", i, s.Parent().SpanID(), parent.SpanContext().SpanID())
 				}
-				if got := s.Attributes(); len(got) != 1 || got[0] != attribute.Bool(AttrHit, w.hit) {
-					t.Errorf("request %d: attributes %v, want %s=%v", i, got, AttrHit, w.hit)
+				if got := s.Attributes(); len(got) != 1 || got[0] != attribute.Bool(telemetry.AttrResponseCacheHit, w.hit) {
+					t.Errorf("request %d: attributes %v, want %s=%v", i, got, telemetry.AttrResponseCacheHit, w.hit)
 				}
 				if failed := s.Status().Code == codes.Error; failed != w.failed {
 					t.Errorf("request %d: status %v, want failed %v", i, s.Status(), w.failed)

@@ -182,7 +182,7 @@ type Config struct {
 	// so QueueSize × MaxFrameBytes × 4 bounds what one backend's queue can hold.
 	MaxFrameBytes int
 
-	// MeterProvider supplies the instruments (events.ScopeName); nil means no metrics.
+	// MeterProvider supplies the instruments ("github.com/kvroute/kvroute/events"); nil means no metrics.
 	MeterProvider metric.MeterProvider
 	// Logger receives connection-level events at Debug and Warn, and completed catch-ups at
 	// Info; nil discards them.

@@ -20,6 +20,7 @@ import (
 	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/events/internal/eventstest"
 	"github.com/kvroute/kvroute/internal/testenv"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 const (
@@ -1077,15 +1078,15 @@ func TestZMQMetrics(t *testing.T) {
 
 	got := eventstest.CollectInt64(t, reader)
 	for key, want := range map[string]int64{
-		events.MetricEventReceived + ",backend=a":                                          2,
-		events.MetricEventProcessed + ",backend=a":                                         2,
-		events.MetricEventDropped + ",backend=a":                                           0,
-		events.MetricConsumerReconnects + ",backend=a":                                     0,
-		events.MetricConsumerGaps + ",backend=a":                                           0,
-		events.MetricConsumerConnected + ",backend=a":                                      1,
-		events.MetricEventSourceStatus + ",backend=a,status=connected":                     1,
-		events.MetricEventSourceStatus + ",backend=a,status=disconnected":                  0,
-		events.MetricEventSourceStatus + ",backend=a,status=" + string(events.StateClosed): 0,
+		telemetry.MetricEventReceived + ",backend=a":                                          2,
+		telemetry.MetricEventProcessed + ",backend=a":                                         2,
+		telemetry.MetricEventDropped + ",backend=a":                                           0,
+		telemetry.MetricConsumerReconnects + ",backend=a":                                     0,
+		telemetry.MetricConsumerGaps + ",backend=a":                                           0,
+		telemetry.MetricConsumerConnected + ",backend=a":                                      1,
+		telemetry.MetricEventSourceStatus + ",backend=a,status=connected":                     1,
+		telemetry.MetricEventSourceStatus + ",backend=a,status=disconnected":                  0,
+		telemetry.MetricEventSourceStatus + ",backend=a,status=" + string(events.StateClosed): 0,
 	} {
 		assert.Equal(t, want, got[key], key)
 		assert.Contains(t, got, key)

@@ -43,7 +43,7 @@
 // The consumer keeps its sources' status and metrics with events.SourceSet and writes to the
 // sink through events.BackendWriter, as any transport built on package events does: Status
 // reports events.SourceStatus values, and the metrics carry the names and scope of package
-// events (events.ScopeName).
+// events ("github.com/kvroute/kvroute/events").
 //
 // # Use
 //

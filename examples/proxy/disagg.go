@@ -24,6 +24,7 @@ import (
 	"github.com/kvroute/kvroute/apierror"
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/prefixkey"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 // The two-phase flow of disaggregated serving. Router.Disagg().Route chooses a path:
@@ -222,7 +223,7 @@ func (s *server) doPrefill(ctx context.Context, r *http.Request, pr *parsedReque
 	if s.tracer != nil { // the prefill call's span, whose trace context goes to the prefill backend
 		var span trace.Span
 		pctx, span = s.tracer.Start(pctx, "prefill", trace.WithSpanKind(trace.SpanKindClient),
-			trace.WithAttributes(attribute.String(kvroute.AttrBackend, backend)))
+			trace.WithAttributes(attribute.String(telemetry.AttrBackend, backend)))
 		req = req.WithContext(pctx)
 		propagation.TraceContext{}.Inject(pctx, propagation.HeaderCarrier(req.Header))
 		defer func() {

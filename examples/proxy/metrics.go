@@ -31,10 +31,10 @@ const (
 	metricIndexMutations  = "kvroute.kv_index.events"        // counter {backend, type}
 )
 
-// telemetry is the OpenTelemetry SDK MeterProvider the library packages and the proxy record
+// otelSDK is the OpenTelemetry SDK MeterProvider the library packages and the proxy record
 // into, exported through a Prometheus exporter registered on a private registry (never the
 // global one), served at /metrics.
-type telemetry struct {
+type otelSDK struct {
 	provider *sdkmetric.MeterProvider
 	registry *prometheus.Registry
 	handler  http.Handler
@@ -47,14 +47,14 @@ type telemetry struct {
 	reg            metric.Registration
 }
 
-func newTelemetry() (*telemetry, error) {
+func newTelemetry() (*otelSDK, error) {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	exp, err := otelprom.New(otelprom.WithRegisterer(reg))
 	if err != nil {
 		return nil, fmt.Errorf("prometheus exporter: %w", err)
 	}
-	t := &telemetry{
+	t := &otelSDK{
 		provider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(exp)),
 		registry: reg,
 		handler:  promhttp.HandlerFor(reg, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError}),
@@ -87,13 +87,13 @@ func newTelemetry() (*telemetry, error) {
 // attribute set is built once. Safe for concurrent use.
 type endpointMetrics struct {
 	endpoint attribute.KeyValue
-	t        *telemetry
+	t        *otelSDK
 	duration []metric.RecordOption
 	counts   [600]atomic.Uint64 // by status code; codes out of range count under 0
 }
 
 // forEndpoint returns the recorder of endpoint's requests. Call it before the first collection.
-func (t *telemetry) forEndpoint(endpoint string) *endpointMetrics {
+func (t *otelSDK) forEndpoint(endpoint string) *endpointMetrics {
 	kv := attribute.String("endpoint", endpoint)
 	m := &endpointMetrics{t: t, endpoint: kv, duration: []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(kv))}}
 	t.endpoints = append(t.endpoints, m)
@@ -111,7 +111,7 @@ func (m *endpointMetrics) record(ctx context.Context, code int, d time.Duration)
 }
 
 // observeRequests registers the callback that reports the endpoints' request counts.
-func (t *telemetry) observeRequests() (metric.Registration, error) {
+func (t *otelSDK) observeRequests() (metric.Registration, error) {
 	return t.provider.Meter(proxyScope).RegisterCallback(func(_ context.Context, o metric.Observer) error {
 		for _, m := range t.endpoints {
 			for code := range m.counts {
@@ -125,18 +125,18 @@ func (t *telemetry) observeRequests() (metric.Registration, error) {
 }
 
 // upstreamError counts a failure of backend of the given kind (errKind's labels, or aborted).
-func (t *telemetry) upstreamError(ctx context.Context, backend, kind string) {
+func (t *otelSDK) upstreamError(ctx context.Context, backend, kind string) {
 	t.upstreamErrors.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("backend", backend), attribute.String("kind", kind)))
 }
 
 // retry counts a request retried after backend failed.
-func (t *telemetry) retry(ctx context.Context, backend string) {
+func (t *otelSDK) retry(ctx context.Context, backend string) {
 	t.retries.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("backend", backend)))
 }
 
 // observeIndexMutations registers kv_index_events_total{backend, type}: the index mutations the
 // KV events caused (created, evicted).
-func (t *telemetry) observeIndexMutations(sink *events.CountingSink) (metric.Registration, error) {
+func (t *otelSDK) observeIndexMutations(sink *events.CountingSink) (metric.Registration, error) {
 	m := t.provider.Meter(proxyScope)
 	ctr, err := m.Int64ObservableCounter(metricIndexMutations,
 		metric.WithDescription("Index mutations caused by KV events, by backend and type (created, evicted)."),
@@ -154,7 +154,7 @@ func (t *telemetry) observeIndexMutations(sink *events.CountingSink) (metric.Reg
 }
 
 // observeHealth registers the gauges of the backends' rotation and circuit states.
-func (t *telemetry) observeHealth(h *health.Monitor) error {
+func (t *otelSDK) observeHealth(h *health.Monitor) error {
 	m := t.provider.Meter(proxyScope)
 	healthy, err := m.Int64ObservableGauge(metricBackendHealthy, metric.WithDescription("1 when the backend is in rotation (probes healthy and circuit not open)."))
 	if err != nil {
@@ -183,7 +183,7 @@ func b2i(b bool) int64 {
 }
 
 // Close unregisters the callbacks and shuts the MeterProvider down.
-func (t *telemetry) Close() error {
+func (t *otelSDK) Close() error {
 	if t.reg != nil {
 		_ = t.reg.Unregister()
 	}

@@ -15,15 +15,17 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/apierror"
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/health"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
-	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/propagation"
-	"go.opentelemetry.io/otel/trace"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 // Response headers the proxy adds to every routed response.
@@ -571,7 +573,7 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 	a.hdrs, a.plan, a.retried = [3]string{up.backend, up.route, up.cached}, up.plan, retriedFrom
 	if s.tracer != nil { // the attempt's span: Rewrite sends its trace context to the backend
 		_, a.span = s.tracer.Start(r.Context(), "upstream", trace.WithSpanKind(trace.SpanKindClient),
-			trace.WithAttributes(attribute.String(kvroute.AttrBackend, up.backend)))
+			trace.WithAttributes(attribute.String(telemetry.AttrBackend, up.backend)))
 		defer a.endSpan()
 	}
 	// The upstream call follows the client's cancellation, except that a stream whose terminal

@@ -35,7 +35,7 @@ import (
 type server struct {
 	cfg    *config.Config
 	log    *slog.Logger
-	tel    *telemetry
+	tel    *otelSDK
 	router *kvroute.DefaultRouter
 	index  kvindex.KvCacheIndex // nil when tier 4 is off
 	sink   *events.CountingSink // nil when tier 4 is off

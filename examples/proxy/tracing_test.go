@@ -13,12 +13,13 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/kvroute/kvroute"
-	"github.com/kvroute/kvroute/config"
-	"github.com/kvroute/kvroute/respcache"
 	coltracepb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
 	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/kvroute/kvroute/config"
+	"github.com/kvroute/kvroute/respcache"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 // otlpCollector is a fake OpenTelemetry Collector: it keeps the spans OTLP/HTTP exports to it.
@@ -153,8 +154,8 @@ func TestTracingThroughProxy(t *testing.T) {
 		byName[s.GetName()] = append(byName[s.GetName()], s)
 		byID[hex.EncodeToString(s.GetSpanId())] = s
 	}
-	want := map[string]int{"kvroute.proxy /v1/chat/completions": 2, respcache.SpanLookup: 2, kvroute.SpanRoute: 1,
-		kvroute.SpanTokenize: 1, kvroute.SpanKVLookup: 1, "upstream": 1}
+	want := map[string]int{"kvroute.proxy /v1/chat/completions": 2, telemetry.SpanResponseCacheLookup: 2, telemetry.SpanRoute: 1,
+		telemetry.SpanTokenize: 1, telemetry.SpanKVLookup: 1, "upstream": 1}
 	for name, n := range want {
 		if len(byName[name]) != n {
 			t.Errorf("%d %q spans, want %d (trace: %v)", len(byName[name]), name, n, names(spans))
@@ -178,17 +179,17 @@ func TestTracingThroughProxy(t *testing.T) {
 	if hex.EncodeToString(up.GetSpanId()) != parentID {
 		t.Errorf("backend's parent span %s is not the upstream span %x", parentID, up.GetSpanId())
 	}
-	if up.GetKind() != tracepb.Span_SPAN_KIND_CLIENT || !hasAttr(up, kvroute.AttrBackend, "a") {
+	if up.GetKind() != tracepb.Span_SPAN_KIND_CLIENT || !hasAttr(up, telemetry.AttrBackend, "a") {
 		t.Errorf("upstream span: kind %v attributes %v", up.GetKind(), up.GetAttributes())
 	}
-	for child, parent := range map[string]string{respcache.SpanLookup: "kvroute.proxy /v1/chat/completions",
-		kvroute.SpanRoute: "kvroute.proxy /v1/chat/completions", "upstream": "kvroute.proxy /v1/chat/completions",
-		kvroute.SpanTokenize: kvroute.SpanRoute, kvroute.SpanKVLookup: kvroute.SpanRoute} {
+	for child, parent := range map[string]string{telemetry.SpanResponseCacheLookup: "kvroute.proxy /v1/chat/completions",
+		telemetry.SpanRoute: "kvroute.proxy /v1/chat/completions", "upstream": "kvroute.proxy /v1/chat/completions",
+		telemetry.SpanTokenize: telemetry.SpanRoute, telemetry.SpanKVLookup: telemetry.SpanRoute} {
 		if got := parentOf(byName[child][0]); got != parent {
 			t.Errorf("%s's parent is %s, want %s", child, got, parent)
 		}
 	}
-	if route := byName[kvroute.SpanRoute][0]; !hasAttr(route, kvroute.AttrBackend, "a") || !hasAttr(route, kvroute.AttrReason, "") {
+	if route := byName[telemetry.SpanRoute][0]; !hasAttr(route, telemetry.AttrBackend, "a") || !hasAttr(route, telemetry.AttrReason, "") {
 		t.Errorf("route span attributes %v", route.GetAttributes())
 	}
 }
@@ -288,7 +289,7 @@ func TestTracingDisaggPrefill(t *testing.T) {
 		t.Fatalf("spans %v: want the server span and a prefill span", names(spans))
 	}
 	if !bytes.Equal(prefill.GetParentSpanId(), server.GetSpanId()) || prefill.GetKind() != tracepb.Span_SPAN_KIND_CLIENT ||
-		!hasAttr(prefill, kvroute.AttrBackend, f.prefill[0]) {
+		!hasAttr(prefill, telemetry.AttrBackend, f.prefill[0]) {
 		t.Errorf("prefill span: parent %x (server %x), kind %v, attributes %v", prefill.GetParentSpanId(), server.GetSpanId(),
 			prefill.GetKind(), prefill.GetAttributes())
 	}

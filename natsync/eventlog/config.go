@@ -29,9 +29,6 @@ const (
 	DefaultRetryInterval = time.Second
 )
 
-// ScopeName is the OpenTelemetry instrumentation scope of the package's metrics.
-const ScopeName = "github.com/kvroute/kvroute/natsync/eventlog"
-
 // Errors callers branch on.
 var (
 	// ErrInvalidConfig is wrapped by the constructors' errors for a configuration they reject.
@@ -293,10 +290,10 @@ type counterSpec struct {
 	value            func() int64
 }
 
-// registerMetrics registers specs on mp's meter for ScopeName, with attrs on every observation;
+// registerMetrics registers specs on mp's meter for scopeName, with attrs on every observation;
 // the registration is unregistered by the part's Close.
 func registerMetrics(mp metric.MeterProvider, opt metric.ObserveOption, specs []counterSpec) (metric.Registration, error) {
-	meter := mp.Meter(ScopeName)
+	meter := mp.Meter(scopeName)
 	obs := make([]metric.Observable, len(specs))
 	for i, s := range specs {
 		var err error

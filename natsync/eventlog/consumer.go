@@ -14,17 +14,11 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
-// Metric names of the Consumer (observable counters, attribute "stream"; applied_sequence is a
-// gauge).
-const (
-	MetricApplied      = "kvroute.eventlog.applied"
-	MetricDecodeErrors = "kvroute.eventlog.decode_errors"
-	MetricApplyErrors  = "kvroute.eventlog.apply_errors"
-	MetricGaps         = "kvroute.eventlog.sequence_gaps"
-	MetricAppliedSeq   = "kvroute.eventlog.applied_sequence"
-)
+// scopeName is the instrumentation scope of the package's metrics.
+const scopeName = "github.com/kvroute/kvroute/natsync/eventlog"
 
 // ConsumerOptions are the Consumer's own settings.
 type ConsumerOptions struct {
@@ -130,11 +124,11 @@ func NewConsumer(cfg Config, opts ConsumerOptions) (*Consumer, error) {
 	}
 	attrs := metric.WithAttributeSet(attribute.NewSet(attribute.String("stream", cfg.Stream)))
 	c.reg, err = registerMetrics(cfg.MeterProvider, attrs, []counterSpec{
-		{name: MetricApplied, desc: "Event-log messages applied to the index.", unit: "{batch}", value: func() int64 { return int64(c.applied.Load()) }},
-		{name: MetricDecodeErrors, desc: "Event-log messages that did not decode (skipped).", unit: "{message}", value: func() int64 { return int64(c.decodeErrs.Load()) }},
-		{name: MetricApplyErrors, desc: "Event-log messages the index failed to apply.", unit: "{batch}", value: func() int64 { return int64(c.applyErrs.Load()) }},
-		{name: MetricGaps, desc: "Jumps in the stream sequence (messages gone before they were read).", unit: "{gap}", value: func() int64 { return int64(c.gaps.Load()) }},
-		{name: MetricAppliedSeq, desc: "Stream sequence of the last message handled.", gauge: true, value: func() int64 { return int64(c.lastSeq.Load()) }},
+		{name: telemetry.MetricEventlogApplied, desc: "Event-log messages applied to the index.", unit: "{batch}", value: func() int64 { return int64(c.applied.Load()) }},
+		{name: telemetry.MetricEventlogDecodeErrors, desc: "Event-log messages that did not decode (skipped).", unit: "{message}", value: func() int64 { return int64(c.decodeErrs.Load()) }},
+		{name: telemetry.MetricEventlogApplyErrors, desc: "Event-log messages the index failed to apply.", unit: "{batch}", value: func() int64 { return int64(c.applyErrs.Load()) }},
+		{name: telemetry.MetricEventlogGaps, desc: "Jumps in the stream sequence (messages gone before they were read).", unit: "{gap}", value: func() int64 { return int64(c.gaps.Load()) }},
+		{name: telemetry.MetricEventlogAppliedSeq, desc: "Stream sequence of the last message handled.", gauge: true, value: func() int64 { return int64(c.lastSeq.Load()) }},
 	})
 	if err != nil {
 		return nil, err

@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 // Defaults of PublisherOptions.
@@ -23,16 +24,6 @@ const (
 	DefaultQueueSize   = 4096
 	DefaultMaxInFlight = 256
 	DefaultAckTimeout  = 5 * time.Second
-)
-
-// Metric names of the Publisher (observable counters, attribute "stream"; last_sequence is a
-// gauge).
-const (
-	MetricPublished  = "kvroute.eventlog.published"
-	MetricDuplicates = "kvroute.eventlog.duplicates"
-	MetricDropped    = "kvroute.eventlog.dropped"
-	MetricFailed     = "kvroute.eventlog.publish_failures"
-	MetricPubLastSeq = "kvroute.eventlog.published_sequence"
 )
 
 // PublisherOptions are the Publisher's own settings; the zero value means the defaults.
@@ -162,11 +153,11 @@ func NewPublisher(cfg Config, opts PublisherOptions) (*Publisher, error) {
 	}
 	attrs := metric.WithAttributeSet(attribute.NewSet(attribute.String("stream", cfg.Stream)))
 	p.reg, err = registerMetrics(cfg.MeterProvider, attrs, []counterSpec{
-		{name: MetricPublished, desc: "KV event batches the stream acknowledged.", unit: "{batch}", value: func() int64 { return int64(p.published.Load()) }},
-		{name: MetricDuplicates, desc: "KV event batches the stream acknowledged as duplicates.", unit: "{batch}", value: func() int64 { return int64(p.duplicates.Load()) }},
-		{name: MetricDropped, desc: "KV event batches dropped before publishing (queue full, oversized).", unit: "{batch}", value: func() int64 { return int64(p.dropped.Load() + p.oversized.Load()) }},
-		{name: MetricFailed, desc: "KV event batch publishes that failed or timed out.", unit: "{batch}", value: func() int64 { return int64(p.failed.Load()) }},
-		{name: MetricPubLastSeq, desc: "Stream sequence of the last acknowledged batch.", gauge: true, value: func() int64 { return int64(p.lastSeq.Load()) }},
+		{name: telemetry.MetricEventlogPublished, desc: "KV event batches the stream acknowledged.", unit: "{batch}", value: func() int64 { return int64(p.published.Load()) }},
+		{name: telemetry.MetricEventlogDuplicates, desc: "KV event batches the stream acknowledged as duplicates.", unit: "{batch}", value: func() int64 { return int64(p.duplicates.Load()) }},
+		{name: telemetry.MetricEventlogDropped, desc: "KV event batches dropped before publishing (queue full, oversized).", unit: "{batch}", value: func() int64 { return int64(p.dropped.Load() + p.oversized.Load()) }},
+		{name: telemetry.MetricEventlogPublishFailures, desc: "KV event batch publishes that failed or timed out.", unit: "{batch}", value: func() int64 { return int64(p.failed.Load()) }},
+		{name: telemetry.MetricEventlogPublishedSeq, desc: "Stream sequence of the last acknowledged batch.", gauge: true, value: func() int64 { return int64(p.lastSeq.Load()) }},
 	})
 	if err != nil {
 		return nil, err

@@ -16,20 +16,11 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/kvroute/kvroute/kvindex"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 // DefaultSnapshotInterval is SnapshotterOptions.Interval when zero.
 const DefaultSnapshotInterval = time.Minute
-
-// Metric names of the Snapshotter (attribute "fleet"): snapshots and failures are counters, the
-// others gauges.
-const (
-	MetricSnapshots        = "kvroute.eventlog.snapshots"
-	MetricSnapshotFailures = "kvroute.eventlog.snapshot_failures"
-	MetricSnapshotSeq      = "kvroute.eventlog.snapshot_sequence"
-	MetricSnapshotBytes    = "kvroute.eventlog.snapshot_size"
-	MetricSnapshotAge      = "kvroute.eventlog.snapshot_age"
-)
 
 // Object metadata keys of a snapshot object.
 const (
@@ -139,11 +130,11 @@ func NewSnapshotter(cfg Config, opts SnapshotterOptions) (*Snapshotter, error) {
 	s := &Snapshotter{cfg: cfg, opts: opts, done: make(chan struct{})}
 	attrs := metric.WithAttributeSet(attribute.NewSet(attribute.String("fleet", cfg.Fleet)))
 	s.reg, err = registerMetrics(cfg.MeterProvider, attrs, []counterSpec{
-		{name: MetricSnapshots, desc: "Index snapshots written.", unit: "{snapshot}", value: func() int64 { return int64(s.snapshots.Load()) }},
-		{name: MetricSnapshotFailures, desc: "Index snapshots that failed.", unit: "{snapshot}", value: func() int64 { return int64(s.failures.Load()) }},
-		{name: MetricSnapshotSeq, desc: "Stream sequence of the last snapshot.", gauge: true, value: s.lastSeq.Load},
-		{name: MetricSnapshotBytes, desc: "Size of the last snapshot.", unit: "By", gauge: true, value: s.lastBytes.Load},
-		{name: MetricSnapshotAge, desc: "Age of the last snapshot.", unit: "s", gauge: true, value: func() int64 {
+		{name: telemetry.MetricEventlogSnapshots, desc: "Index snapshots written.", unit: "{snapshot}", value: func() int64 { return int64(s.snapshots.Load()) }},
+		{name: telemetry.MetricEventlogSnapshotFailures, desc: "Index snapshots that failed.", unit: "{snapshot}", value: func() int64 { return int64(s.failures.Load()) }},
+		{name: telemetry.MetricEventlogSnapshotSeq, desc: "Stream sequence of the last snapshot.", gauge: true, value: s.lastSeq.Load},
+		{name: telemetry.MetricEventlogSnapshotSize, desc: "Size of the last snapshot.", unit: "By", gauge: true, value: s.lastBytes.Load},
+		{name: telemetry.MetricEventlogSnapshotAge, desc: "Age of the last snapshot.", unit: "s", gauge: true, value: func() int64 {
 			if c := s.lastCreated.Load(); c != 0 {
 				return int64(s.cfg.Now().Sub(time.Unix(0, c)) / time.Second)
 			}

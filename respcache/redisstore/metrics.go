@@ -9,20 +9,11 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/kvroute/kvroute/respcache/internal/storeutil"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
-// ScopeName is the instrumentation scope of the store's metrics.
-const ScopeName = "github.com/kvroute/kvroute/respcache/redisstore"
-
-// Metric names of the store, after kvroute's cache metric list (OTel style; a Prometheus exporter
-// adds _seconds/_total suffixes).
-const (
-	MetricLatency        = "kvroute.cache.redis.latency"     // histogram, s, {operation=get|set|delete}
-	MetricErrors         = "kvroute.cache.redis.errors"      // counter, {type=connection|timeout|other}
-	MetricConnections    = "kvroute.cache.redis.connections" // gauge, {state=active|idle}
-	MetricFallbackActive = "kvroute.cache.fallback_active"   // gauge, 1 while the fallback serves
-	MetricBackendType    = "kvroute.cache.backend_type"      // gauge, {backend=redis|memory}: 1 = serving
-)
+// scopeName is the instrumentation scope of the package's metrics.
+const scopeName = "github.com/kvroute/kvroute/respcache/redisstore"
 
 // storeMetrics holds the store's instruments: the latency histogram and error counter every store
 // has, and the registration of its gauges.
@@ -35,27 +26,27 @@ type storeMetrics struct {
 // newStoreMetrics registers the latency histogram, the error counter and the observable gauges
 // (fallback, backend type, connections) of r, whose callback reads only atomics.
 func newStoreMetrics(mp metric.MeterProvider, r *Store) (*storeMetrics, error) {
-	meter := storeutil.Meter(mp, ScopeName)
-	inst, err := storeutil.NewInstruments(meter, "redisstore", "redis", MetricLatency, MetricErrors)
+	meter := storeutil.Meter(mp, scopeName)
+	inst, err := storeutil.NewInstruments(meter, "redisstore", "redis", telemetry.MetricCacheRedisLatency, telemetry.MetricCacheRedisErrors)
 	if err != nil {
 		return nil, err
 	}
 	m := &storeMetrics{Instruments: inst}
-	fallback, err := meter.Int64ObservableGauge(MetricFallbackActive,
+	fallback, err := meter.Int64ObservableGauge(telemetry.MetricCacheFallbackActive,
 		metric.WithDescription("1 while the in-memory fallback serves instead of Redis."))
 	if err != nil {
-		return nil, fmt.Errorf("redisstore: metric %s: %w", MetricFallbackActive, err)
+		return nil, fmt.Errorf("redisstore: metric %s: %w", telemetry.MetricCacheFallbackActive, err)
 	}
-	backendType, err := meter.Int64ObservableGauge(MetricBackendType,
+	backendType, err := meter.Int64ObservableGauge(telemetry.MetricCacheBackendType,
 		metric.WithDescription("Active backend type: 1 for the backend serving (redis or memory), 0 for the other."))
 	if err != nil {
-		return nil, fmt.Errorf("redisstore: metric %s: %w", MetricBackendType, err)
+		return nil, fmt.Errorf("redisstore: metric %s: %w", telemetry.MetricCacheBackendType, err)
 	}
-	conns, err := meter.Int64ObservableGauge(MetricConnections,
+	conns, err := meter.Int64ObservableGauge(telemetry.MetricCacheRedisConnections,
 		metric.WithDescription("Redis connections: active = commands in flight, idle = pool size − active."),
 		metric.WithUnit("{connection}"))
 	if err != nil {
-		return nil, fmt.Errorf("redisstore: metric %s: %w", MetricConnections, err)
+		return nil, fmt.Errorf("redisstore: metric %s: %w", telemetry.MetricCacheRedisConnections, err)
 	}
 	redisOpt := metric.WithAttributeSet(attribute.NewSet(attribute.String("backend", "redis")))
 	memOpt := metric.WithAttributeSet(attribute.NewSet(attribute.String("backend", "memory")))

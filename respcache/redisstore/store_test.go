@@ -22,6 +22,7 @@ import (
 	"github.com/kvroute/kvroute/respcache"
 	"github.com/kvroute/kvroute/respcache/internal/storetest"
 	"github.com/kvroute/kvroute/respcache/redisstore"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 func TestNewValidation(t *testing.T) {
@@ -289,7 +290,7 @@ func TestMetrics(t *testing.T) {
 		require.NoError(t, reader.Collect(context.Background(), &rm))
 		out := map[string]map[string]float64{}
 		for _, sm := range rm.ScopeMetrics {
-			require.Equal(t, redisstore.ScopeName, sm.Scope.Name)
+			require.Equal(t, "github.com/kvroute/kvroute/respcache/redisstore", sm.Scope.Name)
 			for _, m := range sm.Metrics {
 				vals := map[string]float64{}
 				switch d := m.Data.(type) {
@@ -312,10 +313,10 @@ func TestMetrics(t *testing.T) {
 		return out
 	}
 	m := collect()
-	require.Equal(t, 1.0, m[redisstore.MetricFallbackActive][""])
-	require.Equal(t, 1.0, m[redisstore.MetricBackendType]["backend=memory"])
-	require.Equal(t, 0.0, m[redisstore.MetricBackendType]["backend=redis"])
-	require.GreaterOrEqual(t, m[redisstore.MetricErrors]["type=connection"], 1.0)
+	require.Equal(t, 1.0, m[telemetry.MetricCacheFallbackActive][""])
+	require.Equal(t, 1.0, m[telemetry.MetricCacheBackendType]["backend=memory"])
+	require.Equal(t, 0.0, m[telemetry.MetricCacheBackendType]["backend=redis"])
+	require.GreaterOrEqual(t, m[telemetry.MetricCacheRedisErrors]["type=connection"], 1.0)
 
 	proc.Start()
 	require.Eventually(t, func() bool { return !s.FallbackActive() }, 2*time.Second, 10*time.Millisecond)
@@ -325,12 +326,12 @@ func TestMetrics(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, s.Delete(ctx, "k"))
 	m = collect()
-	require.Equal(t, 0.0, m[redisstore.MetricFallbackActive][""])
-	require.Equal(t, 1.0, m[redisstore.MetricBackendType]["backend=redis"])
+	require.Equal(t, 0.0, m[telemetry.MetricCacheFallbackActive][""])
+	require.Equal(t, 1.0, m[telemetry.MetricCacheBackendType]["backend=redis"])
 	for _, op := range []string{"get", "set", "delete"} {
-		require.Equal(t, 1.0, m[redisstore.MetricLatency]["operation="+op], op)
+		require.Equal(t, 1.0, m[telemetry.MetricCacheRedisLatency]["operation="+op], op)
 	}
-	require.Equal(t, float64(redisstore.DefaultPoolSize), m[redisstore.MetricConnections]["state=idle"])
+	require.Equal(t, float64(redisstore.DefaultPoolSize), m[telemetry.MetricCacheRedisConnections]["state=idle"])
 
 	st := s.Stats(ctx)
 	require.Equal(t, "redis", st.Backend)

@@ -83,7 +83,7 @@ type Config struct {
 	Transport http.RoundTripper
 	// Now is the clock of object expiry; nil means time.Now. It must be safe for concurrent use.
 	Now func() time.Time
-	// MeterProvider receives the store's metrics (MetricLatency, MetricErrors); nil means none.
+	// MeterProvider receives the store's metrics (telemetry.MetricCacheS3Latency, telemetry.MetricCacheS3Errors); nil means none.
 	MeterProvider metric.MeterProvider
 	// Logger receives warnings (S3 unreachable at start); nil means no logging.
 	Logger *slog.Logger

@@ -274,7 +274,7 @@ func countGoroutines(ignore func(stack string) bool) (int, string) {
 }
 
 // CollectInt64 returns every int64 data point reader holds, keyed "name,attr=value,…". It fails
-// t when the reader fails or holds a scope other than events.ScopeName, and reports a sum that is
+// t when the reader fails or holds a scope other than "github.com/kvroute/kvroute/events", and reports a sum that is
 // not monotonic.
 func CollectInt64(t testing.TB, reader sdkmetric.Reader) map[string]int64 {
 	t.Helper()
@@ -284,8 +284,8 @@ func CollectInt64(t testing.TB, reader sdkmetric.Reader) map[string]int64 {
 	}
 	got := map[string]int64{}
 	for _, sm := range rm.ScopeMetrics {
-		if sm.Scope.Name != events.ScopeName {
-			t.Fatalf("metric scope %q, want %q", sm.Scope.Name, events.ScopeName)
+		if sm.Scope.Name != "github.com/kvroute/kvroute/events" {
+			t.Fatalf("metric scope %q, want %q", sm.Scope.Name, "github.com/kvroute/kvroute/events")
 		}
 		for _, m := range sm.Metrics {
 			var points []metricdata.DataPoint[int64]

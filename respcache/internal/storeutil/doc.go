@@ -9,8 +9,8 @@
 // Everything here is safe for concurrent use. A store uses it as redisstore does:
 //
 //	secrets := storeutil.Secrets(opt.Password)
-//	m, err := storeutil.NewInstruments(storeutil.Meter(cfg.MeterProvider, ScopeName),
-//		"redisstore", "redis", MetricLatency, MetricErrors)
+//	m, err := storeutil.NewInstruments(storeutil.Meter(cfg.MeterProvider, scopeName),
+//		"redisstore", "redis", telemetry.MetricCacheRedisLatency, telemetry.MetricCacheRedisErrors)
 //	...
 //	start := time.Now()
 //	err = client.Do(ctx, cmd).Error()
