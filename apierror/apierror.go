@@ -16,22 +16,36 @@ import (
 	"github.com/kvroute/kvroute/prefixkey"
 )
 
-// Write answers with status and an error body in format's style (OpenAI's for any format but
-// Anthropic messages, the zero Format included). code is the OpenAI "code" (left
-// null when it is "" or invalid_request_error); param the OpenAI "param", the request field at
-// fault (null when ""); msg the message, for people. Write drops a Content-Length the handler may
-// have set and sets Content-Type and X-Content-Type-Options: nosniff.
-func Write(w http.ResponseWriter, format prefixkey.Format, status int, code, param, msg string) {
+// Error is one error a gateway answers with. It is also an error value (Error returns Message).
+type Error struct {
+	// Status is the HTTP status code.
+	Status int
+	// Code is the OpenAI "code", left null when it is "" or invalid_request_error.
+	Code string
+	// Param is the OpenAI "param", the request field at fault; null when "".
+	Param string
+	// Message is the message, for people.
+	Message string
+}
+
+// Error returns e.Message.
+func (e Error) Error() string { return e.Message }
+
+// Write answers with e.Status and e's body in format's style (OpenAI's for any format but
+// Anthropic messages, the zero Format included). It drops a Content-Length the handler may have
+// set and sets Content-Type and X-Content-Type-Options: nosniff.
+func (e Error) Write(w http.ResponseWriter, format prefixkey.Format) {
 	h := w.Header()
 	h.Del("Content-Length")
 	h.Set("Content-Type", "application/json")
 	h.Set("X-Content-Type-Options", "nosniff")
-	w.WriteHeader(status)
-	_ = json.NewEncoder(w).Encode(Body(format, status, code, param, msg))
+	w.WriteHeader(e.Status)
+	_ = json.NewEncoder(w).Encode(e.Body(format))
 }
 
 // Body returns the error body Write writes, for a gateway that sends it otherwise.
-func Body(format prefixkey.Format, status int, code, param, msg string) any {
+func (e Error) Body(format prefixkey.Format) any {
+	status, code, param, msg := e.Status, e.Code, e.Param, e.Message
 	if format == prefixkey.FormatAnthropicMessages {
 		typ := "invalid_request_error"
 		switch {
@@ -44,17 +58,17 @@ func Body(format prefixkey.Format, status int, code, param, msg string) any {
 		}
 		return anthropicBody{Type: "error", Error: anthropicError{Type: typ, Message: msg}}
 	}
-	e := openAIError{Message: msg, Type: "invalid_request_error"}
+	o := openAIError{Message: msg, Type: "invalid_request_error"}
 	if status >= 500 {
-		e.Type = "server_error"
+		o.Type = "server_error"
 	}
 	if param != "" {
-		e.Param = &param
+		o.Param = &param
 	}
 	if code != "" && code != "invalid_request_error" {
-		e.Code = &code
+		o.Code = &code
 	}
-	return openAIBody{Error: e}
+	return openAIBody{Error: o}
 }
 
 type openAIBody struct {

@@ -29,7 +29,7 @@ func TestWrite(t *testing.T) {
 	} {
 		w := httptest.NewRecorder()
 		w.Header().Set("Content-Length", "99")
-		apierror.Write(w, tc.format, tc.status, tc.code, tc.param, "m")
+		apierror.Error{Status: tc.status, Code: tc.code, Param: tc.param, Message: "m"}.Write(w, tc.format)
 		assert.Equal(t, tc.status, w.Code)
 		assert.JSONEq(t, tc.want, w.Body.String())
 		assert.Equal(t, "application/json", w.Header().Get("Content-Type"))

@@ -19,17 +19,17 @@ func NewGateway(router kvroute.Router, backends map[string]*url.URL) http.Handle
 		format := prefixkey.FormatOfPath(r.URL.Path)
 		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 8<<20))
 		if err != nil {
-			apierror.Write(w, format, http.StatusRequestEntityTooLarge, "request_too_large", "", err.Error())
+			apierror.Error{Status: http.StatusRequestEntityTooLarge, Code: "request_too_large", Message: err.Error()}.Write(w, format)
 			return
 		}
 		req, err := prefixkey.Parse(format, body)
 		if err != nil {
-			apierror.Write(w, format, http.StatusBadRequest, "invalid_request_error", "", err.Error())
+			apierror.Error{Status: http.StatusBadRequest, Code: "invalid_request_error", Message: err.Error()}.Write(w, format)
 			return
 		}
 		d, err := router.Route(r.Context(), req)
 		if err != nil {
-			apierror.Write(w, format, http.StatusServiceUnavailable, "no_healthy_backend", "", err.Error())
+			apierror.Error{Status: http.StatusServiceUnavailable, Code: "no_healthy_backend", Message: err.Error()}.Write(w, format)
 			return
 		}
 		var failed error
@@ -37,7 +37,7 @@ func NewGateway(router kvroute.Router, backends map[string]*url.URL) http.Handle
 			Rewrite: func(pr *httputil.ProxyRequest) { pr.SetURL(backends[d.Backend]) },
 			ErrorHandler: func(w http.ResponseWriter, _ *http.Request, err error) {
 				failed = err
-				apierror.Write(w, format, http.StatusBadGateway, "upstream_error", "", "backend "+d.Backend+" failed")
+				apierror.Error{Status: http.StatusBadGateway, Code: "upstream_error", Message: "backend " + d.Backend + " failed"}.Write(w, format)
 			},
 		}
 		r.Body, r.ContentLength = io.NopCloser(bytes.NewReader(body)), int64(len(body))

@@ -121,7 +121,7 @@ func (s *server) forwardDisagg(w http.ResponseWriter, r *http.Request, pr *parse
 			if err != nil { // the body parsed as an object: not reached
 				d.Done(kvroute.Outcome{})
 				s.log.Error("cannot add kv_transfer_params to the request", "err", err)
-				apierror.Write(w, pr.format, http.StatusInternalServerError, "internal_error", "", "cannot build the decode request")
+				apierror.Error{Status: http.StatusInternalServerError, Code: "internal_error", Message: "cannot build the decode request"}.Write(w, pr.format)
 				return
 			}
 			up.body = body

@@ -47,22 +47,22 @@ func framingGuard(next http.Handler) http.Handler {
 			return
 		}
 		w.Header().Set("Connection", "close")
-		apierror.Write(w, prefixkey.FormatOfPath(r.URL.Path), http.StatusBadRequest, "invalid_request_error", "",
-			"request bodies must be sent with Content-Length: Transfer-Encoding is not accepted")
+		apierror.Error{Status: http.StatusBadRequest, Code: "invalid_request_error", Message: "request bodies must be sent with Content-Length: Transfer-Encoding is not accepted"}.Write(w, prefixkey.FormatOfPath(r.URL.Path))
+
 	})
 }
 
 // methodNotAllowed answers a request to an LLM endpoint with another method than POST.
 func methodNotAllowed(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Allow", http.MethodPost)
-	apierror.Write(w, prefixkey.FormatOfPath(r.URL.Path), http.StatusMethodNotAllowed, "invalid_request_error", "", r.Method+" "+r.URL.Path+": use POST")
+	apierror.Error{Status: http.StatusMethodNotAllowed, Code: "invalid_request_error", Message: r.Method + " " + r.URL.Path + ": use POST"}.Write(w, prefixkey.FormatOfPath(r.URL.Path))
 }
 
 // unavailable answers 503 with Retry-After: the time until the next health probe may bring a
 // backend back (at least a second).
 func (s *server) unavailable(w http.ResponseWriter, format prefixkey.Format, msg string) {
 	w.Header().Set("Retry-After", s.retryAfter())
-	apierror.Write(w, format, http.StatusServiceUnavailable, "no_healthy_backend", "", msg)
+	apierror.Error{Status: http.StatusServiceUnavailable, Code: "no_healthy_backend", Message: msg}.Write(w, format)
 }
 
 // retryAfter is Retry-After in seconds: the health-check interval, or the circuit breaker's
@@ -91,7 +91,7 @@ func (s *server) model(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
-	apierror.Write(w, prefixkey.FormatOpenAIChat, http.StatusNotFound, "model_not_found", "model", "no backend serves the model "+strconv.Quote(id))
+	apierror.Error{Status: http.StatusNotFound, Code: "model_not_found", Param: "model", Message: "no backend serves the model " + strconv.Quote(id)}.Write(w, prefixkey.FormatOpenAIChat)
 }
 
 // modelList asks the backends in rotation for their models, in parallel, within modelsTimeout.
@@ -192,7 +192,7 @@ func (s *server) passthrough(w http.ResponseWriter, r *http.Request) {
 	}
 	switch {
 	case len(configured) == 0:
-		apierror.Write(w, format, http.StatusNotFound, "model_not_found", "model", "no backend serves the model "+strconv.Quote(model))
+		apierror.Error{Status: http.StatusNotFound, Code: "model_not_found", Param: "model", Message: "no backend serves the model " + strconv.Quote(model)}.Write(w, format)
 		return
 	case len(cands) == 0:
 		s.unavailable(w, format, "no healthy backend is available")

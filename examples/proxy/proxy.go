@@ -330,7 +330,7 @@ func (s *server) llmHandler(format prefixkey.Format, endpoint string) http.Handl
 					msg = "malformed request: " + fe.Field + ": " + fe.Reason
 				}
 			}
-			apierror.Write(sw, format, http.StatusBadRequest, "invalid_request_error", param, msg)
+			apierror.Error{Status: http.StatusBadRequest, Code: "invalid_request_error", Param: param, Message: msg}.Write(sw, format)
 			return
 		}
 		if format == prefixkey.FormatAnthropicMessages && s.cfg.PrefixRouting.AnthropicCacheControlInjection {
@@ -418,19 +418,19 @@ func (s *server) bodyError(w http.ResponseWriter, format prefixkey.Format, err e
 		// The rest of the body is not read: close the connection rather than let net/http
 		// drain up to 256 KiB of it before the answer goes out.
 		w.Header().Set("Connection", "close")
-		apierror.Write(w, format, http.StatusRequestEntityTooLarge, "request_too_large", "",
-			"request body exceeds the limit of "+strconv.FormatInt(mb.Limit, 10)+" bytes")
+		apierror.Error{Status: http.StatusRequestEntityTooLarge, Code: "request_too_large", Message: "request body exceeds the limit of " + strconv.FormatInt(mb.Limit, 10) + " bytes"}.Write(w, format)
+
 		return
 	}
 	switch {
 	case errors.Is(err, errBodyBudget):
 		w.Header().Set("Retry-After", "1")
-		apierror.Write(w, format, http.StatusServiceUnavailable, "overloaded", "", "the proxy is holding too many request bodies; retry shortly")
+		apierror.Error{Status: http.StatusServiceUnavailable, Code: "overloaded", Message: "the proxy is holding too many request bodies; retry shortly"}.Write(w, format)
 	case errors.Is(err, os.ErrDeadlineExceeded):
 		w.Header().Set("Connection", "close")
-		apierror.Write(w, format, http.StatusRequestTimeout, "request_timeout", "", "the request body did not arrive within server.read_timeout")
+		apierror.Error{Status: http.StatusRequestTimeout, Code: "request_timeout", Message: "the request body did not arrive within server.read_timeout"}.Write(w, format)
 	default:
-		apierror.Write(w, format, http.StatusBadRequest, "invalid_request_error", "", "cannot read the request body: "+err.Error())
+		apierror.Error{Status: http.StatusBadRequest, Code: "invalid_request_error", Message: "cannot read the request body: " + err.Error()}.Write(w, format)
 	}
 }
 
@@ -500,8 +500,8 @@ func (s *server) retryOn(w http.ResponseWriter, r *http.Request, pr *parsedReque
 	d2 *kvroute.Decision, err2 error, plan *disagg.Plan) {
 	if err2 != nil {
 		if errors.Is(err2, kvroute.ErrNoBackend) {
-			apierror.Write(w, pr.format, http.StatusBadGateway, "upstream_error", "",
-				"backend "+failed+" failed ("+cause.Error()+") and no other healthy backend is available")
+			apierror.Error{Status: http.StatusBadGateway, Code: "upstream_error", Message: "backend " + failed + " failed (" + cause.Error() + ") and no other healthy backend is available"}.Write(w, pr.format)
+
 			return
 		}
 		s.routeError(w, pr, err2)
@@ -523,7 +523,7 @@ func (s *server) routeError(w http.ResponseWriter, pr *parsedRequest, err error)
 		// The client is gone; nobody reads an answer.
 	default:
 		s.log.Error("route failed", "err", err)
-		apierror.Write(w, pr.format, http.StatusInternalServerError, "internal_error", "", "routing failed")
+		apierror.Error{Status: http.StatusInternalServerError, Code: "internal_error", Message: "routing failed"}.Write(w, pr.format)
 	}
 }
 
@@ -653,7 +653,7 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, pr *parsedReque
 			msg = "backends " + retriedFrom + " and " + up.backend + " failed: " + a.err.Error()
 		}
 		a.setHeaders(w.Header())
-		apierror.Write(w, pr.format, http.StatusBadGateway, "upstream_error", "", msg)
+		apierror.Error{Status: http.StatusBadGateway, Code: "upstream_error", Message: msg}.Write(w, pr.format)
 		return false, a.err
 	}
 	var outcome error
