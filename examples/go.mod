@@ -5,6 +5,7 @@ go 1.26.0
 require (
 	github.com/anthropics/anthropic-sdk-go v1.84.0
 	github.com/kvroute/kvroute v0.0.0
+	github.com/kvroute/kvroute/config v0.0.0
 	github.com/kvroute/kvroute/natsync v0.0.0
 	github.com/nats-io/nats.go v1.55.0
 	github.com/openai/openai-go/v3 v3.95.0
@@ -86,5 +87,7 @@ require (
 )
 
 replace github.com/kvroute/kvroute => ../
+
+replace github.com/kvroute/kvroute/config => ../config
 
 replace github.com/kvroute/kvroute/natsync => ../natsync

@@ -47,9 +47,9 @@ func listen(ctx context.Context, addr string) (net.Listener, error) {
 	return ln, nil
 }
 
-// demoConfig is the default demo's configuration for engines: every tier on (enginesim.ProxyConfig).
+// demoConfig is the default demo's configuration for engines: every tier on (demoProxyConfig).
 func demoConfig(engines []enginesim.EngineInfo) *config.Config {
-	return enginesim.ProxyConfig(engines, nil)
+	return demoProxyConfig(engines, nil)
 }
 
 // printBanner tells a newcomer what is running, how to try it and where the stats are.

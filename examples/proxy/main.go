@@ -123,7 +123,7 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 			return fmt.Errorf("demo fleet (-demo, -engines): %w", err)
 		}
 		defer fleet.Close()
-		if cfg, err = fleet.ProxyConfig(cfg.Server); err != nil {
+		if cfg, err = fleetProxyConfig(fleet, cfg.Server); err != nil {
 			ln.Close()
 			return fmt.Errorf("demo configuration: %w", err)
 		}

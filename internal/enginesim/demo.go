@@ -4,9 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"time"
-
-	"github.com/kvroute/kvroute/config"
 )
 
 // Demo modes of DemoConfig.Mode.
@@ -31,13 +28,12 @@ type DemoConfig struct {
 	Storage *StorageConfig
 }
 
-// Demo is a fleet of simulated engines started for the reference proxy's demo modes, with the
-// proxy configuration that fronts it. Its methods are safe for concurrent use; Close stops the
+// Demo is a fleet of simulated engines started for the reference proxy's demo modes. Its methods are safe for concurrent use; Close stops the
 // engines and the in-process S3, and is idempotent.
 type Demo struct {
-	fleets []*Fleet
-	s3     *MemoryS3 // nil unless DemoDisagg without Storage
-	cfg    *config.Config
+	fleets  []*Fleet
+	s3      *MemoryS3      // nil unless DemoDisagg without Storage
+	storage *StorageConfig // the disaggregated fleet's KV transit store; nil for DemoUnified
 }
 
 // StartDemo starts the engines of cfg's mode on free loopback ports (block size 16, 2,048 blocks
@@ -78,7 +74,6 @@ func StartDemo(ctx context.Context, cfg DemoConfig) (*Demo, error) {
 		d.s3 = s3
 		storage = &StorageConfig{Endpoint: s3.Endpoint(), Bucket: "kv-cache"}
 	}
-	var info []EngineInfo
 	for _, g := range groups {
 		base := Config{Name: g.name, BlockSize: 16, CapacityBlocks: 2048, Latency: Latency{SpeedFactor: cfg.SpeedFactor},
 			Storage: storage}
@@ -91,9 +86,8 @@ func StartDemo(ctx context.Context, cfg DemoConfig) (*Demo, error) {
 			return nil, errors.Join(err, d.Close())
 		}
 		d.fleets = append(d.fleets, f)
-		info = append(info, f.Info()...)
 	}
-	d.cfg = ProxyConfig(info, storage)
+	d.storage = storage
 	return d, nil
 }
 
@@ -115,20 +109,9 @@ func (d *Demo) Engines() []*Engine {
 	return out
 }
 
-// ProxyConfig returns the reference proxy's configuration for the fleet (ProxyConfig's, a fresh
-// copy) with server as its server section, defaults applied and validated (the error is
-// Validate's).
-func (d *Demo) ProxyConfig(server config.ServerConfig) (*config.Config, error) {
-	c := *d.cfg
-	c.Backends = append([]config.BackendConfig(nil), d.cfg.Backends...)
-	c.KVCacheIndex.EventSources = append([]config.EventSourceConfig(nil), d.cfg.KVCacheIndex.EventSources...)
-	c.Server = server
-	c.ApplyDefaults()
-	if err := c.Validate(); err != nil {
-		return nil, err
-	}
-	return &c, nil
-}
+// Storage returns the KV transit store of a DemoDisagg fleet (the in-process S3's when
+// DemoConfig.Storage was nil), nil for DemoUnified.
+func (d *Demo) Storage() *StorageConfig { return d.storage }
 
 // Close stops the engines, then the in-process S3.
 func (d *Demo) Close() error {
@@ -140,39 +123,6 @@ func (d *Demo) Close() error {
 		errs = append(errs, d.s3.Close())
 	}
 	return errors.Join(errs...)
-}
-
-// ProxyConfig returns the reference proxy's configuration for engines (defaults not applied):
-// every engine a backend with its role; a KV index in memory fed by one ZMQ subscription per
-// engine (with replay) and tokenization by the engines' /tokenize; health checks every 2 s and a
-// circuit breaker after 3 failures. Without storage it adds the in-memory response cache (for a
-// fleet of unified engines). With storage it adds disaggregated serving instead, with storage as
-// the default external storage (its endpoint, bucket and namespace: the proxy only compares
-// locations, the engines hold the credentials), and the storage tier of the index.
-func ProxyConfig(engines []EngineInfo, storage *StorageConfig) *config.Config {
-	cfg := &config.Config{
-		KVCacheIndex: config.KVCacheIndexConfig{Enabled: true, Backend: "memory", Tokenizer: config.TokenizerEngine,
-			BlockSize: 16},
-		HealthChecks:   config.HealthCheckConfig{Interval: config.Duration(2 * time.Second), Timeout: config.Duration(time.Second)},
-		CircuitBreaker: config.CircuitBreakerConfig{FailureThreshold: 3, RecoveryTimeout: config.Duration(10 * time.Second)},
-	}
-	for _, e := range engines {
-		cfg.Backends = append(cfg.Backends, config.BackendConfig{Name: e.Name, URL: e.URL, Model: e.Model, Role: e.Role.String()})
-		cfg.KVCacheIndex.EventSources = append(cfg.KVCacheIndex.EventSources, config.EventSourceConfig{
-			BackendName: e.Name, Endpoint: e.ZMQEndpoint, ReplayEndpoint: e.ReplayEndpoint, Model: e.Model})
-	}
-	if storage == nil {
-		cfg.ResponseCache = config.ResponseCacheConfig{Enabled: true, Backend: "memory", Capacity: 1000, TTL: config.Duration(5 * time.Minute)}
-		return cfg
-	}
-	ns := storage.Namespace
-	if ns == "" {
-		ns = DefaultKVNamespace
-	}
-	cfg.KVCacheIndex.StorageOffloading.Enabled = true
-	cfg.DisaggregatedServing = config.DisaggregatedConfig{Enabled: true, DefaultExternalStorage: &config.ExternalStorageConfig{
-		Endpoint: storage.Endpoint, Bucket: storage.Bucket, KVNamespace: ns}}
-	return cfg
 }
 
 // StorageFromEnv returns the S3 bucket that getenv's S3_ENDPOINT and S3_BUCKET name, with

@@ -12,8 +12,6 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-
-	"github.com/kvroute/kvroute/config"
 )
 
 // The disaggregation demo: a prefill, decode and unified fleet exchanging KV through the
@@ -32,15 +30,8 @@ func TestStartDemoDisagg(t *testing.T) {
 	assert.Equal(t, []string{"prefill-0/prefill", "decode-0/decode", "decode-1/decode", "unified-0/unified"}, names)
 	assert.Len(t, d.Engines(), 4)
 
-	cfg, err := d.ProxyConfig(config.ServerConfig{Port: new(int)})
-	require.NoError(t, err)
-	assert.True(t, cfg.DisaggregatedServing.Enabled)
-	assert.False(t, cfg.ResponseCache.Enabled)
-	assert.Equal(t, d.s3.Endpoint(), cfg.DisaggregatedServing.DefaultExternalStorage.Endpoint)
-	cfg.Backends[0].Name = "changed"
-	again, err := d.ProxyConfig(config.ServerConfig{})
-	require.NoError(t, err)
-	assert.Equal(t, "prefill-0", again.Backends[0].Name, "ProxyConfig returns a copy")
+	require.NotNil(t, d.Storage())
+	assert.Equal(t, d.s3.Endpoint(), d.Storage().Endpoint)
 
 	info := d.Info()
 	client := pdFormats[0].body(DefaultModel, 4, false)
@@ -70,12 +61,10 @@ func TestStartDemoUnified(t *testing.T) {
 	d, err := StartDemo(ctx, DemoConfig{Engines: 2})
 	require.NoError(t, err)
 	defer d.Close()
-	cfg, err := d.ProxyConfig(config.ServerConfig{})
-	require.NoError(t, err)
-	assert.True(t, cfg.ResponseCache.Enabled)
-	assert.False(t, cfg.DisaggregatedServing.Enabled)
-	assert.Equal(t, []string{"enginesim-0", "enginesim-1"}, []string{cfg.Backends[0].Name, cfg.Backends[1].Name})
+	info := d.Info()
+	assert.Equal(t, []string{"enginesim-0", "enginesim-1"}, []string{info[0].Name, info[1].Name})
 	assert.Nil(t, d.s3)
+	assert.Nil(t, d.Storage())
 }
 
 func TestStartDemoRejects(t *testing.T) {
