@@ -319,7 +319,7 @@ func (r *DefaultRouter) disaggCandidates(ctx context.Context, d *DisaggDecision,
 	for i := range s.matches {
 		m := &s.matches[i]
 		c := &s.cands[i]
-		c.CachedTokens, c.Overlap, c.StoredTokens = m.Tokens, m.Score, m.StoredTokens
+		c.CachedTokens, c.WeightedBlocks, c.StoredTokens = m.Tokens, m.WeightedBlocks, m.StoredTokens
 		switch m.Tier {
 		case events.TierGPU:
 			c.Tier = disagg.TierGPU

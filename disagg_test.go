@@ -257,7 +257,7 @@ func TestRouteDisaggStoredPrefix(t *testing.T) {
 	m, err := ix.Lookup(context.Background(), prefixkey.AppendBlockKeys(nil, prefixkey.BlockRoot("llama-3-8b", ""), long, 16, nil),
 		[]string{"prefill-1"}, make([]kvindex.Match, 1))
 	require.NoError(t, err)
-	assert.Equal(t, kvindex.Match{Backend: "prefill-1", Blocks: 64, Tokens: 1024, Score: 64, Tier: events.TierGPU,
+	assert.Equal(t, kvindex.Match{Backend: "prefill-1", Blocks: 64, Tokens: 1024, WeightedBlocks: 64, Tier: events.TierGPU,
 		StoredBlocks: 64, StoredTokens: 1024}, m[0], "the index still says GPU")
 }
 

@@ -25,9 +25,9 @@ type ProbeResult struct {
 	Reason  Reason `json:"reason"`
 	// Why says in a sentence what decided.
 	Why string `json:"why"`
-	// Tier is the routing tier that decides: 4 (the KV index and the scorer), 1 (the CHWBL ring
+	// RoutingTier is the routing tier that decides: 4 (the KV index and the scorer), 1 (the CHWBL ring
 	// or the selection strategy), or 0 when none can.
-	Tier int `json:"tier"`
+	RoutingTier int `json:"tier"`
 	// PrefixKey is the request's prefix key (lowercase hex), "" without one; RingOwner is the
 	// backend owning it on the ring whatever its load (chwbl.Ring.Owner), asked when tier 1
 	// decides.
@@ -50,10 +50,10 @@ type ProbeKV struct {
 	PromptTokens  int  `json:"prompt_tokens"`
 	Blocks        int  `json:"blocks"`
 	PrefixEntries bool `json:"prefix_entries,omitempty"`
-	// BestOverlap is the best backend's tier-weighted overlap as a fraction of the request (1 for
+	// BestOverlapRatio is the best backend's tier-weighted overlap as a fraction of the request (1 for
 	// any prefix entry); ThresholdMet says whether it reaches MinOverlapThreshold, which makes
 	// the scorer decide.
-	BestOverlap         float64 `json:"best_overlap"`
+	BestOverlapRatio    float64 `json:"best_overlap"`
 	MinOverlapThreshold float64 `json:"min_overlap_threshold"`
 	ThresholdMet        bool    `json:"threshold_met"`
 	// Skewed says that the imbalance guard (KVConfig.Guard) found the fleet skewed; it is asked
@@ -78,13 +78,13 @@ type ProbeBackend struct {
 	// decisions over its fair share); 0 with tier 4 off.
 	PendingPrefillWork float64 `json:"pending_prefill_work,omitempty"`
 	RecentShare        float64 `json:"recent_share,omitempty"`
-	// CachedBlocks, CachedTokens and Overlap (tier-weighted blocks) are the index's answer for
-	// the request; Tier the slowest tier among the cached blocks (kvindex.Match.Tier), "" when it
+	// CachedBlocks, CachedTokens and WeightedBlocks (tier-weighted blocks) are the index's answer for
+	// the request; CacheTier the slowest tier among the cached blocks (kvindex.Match.Tier), "" when it
 	// holds none. Unhealthy backends are not looked up.
-	CachedBlocks int     `json:"cached_blocks"`
-	CachedTokens int     `json:"cached_tokens"`
-	Tier         string  `json:"tier,omitempty"`
-	Overlap      float64 `json:"overlap"`
+	CachedBlocks   int     `json:"cached_blocks"`
+	CachedTokens   int     `json:"cached_tokens"`
+	CacheTier      string  `json:"tier,omitempty"`
+	WeightedBlocks float64 `json:"overlap"`
 	// Score is the scorer's, when it was asked; nil otherwise and for a score that rules the
 	// backend out (not finite). PrefillWork is the least-work rule's measure (the prefill work
 	// pending on the backend plus the request's own there, per unit of weight), when that rule
@@ -150,7 +150,7 @@ func (r *DefaultRouter) Probe(ctx context.Context, req *prefixkey.Request) (Prob
 		}
 	}
 	if r.kv != nil && r.probeKV(ctx, req, pk, hasKey, set, loads, &res) {
-		res.Tier = 4
+		res.RoutingTier = 4
 		return res, nil
 	}
 	r.probeTier1(pk, hasKey, set, &res)
@@ -207,10 +207,10 @@ func (r *DefaultRouter) probeKV(ctx context.Context, req *prefixkey.Request, pk 
 	for i, j := 0, 0; i < len(s.cands) && j < len(res.Backends); j++ {
 		if res.Backends[j].Backend == s.cands[i].Backend {
 			b := &res.Backends[j]
-			b.CachedBlocks, b.CachedTokens, b.Overlap = s.cands[i].CachedBlocks, s.cands[i].CachedTokens, s.cands[i].Overlap
+			b.CachedBlocks, b.CachedTokens, b.WeightedBlocks = s.cands[i].CachedBlocks, s.cands[i].CachedTokens, s.cands[i].WeightedBlocks
 			b.PendingPrefillWork, b.RecentShare = s.cands[i].PendingPrefillWork, s.cands[i].RecentShare
 			if s.matches[i].Blocks > 0 || s.matches[i].Tokens > 0 {
-				b.Tier = s.matches[i].Tier.String()
+				b.CacheTier = s.matches[i].Tier.String()
 			}
 			pos[i] = b
 			i++
@@ -219,13 +219,13 @@ func (r *DefaultRouter) probeKV(ctx context.Context, req *prefixkey.Request, pk 
 	sreq := scorer.Request{Blocks: len(s.keys), Tokens: len(tokens)}
 	best := 0.0
 	for i := range s.cands {
-		best = math.Max(best, s.cands[i].Overlap)
+		best = math.Max(best, s.cands[i].WeightedBlocks)
 	}
 	switch {
 	case sreq.Blocks > 0:
-		kv.BestOverlap = best / float64(sreq.Blocks)
+		kv.BestOverlapRatio = best / float64(sreq.Blocks)
 	case best > 0:
-		kv.BestOverlap = 1
+		kv.BestOverlapRatio = 1
 	}
 	kv.ThresholdMet = t.holdsEnough(best, sreq.Blocks)
 	choose := func(i int, reason Reason, why string) bool {
@@ -249,7 +249,7 @@ func (r *DefaultRouter) probeKV(ctx context.Context, req *prefixkey.Request, pk 
 			return false
 		}
 		why := fmt.Sprintf("no backend holds %s of the request (the best %s): %s has the least prefill work ahead of it among the backends under tier 4's bound",
-			percent(t.threshold), percent(kv.BestOverlap), s.cands[i].Backend)
+			percent(t.threshold), percent(kv.BestOverlapRatio), s.cands[i].Backend)
 		if short {
 			why = "the prompt is shorter than one block: " + s.cands[i].Backend + " has the least prefill work ahead of it among the backends under tier 4's bound"
 		}
@@ -277,8 +277,8 @@ func (r *DefaultRouter) probeKV(ctx context.Context, req *prefixkey.Request, pk 
 		kv.HandedOff = "all_at_bound"
 		return false
 	}
-	share := percent(s.cands[i].Overlap / float64(max(sreq.Blocks, 1)))
-	if !t.holdsEnough(s.cands[i].Overlap, sreq.Blocks) {
+	share := percent(s.cands[i].WeightedBlocks / float64(max(sreq.Blocks, 1)))
+	if !t.holdsEnough(s.cands[i].WeightedBlocks, sreq.Blocks) {
 		return choose(i, ReasonLoadBound, fmt.Sprintf("some backend holds %s of the request, but %s, holding %s, scores best among the backends under tier 4's bound",
 			percent(t.threshold), s.cands[i].Backend, share))
 	}
@@ -317,7 +317,7 @@ func (r *DefaultRouter) probeTier1(pk prefixkey.Key, hasKey bool, set *backendSe
 			res.Why = left + "no backend is healthy"
 			return
 		}
-		res.Tier, res.RingOwner, res.Backend = 1, owner, name
+		res.RoutingTier, res.RingOwner, res.Backend = 1, owner, name
 		if why == chwbl.ReasonOverflow {
 			res.Reason = ReasonOverflow
 			res.Why = left + "the prefix key's owner on the ring, " + owner + ", is at its load bound: the next backend clockwise under its bound, " + name + ", takes it"
@@ -337,7 +337,7 @@ func (r *DefaultRouter) probeTier1(pk prefixkey.Key, hasKey bool, set *backendSe
 		start := int((r.rr.Load() + 1) % uint64(n))
 		switch r.cfg.Strategy {
 		case StrategyRandom:
-			res.Tier = 1
+			res.RoutingTier = 1
 			res.Why = left + "no prefix key: the random strategy draws a healthy backend"
 			return
 		case StrategyLeastLoaded:
@@ -353,7 +353,7 @@ func (r *DefaultRouter) probeTier1(pk prefixkey.Key, hasKey bool, set *backendSe
 		res.Why = left + "no backend is healthy"
 		return
 	}
-	res.Tier, res.Backend = 1, pick.name
+	res.RoutingTier, res.Backend = 1, pick.name
 	res.Why = left + "no prefix key: the " + string(r.cfg.Strategy) + " strategy chooses"
 }
 

@@ -106,20 +106,20 @@ func TestProbeTier4KVAwareThenLoadBound(t *testing.T) {
 	probes := lockstep(t, r, repeat(tokReq("hot", toks), 8)...)
 
 	first := probes[0]
-	assert.Equal(t, 4, first.Tier)
+	assert.Equal(t, 4, first.RoutingTier)
 	assert.Equal(t, ReasonKVAware, first.Reason)
 	require.NotNil(t, first.KV)
 	assert.Equal(t, 16, first.KV.Blocks)
 	assert.Equal(t, 16*16+3, first.KV.PromptTokens)
 	assert.True(t, first.KV.ThresholdMet)
-	assert.InDelta(t, 0.8, first.KV.BestOverlap, 1e-9, "16 CPU blocks of 16, weighted 0.8")
+	assert.InDelta(t, 0.8, first.KV.BestOverlapRatio, 1e-9, "16 CPU blocks of 16, weighted 0.8")
 	holder := probeBackend(t, first, "vllm-2")
 	assert.Equal(t, 16, holder.CachedBlocks)
 	assert.Equal(t, 256, holder.CachedTokens)
-	assert.Equal(t, "cpu", holder.Tier)
+	assert.Equal(t, "cpu", holder.CacheTier)
 	require.NotNil(t, holder.Score)
 	assert.Equal(t, 0, probeBackend(t, first, "vllm-1").CachedBlocks)
-	assert.Empty(t, probeBackend(t, first, "vllm-1").Tier)
+	assert.Empty(t, probeBackend(t, first, "vllm-1").CacheTier)
 	assert.Positive(t, holder.KVBound)
 
 	reasons := map[Reason]int{}
@@ -186,7 +186,7 @@ func TestProbeTier1(t *testing.T) {
 		require.NotEmpty(t, owner)
 		assert.Equal(t, owner, probes[0].Backend)
 		assert.Equal(t, ReasonPrefixHash, probes[0].Reason)
-		assert.Equal(t, 1, probes[0].Tier)
+		assert.Equal(t, 1, probes[0].RoutingTier)
 		assert.Nil(t, probes[0].KV)
 		overflow := 0
 		for _, p := range probes {
@@ -252,7 +252,7 @@ func TestProbeEdgeCases(t *testing.T) {
 	p, err := r.Probe(context.Background(), chatReq("a", "b"))
 	require.NoError(t, err)
 	assert.Empty(t, p.Backend)
-	assert.Equal(t, 0, p.Tier)
+	assert.Equal(t, 0, p.RoutingTier)
 	assert.Len(t, p.Backends, 2)
 	assert.False(t, p.Backends[0].Healthy)
 	_, err = r.Route(context.Background(), chatReq("a", "b"))

@@ -80,7 +80,7 @@ func (lookupOnly) Lookup(_ context.Context, keys []uint64, cands []string, out [
 	for i, c := range cands {
 		out[i] = kvindex.Match{Backend: c}
 		if c == "b" {
-			out[i] = kvindex.Match{Backend: c, Blocks: len(keys), Tokens: 16 * len(keys), Score: float64(len(keys))}
+			out[i] = kvindex.Match{Backend: c, Blocks: len(keys), Tokens: 16 * len(keys), WeightedBlocks: float64(len(keys))}
 		}
 	}
 	return out, nil

@@ -129,11 +129,11 @@ type KVConfig struct {
 
 // Overlap is what the Router saw of one backend for a KV-aware decision.
 type Overlap struct {
-	Backend      string  `json:"backend"`
-	CachedBlocks int     `json:"cached_blocks"`
-	CachedTokens int     `json:"cached_tokens"`
-	Overlap      float64 `json:"overlap"` // tier-weighted blocks
-	Score        float64 `json:"score"`
+	Backend        string  `json:"backend"`
+	CachedBlocks   int     `json:"cached_blocks"`
+	CachedTokens   int     `json:"cached_tokens"`
+	WeightedBlocks float64 `json:"overlap"` // tier-weighted blocks
+	Score          float64 `json:"score"`
 }
 
 type tier4 struct {
@@ -287,7 +287,7 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 	// Best overlap as a fraction of the request (for prefix entries: of the best backend's).
 	best := 0.0
 	for i := range s.cands {
-		best = math.Max(best, s.cands[i].Overlap)
+		best = math.Max(best, s.cands[i].WeightedBlocks)
 	}
 	ratio := 0.0
 	switch {
@@ -392,14 +392,14 @@ func (r *DefaultRouter) candidates(s *scratch4, set *backendSet, now int64) {
 		}
 		l := s.loads[li]
 		c := scorer.Candidate{
-			Backend:      l.Name,
-			CachedBlocks: s.matches[i].Blocks,
-			CachedTokens: s.matches[i].Tokens,
-			Overlap:      s.matches[i].Score,
-			InFlight:     l.InFlight + l.External,
-			Weight:       l.Weight,
-			Healthy:      true,
-			Health:       1,
+			Backend:        l.Name,
+			CachedBlocks:   s.matches[i].Blocks,
+			CachedTokens:   s.matches[i].Tokens,
+			WeightedBlocks: s.matches[i].WeightedBlocks,
+			InFlight:       l.InFlight + l.External,
+			Weight:         l.Weight,
+			Healthy:        true,
+			Health:         1,
 		}
 		if st := set.byName[l.Name]; st != nil {
 			c.Health = st.success.load()
@@ -509,7 +509,7 @@ func (r *DefaultRouter) chooseScored(ctx context.Context, d *Decision, s *scratc
 	}
 	// Label the decision by what chose the backend used: its own cached prefix (kv_aware), or load
 	// that sent the request past the backends holding enough of it (load_bound).
-	if reason == ReasonKVAware && !t.holdsEnough(s.cands[taken].Overlap, sreq.Blocks) {
+	if reason == ReasonKVAware && !t.holdsEnough(s.cands[taken].WeightedBlocks, sreq.Blocks) {
 		reason = ReasonLoadBound
 	}
 	d.Reason = reason
@@ -517,7 +517,7 @@ func (r *DefaultRouter) chooseScored(ctx context.Context, d *Decision, s *scratc
 	d.Overlaps = make([]Overlap, len(s.cands))
 	for i := range s.cands {
 		d.Overlaps[i] = Overlap{Backend: s.cands[i].Backend, CachedBlocks: s.cands[i].CachedBlocks,
-			CachedTokens: s.cands[i].CachedTokens, Overlap: s.cands[i].Overlap, Score: s.scores[i]}
+			CachedTokens: s.cands[i].CachedTokens, WeightedBlocks: s.cands[i].WeightedBlocks, Score: s.scores[i]}
 	}
 	r.afterKVChoice(ctx, s, d, s.cands[taken])
 	return true

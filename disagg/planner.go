@@ -28,12 +28,12 @@ type Candidate struct {
 	PrefillLoad int
 	DecodeLoad  int
 	// CachedTokens is the longest consecutive prefix of the prompt the backend holds, on any tier
-	// (kvindex Match.Tokens); Overlap the same prefix in blocks, weighted by tier (Match.Score);
+	// (kvindex Match.Tokens); WeightedBlocks the same prefix in blocks, weighted by tier (Match.WeightedBlocks);
 	// Tier the slowest tier among its blocks (Match.Tier). A prefix on TierStorage is readable by
 	// every backend whose storage is at the same location.
-	CachedTokens int
-	Overlap      float64
-	Tier         Tier
+	CachedTokens   int
+	WeightedBlocks float64
+	Tier           Tier
 	// StoredTokens is the longest consecutive prefix of the prompt the backend holds in its
 	// external storage (kvindex Match.StoredTokens), whether or not it also holds it on a faster
 	// tier: a prefill backend keeps a prompt on its GPU and writes it to storage. That prefix is
@@ -352,7 +352,7 @@ func (p *Planner) best(in Input, s *scratch, load func(*Candidate) int) int {
 	for _, i := range s.pool {
 		c := &in.Candidates[i]
 		s.cands = append(s.cands, scorer.Candidate{Backend: c.Name, CachedBlocks: 0, CachedTokens: c.CachedTokens,
-			Overlap: c.Overlap, InFlight: load(c), Weight: c.Weight, Healthy: true, Health: c.Health})
+			WeightedBlocks: c.WeightedBlocks, InFlight: load(c), Weight: c.Weight, Healthy: true, Health: c.Health})
 	}
 	// Ties go to the first candidate at or after TieBreak, so that equal backends share load.
 	n := len(s.cands)

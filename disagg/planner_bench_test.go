@@ -22,9 +22,9 @@ func BenchmarkPlan(b *testing.B) {
 				}
 				switch path {
 				case "fast_decode":
-					cands[2].CachedTokens, cands[2].Overlap = 4000, 250
+					cands[2].CachedTokens, cands[2].WeightedBlocks = 4000, 250
 				case "storage_hit":
-					cands[1].CachedTokens, cands[1].Overlap, cands[1].Tier = 4000, 150, TierStorage
+					cands[1].CachedTokens, cands[1].WeightedBlocks, cands[1].Tier = 4000, 150, TierStorage
 				}
 				input := Input{Candidates: cands, PromptTokens: 4096, PromptBlocks: 256}
 				b.ReportAllocs()

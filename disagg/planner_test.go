@@ -12,12 +12,12 @@ import (
 // tier's default weight.
 func dec(name string, load, cached int, tier Tier) Candidate {
 	return Candidate{Name: name, Role: RoleDecode, Healthy: true, Health: 1, DecodeLoad: load,
-		CachedTokens: cached, Overlap: overlapOf(cached, tier), Tier: tier}
+		CachedTokens: cached, WeightedBlocks: overlapOf(cached, tier), Tier: tier}
 }
 
 func pre(name string, load, cached int, tier Tier) Candidate {
 	return Candidate{Name: name, Role: RolePrefill, Healthy: true, Health: 1, PrefillLoad: load,
-		CachedTokens: cached, Overlap: overlapOf(cached, tier), Tier: tier}
+		CachedTokens: cached, WeightedBlocks: overlapOf(cached, tier), Tier: tier}
 }
 
 func uni(name string, load int) Candidate {

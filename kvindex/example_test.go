@@ -49,7 +49,7 @@ func ExampleMemoryIndex() {
 	backends := []string{"vllm-0", "vllm-1", "vllm-2"}
 	matches, _ := ix.Lookup(ctx, keys, backends, make([]kvindex.Match, len(backends)))
 	for _, m := range matches {
-		fmt.Printf("%s: %d blocks, %d tokens, score %.1f, slowest tier %v\n", m.Backend, m.Blocks, m.Tokens, m.Score, m.Tier)
+		fmt.Printf("%s: %d blocks, %d tokens, score %.1f, slowest tier %v\n", m.Backend, m.Blocks, m.Tokens, m.WeightedBlocks, m.Tier)
 	}
 	// Output:
 	// vllm-0: 6 blocks, 96 tokens, score 6.0, slowest tier gpu
@@ -103,7 +103,7 @@ func ExampleMemoryIndex_LookupPrefix() {
 	for _, op := range []events.PrefixOp{events.PrefixCreated, events.PrefixEvicted, events.PrefixReloaded, events.PrefixPurged} {
 		apply(op)
 		m, _ := ix.LookupPrefix(ctx, "9f2c41", []string{"vllm-0"}, out)
-		fmt.Printf("%-15s tokens %4d, tier %-7v score %.0f\n", op, m[0].Tokens, m[0].Tier, m[0].Score)
+		fmt.Printf("%-15s tokens %4d, tier %-7v score %.0f\n", op, m[0].Tokens, m[0].Tier, m[0].WeightedBlocks)
 	}
 	// Output:
 	// cache_created   tokens 2048, tier gpu     score 2048

@@ -38,9 +38,9 @@ type Match struct {
 	// token count of a prefix-granular entry.
 	Blocks int
 	Tokens int
-	// Score is the tier-weighted length: the sum over the matched blocks of the weight of the best
+	// WeightedBlocks is the tier-weighted length: the sum over the matched blocks of the weight of the best
 	// tier the backend holds each block on (≤ Blocks). For prefix entries: Tokens × tier weight.
-	Score float64
+	WeightedBlocks float64
 	// Tier is the slowest tier among the matched blocks (TierGPU when Blocks == 0).
 	Tier Tier
 	// StoredBlocks is the length, in blocks, of the longest consecutive prefix of the request's

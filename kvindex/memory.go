@@ -816,7 +816,7 @@ func (m *MemoryIndex) LookupPrefix(_ context.Context, prefix string, candidates 
 			}
 			out[i].Tokens = h.tokens
 			out[i].Blocks = h.tokens / m.cfg.BlockSize
-			out[i].Score = float64(h.tokens) * m.weights[h.tier]
+			out[i].WeightedBlocks = float64(h.tokens) * m.weights[h.tier]
 			out[i].Tier = h.tier
 			if h.tier == events.TierStorage {
 				out[i].StoredTokens = h.tokens

@@ -71,7 +71,7 @@ func (m *MemoryIndex) Lookup(_ context.Context, keys []uint64, candidates []stri
 		d, nc, ns := int(st.depth[id]), int(st.nCPU[id]), int(st.nStorage[id])
 		out[i].Blocks = d
 		out[i].Tokens = d * m.cfg.BlockSize
-		out[i].Score = w[events.TierGPU]*float64(d-nc-ns) + w[events.TierCPU]*float64(nc) + w[events.TierStorage]*float64(ns)
+		out[i].WeightedBlocks = w[events.TierGPU]*float64(d-nc-ns) + w[events.TierCPU]*float64(nc) + w[events.TierStorage]*float64(ns)
 		sd := int(st.stored[id])
 		out[i].StoredBlocks = sd
 		out[i].StoredTokens = sd * m.cfg.BlockSize

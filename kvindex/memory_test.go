@@ -756,7 +756,7 @@ func TestConcurrentStress(t *testing.T) {
 					return
 				}
 				for _, x := range res {
-					if x.Blocks < 0 || x.Blocks > len(keys) || x.Score > float64(x.Blocks)+1e-9 {
+					if x.Blocks < 0 || x.Blocks > len(keys) || x.WeightedBlocks > float64(x.Blocks)+1e-9 {
 						t.Errorf("impossible match %+v", x)
 						return
 					}

@@ -142,31 +142,31 @@ func (c *Composite) Score(req Request, cands []Candidate, out []float64) []float
 			out[i] = math.Inf(-1)
 			continue
 		}
-		out[i] = c.ow*clamp01(cd.Overlap*invDenom) + c.lw*(1-clamp01(out[i]*invLoad)) + c.hw*clamp01(cd.Health)
+		out[i] = c.ow*clamp01(cd.WeightedBlocks*invDenom) + c.lw*(1-clamp01(out[i]*invLoad)) + c.hw*clamp01(cd.Health)
 	}
 	return out
 }
 
-// BestOverlap returns the largest overlap_ratio (see Composite) among the healthy candidates, in
+// BestOverlapRatio returns the largest overlap_ratio (see Composite) among the healthy candidates, in
 // [0, 1]; 0 when there is none or none holds any of the request. Safe for concurrent use; does not
 // allocate.
-func (c *Composite) BestOverlap(req Request, cands []Candidate) float64 {
+func (c *Composite) BestOverlapRatio(req Request, cands []Candidate) float64 {
 	denom := overlapDenom(req, cands)
 	best := 0.0
 	for i := range cands {
 		if cands[i].Healthy {
-			best = max(best, ratio(cands[i].Overlap, denom))
+			best = max(best, ratio(cands[i].WeightedBlocks, denom))
 		}
 	}
 	return best
 }
 
 // Active reports whether KV-aware selection should decide this request: the best overlap ratio
-// (BestOverlap) is > 0 and ≥ MinOverlapThreshold. When it returns false the caller routes by its
+// (BestOverlapRatio) is > 0 and ≥ MinOverlapThreshold. When it returns false the caller routes by its
 // fallback (the consistent-hash ring's pick), as kvroute's pipeline does below the threshold.
 // Safe for concurrent use; does not allocate.
 func (c *Composite) Active(req Request, cands []Candidate) bool {
-	best := c.BestOverlap(req, cands)
+	best := c.BestOverlapRatio(req, cands)
 	return best > 0 && best >= c.minOverlap
 }
 
@@ -178,7 +178,7 @@ func overlapDenom(req Request, cands []Candidate) float64 {
 	}
 	m := 0.0
 	for i := range cands {
-		if o := cands[i].Overlap; cands[i].Healthy && o > m && !math.IsInf(o, 1) {
+		if o := cands[i].WeightedBlocks; cands[i].Healthy && o > m && !math.IsInf(o, 1) {
 			m = o
 		}
 	}

@@ -92,9 +92,9 @@ func TestCompositeScore(t *testing.T) {
 			name: "fraction of request blocks",
 			req:  Request{Blocks: 10},
 			cands: []Candidate{
-				{Backend: "a", Overlap: 10, Healthy: true, Health: 1},
-				{Backend: "b", Overlap: 5, InFlight: 2, Healthy: true, Health: 1},
-				{Backend: "c", Overlap: 10, Healthy: false, Health: 1},
+				{Backend: "a", WeightedBlocks: 10, Healthy: true, Health: 1},
+				{Backend: "b", WeightedBlocks: 5, InFlight: 2, Healthy: true, Health: 1},
+				{Backend: "c", WeightedBlocks: 10, Healthy: false, Health: 1},
 			},
 			// a: .6·1 + .3·(1−0) + .1·1; b: .6·.5 + .3·(1−1) + .1·1
 			want: []float64{1.0, 0.4, ninf},
@@ -103,8 +103,8 @@ func TestCompositeScore(t *testing.T) {
 			name: "a small overlap stays small",
 			req:  Request{Blocks: 100},
 			cands: []Candidate{
-				{Overlap: 1, Healthy: true},
-				{Overlap: 0, Healthy: true},
+				{WeightedBlocks: 1, Healthy: true},
+				{WeightedBlocks: 0, Healthy: true},
 			},
 			want: []float64{0.6*0.01 + 0.3, 0.3},
 		},
@@ -112,9 +112,9 @@ func TestCompositeScore(t *testing.T) {
 			name: "unknown length normalises by best healthy overlap",
 			req:  Request{},
 			cands: []Candidate{
-				{Overlap: 4, Healthy: true},
-				{Overlap: 2, Healthy: true},
-				{Overlap: 8, Healthy: false},
+				{WeightedBlocks: 4, Healthy: true},
+				{WeightedBlocks: 2, Healthy: true},
+				{WeightedBlocks: 8, Healthy: false},
 			},
 			want: []float64{0.6 + 0.3, 0.3 + 0.3, ninf},
 		},
@@ -151,9 +151,9 @@ func TestCompositeScore(t *testing.T) {
 			name: "values clamped",
 			req:  Request{Blocks: 4},
 			cands: []Candidate{
-				{Overlap: 9, Health: 2, Healthy: true},
-				{Overlap: -1, Health: -1, Healthy: true},
-				{Overlap: math.NaN(), Health: math.NaN(), Healthy: true},
+				{WeightedBlocks: 9, Health: 2, Healthy: true},
+				{WeightedBlocks: -1, Health: -1, Healthy: true},
+				{WeightedBlocks: math.NaN(), Health: math.NaN(), Healthy: true},
 			},
 			want: []float64{1, 0.3, 0.3},
 		},
@@ -162,8 +162,8 @@ func TestCompositeScore(t *testing.T) {
 			cfg:  CompositeConfig{OverlapWeight: 0.5, LoadWeight: 0.5},
 			req:  Request{Blocks: 2},
 			cands: []Candidate{
-				{Overlap: 1, InFlight: 1, Healthy: true, Health: 1},
-				{Overlap: 2, InFlight: 2, Healthy: true, Health: 1},
+				{WeightedBlocks: 1, InFlight: 1, Healthy: true, Health: 1},
+				{WeightedBlocks: 2, InFlight: 2, Healthy: true, Health: 1},
 			},
 			want: []float64{0.25 + 0.25, 0.5},
 		},
@@ -200,14 +200,14 @@ func TestCompositeActive(t *testing.T) {
 		best      float64
 		active    bool
 	}{
-		{name: "below threshold", req: Request{Blocks: 100}, cands: []Candidate{{Overlap: 29, Healthy: true}, {Overlap: 10, Healthy: true}}, best: 0.29},
-		{name: "at threshold", req: Request{Blocks: 100}, cands: []Candidate{{Overlap: 30, Healthy: true}}, best: 0.3, active: true},
-		{name: "tier weighted", req: Request{Blocks: 10}, cands: []Candidate{{CachedBlocks: 10, Overlap: 6, Healthy: true}}, best: 0.6, active: true},
-		{name: "only unhealthy holds it", req: Request{Blocks: 10}, cands: []Candidate{{Overlap: 10}, {Overlap: 1, Healthy: true}}, best: 0.1},
+		{name: "below threshold", req: Request{Blocks: 100}, cands: []Candidate{{WeightedBlocks: 29, Healthy: true}, {WeightedBlocks: 10, Healthy: true}}, best: 0.29},
+		{name: "at threshold", req: Request{Blocks: 100}, cands: []Candidate{{WeightedBlocks: 30, Healthy: true}}, best: 0.3, active: true},
+		{name: "tier weighted", req: Request{Blocks: 10}, cands: []Candidate{{CachedBlocks: 10, WeightedBlocks: 6, Healthy: true}}, best: 0.6, active: true},
+		{name: "only unhealthy holds it", req: Request{Blocks: 10}, cands: []Candidate{{WeightedBlocks: 10}, {WeightedBlocks: 1, Healthy: true}}, best: 0.1},
 		{name: "no overlap", req: Request{Blocks: 10}, cands: []Candidate{{Healthy: true}}, best: 0},
 		{name: "no overlap tiny threshold", threshold: 1e-12, req: Request{Blocks: 10}, cands: []Candidate{{Healthy: true}}, best: 0},
-		{name: "any overlap tiny threshold", threshold: 1e-12, req: Request{Blocks: 1000}, cands: []Candidate{{Overlap: 0.01, Healthy: true}}, best: 1e-5, active: true},
-		{name: "unknown length uses the default normalisation", req: Request{}, cands: []Candidate{{Overlap: 0.1, Healthy: true}}, best: 1, active: true},
+		{name: "any overlap tiny threshold", threshold: 1e-12, req: Request{Blocks: 1000}, cands: []Candidate{{WeightedBlocks: 0.01, Healthy: true}}, best: 1e-5, active: true},
+		{name: "unknown length uses the default normalisation", req: Request{}, cands: []Candidate{{WeightedBlocks: 0.1, Healthy: true}}, best: 1, active: true},
 		{name: "no candidates", req: Request{Blocks: 10}, best: 0},
 	}
 	for _, tt := range tests {
@@ -216,8 +216,8 @@ func TestCompositeActive(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := c.BestOverlap(tt.req, tt.cands); !approx(got, tt.best) {
-				t.Errorf("BestOverlap = %v, want %v", got, tt.best)
+			if got := c.BestOverlapRatio(tt.req, tt.cands); !approx(got, tt.best) {
+				t.Errorf("BestOverlapRatio = %v, want %v", got, tt.best)
 			}
 			if got := c.Active(tt.req, tt.cands); got != tt.active {
 				t.Errorf("Active = %v, want %v", got, tt.active)
@@ -240,8 +240,8 @@ func TestCompositeAllocs(t *testing.T) {
 // the documented load ratio of requests alone.
 func TestCompositePendingPrefillTokens(t *testing.T) {
 	cands := []Candidate{
-		{Backend: "one-short", Overlap: 4, InFlight: 1, Healthy: true, Health: 1},
-		{Backend: "long-prompt", Overlap: 4, InFlight: 0, PendingPrefillTokens: 4096, Healthy: true, Health: 1},
+		{Backend: "one-short", WeightedBlocks: 4, InFlight: 1, Healthy: true, Health: 1},
+		{Backend: "long-prompt", WeightedBlocks: 4, InFlight: 0, PendingPrefillTokens: 4096, Healthy: true, Health: 1},
 	}
 	req := Request{Blocks: 8}
 	for _, tc := range []struct {

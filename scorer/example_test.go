@@ -18,9 +18,9 @@ func ExampleComposite() {
 	guard := scorer.Guard{MaxSpread: 8, MaxRatio: 1.5}
 	req := scorer.Request{Blocks: 100}
 	cands := []scorer.Candidate{
-		{Backend: "pod-a", CachedBlocks: 80, Overlap: 80, InFlight: 4, Weight: 1, Healthy: true, Health: 1},
-		{Backend: "pod-b", CachedBlocks: 10, Overlap: 10, InFlight: 1, Weight: 1, Healthy: true, Health: 1},
-		{Backend: "pod-c", CachedBlocks: 90, Overlap: 90, InFlight: 0, Weight: 1, Healthy: false},
+		{Backend: "pod-a", CachedBlocks: 80, WeightedBlocks: 80, InFlight: 4, Weight: 1, Healthy: true, Health: 1},
+		{Backend: "pod-b", CachedBlocks: 10, WeightedBlocks: 10, InFlight: 1, Weight: 1, Healthy: true, Health: 1},
+		{Backend: "pod-c", CachedBlocks: 90, WeightedBlocks: 90, InFlight: 0, Weight: 1, Healthy: false},
 	}
 	if !comp.Active(req, cands) {
 		fmt.Println("fallback: consistent hashing")
@@ -32,7 +32,7 @@ func ExampleComposite() {
 	}
 	scores := comp.Score(req, cands, make([]float64, len(cands)))
 	best := scorer.PickBest(scores, cands)
-	fmt.Printf("kv_aware: %s (best overlap %.2f, score %.2f)\n", cands[best].Backend, comp.BestOverlap(req, cands), scores[best])
+	fmt.Printf("kv_aware: %s (best overlap %.2f, score %.2f)\n", cands[best].Backend, comp.BestOverlapRatio(req, cands), scores[best])
 	// Output: kv_aware: pod-a (best overlap 0.80, score 0.58)
 }
 
@@ -116,7 +116,7 @@ func ExampleExpectedTTFT() {
 	fmt.Printf("prefill of the whole prompt: %.0f\n", scorer.PrefillWork(req.Tokens, 0, scorer.DefaultAttentionCost))
 	for _, queued := range []float64{30_000, 120_000} {
 		cands := []scorer.Candidate{
-			{Backend: "pod-a", CachedBlocks: 512, CachedTokens: 8192, Overlap: 512, PendingPrefillWork: queued, Weight: 1, Healthy: true},
+			{Backend: "pod-a", CachedBlocks: 512, CachedTokens: 8192, WeightedBlocks: 512, PendingPrefillWork: queued, Weight: 1, Healthy: true},
 			{Backend: "pod-b", Weight: 1, Healthy: true},
 		}
 		scores := ttft.Score(req, cands, make([]float64, len(cands)))

@@ -9,10 +9,10 @@ import (
 type Candidate struct {
 	Backend string
 	// CachedBlocks and CachedTokens: the longest consecutive prefix of the request the backend
-	// holds; Overlap is the same prefix weighted by tier (kvindex.Match.Score, in blocks).
-	CachedBlocks int
-	CachedTokens int
-	Overlap      float64
+	// holds; WeightedBlocks is the same prefix weighted by tier (kvindex.Match.WeightedBlocks).
+	CachedBlocks   int
+	CachedTokens   int
+	WeightedBlocks float64
 	// InFlight is the number of requests routed to the backend and not yet done; Weight its
 	// relative capacity (1 when unset).
 	InFlight int

@@ -17,7 +17,7 @@ func benchCandidates(n, blocks int) []Candidate {
 			Backend:             "pod-" + strconv.Itoa(i),
 			CachedBlocks:        cached,
 			CachedTokens:        cached * 16,
-			Overlap:             float64(cached) * 0.9,
+			WeightedBlocks:      float64(cached) * 0.9,
 			InFlight:            i % 5,
 			Weight:              1,
 			Healthy:             i%11 != 10,

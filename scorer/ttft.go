@@ -173,10 +173,10 @@ func (e *ExpectedTTFT) Score(req Request, cands []Candidate, out []float64) []fl
 			continue
 		}
 		cached := float64(min(max(c.CachedTokens, 0), n))
-		if c.CachedBlocks > 0 && c.Overlap >= 0 && c.Overlap < float64(c.CachedBlocks) {
+		if c.CachedBlocks > 0 && c.WeightedBlocks >= 0 && c.WeightedBlocks < float64(c.CachedBlocks) {
 			// Blocks on a slower tier (CPU, storage) weigh less in Overlap: they must be loaded
 			// back, so the prefix is worth less than one in GPU memory.
-			cached *= c.Overlap / float64(c.CachedBlocks)
+			cached *= c.WeightedBlocks / float64(c.CachedBlocks)
 		}
 		if hot := c.RecentShare - e.hotShare; e.hotDiscount > 0 && hot > 0 {
 			cached *= max(1-e.hotDiscount*hot, 0)

@@ -541,9 +541,9 @@ func TestExpectedTTFTTierWeight(t *testing.T) {
 	e := newTTFT(t, ExpectedTTFTConfig{})
 	req := Request{Blocks: 200, Tokens: 3200}
 	cands := []Candidate{
-		{Backend: "gpu", CachedBlocks: 100, CachedTokens: 1600, Overlap: 100, Weight: 1, Healthy: true},
-		{Backend: "storage", CachedBlocks: 100, CachedTokens: 1600, Overlap: 60, Weight: 1, Healthy: true},
-		{Backend: "over", CachedBlocks: 100, CachedTokens: 1600, Overlap: 150, Weight: 1, Healthy: true},
+		{Backend: "gpu", CachedBlocks: 100, CachedTokens: 1600, WeightedBlocks: 100, Weight: 1, Healthy: true},
+		{Backend: "storage", CachedBlocks: 100, CachedTokens: 1600, WeightedBlocks: 60, Weight: 1, Healthy: true},
+		{Backend: "over", CachedBlocks: 100, CachedTokens: 1600, WeightedBlocks: 150, Weight: 1, Healthy: true},
 	}
 	got := e.Score(req, cands, nil)
 	want := []float64{

@@ -126,14 +126,14 @@ func TestProbeAndDumpThroughProxy(t *testing.T) {
 		if after := routingStateOf(t, p, token); !equalJSON(before, after) {
 			t.Fatalf("the probe changed the routing state:\nbefore %+v\nafter  %+v", before, after)
 		}
-		if res.Backend != holder || res.Reason != kvroute.ReasonKVAware || res.Tier != 4 || res.KV == nil || !res.KV.ThresholdMet {
+		if res.Backend != holder || res.Reason != kvroute.ReasonKVAware || res.RoutingTier != 4 || res.KV == nil || !res.KV.ThresholdMet {
 			t.Fatalf("probe %s, want kv_aware to %s", raw, holder)
 		}
 		if len(res.Backends) != 3 || res.ExpectedCachedTokens <= 0 || res.PrefixKey == "" {
 			t.Errorf("probe %s", raw)
 		}
 		for _, be := range res.Backends {
-			if be.Backend == holder && (be.CachedBlocks == 0 || be.Tier != "gpu" || be.Score == nil) {
+			if be.Backend == holder && (be.CachedBlocks == 0 || be.CacheTier != "gpu" || be.Score == nil) {
 				t.Errorf("the holder as probed: %+v", be)
 			}
 		}

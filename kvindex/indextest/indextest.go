@@ -290,7 +290,7 @@ func (e *env) wantBlocks(what string, ks []uint64, candidates []string, want ...
 func (e *env) wantMatch(what string, got, want kvindex.Match) {
 	e.t.Helper()
 	if got.Backend != want.Backend || got.Blocks != want.Blocks || got.Tokens != want.Tokens ||
-		got.Tier != want.Tier || math.Abs(got.Score-want.Score) > 1e-9 ||
+		got.Tier != want.Tier || math.Abs(got.WeightedBlocks-want.WeightedBlocks) > 1e-9 ||
 		got.StoredBlocks != want.StoredBlocks || got.StoredTokens != want.StoredTokens {
 		e.t.Errorf("%s: got %+v, want %+v", what, got, want)
 	}
@@ -306,7 +306,7 @@ func (e *env) stats() kvindex.Stats {
 }
 
 func gpuMatch(backend string, n int) kvindex.Match {
-	return kvindex.Match{Backend: backend, Blocks: n, Tokens: n * blockSize, Score: float64(n), Tier: events.TierGPU}
+	return kvindex.Match{Backend: backend, Blocks: n, Tokens: n * blockSize, WeightedBlocks: float64(n), Tier: events.TierGPU}
 }
 
 func testStoreAndLookup(t *testing.T, newIndex NewIndexFunc) {
@@ -374,7 +374,7 @@ func testLongRequest(t *testing.T, newIndex NewIndexFunc) {
 	e.wantMatch("full", got[0], gpuMatch("full", 300))
 	e.wantMatch("hole at 137", got[1], gpuMatch("hole", 137))
 	e.wantMatch("CPU island at 201..203", got[2], kvindex.Match{Backend: "island", Blocks: 300, Tokens: 300 * blockSize,
-		Score: 297*w[events.TierGPU] + 3*w[events.TierCPU], Tier: events.TierCPU})
+		WeightedBlocks: 297*w[events.TierGPU] + 3*w[events.TierCPU], Tier: events.TierCPU})
 	// Shorter requests end inside the chain.
 	e.wantBlocks("prefix of 150", ks[:150], []string{"full", "hole", "island"}, 150, 137, 150)
 }
@@ -463,11 +463,11 @@ func testTierDowngrade(t *testing.T, newIndex NewIndexFunc) {
 
 	e.apply("a", removed([]uint64{102}, events.TierGPU))
 	e.wantMatch("block 2 on CPU only", e.lookup(ks, "a")[0], kvindex.Match{
-		Backend: "a", Blocks: 4, Tokens: 4 * blockSize, Score: 3*w[events.TierGPU] + w[events.TierCPU], Tier: events.TierCPU})
+		Backend: "a", Blocks: 4, Tokens: 4 * blockSize, WeightedBlocks: 3*w[events.TierGPU] + w[events.TierCPU], Tier: events.TierCPU})
 
 	e.apply("a", removed(hashes(100, 4), events.TierGPU))
 	e.wantMatch("CPU only", e.lookup(ks, "a")[0], kvindex.Match{
-		Backend: "a", Blocks: 4, Tokens: 4 * blockSize, Score: 4 * w[events.TierCPU], Tier: events.TierCPU})
+		Backend: "a", Blocks: 4, Tokens: 4 * blockSize, WeightedBlocks: 4 * w[events.TierCPU], Tier: events.TierCPU})
 
 	// Removing a tier the block is not on changes nothing.
 	e.apply("a", removed(hashes(100, 4), events.TierStorage))
@@ -485,7 +485,7 @@ func testTierDowngrade(t *testing.T, newIndex NewIndexFunc) {
 	e.apply("b", stored(hashes(200, 2), toks[:2*blockSize], blockSize, events.TierCPU))
 	e.apply("b", child(201, hashes(202, 2), toks[2*blockSize:], blockSize, events.TierStorage))
 	e.wantMatch("CPU then storage", e.lookup(ks, "b")[0], kvindex.Match{
-		Backend: "b", Blocks: 4, Tokens: 4 * blockSize, Score: 2*w[events.TierCPU] + 2*w[events.TierStorage], Tier: events.TierStorage})
+		Backend: "b", Blocks: 4, Tokens: 4 * blockSize, WeightedBlocks: 2*w[events.TierCPU] + 2*w[events.TierStorage], Tier: events.TierStorage})
 }
 
 // storedMatch is a match of n blocks, the first gpu of them on GPU and the rest on storage only,
@@ -494,7 +494,7 @@ func storedMatch(backend string, n, gpu, stored int) kvindex.Match {
 	w := kvindex.DefaultTierWeights()
 	m := kvindex.Match{Backend: backend, Blocks: n, Tokens: n * blockSize, Tier: events.TierGPU,
 		StoredBlocks: stored, StoredTokens: stored * blockSize}
-	m.Score = float64(gpu)*w[events.TierGPU] + float64(n-gpu)*w[events.TierStorage]
+	m.WeightedBlocks = float64(gpu)*w[events.TierGPU] + float64(n-gpu)*w[events.TierStorage]
 	if gpu < n {
 		m.Tier = events.TierStorage
 	}
@@ -527,7 +527,7 @@ func testStoredPrefix(t *testing.T, newIndex NewIndexFunc) {
 	e.wantMatch("storage for another prompt", got[2], storedMatch("elsewhere", 300, 300, 0))
 	w := kvindex.DefaultTierWeights()
 	e.wantMatch("CPU block 0, then storage", got[3], kvindex.Match{Backend: "cpu-first", Blocks: 32, Tokens: 32 * blockSize,
-		Score: w[events.TierCPU] + 31*w[events.TierStorage], Tier: events.TierStorage})
+		WeightedBlocks: w[events.TierCPU] + 31*w[events.TierStorage], Tier: events.TierStorage})
 	e.wantMatch("unknown backend", got[4], kvindex.Match{Backend: "unknown"})
 
 	// A shorter request bounds the stored prefix.
@@ -763,13 +763,13 @@ func testPrefixTransitions(t *testing.T, newIndex NewIndexFunc) {
 				want := kvindex.Match{Backend: "a"}
 				switch tc.want {
 				case gpu:
-					want = kvindex.Match{Backend: "a", Blocks: 2048 / blockSize, Tokens: 2048, Score: 2048 * w[events.TierGPU], Tier: events.TierGPU}
+					want = kvindex.Match{Backend: "a", Blocks: 2048 / blockSize, Tokens: 2048, WeightedBlocks: 2048 * w[events.TierGPU], Tier: events.TierGPU}
 				case storage:
-					want = kvindex.Match{Backend: "a", Blocks: 2048 / blockSize, Tokens: 2048, Score: 2048 * w[events.TierStorage], Tier: events.TierStorage,
+					want = kvindex.Match{Backend: "a", Blocks: 2048 / blockSize, Tokens: 2048, WeightedBlocks: 2048 * w[events.TierStorage], Tier: events.TierStorage,
 						StoredBlocks: 2048 / blockSize, StoredTokens: 2048}
 				}
 				e.wantMatch(tc.name, got[0], want)
-				e.wantMatch(tc.name+" (other backend)", got[1], kvindex.Match{Backend: "b", Blocks: 32, Tokens: 512, Score: 512, Tier: events.TierGPU})
+				e.wantMatch(tc.name+" (other backend)", got[1], kvindex.Match{Backend: "b", Blocks: 32, Tokens: 512, WeightedBlocks: 512, Tier: events.TierGPU})
 				e.wantMatch(tc.name+" (unknown backend)", got[2], kvindex.Match{Backend: "c"})
 			}
 			// A later event updates the token count.
@@ -871,7 +871,7 @@ func testUnknownCandidates(t *testing.T, newIndex NewIndexFunc) {
 		t.Errorf("no candidates: %d matches", len(got))
 	}
 	// Stale values in out are overwritten.
-	out := []kvindex.Match{{Backend: "junk", Blocks: 9, Tokens: 9, Score: 9, Tier: events.TierStorage}}
+	out := []kvindex.Match{{Backend: "junk", Blocks: 9, Tokens: 9, WeightedBlocks: 9, Tier: events.TierStorage}}
 	res, err := e.ix.Lookup(context.Background(), ks, []string{"x"}, out)
 	if err != nil || len(res) != 1 || res[0] != (kvindex.Match{Backend: "x"}) {
 		t.Errorf("reused out: %+v, %v", res, err)
@@ -978,7 +978,7 @@ func testConcurrent(t *testing.T, newIndex NewIndexFunc) {
 					return
 				}
 				for _, m := range got {
-					if m.Blocks < 0 || m.Blocks > blocks || m.Score > float64(m.Blocks)+1e-9 {
+					if m.Blocks < 0 || m.Blocks > blocks || m.WeightedBlocks > float64(m.Blocks)+1e-9 {
 						errs <- fmt.Errorf("impossible match %+v", m)
 						return
 					}

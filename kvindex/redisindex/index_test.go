@@ -530,8 +530,8 @@ func TestStoreAndLookup(t *testing.T) {
 
 	out := redisLookup(t, f.idx, keys, "a", "b", "unknown")
 	want := []kvindex.Match{
-		{Backend: "a", Blocks: 4, Tokens: 64, Score: 4, Tier: events.TierGPU},
-		{Backend: "b", Blocks: 2, Tokens: 32, Score: 2, Tier: events.TierGPU},
+		{Backend: "a", Blocks: 4, Tokens: 64, WeightedBlocks: 4, Tier: events.TierGPU},
+		{Backend: "b", Blocks: 2, Tokens: 32, WeightedBlocks: 2, Tier: events.TierGPU},
 		{Backend: "unknown"},
 	}
 	for i := range want {
@@ -624,12 +624,12 @@ func TestTiers(t *testing.T) {
 	redisApply(t, f.idx, "a", events.Event{Kind: events.KindBlockStored, BlockHashes: hs[1:], Tier: events.TierCPU})
 	redisApply(t, f.idx, "a", redisRemoved(hs[1:], events.TierGPU))
 	out := redisLookup(t, f.idx, keys, "a")
-	if out[0].Blocks != 3 || out[0].Tier != events.TierCPU || !approx(out[0].Score, 1+0.8+0.8) {
+	if out[0].Blocks != 3 || out[0].Tier != events.TierCPU || !approx(out[0].WeightedBlocks, 1+0.8+0.8) {
 		t.Fatalf("GPU+CPU+CPU: %+v", out[0])
 	}
 	// Back on GPU: the best tier counts.
 	redisApply(t, f.idx, "a", redisStored(hs[2:], 2, true, tokens[32:], 16, events.TierGPU))
-	if out := redisLookup(t, f.idx, keys, "a"); !approx(out[0].Score, 2.8) || out[0].Tier != events.TierCPU {
+	if out := redisLookup(t, f.idx, keys, "a"); !approx(out[0].WeightedBlocks, 2.8) || out[0].Tier != events.TierCPU {
 		t.Fatalf("block 2 back on GPU: %+v", out[0])
 	}
 	redisApply(t, f.idx, "a", redisRemoved(hs[1:2], events.TierCPU))
@@ -638,13 +638,13 @@ func TestTiers(t *testing.T) {
 	}
 	// Storage tier ("disk" and other media).
 	redisApply(t, f.idx, "b", redisStored(hs, 0, false, tokens, 16, events.TierStorage))
-	if out := redisLookup(t, f.idx, keys, "b"); out[0].Tier != events.TierStorage || !approx(out[0].Score, 3*0.6) {
+	if out := redisLookup(t, f.idx, keys, "b"); out[0].Tier != events.TierStorage || !approx(out[0].WeightedBlocks, 3*0.6) {
 		t.Fatalf("storage: %+v", out[0])
 	}
 	// Custom weights.
 	g := newRedisFixture(t, Config{TierWeights: kvindex.TierWeights{1, 0.5, 0.25}})
 	redisApply(t, g.idx, "b", redisStored(hs, 0, false, tokens, 16, events.TierCPU))
-	if out := redisLookup(t, g.idx, keys, "b"); !approx(out[0].Score, 1.5) {
+	if out := redisLookup(t, g.idx, keys, "b"); !approx(out[0].WeightedBlocks, 1.5) {
 		t.Fatalf("custom weights: %+v", out[0])
 	}
 }
@@ -969,12 +969,12 @@ func TestPrefixEntries(t *testing.T) {
 		redisApply(t, f.idx, "a", prefixEv(events.PrefixCreated, "ABCD", 2048))
 		redisApply(t, f.idx, "b", prefixEv(events.PrefixCreated, "abcd", 512))
 		out := lookup(t, f.idx, "abcd", "a", "b", "c")
-		if out[0].Tokens != 2048 || out[0].Blocks != 128 || out[0].Score != 2048 || out[1].Tokens != 512 || out[2].Tokens != 0 {
+		if out[0].Tokens != 2048 || out[0].Blocks != 128 || out[0].WeightedBlocks != 2048 || out[1].Tokens != 512 || out[2].Tokens != 0 {
 			t.Fatalf("created: %+v", out)
 		}
 		redisApply(t, f.idx, "a", prefixEv(events.PrefixOffloaded, "abcd", 0))
 		out = lookup(t, f.idx, "abcd", "a")
-		if out[0].Tokens != 2048 || out[0].Tier != events.TierStorage || !approx(out[0].Score, 2048*0.6) {
+		if out[0].Tokens != 2048 || out[0].Tier != events.TierStorage || !approx(out[0].WeightedBlocks, 2048*0.6) {
 			t.Fatalf("offloaded: %+v", out)
 		}
 		redisApply(t, f.idx, "a", prefixEv(events.PrefixReloaded, "abcd", 0))

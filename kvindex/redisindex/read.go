@@ -116,7 +116,7 @@ func (x *Index) Lookup(ctx context.Context, keys []uint64, candidates []string, 
 		for t, n := range counts[i] {
 			if n > 0 {
 				m.Blocks += n
-				m.Score += float64(n) * x.weights[t]
+				m.WeightedBlocks += float64(n) * x.weights[t]
 				m.Tier = kvindex.Tier(t)
 			}
 		}
@@ -188,7 +188,7 @@ func (x *Index) LookupPrefix(ctx context.Context, prefix string, candidates []st
 			m.Tokens = int(z.Score)
 			m.Blocks = m.Tokens / x.blockSize
 			m.Tier = t
-			m.Score = float64(m.Tokens) * x.weights[t]
+			m.WeightedBlocks = float64(m.Tokens) * x.weights[t]
 			if t == events.TierStorage {
 				m.StoredTokens, m.StoredBlocks = m.Tokens, m.Blocks
 			}

@@ -34,10 +34,10 @@ func Run(t *testing.T, newScorer func(t *testing.T) scorer.BackendScorer) {
 	req := scorer.Request{Blocks: 64, Tokens: 64 * 16}
 	fleet := func() []scorer.Candidate {
 		return []scorer.Candidate{
-			{Backend: "a", CachedBlocks: 48, CachedTokens: 48 * 16, Overlap: 48, InFlight: 2, Weight: 1, Healthy: true, Health: 1},
-			{Backend: "b", CachedBlocks: 8, CachedTokens: 8 * 16, Overlap: 8, InFlight: 0, Weight: 1, Healthy: true, Health: 1},
+			{Backend: "a", CachedBlocks: 48, CachedTokens: 48 * 16, WeightedBlocks: 48, InFlight: 2, Weight: 1, Healthy: true, Health: 1},
+			{Backend: "b", CachedBlocks: 8, CachedTokens: 8 * 16, WeightedBlocks: 8, InFlight: 0, Weight: 1, Healthy: true, Health: 1},
 			{Backend: "c", InFlight: 1, Weight: 2, Healthy: true, Health: 0.5},
-			{Backend: "d", CachedBlocks: 64, CachedTokens: 64 * 16, Overlap: 64, Weight: 1, Healthy: false},
+			{Backend: "d", CachedBlocks: 64, CachedTokens: 64 * 16, WeightedBlocks: 64, Weight: 1, Healthy: false},
 		}
 	}
 
@@ -74,10 +74,10 @@ func Run(t *testing.T, newScorer func(t *testing.T) scorer.BackendScorer) {
 	t.Run("more cached scores at least as high", func(t *testing.T) {
 		s := newScorer(t)
 		for _, blocks := range []int{0, 1, 16, 63} {
-			less := scorer.Candidate{Backend: "x", CachedBlocks: blocks, CachedTokens: blocks * 16, Overlap: float64(blocks),
+			less := scorer.Candidate{Backend: "x", CachedBlocks: blocks, CachedTokens: blocks * 16, WeightedBlocks: float64(blocks),
 				InFlight: 1, Weight: 1, Healthy: true, Health: 1}
 			more := less
-			more.Backend, more.CachedBlocks, more.CachedTokens, more.Overlap = "y", blocks+1, (blocks+1)*16, float64(blocks+1)
+			more.Backend, more.CachedBlocks, more.CachedTokens, more.WeightedBlocks = "y", blocks+1, (blocks+1)*16, float64(blocks+1)
 			got := s.Score(req, []scorer.Candidate{less, more}, make([]float64, 2))
 			if got[1] < got[0] {
 				t.Errorf("%d cached blocks scored %v, %d scored %v", blocks+1, got[1], blocks, got[0])
@@ -88,7 +88,7 @@ func Run(t *testing.T, newScorer func(t *testing.T) scorer.BackendScorer) {
 	t.Run("more load scores no higher", func(t *testing.T) {
 		s := newScorer(t)
 		for _, n := range []int{0, 1, 8} {
-			idle := scorer.Candidate{Backend: "x", CachedBlocks: 16, CachedTokens: 256, Overlap: 16, InFlight: n, Weight: 1, Healthy: true, Health: 1}
+			idle := scorer.Candidate{Backend: "x", CachedBlocks: 16, CachedTokens: 256, WeightedBlocks: 16, InFlight: n, Weight: 1, Healthy: true, Health: 1}
 			busy := idle
 			busy.Backend, busy.InFlight, busy.PendingPrefillTokens = "y", n+4, 4096
 			got := s.Score(req, []scorer.Candidate{idle, busy}, make([]float64, 2))

@@ -82,8 +82,8 @@ func (s *Scorer) Score(_ scorer.Request, cands []scorer.Candidate, out []float64
 			continue
 		}
 		cached := 0.0
-		if c.CachedBlocks > 0 && c.CachedTokens > 0 && c.Overlap > 0 {
-			cached = float64(c.CachedTokens) * min(c.Overlap/float64(c.CachedBlocks), 1)
+		if c.CachedBlocks > 0 && c.CachedTokens > 0 && c.WeightedBlocks > 0 {
+			cached = float64(c.CachedTokens) * min(c.WeightedBlocks/float64(c.CachedBlocks), 1)
 		}
 		w := c.Weight
 		if !(w > 0) || math.IsInf(w, 1) {

@@ -42,11 +42,11 @@ func TestScore(t *testing.T) {
 	}
 	req := scorer.Request{Blocks: 8, Tokens: 128}
 	cands := []scorer.Candidate{
-		{Backend: "warm", CachedBlocks: 8, CachedTokens: 128, Overlap: 8, Weight: 1, Healthy: true, Health: 1},
-		{Backend: "cpu", CachedBlocks: 8, CachedTokens: 128, Overlap: 6.4, Weight: 1, Healthy: true, Health: 1},
-		{Backend: "busy", CachedBlocks: 8, CachedTokens: 128, Overlap: 8, InFlight: 1, PendingPrefillTokens: 64, Weight: 2, Healthy: true, Health: 1},
+		{Backend: "warm", CachedBlocks: 8, CachedTokens: 128, WeightedBlocks: 8, Weight: 1, Healthy: true, Health: 1},
+		{Backend: "cpu", CachedBlocks: 8, CachedTokens: 128, WeightedBlocks: 6.4, Weight: 1, Healthy: true, Health: 1},
+		{Backend: "busy", CachedBlocks: 8, CachedTokens: 128, WeightedBlocks: 8, InFlight: 1, PendingPrefillTokens: 64, Weight: 2, Healthy: true, Health: 1},
 		{Backend: "flaky", Weight: 1, Healthy: true, Health: 0.5},
-		{Backend: "down", CachedBlocks: 8, CachedTokens: 128, Overlap: 8, Healthy: false},
+		{Backend: "down", CachedBlocks: 8, CachedTokens: 128, WeightedBlocks: 8, Healthy: false},
 	}
 	got := s.Score(req, cands, nil)
 	want := []float64{128, 102.4, 128 - (64+256)/2.0, -1024, math.Inf(-1)}
@@ -73,7 +73,7 @@ func (ix staticIndex) Lookup(_ context.Context, keys []uint64, cands []string, o
 	out = out[:len(cands)]
 	for i, c := range cands {
 		n := min(ix[c], len(keys))
-		out[i] = kvindex.Match{Backend: c, Blocks: n, Tokens: n * kvindex.DefaultBlockSize, Score: float64(n)}
+		out[i] = kvindex.Match{Backend: c, Blocks: n, Tokens: n * kvindex.DefaultBlockSize, WeightedBlocks: float64(n)}
 	}
 	return out, nil
 }

@@ -16,7 +16,7 @@ func Example() {
 		panic(err)
 	}
 	cands := []scorer.Candidate{
-		{Backend: "warm", CachedBlocks: 32, CachedTokens: 512, Overlap: 32, InFlight: 2, PendingPrefillTokens: 300,
+		{Backend: "warm", CachedBlocks: 32, CachedTokens: 512, WeightedBlocks: 32, InFlight: 2, PendingPrefillTokens: 300,
 			Weight: 1, Healthy: true, Health: 1},
 		{Backend: "cold", Weight: 1, Healthy: true, Health: 1},
 	}

@@ -354,7 +354,7 @@ func (x *Index) Lookup(_ context.Context, keys []uint64, candidates []string, ou
 					break
 				}
 				m.Blocks++
-				m.Score += x.cfg.TierWeights[best]
+				m.WeightedBlocks += x.cfg.TierWeights[best]
 				m.Tier = max(m.Tier, best)
 				if onStorage = onStorage && stored; onStorage {
 					m.StoredBlocks++
@@ -384,7 +384,7 @@ func (x *Index) LookupPrefix(_ context.Context, prefix string, candidates []stri
 		if be := x.backends[c]; be != nil {
 			if e, ok := be.prefixes[h]; ok && now < e.expires {
 				m.Tokens, m.Blocks, m.Tier = e.tokens, e.tokens/x.cfg.BlockSize, e.tier
-				m.Score = float64(e.tokens) * x.cfg.TierWeights[e.tier]
+				m.WeightedBlocks = float64(e.tokens) * x.cfg.TierWeights[e.tier]
 				if e.tier == events.TierStorage {
 					m.StoredTokens, m.StoredBlocks = m.Tokens, m.Blocks
 				}
