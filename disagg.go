@@ -10,7 +10,6 @@ import (
 
 	"github.com/kvroute/kvroute/chwbl"
 	"github.com/kvroute/kvroute/disagg"
-	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 )
@@ -53,7 +52,7 @@ func newDisaggState(cfg disagg.Config, rc Config) (*disaggState, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
-	ringCfg := chwbl.Config{VirtualNodes: rc.VirtualNodes, Epsilon: p.Config().Epsilon}
+	ringCfg := chwbl.Config{VirtualNodes: rc.VirtualNodes, LoadFactorEpsilon: p.Config().LoadFactorEpsilon}
 	t := &disaggState{planner: p}
 	if t.prefill, err = chwbl.New(ringCfg); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
@@ -320,14 +319,7 @@ func (r *DefaultRouter) disaggCandidates(ctx context.Context, d *DisaggDecision,
 		m := &s.matches[i]
 		c := &s.cands[i]
 		c.CachedTokens, c.WeightedBlocks, c.StoredTokens = m.Tokens, m.WeightedBlocks, m.StoredTokens
-		switch m.Tier {
-		case events.TierGPU:
-			c.Tier = disagg.TierGPU
-		case events.TierCPU:
-			c.Tier = disagg.TierCPU
-		default:
-			c.Tier = disagg.TierStorage
-		}
+		c.Tier = min(m.Tier, disagg.TierStorage) // an index's unknown tier counts as storage
 	}
 }
 
@@ -540,7 +532,7 @@ func (dr *DisaggRouter) Stats() DisaggStats {
 		PrefillTimeout: c.PrefillTimeout.String(), KVTransferTimeout: c.KVTransferTimeout.String(),
 		FallbackToUnified: !c.DisableFallback, Conditional: !c.DisableConditional,
 		MaxUncachedTokens: c.MaxUncachedTokens, MaxUncachedRatio: c.MaxUncachedRatio,
-		LoadFactorEpsilon: c.Epsilon, DefaultStorage: c.DefaultStorage,
+		LoadFactorEpsilon: c.LoadFactorEpsilon, DefaultStorage: c.DefaultStorage,
 	}}
 	set := r.set.Load()
 	s.UnifiedBackends = len(set.list)

@@ -156,8 +156,8 @@ type Config struct {
 	// MaxPrefixLength is the number of anchor bytes hashed into a prefix key; 0 means
 	// prefixkey.DefaultMaxPrefixLength. Valid: 1 to 1 MiB.
 	MaxPrefixLength int
-	// Epsilon is CHWBL's load_factor_epsilon; 0 means chwbl.DefaultEpsilon. Valid: 0.01 to 10.
-	Epsilon float64
+	// LoadFactorEpsilon is CHWBL's load_factor_epsilon; 0 means chwbl.DefaultLoadFactorEpsilon. Valid: 0.01 to 10.
+	LoadFactorEpsilon float64
 	// VirtualNodes per backend of weight 1; 0 means chwbl.DefaultVirtualNodes.
 	VirtualNodes int
 	// Strategy chooses for requests without a prefix key; "" means DefaultStrategy.
@@ -203,8 +203,8 @@ func (c Config) withDefaults() Config {
 	if c.MaxPrefixLength == 0 {
 		c.MaxPrefixLength = prefixkey.DefaultMaxPrefixLength
 	}
-	if c.Epsilon == 0 {
-		c.Epsilon = chwbl.DefaultEpsilon
+	if c.LoadFactorEpsilon == 0 {
+		c.LoadFactorEpsilon = chwbl.DefaultLoadFactorEpsilon
 	}
 	if c.VirtualNodes == 0 {
 		c.VirtualNodes = chwbl.DefaultVirtualNodes
@@ -240,8 +240,8 @@ func (c Config) validate() error {
 	if c.MaxPrefixLength < 1 || c.MaxPrefixLength > 1<<20 {
 		return fmt.Errorf("%w: max_prefix_length %d not in [1, 1048576]", ErrInvalidConfig, c.MaxPrefixLength)
 	}
-	if math.IsNaN(c.Epsilon) || c.Epsilon < 0.01 || c.Epsilon > 10 {
-		return fmt.Errorf("%w: load_factor_epsilon %v not in [0.01, 10]", ErrInvalidConfig, c.Epsilon)
+	if math.IsNaN(c.LoadFactorEpsilon) || c.LoadFactorEpsilon < 0.01 || c.LoadFactorEpsilon > 10 {
+		return fmt.Errorf("%w: load_factor_epsilon %v not in [0.01, 10]", ErrInvalidConfig, c.LoadFactorEpsilon)
 	}
 	if !c.Strategy.valid() {
 		return fmt.Errorf("%w: selection_strategy %q is not one of round_robin, least_loaded, random, least_latency", ErrInvalidConfig, c.Strategy)
@@ -320,7 +320,7 @@ func New(cfg Config) (*DefaultRouter, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	ring, err := chwbl.New(chwbl.Config{VirtualNodes: cfg.VirtualNodes, Epsilon: cfg.Epsilon})
+	ring, err := chwbl.New(chwbl.Config{VirtualNodes: cfg.VirtualNodes, LoadFactorEpsilon: cfg.LoadFactorEpsilon})
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}

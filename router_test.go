@@ -308,9 +308,9 @@ func TestStatsJSONShape(t *testing.T) {
 
 func TestConfigValidation(t *testing.T) {
 	for name, cfg := range map[string]Config{
-		"epsilon too small": {Epsilon: 0.001},
-		"epsilon too big":   {Epsilon: 11},
-		"epsilon NaN":       {Epsilon: math.NaN()},
+		"epsilon too small": {LoadFactorEpsilon: 0.001},
+		"epsilon too big":   {LoadFactorEpsilon: 11},
+		"epsilon NaN":       {LoadFactorEpsilon: math.NaN()},
 		"prefix length":     {MaxPrefixLength: -1},
 		"strategy":          {Strategy: "fastest"},
 		"vnodes":            {VirtualNodes: -5},

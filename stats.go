@@ -67,7 +67,7 @@ func (r *DefaultRouter) Stats() PrefixRoutingStats {
 		Enabled: !r.cfg.DisablePrefixRouting,
 		Config: PrefixRoutingConfig{
 			MaxPrefixLength:                r.cfg.MaxPrefixLength,
-			LoadFactorEpsilon:              r.cfg.Epsilon,
+			LoadFactorEpsilon:              r.cfg.LoadFactorEpsilon,
 			VirtualNodes:                   r.cfg.VirtualNodes,
 			AnthropicCacheControlInjection: r.cfg.AnthropicCacheControlInjection,
 			SelectionStrategy:              string(r.cfg.Strategy),

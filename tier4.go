@@ -100,7 +100,7 @@ type KVConfig struct {
 	// caches) the prefix a second time. In the trace replay (BENCHMARKS.md, routing quality) the
 	// ring's 0.25 turned a fifth of the reachable cache hits away; 1.0 keeps the hit ratio within
 	// 7 % of one pooled cache's, and a prefix everyone wants still spreads once its holder
-	// carries twice the mean. Set it to Config.Epsilon for the ring's bound.
+	// carries twice the mean. Set it to Config.LoadFactorEpsilon for the ring's bound.
 	LoadFactorEpsilon float64
 	// UsePrefixEntries looks up prefix-granular entries (kvroute's SSE events) when a request has
 	// no block keys.

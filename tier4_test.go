@@ -419,7 +419,7 @@ func TestKVUnhealthyHolderSkipped(t *testing.T) {
 
 func TestKVImbalanceGuard(t *testing.T) {
 	ix := newMemIndex(t)
-	r := newRouter(t, Config{Backends: backends(3), Epsilon: 10, KV: &KVConfig{
+	r := newRouter(t, Config{Backends: backends(3), LoadFactorEpsilon: 10, KV: &KVConfig{
 		Index: ix, Speculation: SpeculationOff, Guard: scorer.Guard{MaxSpread: 3},
 	}})
 	toks := promptTokens(9, 16*16)

@@ -27,8 +27,8 @@
 // which with equal weights is ceil((1+ε)(T+1)/n) for n healthy backends: the paper's bound, with
 // T+1 counting the request being placed. A backend's load may include requests this ring's handles do not
 // hold (Ring.SetExternalLoad: other router replicas' requests, or its engine's own count): they
-// count in inflight(b) and in T alike, so replicas sharing their loads share one bound. ε (Config.Epsilon, default 0.25) trades cache affinity
-// for balance. The ceiling is taken with a relative tolerance of 1e-9 so that float rounding of an
+// count in inflight(b) and in T alike, so replicas sharing their loads share one bound. ε
+// (Config.LoadFactorEpsilon, default 0.25) trades cache affinity for balance. The ceiling is taken with a relative tolerance of 1e-9 so that float rounding of an
 // exact product (1.1 × 10) does not add a slot. Ring.Bound reports the current value.
 //
 // # Overflow walk

@@ -35,7 +35,7 @@ func Example() {
 // A hot prefix stays on its backend until that backend reaches its bound; the excess overflows
 // clockwise to the next backends.
 func ExampleRing_Acquire_overflow() {
-	ring, _ := chwbl.New(chwbl.Config{Epsilon: 0.25})
+	ring, _ := chwbl.New(chwbl.Config{LoadFactorEpsilon: 0.25})
 	for _, name := range []string{"pod-a", "pod-b", "pod-c", "pod-d"} {
 		_ = ring.Add(name, 1)
 	}

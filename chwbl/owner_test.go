@@ -10,7 +10,7 @@ import (
 // first healthy backend clockwise; Candidate agrees with it until the owner is full, then with
 // Acquire's overflow. Neither takes a slot.
 func TestOwnerIsReadOnly(t *testing.T) {
-	r := newRing(t, Config{Epsilon: 0.25}, "a", "b", "c", "d")
+	r := newRing(t, Config{LoadFactorEpsilon: 0.25}, "a", "b", "c", "d")
 	for key := range uint64(200) {
 		owner, err := r.Owner(key)
 		if err != nil {
@@ -73,7 +73,7 @@ func TestOwnerIsReadOnly(t *testing.T) {
 func TestBoundWithinMatchesTryAcquire(t *testing.T) {
 	for _, eps := range []float64{0.25, 1, 3} {
 		t.Run(fmt.Sprintf("epsilon=%v", eps), func(t *testing.T) {
-			r := newRing(t, Config{Epsilon: 0.25}, "a", "b", "c")
+			r := newRing(t, Config{LoadFactorEpsilon: 0.25}, "a", "b", "c")
 			if err := r.Add("w", 2); err != nil {
 				t.Fatal(err)
 			}

@@ -19,7 +19,7 @@ func TestConcurrentBoundAtomicity(t *testing.T) {
 	if testing.Short() {
 		ops = 2_000
 	}
-	r := newRing(t, Config{Epsilon: 0.25})
+	r := newRing(t, Config{LoadFactorEpsilon: 0.25})
 	for i, name := range podNames(6) {
 		if err := r.Add(name, float64(1+i%2)); err != nil {
 			t.Fatal(err)

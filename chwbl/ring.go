@@ -13,15 +13,16 @@ const (
 	// DefaultVirtualNodes is the number of virtual nodes a backend of weight 1 gets when
 	// Config.VirtualNodes is 0.
 	DefaultVirtualNodes = 150
-	// DefaultEpsilon is the load-bound slack used when Config.Epsilon is 0: a backend may hold at most
-	// about 25% more than its weighted share of the in-flight requests.
-	DefaultEpsilon = 0.25
+	// DefaultLoadFactorEpsilon is the load-bound slack used when Config.LoadFactorEpsilon is 0: a
+	// backend may hold at most about 25% more than its weighted share of the in-flight requests.
+	DefaultLoadFactorEpsilon = 0.25
 
 	// MaxVirtualNodes is the largest accepted Config.VirtualNodes.
 	MaxVirtualNodes = 10000
-	// MinEpsilon and MaxEpsilon delimit the accepted range of Config.Epsilon (0 means DefaultEpsilon).
-	MinEpsilon = 0.01
-	MaxEpsilon = 10.0
+	// MinLoadFactorEpsilon and MaxLoadFactorEpsilon delimit the accepted range of
+	// Config.LoadFactorEpsilon (0 means DefaultLoadFactorEpsilon).
+	MinLoadFactorEpsilon = 0.01
+	MaxLoadFactorEpsilon = 10.0
 	// MaxBackendVirtualNodes caps round(VirtualNodes·weight): Add rejects a weight that would give a
 	// backend more virtual nodes than this.
 	MaxBackendVirtualNodes = 1 << 20
@@ -47,25 +48,25 @@ type Config struct {
 	// weight w gets round(VirtualNodes·w), at least 1. 0 means DefaultVirtualNodes; otherwise it must
 	// be in [1, MaxVirtualNodes].
 	VirtualNodes int
-	// Epsilon is the bound's slack ε: a backend of weight w may hold at most
-	// ceil((1+ε)·(T+1)·w/W) requests (see the package documentation). 0 means DefaultEpsilon;
-	// otherwise it must be in [MinEpsilon, MaxEpsilon].
-	Epsilon float64
+	// LoadFactorEpsilon is the bound's slack ε: a backend of weight w may hold at most
+	// ceil((1+ε)·(T+1)·w/W) requests (see the package documentation). 0 means DefaultLoadFactorEpsilon;
+	// otherwise it must be in [MinLoadFactorEpsilon, MaxLoadFactorEpsilon].
+	LoadFactorEpsilon float64
 }
 
 func (c Config) withDefaults() (Config, error) {
 	if c.VirtualNodes == 0 {
 		c.VirtualNodes = DefaultVirtualNodes
 	}
-	if c.Epsilon == 0 {
-		c.Epsilon = DefaultEpsilon
+	if c.LoadFactorEpsilon == 0 {
+		c.LoadFactorEpsilon = DefaultLoadFactorEpsilon
 	}
 	if c.VirtualNodes < 1 || c.VirtualNodes > MaxVirtualNodes {
 		return c, fmt.Errorf("%w: VirtualNodes %d not in [1, %d]", ErrInvalidConfig, c.VirtualNodes, MaxVirtualNodes)
 	}
 	// The negated form also rejects NaN.
-	if !(c.Epsilon >= MinEpsilon && c.Epsilon <= MaxEpsilon) {
-		return c, fmt.Errorf("%w: Epsilon %v not in [%v, %v]", ErrInvalidConfig, c.Epsilon, MinEpsilon, MaxEpsilon)
+	if !(c.LoadFactorEpsilon >= MinLoadFactorEpsilon && c.LoadFactorEpsilon <= MaxLoadFactorEpsilon) {
+		return c, fmt.Errorf("%w: LoadFactorEpsilon %v not in [%v, %v]", ErrInvalidConfig, c.LoadFactorEpsilon, MinLoadFactorEpsilon, MaxLoadFactorEpsilon)
 	}
 	return c, nil
 }
@@ -167,7 +168,7 @@ func New(cfg Config) (*Ring, error) {
 	}
 	r := &Ring{
 		cfg:       c,
-		eps1:      1 + c.Epsilon,
+		eps1:      1 + c.LoadFactorEpsilon,
 		byName:    make(map[string]*member),
 		epoch:     1,
 		vnodeHash: vnodePosition,
@@ -310,7 +311,7 @@ func (r *Ring) Healthy() int {
 
 // boundTolerance is the relative slack subtracted before rounding the bound up, so that float
 // rounding of a product that is mathematically an integer (1.1·10 = 11.000000000000002) does not
-// add a slot. It is far below MinEpsilon, so the proof in pick still holds.
+// add a slot. It is far below MinLoadFactorEpsilon, so the proof in pick still holds.
 const boundTolerance = 1e-9
 
 // boundOf returns ceil(x) for x = (1+ε)·(T+1)·w/W given as factor·w, at least 1.
@@ -612,7 +613,7 @@ func (r *Ring) tryAcquire(h *Handle, name string, eps1 float64) (bool, error) {
 // walk considers every b ∈ H. Suppose every one refused: inflight(b)+1 > bound(b), i.e.
 // inflight(b) ≥ bound(b) ≥ (1+ε)(T+1)w_b/W. Summing over H gives T ≥ (1+ε)(T+1) > T, a
 // contradiction. In floating point the bound is ceil(x(1−δ)) with δ = boundTolerance plus rounding
-// error of order 1e-15, so the sum gives T ≥ (1+ε)(1−δ')(T+1), still > T because ε ≥ MinEpsilon =
+// error of order 1e-15, so the sum gives T ≥ (1+ε)(1−δ')(T+1), still > T because ε ≥ MinLoadFactorEpsilon =
 // 0.01 ≫ δ'. Hence some healthy backend accepts, and Acquire fails only with no healthy backend.
 func (r *Ring) pick(s *snapshot, start int) (*member, Reason) {
 	r.epoch++

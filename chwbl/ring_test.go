@@ -148,9 +148,9 @@ func installBoundCheck(t testing.TB, r *Ring) *int {
 			t.Errorf("acquired unhealthy backend %s", m.name)
 		}
 		before := r.total - 1
-		if !withinBound(r.cfg.Epsilon, before, m.weight, r.weight, m.inflight) {
+		if !withinBound(r.cfg.LoadFactorEpsilon, before, m.weight, r.weight, m.inflight) {
 			t.Errorf("%s: in-flight %d > bound %d (T before = %d, W = %v)", m.name, m.inflight,
-				exactBound(r.cfg.Epsilon, before, m.weight, r.weight), before, r.weight)
+				exactBound(r.cfg.LoadFactorEpsilon, before, m.weight, r.weight), before, r.weight)
 		}
 	}
 	r.testReleased = func(m *member) {
@@ -173,17 +173,17 @@ func TestConfig(t *testing.T) {
 		want Config
 		ok   bool
 	}{
-		{"zero means defaults", Config{}, Config{DefaultVirtualNodes, DefaultEpsilon}, true},
-		{"explicit", Config{VirtualNodes: 10, Epsilon: 0.5}, Config{10, 0.5}, true},
-		{"min", Config{VirtualNodes: 1, Epsilon: MinEpsilon}, Config{1, MinEpsilon}, true},
-		{"max", Config{VirtualNodes: MaxVirtualNodes, Epsilon: MaxEpsilon}, Config{MaxVirtualNodes, MaxEpsilon}, true},
+		{"zero means defaults", Config{}, Config{DefaultVirtualNodes, DefaultLoadFactorEpsilon}, true},
+		{"explicit", Config{VirtualNodes: 10, LoadFactorEpsilon: 0.5}, Config{10, 0.5}, true},
+		{"min", Config{VirtualNodes: 1, LoadFactorEpsilon: MinLoadFactorEpsilon}, Config{1, MinLoadFactorEpsilon}, true},
+		{"max", Config{VirtualNodes: MaxVirtualNodes, LoadFactorEpsilon: MaxLoadFactorEpsilon}, Config{MaxVirtualNodes, MaxLoadFactorEpsilon}, true},
 		{"negative vnodes", Config{VirtualNodes: -1}, Config{}, false},
 		{"too many vnodes", Config{VirtualNodes: MaxVirtualNodes + 1}, Config{}, false},
-		{"epsilon too small", Config{Epsilon: 0.005}, Config{}, false},
-		{"epsilon negative", Config{Epsilon: -0.25}, Config{}, false},
-		{"epsilon too large", Config{Epsilon: 10.5}, Config{}, false},
-		{"epsilon NaN", Config{Epsilon: math.NaN()}, Config{}, false},
-		{"epsilon Inf", Config{Epsilon: math.Inf(1)}, Config{}, false},
+		{"epsilon too small", Config{LoadFactorEpsilon: 0.005}, Config{}, false},
+		{"epsilon negative", Config{LoadFactorEpsilon: -0.25}, Config{}, false},
+		{"epsilon too large", Config{LoadFactorEpsilon: 10.5}, Config{}, false},
+		{"epsilon NaN", Config{LoadFactorEpsilon: math.NaN()}, Config{}, false},
+		{"epsilon Inf", Config{LoadFactorEpsilon: math.Inf(1)}, Config{}, false},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -718,7 +718,7 @@ func TestBoundFormula(t *testing.T) {
 	for _, tc := range tests {
 		name := fmt.Sprintf("eps=%v/weights=%v/T=%d/w=%v", tc.eps, tc.weights, tc.held, tc.query)
 		t.Run(name, func(t *testing.T) {
-			r := newRing(t, Config{Epsilon: tc.eps})
+			r := newRing(t, Config{LoadFactorEpsilon: tc.eps})
 			for i, w := range tc.weights {
 				if err := r.Add("b"+strconv.Itoa(i), w); err != nil {
 					t.Fatal(err)
@@ -778,7 +778,7 @@ func TestBoundFormula(t *testing.T) {
 func TestBoundEnforced(t *testing.T) {
 	for _, eps := range []float64{0.01, 0.1, 0.25, 1, 10} {
 		t.Run(fmt.Sprintf("eps=%v", eps), func(t *testing.T) {
-			r := newRing(t, Config{Epsilon: eps})
+			r := newRing(t, Config{LoadFactorEpsilon: eps})
 			for i, name := range podNames(5) {
 				if err := r.Add(name, float64(1+i%2)); err != nil {
 					t.Fatal(err)
@@ -846,7 +846,7 @@ func distinctClockwise(r *Ring, key uint64) []string {
 
 func TestOverflowWalk(t *testing.T) {
 	// ε = 0.1 so that five equally loaded backends can all be over the bound.
-	r := newRing(t, Config{VirtualNodes: 50, Epsilon: 0.1}, podNames(6)...)
+	r := newRing(t, Config{VirtualNodes: 50, LoadFactorEpsilon: 0.1}, podNames(6)...)
 	var visits []string
 	r.testVisit = func(m *member) { visits = append(visits, m.name) }
 	const key = 42
@@ -1026,7 +1026,7 @@ func TestAlwaysFindsBackend(t *testing.T) {
 	rng := rand.New(rand.NewPCG(6, 7))
 	for trial := range 30 {
 		eps := []float64{0.01, 0.05, 0.25, 2}[trial%4]
-		r := newRing(t, Config{VirtualNodes: 1 + rng.IntN(40), Epsilon: eps})
+		r := newRing(t, Config{VirtualNodes: 1 + rng.IntN(40), LoadFactorEpsilon: eps})
 		installBoundCheck(t, r)
 		n := 1 + rng.IntN(8)
 		for i := range n {
@@ -1379,7 +1379,7 @@ func FuzzRingOps(f *testing.F) {
 }
 
 func TestSetExternalLoadCountsInBoundAndTotal(t *testing.T) {
-	r, err := New(Config{Epsilon: 0.25})
+	r, err := New(Config{LoadFactorEpsilon: 0.25})
 	if err != nil {
 		t.Fatal(err)
 	}

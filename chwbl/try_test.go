@@ -6,7 +6,7 @@ import (
 )
 
 func TestTryAcquireBackendKeepsBound(t *testing.T) {
-	r := newRing(t, Config{Epsilon: 0.25}, "a", "b", "c", "d")
+	r := newRing(t, Config{LoadFactorEpsilon: 0.25}, "a", "b", "c", "d")
 	var held []*Handle
 	// With only "a" taking requests, it may hold n while n ≤ ceil(1.25·n/4) … i.e. just 1 slot
 	// (T=0 → bound ceil(1.25/4)=1; T=1 → ceil(2.5/4)=1).
@@ -64,7 +64,7 @@ func TestTryAcquireBackendKeepsBound(t *testing.T) {
 // TestTryAcquireBackendWithin: a looser epsilon lets one backend take exactly as many slots as
 // its own bound allows, and a negative epsilon is the ring's.
 func TestTryAcquireBackendWithin(t *testing.T) {
-	r := newRing(t, Config{Epsilon: 0.25}, "a", "b", "c", "d")
+	r := newRing(t, Config{LoadFactorEpsilon: 0.25}, "a", "b", "c", "d")
 	var held []*Handle
 	defer func() {
 		for _, h := range held {

@@ -83,7 +83,7 @@ func (c *Config) RouterConfig(o Options) (kvroute.Config, error) {
 	rcfg := kvroute.Config{
 		DisablePrefixRouting:           !*c.PrefixRouting.Enabled,
 		MaxPrefixLength:                c.PrefixRouting.MaxPrefixLength,
-		Epsilon:                        c.PrefixRouting.LoadFactorEpsilon,
+		LoadFactorEpsilon:              c.PrefixRouting.LoadFactorEpsilon,
 		VirtualNodes:                   c.PrefixRouting.VirtualNodes,
 		Strategy:                       strategy,
 		AnthropicCacheControlInjection: c.PrefixRouting.AnthropicCacheControlInjection,

@@ -90,7 +90,7 @@ func TestRouterConfigTier1(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if rcfg.DisablePrefixRouting || rcfg.MaxPrefixLength != 1024 || rcfg.Epsilon != 0.25 || rcfg.VirtualNodes != 150 ||
+	if rcfg.DisablePrefixRouting || rcfg.MaxPrefixLength != 1024 || rcfg.LoadFactorEpsilon != 0.25 || rcfg.VirtualNodes != 150 ||
 		rcfg.Strategy != kvroute.StrategyRoundRobin || rcfg.KV != nil || rcfg.Disagg != nil || rcfg.MeterProvider != nil {
 		t.Errorf("router config %+v", rcfg)
 	}

@@ -6,6 +6,7 @@ import (
 	"math"
 	"time"
 
+	"github.com/kvroute/kvroute/chwbl"
 	"github.com/kvroute/kvroute/scorer"
 )
 
@@ -22,9 +23,6 @@ const (
 	DefaultMaxUncachedTokens = 512
 	// DefaultMaxUncachedRatio: … or an uncached part of at most this fraction of the prompt.
 	DefaultMaxUncachedRatio = 0.1
-	// DefaultEpsilon is the load slack of each pool: a backend of weight w may take a phase while
-	// its phases in flight + 1 ≤ ceil((1+ε)·(T+1)·w/W) over its pool (CHWBL's bound).
-	DefaultEpsilon = 0.25
 )
 
 // Errors callers branch on with errors.Is.
@@ -66,9 +64,10 @@ type Config struct {
 	// a negative value turns that test off (it never skips). MaxUncachedRatio must be ≤ 1.
 	MaxUncachedTokens int
 	MaxUncachedRatio  float64
-	// Epsilon is the load slack of the prefill and decode pools (see DefaultEpsilon); 0 means the
-	// default. Valid: 0.01 to 10.
-	Epsilon float64
+	// LoadFactorEpsilon is the load slack ε of the prefill and decode pools: a backend of weight w
+	// may take a phase while its phases in flight + 1 ≤ ceil((1+ε)·(T+1)·w/W) over its pool
+	// (CHWBL's bound). 0 means chwbl.DefaultLoadFactorEpsilon (0.25). Valid: 0.01 to 10.
+	LoadFactorEpsilon float64
 	// Scorer ranks prefill candidates (with each one's prefill load as its in-flight count) and
 	// unified candidates; nil means scorer.NewComposite's defaults (overlap 0.6, load 0.3, health
 	// 0.1).
@@ -88,8 +87,8 @@ func (c Config) withDefaults() (Config, error) {
 	if c.MaxUncachedRatio == 0 {
 		c.MaxUncachedRatio = DefaultMaxUncachedRatio
 	}
-	if c.Epsilon == 0 {
-		c.Epsilon = DefaultEpsilon
+	if c.LoadFactorEpsilon == 0 {
+		c.LoadFactorEpsilon = chwbl.DefaultLoadFactorEpsilon
 	}
 	switch {
 	case c.PrefillTimeout < 0:
@@ -98,8 +97,8 @@ func (c Config) withDefaults() (Config, error) {
 		return c, fmt.Errorf("%w: kv_transfer_timeout %v is negative", ErrInvalidConfig, c.KVTransferTimeout)
 	case math.IsNaN(c.MaxUncachedRatio) || c.MaxUncachedRatio > 1:
 		return c, fmt.Errorf("%w: MaxUncachedRatio %v is not ≤ 1", ErrInvalidConfig, c.MaxUncachedRatio)
-	case math.IsNaN(c.Epsilon) || c.Epsilon < 0.01 || c.Epsilon > 10:
-		return c, fmt.Errorf("%w: Epsilon %v not in [0.01, 10]", ErrInvalidConfig, c.Epsilon)
+	case math.IsNaN(c.LoadFactorEpsilon) || c.LoadFactorEpsilon < 0.01 || c.LoadFactorEpsilon > 10:
+		return c, fmt.Errorf("%w: LoadFactorEpsilon %v not in [0.01, 10]", ErrInvalidConfig, c.LoadFactorEpsilon)
 	}
 	if c.Scorer == nil {
 		comp, err := scorer.NewComposite(scorer.CompositeConfig{})

@@ -43,7 +43,7 @@
 // Prefill and decode phases are counted separately per backend, and each pool keeps the bound of
 // consistent hashing with bounded loads (V. Mirrokni, M. Thorup, M. Zadimoghaddam, SODA 2018): a
 // backend of weight w takes a phase only while its phases in flight + 1 ≤ ceil((1+ε)·(T+1)·w/W)
-// over its pool (ε = Config.Epsilon, default 0.25). A decode backend at its bound loses the credit
+// over its pool (ε = Config.LoadFactorEpsilon, default 0.25). A decode backend at its bound loses the credit
 // for the prefix it holds, so a popular prefix cannot pile every request onto one backend. The
 // planner only reads the loads; the caller takes and releases the slots (package kvroute does so
 // atomically with the same bound).

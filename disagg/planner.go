@@ -246,7 +246,7 @@ func (p *Planner) fastDecode(in Input, s *scratch) (Plan, bool) {
 	for _, di := range s.pool {
 		d := &cands[di]
 		local := 0
-		if d.Tier.local() {
+		if localTier(d.Tier) {
 			local = max(d.CachedTokens, 0)
 		}
 		stored := 0
@@ -397,7 +397,7 @@ func (p *Planner) eligible(dst []int, cands []Candidate, role Role) []int {
 	if weights == 0 {
 		return dst
 	}
-	factor := (1 + p.cfg.Epsilon) * float64(total+1) / weights
+	factor := (1 + p.cfg.LoadFactorEpsilon) * float64(total+1) / weights
 	n := len(dst)
 	for i := range cands {
 		if c := &cands[i]; c.Role == role && c.Healthy && load(c) < boundOf(factor*weightOf(c.Weight)) {

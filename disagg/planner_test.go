@@ -6,6 +6,8 @@ import (
 	"net/http"
 	"testing"
 	"time"
+
+	"github.com/kvroute/kvroute/chwbl"
 )
 
 // Candidate builders. cached is in tokens; the tier-weighted overlap is cached/16 blocks at the
@@ -421,9 +423,9 @@ func TestNewValidates(t *testing.T) {
 		{"negative transfer timeout", Config{KVTransferTimeout: -1}},
 		{"ratio above 1", Config{MaxUncachedRatio: 1.5}},
 		{"ratio NaN", Config{MaxUncachedRatio: math.NaN()}},
-		{"epsilon too small", Config{Epsilon: 0.001}},
-		{"epsilon too large", Config{Epsilon: 11}},
-		{"epsilon NaN", Config{Epsilon: math.NaN()}},
+		{"epsilon too small", Config{LoadFactorEpsilon: 0.001}},
+		{"epsilon too large", Config{LoadFactorEpsilon: 11}},
+		{"epsilon NaN", Config{LoadFactorEpsilon: math.NaN()}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			if _, err := New(tt.cfg); !errors.Is(err, ErrInvalidConfig) {
@@ -438,7 +440,7 @@ func TestNewValidates(t *testing.T) {
 	c := p.Config()
 	if c.PrefillTimeout != 60*time.Second || c.KVTransferTimeout != 15*time.Second ||
 		c.MaxUncachedTokens != DefaultMaxUncachedTokens || c.MaxUncachedRatio != DefaultMaxUncachedRatio ||
-		c.Epsilon != DefaultEpsilon || c.Scorer == nil || c.Disabled || c.DisableFallback || c.DisableConditional {
+		c.LoadFactorEpsilon != chwbl.DefaultLoadFactorEpsilon || c.Scorer == nil || c.Disabled || c.DisableFallback || c.DisableConditional {
 		t.Errorf("defaults not applied: %+v", c)
 	}
 }

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+
+	"github.com/kvroute/kvroute/events"
 )
 
 // Role is what a backend does in a disaggregated fleet. The zero value is RoleUnified, so a backend
@@ -203,30 +205,17 @@ func (r Reason) String() string {
 // MarshalText implements encoding.TextMarshaler with String's labels.
 func (r Reason) MarshalText() ([]byte, error) { return []byte(r.String()), nil }
 
-// Tier is where a backend holds the matched prefix, fastest first; it mirrors kvindex's tiers
+// Tier is where a backend holds the matched prefix, fastest first: kvindex's tiers
 // (Match.Tier: the slowest tier among the matched blocks). The zero value is TierGPU.
-type Tier uint8
+type Tier = events.Tier
 
+// The tiers, as package events defines them.
 const (
-	TierGPU     Tier = iota // the backend's GPU memory
-	TierCPU                 // the backend's CPU memory offload
-	TierStorage             // disk or external storage
+	TierGPU     = events.TierGPU     // the backend's GPU memory
+	TierCPU     = events.TierCPU     // the backend's CPU memory offload
+	TierStorage = events.TierStorage // disk or external storage
 )
 
-// String returns "gpu", "cpu" or "storage".
-func (t Tier) String() string {
-	switch t {
-	case TierGPU:
-		return "gpu"
-	case TierCPU:
-		return "cpu"
-	case TierStorage:
-		return "storage"
-	default:
-		return fmt.Sprintf("tier(%d)", uint8(t))
-	}
-}
-
-// local reports whether the tier is the backend's own memory (GPU or CPU): a prefix held there is
+// localTier reports whether t is the backend's own memory (GPU or CPU): a prefix held there is
 // reused by that backend alone, without a transfer.
-func (t Tier) local() bool { return t == TierGPU || t == TierCPU }
+func localTier(t Tier) bool { return t == TierGPU || t == TierCPU }
