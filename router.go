@@ -603,8 +603,9 @@ type DecisionHooks struct {
 	// Done runs once, on the Decision's first Done: release what the Router held for the request
 	// and record its outcome.
 	Done func(Outcome)
-	// FirstToken runs on each FirstToken call before Done (the Decision's holder calls it when
-	// the first byte of a streamed answer goes out).
+	// FirstToken runs once, on the Decision's first FirstToken call, and not at all when Done
+	// has begun first (the Decision's holder calls FirstToken when the first byte of a
+	// successful answer goes out).
 	FirstToken func()
 }
 
