@@ -14,6 +14,7 @@
 package main
 
 import (
+	"bytes"
 	"errors"
 	"flag"
 	"fmt"
@@ -30,6 +31,7 @@ import (
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/benchmarks/replay"
+	"github.com/kvroute/kvroute/benchmarks/traces"
 	"github.com/kvroute/kvroute/internal/enginesim"
 )
 
@@ -63,7 +65,7 @@ type options struct {
 func run(args []string, stdout io.Writer) error {
 	var o options
 	fs := flag.NewFlagSet("replay", flag.ContinueOnError)
-	fs.StringVar(&o.trace, "trace", "../shared/traces/mooncake_synthetic_trace.jsonl.gz", "Mooncake-format trace (JSON lines, plain or gzip) for -workload trace")
+	fs.StringVar(&o.trace, "trace", "", "Mooncake-format trace (JSON lines, plain or gzip) for -workload trace; empty: the synthetic trace shipped in benchmarks/traces")
 	fs.StringVar(&o.workload, "workload", "trace", "trace, shared-prefix or multi-turn, or a comma-separated list of them")
 	fs.IntVar(&o.requests, "requests", 0, "requests of a generated workload (0: the generator's default)")
 	fs.IntVar(&o.engines, "engines", replay.DefaultEngines, "engines in the fleet")
@@ -250,9 +252,15 @@ func load(o options, kind string, seed uint64) (*replay.Workload, error) {
 	var err error
 	switch kind {
 	case "trace":
-		w, err = replay.ReadTraceFile(o.trace)
+		name := traces.MooncakeSyntheticName
+		if o.trace == "" {
+			w, err = replay.ReadTrace(bytes.NewReader(traces.MooncakeSynthetic), name)
+		} else {
+			name = filepath.Base(o.trace)
+			w, err = replay.ReadTraceFile(o.trace)
+		}
 		if err == nil {
-			w.Name = strings.TrimSuffix(strings.TrimSuffix(filepath.Base(o.trace), ".gz"), ".jsonl")
+			w.Name = strings.TrimSuffix(strings.TrimSuffix(name, ".gz"), ".jsonl")
 		}
 	case "shared-prefix":
 		w, err = replay.SharedPrefix(replay.SharedPrefixConfig{Requests: o.requests, Seed: seed})
