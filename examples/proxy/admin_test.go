@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
@@ -64,7 +65,7 @@ func TestAdminEndpoints(t *testing.T) {
 		t.Fatalf("%d %s", r.StatusCode, b)
 	}
 	waitFor(t, 10*time.Second, "KV events indexed", func() bool {
-		var st kvStatsBody
+		var st admin.KVIndexStats
 		code, b := adminDo(t, "GET", p.URL+"/admin/kv-index/stats", token, "")
 		return code == 200 && json.Unmarshal(b, &st) == nil && st.Index.Entries > 0
 	})
@@ -201,7 +202,7 @@ func TestAdminEndpoints(t *testing.T) {
 		// The engines' events of the requests above may still be on their way: wait until the
 		// index stops changing, so that none lands after the clear.
 		entries := func() int {
-			var st kvStatsBody
+			var st admin.KVIndexStats
 			_, b := adminDo(t, "GET", p.URL+"/admin/kv-index/stats", token, "")
 			_ = json.Unmarshal(b, &st)
 			return st.Index.Entries
@@ -223,7 +224,7 @@ func TestAdminEndpoints(t *testing.T) {
 		if code != 200 || json.Unmarshal(b, &res) != nil || !res.Success || res.EntriesBeforeClear == 0 || res.ClearedEntries == 0 {
 			t.Errorf("clear: %d %s", code, b)
 		}
-		var st kvStatsBody
+		var st admin.KVIndexStats
 		_, b = adminDo(t, "GET", p.URL+"/admin/kv-index/stats", token, "")
 		if json.Unmarshal(b, &st) != nil || st.Index.Entries != 0 {
 			t.Errorf("after clear: %s", b)
