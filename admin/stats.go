@@ -141,16 +141,18 @@ type KVIndexConfig struct {
 	Scoring               Scoring `json:"scoring"`
 }
 
-// Scoring is the "scoring" section of KVIndexConfig.
+// Scoring is the "scoring" section of KVIndexConfig. The composite scorer's weights
+// (OverlapWeight, LoadWeight, HealthWeight) show only while it ranks tier 4's candidates:
+// NewKVIndexStats drops them under any other scorer, whose decisions they take no part in.
 type Scoring struct {
-	OverlapWeight       float64 `json:"overlap_weight"`
-	LoadWeight          float64 `json:"load_weight"`
-	HealthWeight        float64 `json:"health_weight"`
-	MinOverlapThreshold float64 `json:"min_overlap_threshold"`
-	LoadFactorEpsilon   float64 `json:"load_factor_epsilon"`
-	GPUTierWeight       float64 `json:"gpu_tier_weight"`
-	CPUTierWeight       float64 `json:"cpu_tier_weight"`
-	StorageTierWeight   float64 `json:"storage_tier_weight"`
+	OverlapWeight       *float64 `json:"overlap_weight,omitempty"`
+	LoadWeight          *float64 `json:"load_weight,omitempty"`
+	HealthWeight        *float64 `json:"health_weight,omitempty"`
+	MinOverlapThreshold float64  `json:"min_overlap_threshold"`
+	LoadFactorEpsilon   float64  `json:"load_factor_epsilon"`
+	GPUTierWeight       float64  `json:"gpu_tier_weight"`
+	CPUTierWeight       float64  `json:"cpu_tier_weight"`
+	StorageTierWeight   float64  `json:"storage_tier_weight"`
 }
 
 // EventSource is one entry of KVIndexStats.EventSources: an event source's status
@@ -188,6 +190,9 @@ type KVRoutingDecisions struct {
 func NewKVIndexStats(st kvroute.Stats, indexErr error, cfg KVIndexConfig, sources []events.SourceStatus) KVIndexStats {
 	cfg.Backend, cfg.BlockSize, cfg.Scorer, cfg.AttentionCost = "", st.BlockSize, st.Scorer, st.AttentionCost
 	cfg.SpeculativeTTLSeconds = st.SpeculativeTTL.Seconds()
+	if st.Scorer != "kv_overlap" {
+		cfg.Scoring.OverlapWeight, cfg.Scoring.LoadWeight, cfg.Scoring.HealthWeight = nil, nil, nil
+	}
 	d := st.Decisions
 	s := KVIndexStats{
 		Enabled:      true,

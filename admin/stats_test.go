@@ -59,10 +59,11 @@ func snapshot() kvroute.Stats {
 
 // kvConfig is a gateway's configuration of tier 4 (kvroute's defaults).
 func kvConfig() admin.KVIndexConfig {
+	w := func(v float64) *float64 { return &v }
 	return admin.KVIndexConfig{
 		MinOverlapThreshold: 0.3, LoadFactorEpsilon: 1, Speculation: "speculate", MaxEntries: 100000,
 		EntryTTLSeconds: 600, EventSourcesCount: 2, Tokenizer: "engine",
-		Scoring: admin.Scoring{OverlapWeight: 0.6, LoadWeight: 0.3, HealthWeight: 0.1,
+		Scoring: admin.Scoring{OverlapWeight: w(0.6), LoadWeight: w(0.3), HealthWeight: w(0.1),
 			MinOverlapThreshold: 0.3, LoadFactorEpsilon: 1, GPUTierWeight: 1, CPUTierWeight: 0.8, StorageTierWeight: 0.6},
 	}
 }
@@ -126,6 +127,41 @@ func TestStatsBodiesGolden(t *testing.T) {
 				t.Errorf("%s differs from the golden file:\n%s", tc.file, b.Bytes())
 			}
 		})
+	}
+}
+
+// The composite's weights show only while the composite ranks tier 4's candidates (issue 26):
+// under expected_ttft, cost or a scorer of one's own they take no part in the decision.
+func TestKVIndexStatsWeightsInEffect(t *testing.T) {
+	for scorer, shown := range map[string]bool{"kv_overlap": true, "expected_ttft": false, "cost": false, "custom": false} {
+		st := snapshot()
+		st.Scorer = scorer
+		b, err := json.Marshal(admin.NewKVIndexStats(st, nil, kvConfig(), nil))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var doc struct {
+			Config struct {
+				Scorer  string         `json:"scorer"`
+				Scoring map[string]any `json:"scoring"`
+			} `json:"config"`
+		}
+		if err := json.Unmarshal(b, &doc); err != nil {
+			t.Fatal(err)
+		}
+		for _, k := range []string{"overlap_weight", "load_weight", "health_weight"} {
+			if _, ok := doc.Config.Scoring[k]; ok != shown {
+				t.Errorf("scorer %s: %s shown %v, want %v", scorer, k, ok, shown)
+			}
+		}
+		for _, k := range []string{"min_overlap_threshold", "load_factor_epsilon", "gpu_tier_weight"} {
+			if _, ok := doc.Config.Scoring[k]; !ok {
+				t.Errorf("scorer %s: scoring lacks %s", scorer, k)
+			}
+		}
+		if doc.Config.Scorer != scorer {
+			t.Errorf("scorer %q, want %q", doc.Config.Scorer, scorer)
+		}
 	}
 }
 

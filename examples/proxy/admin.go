@@ -209,7 +209,7 @@ func (s *server) kvIndexStats(w http.ResponseWriter, r *http.Request) {
 		MinOverlapThreshold: sc.MinOverlapThreshold, LoadFactorEpsilon: sc.LoadFactorEpsilon, Speculation: kc.Speculation,
 		MaxEntries: kc.MaxEntries, EntryTTLSeconds: kc.EntryTTLSeconds, EventSourcesCount: len(kc.EventSources),
 		Tokenizer: kc.Tokenizer,
-		Scoring: admin.Scoring{OverlapWeight: *sc.OverlapWeight, LoadWeight: *sc.LoadWeight, HealthWeight: *sc.HealthWeight,
+		Scoring: admin.Scoring{OverlapWeight: sc.OverlapWeight, LoadWeight: sc.LoadWeight, HealthWeight: sc.HealthWeight,
 			MinOverlapThreshold: sc.MinOverlapThreshold, LoadFactorEpsilon: sc.LoadFactorEpsilon,
 			GPUTierWeight: *sc.GPUTierWeight, CPUTierWeight: *sc.CPUTierWeight, StorageTierWeight: *sc.StorageTierWeight},
 	}, s.statuses())
