@@ -83,7 +83,7 @@ func (r *DefaultRouter) ringOf(role disagg.Role) *chwbl.Ring {
 type DisaggRouter struct{ r *DefaultRouter }
 
 // Disagg returns the Router's prefill/decode side. Without Config.Disagg its Route sends every
-// request down the unified path (reason disabled) and its Stats are zero.
+// request down the unified path (reason disabled), and Stats.Disagg is nil.
 func (r *DefaultRouter) Disagg() *DisaggRouter { return &r.disaggSide }
 
 // Config returns the disaggregation configuration in force, defaults applied (the timeouts a
@@ -474,87 +474,4 @@ func (d *DisaggDecision) DecodeFailed(ctx context.Context, cause error) (*Disagg
 		return nil, fmt.Errorf("%w: decode on %q failed (%w): %w", ErrNoBackend, d.Plan.Decode, cause, err)
 	}
 	return r.routeUnified(ctx, d.req, plan, nil)
-}
-
-// DisaggStats is the body of an admin endpoint on disaggregated serving: the configuration, the
-// requests by path and reason, and each prefill and decode backend's phases in flight.
-type DisaggStats struct {
-	// Enabled: Config.Disagg is set and does not disable disaggregation.
-	Enabled  bool              `json:"enabled"`
-	Config   DisaggStatsConfig `json:"config"`
-	Requests disagg.Stats      `json:"requests"`
-	// The number of backends in each pool (the configuration's pool sizing suggests a 3:1
-	// decode-to-prefill ratio as a start).
-	PrefillBackends int                 `json:"prefill_backends"`
-	DecodeBackends  int                 `json:"decode_backends"`
-	UnifiedBackends int                 `json:"unified_backends"`
-	Backends        []DisaggBackendLoad `json:"backends"`
-}
-
-// DisaggStatsConfig is the disaggregation configuration as the stats report it, in the
-// configuration's names; DefaultStorage's credentials are redacted.
-type DisaggStatsConfig struct {
-	PrefillTimeout    string                 `json:"prefill_timeout"`
-	KVTransferTimeout string                 `json:"kv_transfer_timeout"`
-	FallbackToUnified bool                   `json:"fallback_to_unified"`
-	Conditional       bool                   `json:"conditional_disaggregation"`
-	MaxUncachedTokens int                    `json:"max_uncached_tokens"`
-	MaxUncachedRatio  float64                `json:"max_uncached_ratio"`
-	LoadFactorEpsilon float64                `json:"load_factor_epsilon"`
-	DefaultStorage    disagg.ExternalStorage `json:"default_external_storage"`
-}
-
-// DisaggBackendLoad is one prefill or decode backend's line in DisaggStats. Storage is nil when the
-// backend uses the default; its credentials are redacted.
-type DisaggBackendLoad struct {
-	Backend          string                  `json:"backend"`
-	Role             disagg.Role             `json:"role"`
-	Healthy          bool                    `json:"healthy"`
-	Weight           float64                 `json:"weight"`
-	PrefillsInFlight int                     `json:"prefills_in_flight"`
-	DecodesInFlight  int                     `json:"decodes_in_flight"`
-	Decisions        uint64                  `json:"decisions"`
-	SuccessRate      float64                 `json:"success_rate"`
-	Refusals         uint64                  `json:"refusals"` // decodes it declined for lack of capacity (Outcome.Refused)
-	Storage          *disagg.ExternalStorage `json:"external_storage,omitempty"`
-}
-
-// Stats returns a snapshot of disaggregated serving; without Config.Disagg it is the zero
-// DisaggStats. Safe for concurrent use; counters are read one by one.
-func (dr *DisaggRouter) Stats() DisaggStats {
-	r := dr.r
-	t := r.dis
-	if t == nil {
-		return DisaggStats{}
-	}
-	c := t.planner.Config()
-	s := DisaggStats{Enabled: !c.Disabled, Requests: t.counters.Snapshot(), Config: DisaggStatsConfig{
-		PrefillTimeout: c.PrefillTimeout.String(), KVTransferTimeout: c.KVTransferTimeout.String(),
-		FallbackToUnified: !c.DisableFallback, Conditional: !c.DisableConditional,
-		MaxUncachedTokens: c.MaxUncachedTokens, MaxUncachedRatio: c.MaxUncachedRatio,
-		LoadFactorEpsilon: c.LoadFactorEpsilon, DefaultStorage: c.DefaultStorage,
-	}}
-	set := r.set.Load()
-	s.UnifiedBackends = len(set.list)
-	for _, pool := range [...]struct {
-		ring *chwbl.Ring
-		role disagg.Role
-	}{{t.prefill, disagg.RolePrefill}, {t.decode, disagg.RoleDecode}} {
-		for _, l := range pool.ring.Loads(nil) {
-			bl := DisaggBackendLoad{Backend: l.Name, Role: pool.role, Healthy: l.Healthy, Weight: l.Weight, SuccessRate: 1}
-			if pool.role == disagg.RolePrefill {
-				bl.PrefillsInFlight = l.InFlight
-				s.PrefillBackends++
-			} else {
-				bl.DecodesInFlight = l.InFlight
-				s.DecodeBackends++
-			}
-			if st := set.byName[l.Name]; st != nil {
-				bl.Decisions, bl.SuccessRate, bl.Storage = st.decisions.Load(), st.success.load(), st.storage
-				bl.Refusals = st.refusals.Load()
-			}
-			s.Backends = append(s.Backends, bl)
-		}
-	}
-	return s
 }

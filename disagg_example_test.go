@@ -52,7 +52,8 @@ func ExampleDisaggRouter_Route() {
 	fmt.Println(h.Get(disagg.HeaderRoutingPath), h.Get(disagg.HeaderDecodeBackend), d.Plan.Reason)
 	// … forward the request to d.Decode and stream the answer …
 	d.Done(kvroute.Outcome{})
-	fmt.Println(router.Disagg().Stats().Requests.PrefillFailures)
+	st, _ := router.Stats(ctx)
+	fmt.Println(st.Disagg.PrefillFailures)
 	// Output:
 	// prefill_then_decode cache_miss prefill-1 1m0s
 	// fallback unified-fallback prefill_failed

@@ -2,12 +2,10 @@ package kvroute
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net/http"
-	"strings"
 	"sync"
 	"testing"
 
@@ -202,9 +200,9 @@ func TestRouteDisaggPaths(t *testing.T) {
 			assert.Equal(t, tt.decode, h.Get(disagg.HeaderDecodeBackend))
 			assert.Equal(t, tt.prefill, h.Get(disagg.HeaderPrefillBackend))
 
-			st := r.Disagg().Stats()
-			assert.Equal(t, uint64(1), st.Requests.Path(tt.path))
-			assert.Equal(t, uint64(1), st.Requests.Total)
+			st := statsOf(t, r).Disagg
+			assert.Equal(t, uint64(1), st.Path(tt.path))
+			assert.Equal(t, uint64(1), st.Total)
 		})
 	}
 }
@@ -270,7 +268,7 @@ func TestRouteDisaggNoBackend(t *testing.T) {
 	assert.Nil(t, d)
 	assert.ErrorIs(t, err, ErrNoBackend)
 	assert.ErrorIs(t, err, disagg.ErrNoBackend)
-	assert.Equal(t, uint64(1), r.Disagg().Stats().Requests.NoBackend)
+	assert.Equal(t, uint64(1), statsOf(t, r).Disagg.NoBackend)
 	for name, n := range dgLoads(r) {
 		assert.Zero(t, n, name)
 	}
@@ -311,8 +309,8 @@ func TestRouteDisaggPhases(t *testing.T) {
 	for name, n := range dgLoads(r) {
 		assert.Zero(t, n, name)
 	}
-	for _, b := range r.Disagg().Stats().Backends {
-		assert.Equal(t, 1.0, b.SuccessRate, b.Backend)
+	for _, b := range statsOf(t, r).Backends {
+		assert.Equal(t, 1.0, b.SuccessRate, b.Name)
 	}
 
 	// Speculation told the index where the prompt went: the same prompt is now a local hit on
@@ -363,16 +361,16 @@ func TestRouteDisaggDecodeFailed(t *testing.T) {
 			for name, n := range dgLoads(r) {
 				assert.Zero(t, n, name)
 			}
-			st := r.Disagg().Stats()
-			assert.Equal(t, uint64(1), st.Requests.DecodeFailures)
+			st := statsOf(t, r)
+			assert.Equal(t, uint64(1), st.Disagg.DecodeFailures)
 			if fallback {
-				assert.Equal(t, uint64(1), st.Requests.Reasons.DecodeFailed)
+				assert.Equal(t, uint64(1), st.Disagg.Reasons.DecodeFailed)
 			}
 			for _, b := range st.Backends {
-				if b.Backend == d.Plan.Decode {
+				if b.Name == d.Plan.Decode {
 					assert.Less(t, b.SuccessRate, 1.0, "the failure counts against the decode backend")
-				} else {
-					assert.Equal(t, 1.0, b.SuccessRate, b.Backend)
+				} else if b.Role != disagg.RoleUnified {
+					assert.Equal(t, 1.0, b.SuccessRate, b.Name)
 				}
 			}
 		})
@@ -412,13 +410,13 @@ func TestRouteDisaggPrefillFailed(t *testing.T) {
 			for name, n := range dgLoads(r) {
 				assert.Zero(t, n, name)
 			}
-			st := r.Disagg().Stats()
-			assert.Equal(t, uint64(1), st.Requests.PrefillFailures)
+			st := statsOf(t, r)
+			assert.Equal(t, uint64(1), st.Disagg.PrefillFailures)
 			for _, b := range st.Backends {
-				if b.Backend == d.Plan.Prefill {
+				if b.Name == d.Plan.Prefill {
 					assert.Less(t, b.SuccessRate, 1.0, "the failure counts against the prefill backend")
-				} else {
-					assert.Equal(t, 1.0, b.SuccessRate, b.Backend)
+				} else if b.Role != disagg.RoleUnified {
+					assert.Equal(t, 1.0, b.SuccessRate, b.Name)
 				}
 			}
 		})
@@ -508,8 +506,8 @@ func TestRouteDisaggLoadReturnsToZero(t *testing.T) {
 		_, ok := routed.Load(p)
 		assert.True(t, ok, "no request took %v", p)
 	}
-	st := r.Disagg().Stats()
-	assert.Equal(t, uint64(16*150), st.Requests.FastDecode+st.Requests.PrefillThenDecode+st.Requests.Fallback-st.Requests.Reasons.PrefillFailed)
+	st := statsOf(t, r).Disagg
+	assert.Equal(t, uint64(16*150), st.FastDecode+st.PrefillThenDecode+st.Fallback-st.Reasons.PrefillFailed)
 }
 
 func TestDisaggBackendsStayOffTheUnifiedRing(t *testing.T) {
@@ -534,11 +532,11 @@ func TestDisaggBackendsStayOffTheUnifiedRing(t *testing.T) {
 	assert.ErrorIs(t, r.AddBackend(Backend{Name: "decode-4", Role: disagg.RoleDecode}), ErrDuplicateBackend)
 	assert.ErrorIs(t, r.SetHealthy("decode-3", false), ErrUnknownBackend)
 	require.NoError(t, r.SetHealthy("decode-4", false))
-	st := r.Disagg().Stats()
-	assert.Equal(t, 2, st.PrefillBackends)
-	assert.Equal(t, 3, st.DecodeBackends)
-	assert.Equal(t, 2, st.UnifiedBackends)
-	assert.Len(t, r.Stats().BackendDistribution, 2)
+	st := statsOf(t, r)
+	assert.Len(t, backendsOf(st, disagg.RolePrefill), 2)
+	assert.Len(t, backendsOf(st, disagg.RoleDecode), 3)
+	assert.Len(t, backendsOf(st, disagg.RoleUnified), 2)
+	assert.Len(t, st.Backends, 7)
 
 	// A decode slot held across its backend's removal is released once, harmlessly.
 	d, err := r.Disagg().Route(ctx, dgReq(dgTokens(9, 100)))
@@ -571,36 +569,52 @@ func TestDisaggNeedsConfig(t *testing.T) {
 	d.Done(Outcome{})
 	inflight, _ = r.ring.InFlight(d.Plan.Decode)
 	assert.Zero(t, inflight)
-	assert.Equal(t, DisaggStats{}, r.Disagg().Stats())
+	st := statsOf(t, r)
+	assert.Nil(t, st.Disagg)
+	assert.Equal(t, uint64(1), st.Decisions.Total(), "the unified path is one of Route's decisions")
 	_, ok := r.Disagg().Config()
 	assert.False(t, ok)
 }
 
-func TestDisaggStatsRedactAndReset(t *testing.T) {
+// With disaggregation on, Stats counts DisaggRouter.Route's requests by path and reason and lists
+// the pool backends after the unified ones, each with its phases in flight; the Router keeps its
+// own copy of a backend's storage.
+func TestDisaggStats(t *testing.T) {
 	own := disagg.ExternalStorage{Endpoint: "http://own:9000", Namespace: "kv", Credentials: "cred-own-33"}
 	r := dgRouter(t, nil, disagg.Config{}, func(c *Config) {
 		c.Backends[0].Storage = &own
 	})
 	own.Endpoint = "http://changed" // the Router keeps its own copy
+	assert.Equal(t, "http://own:9000", r.set.Load().byName[r.cfg.Backends[0].Name].storage.Endpoint)
 	d, err := r.Disagg().Route(context.Background(), dgReq(dgTokens(6, 5000)))
 	require.NoError(t, err)
-	d.Done(Outcome{})
-	b, err := json.Marshal(r.Disagg().Stats())
-	require.NoError(t, err)
-	out := string(b)
-	for _, secret := range []string{"cred-own-33", dgStore.AccessKey, dgStore.SecretKey} {
-		assert.NotContains(t, out, secret)
+	require.Equal(t, disagg.PathPrefillThenDecode, d.Plan.Path)
+	st := statsOf(t, r)
+	require.NotNil(t, st.Disagg)
+	assert.Equal(t, uint64(1), st.Disagg.PrefillThenDecode)
+	assert.Equal(t, uint64(1), st.Disagg.Total)
+	assert.Zero(t, st.Decisions.Total(), "the pools' phases are not Route's decisions")
+	roles := []disagg.Role{}
+	for _, b := range st.Backends {
+		if len(roles) == 0 || roles[len(roles)-1] != b.Role {
+			roles = append(roles, b.Role)
+		}
+		want := 0
+		if b.Name == d.Plan.Prefill || b.Name == d.Plan.Decode {
+			want = 1
+		}
+		assert.Equal(t, want, b.InFlight, b.Name)
+		assert.Equal(t, uint64(want), b.Decisions, b.Name)
 	}
-	assert.Contains(t, out, `"endpoint":"http://own:9000"`)
-	assert.Contains(t, out, `"prefill_timeout":"1m0s"`)
-	assert.Contains(t, out, `"prefill_then_decode":1`)
-	assert.True(t, strings.Contains(out, disagg.Redacted))
+	assert.Equal(t, []disagg.Role{disagg.RoleUnified, disagg.RolePrefill, disagg.RoleDecode}, roles, "unified, then prefill, then decode")
+	d.PrefillDone(Outcome{})
+	d.Done(Outcome{})
+	for _, b := range statsOf(t, r).Backends {
+		assert.Zero(t, b.InFlight, b.Name)
+	}
 	cfg, ok := r.Disagg().Config()
 	assert.True(t, ok)
 	assert.Equal(t, disagg.DefaultKVTransferTimeout, cfg.KVTransferTimeout)
-
-	r.ResetStats()
-	assert.Zero(t, r.Disagg().Stats().Requests.Total)
 }
 
 func TestDisaggMetrics(t *testing.T) {

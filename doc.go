@@ -63,7 +63,8 @@
 //
 // The library holds no package-level state, reads no environment variable and starts no
 // goroutine: two Routers in one process are independent. Metrics go to the OpenTelemetry
-// MeterProvider given in Config (none by default).
+// MeterProvider given in Config (none by default); DefaultRouter.Stats returns one snapshot of the
+// Router's counters and backends, which package admin turns into the admin endpoints' JSON.
 //
 // # Router replicas
 //

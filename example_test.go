@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"time"
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/events"
@@ -89,4 +90,41 @@ func ExampleKVConfig_scorer() {
 	defer d.Done(kvroute.Outcome{})
 	fmt.Println(d.Backend, d.Reason, d.ExpectedCachedTokens)
 	// Output: vllm-2 kv_aware 64
+}
+
+// Stats is one snapshot of the Router: decisions by reason, each backend's load and observed
+// averages, and (with tier 4, peers or disaggregation) their counters. The counters only grow: a
+// monitoring system takes differences between two snapshots. Package admin turns a snapshot into
+// the admin endpoints' JSON.
+func ExampleDefaultRouter_Stats() {
+	router, err := kvroute.New(kvroute.Config{
+		Backends: []kvroute.Backend{{Name: "vllm-1"}, {Name: "vllm-2", Weight: 2}},
+	})
+	if err != nil {
+		panic(err)
+	}
+	defer router.Close()
+	ctx := context.Background()
+	for _, system := range []string{"support bot", "coding bot", "support bot"} {
+		d, err := router.Route(ctx, &prefixkey.Request{Model: "llama-3-8b", System: system, HasSystem: true})
+		if err != nil {
+			panic(err)
+		}
+		d.Done(kvroute.Outcome{Latency: 40 * time.Millisecond})
+	}
+
+	st, err := router.Stats(ctx) // ctx bounds the KV index's own stats call, with tier 4 on
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println(st.Decisions.Total(), st.Decisions.PrefixHash, st.UniquePrefixes)
+	for _, b := range st.Backends {
+		fmt.Println(b.Name, b.Role, b.Weight, b.InFlight, b.SuccessRate)
+	}
+	fmt.Println(st.Index == nil, st.Disagg == nil) // tier 4 and disaggregation are off
+	// Output:
+	// 3 3 2
+	// vllm-1 unified 1 0 1
+	// vllm-2 unified 2 0 1
+	// true true
 }

@@ -48,10 +48,3 @@ func (h *hyperLogLog) estimate() uint64 {
 	}
 	return uint64(e + 0.5)
 }
-
-// reset forgets every hash. Concurrent adds may survive it.
-func (h *hyperLogLog) reset() {
-	for i := range h.reg {
-		h.reg[i].Store(0)
-	}
-}

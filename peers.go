@@ -89,18 +89,18 @@ type EngineLoad struct {
 	At time.Time `json:"at"`
 }
 
-// PeerStats is what the Router knows of its peers and of engine-reported load.
+// PeerStats is what the Router knows of its peers and of engine-reported load (Stats.Peers).
 type PeerStats struct {
-	Peers    int    `json:"peers"`     // replicas with decisions in flight here
-	InFlight int    `json:"in_flight"` // their decisions not yet done
-	Applied  uint64 `json:"applied"`   // peer events applied
-	Ignored  uint64 `json:"ignored"`   // peer events for an unknown backend or decision
-	Expired  uint64 `json:"expired"`   // peer decisions dropped after PeerMaxAge
-	Forgot   uint64 `json:"forgot"`    // peer decisions dropped by ForgetPeer
+	Peers    int    // replicas with decisions in flight here
+	InFlight int    // their decisions not yet done
+	Applied  uint64 // peer events applied
+	Ignored  uint64 // peer events for an unknown backend or decision
+	Expired  uint64 // peer decisions dropped after PeerMaxAge
+	Forgot   uint64 // peer decisions dropped by ForgetPeer
 	// EngineReports counts ReportEngineLoad calls applied, EngineStale the reports that had grown
 	// older than EngineLoadMaxAge (on arrival, or before the next one came).
-	EngineReports uint64 `json:"engine_reports"`
-	EngineStale   uint64 `json:"engine_stale"`
+	EngineReports uint64
+	EngineStale   uint64
 }
 
 // peerKey names one peer decision.
@@ -150,7 +150,7 @@ type engineReport struct {
 // among the replicas, not this Router's own): see the package documentation's "Router replicas".
 // Events for a backend this Router does not have, a FirstToken or Done of a decision it does not
 // know (its Routed was lost, or it expired), and a second Routed for the same decision are
-// ignored and counted (PeerStats.Ignored). Safe for concurrent use.
+// ignored and counted (Stats.Peers.Ignored). Safe for concurrent use.
 func (r *DefaultRouter) ApplyPeerEvent(replica string, ev PeerEvent) {
 	p := &r.peers
 	now := r.cfg.Now()
@@ -326,7 +326,7 @@ func (r *DefaultRouter) ForgetPeer(replica string) int {
 // requests beyond this Router's own in-flight ones count as the backend's external load (unless
 // its peers' in-flight requests are more). A report already older than EngineLoadMaxAge is
 // counted stale and not applied. Ages are read on Config.Now: the next Route (or Stats,
-// PeerStats, ReportEngineLoad) after a report's expiry drops it, and no timer runs. The error
+// ReportEngineLoad) after a report's expiry drops it, and no timer runs. The error
 // wraps ErrUnknownBackend when there is no such backend. Safe for concurrent use.
 func (r *DefaultRouter) ReportEngineLoad(backend string, l EngineLoad) error {
 	st := r.set.Load().byName[backend]
@@ -396,8 +396,8 @@ func (r *DefaultRouter) updateExternalLocked(st *backendState) {
 	_ = r.ring.SetExternalLoad(st.name, n) // a removed backend: nothing to set
 }
 
-// PeerStats returns what the Router knows of its peers. Safe for concurrent use.
-func (r *DefaultRouter) PeerStats() PeerStats {
+// peerStats returns what the Router knows of its peers, after dropping what has expired.
+func (r *DefaultRouter) peerStats() PeerStats {
 	p := &r.peers
 	now := r.cfg.Now()
 	p.mu.Lock()

@@ -37,8 +37,9 @@ func (l *relay) PublishPeerEvent(ev PeerEvent) {
 
 func externalLoads(r *DefaultRouter) map[string]int {
 	out := map[string]int{}
-	for _, b := range r.Stats().BackendDistribution {
-		out[b.Backend] = b.ExternalLoad
+	st, _ := r.Stats(context.Background())
+	for _, b := range st.Backends {
+		out[b.Name] = b.ExternalLoad
 	}
 	return out
 }
@@ -58,11 +59,11 @@ func TestPeerEventsShareLoad(t *testing.T) {
 		ds = append(ds, d)
 	}
 	own := map[string]int{}
-	for _, l := range ra.Stats().BackendDistribution {
-		own[l.Backend] = l.InFlightRequests
+	for _, l := range statsOf(t, ra).Backends {
+		own[l.Name] = l.InFlight
 	}
 	assert.Equal(t, own, externalLoads(rb), "b's external load is a's in-flight requests")
-	assert.Equal(t, PeerStats{Peers: 1, InFlight: 8, Applied: 8}, rb.PeerStats())
+	assert.Equal(t, PeerStats{Peers: 1, InFlight: 8, Applied: 8}, statsOf(t, rb).Peers)
 
 	// b's own decision for the same prefix sees a's load: the prefix's owner is at its bound
 	// (T counts a's eight), so b's request overflows, as a's ninth would.
@@ -80,7 +81,7 @@ func TestPeerEventsShareLoad(t *testing.T) {
 		d.Done(Outcome{})
 	}
 	assert.Equal(t, map[string]int{"a": 0, "b": 0, "c": 0}, externalLoads(rb))
-	st := rb.PeerStats()
+	st := statsOf(t, rb).Peers
 	assert.Equal(t, 0, st.InFlight)
 	assert.Equal(t, 0, st.Peers)
 	assert.Equal(t, uint64(8*3), st.Applied, "routed, first token and done of each")
@@ -145,7 +146,7 @@ func TestPeerEventsLostOrStale(t *testing.T) {
 	r.ApplyPeerEvent("p", PeerEvent{Kind: PeerRouted, ID: 1, Backend: "a", PrefillTokens: 100})
 	r.ApplyPeerEvent("p", PeerEvent{Kind: PeerRouted, ID: 1, Backend: "a", PrefillTokens: 100})
 	r.ApplyPeerEvent("p", PeerEvent{Kind: 99, ID: 1})
-	assert.Equal(t, uint64(4), r.PeerStats().Ignored)
+	assert.Equal(t, uint64(4), statsOf(t, r).Peers.Ignored)
 	assert.Equal(t, 1, externalLoads(r)["a"])
 	assert.Equal(t, 100, pendingPrefill(r, "a"))
 
@@ -157,7 +158,7 @@ func TestPeerEventsLostOrStale(t *testing.T) {
 	mu.Lock()
 	now = now.Add(31 * time.Second)
 	mu.Unlock()
-	st := r.PeerStats()
+	st := statsOf(t, r).Peers
 	assert.Equal(t, uint64(1), st.Expired)
 	assert.Equal(t, 1, st.InFlight)
 	assert.Equal(t, map[string]int{"a": 0, "b": 1}, externalLoads(r))
@@ -168,8 +169,8 @@ func TestPeerEventsLostOrStale(t *testing.T) {
 	assert.Equal(t, 2, r.ForgetPeer("q"))
 	assert.Zero(t, r.ForgetPeer("q"))
 	assert.Equal(t, map[string]int{"a": 0, "b": 0}, externalLoads(r))
-	assert.Equal(t, uint64(2), r.PeerStats().Forgot)
-	assert.Equal(t, 0, r.PeerStats().Peers)
+	assert.Equal(t, uint64(2), statsOf(t, r).Peers.Forgot)
+	assert.Equal(t, 0, statsOf(t, r).Peers.Peers)
 }
 
 func TestReportEngineLoad(t *testing.T) {
@@ -187,8 +188,8 @@ func TestReportEngineLoad(t *testing.T) {
 	require.NoError(t, r.ReportEngineLoad(d.Backend, EngineLoad{Running: 3, Waiting: 2, KVCacheUsage: 0.5}))
 	assert.Equal(t, 4, externalLoads(r)[d.Backend])
 	var got *EngineLoad
-	for _, b := range r.Stats().BackendDistribution {
-		if b.Backend == d.Backend {
+	for _, b := range statsOf(t, r).Backends {
+		if b.Name == d.Backend {
 			got = b.Engine
 		}
 	}
@@ -217,7 +218,7 @@ func TestReportEngineLoad(t *testing.T) {
 	require.NoError(t, err)
 	d3.Done(Outcome{})
 	assert.Equal(t, 0, r.ring.Loads(nil)[backendIndex(r, d.Backend)].External, "stale 2 s after, by Config.Now")
-	st := r.PeerStats()
+	st := statsOf(t, r).Peers
 	assert.Equal(t, uint64(1), st.EngineReports)
 	assert.Equal(t, uint64(2), st.EngineStale)
 	assert.ErrorIs(t, r.ReportEngineLoad("zz", EngineLoad{}), ErrUnknownBackend)

@@ -42,7 +42,7 @@ var (
 
 // Reason says why a Decision chose its backend. Its String values are kvroute's routing-decision
 // labels, one vocabulary for the X-Kvroute-Route header, the prefix_routing_requests_total metric,
-// RoutingStats and KVIndexStats:
+// Stats.Decisions and the admin endpoints:
 //
 //	prefix_hash  tier 1: the owner of the request's prefix key on the CHWBL ring
 //	overflow     tier 1: the owner was at its load bound; the next backend clockwise
@@ -162,9 +162,6 @@ type Config struct {
 	VirtualNodes int
 	// Strategy chooses for requests without a prefix key; "" means DefaultStrategy.
 	Strategy Strategy
-	// AnthropicCacheControlInjection is reported in Stats; the gateway applies
-	// prefixkey.InjectAnthropicCacheControl when it is set.
-	AnthropicCacheControlInjection bool
 	// Backends are the initial backends.
 	Backends []Backend
 	// MeterProvider receives the Router's metrics; nil means no metrics.
@@ -366,9 +363,6 @@ func (r *DefaultRouter) Close() error {
 	}
 	return err
 }
-
-// Config returns the configuration in force, defaults filled in. Backends lists the initial ones.
-func (r *DefaultRouter) Config() Config { return r.cfg }
 
 // AddBackend adds a healthy backend. It returns an error wrapping ErrDuplicateBackend when the name is
 // taken, or ErrInvalidConfig for an empty name, a negative or non-finite weight, an invalid role,
@@ -660,7 +654,7 @@ type Outcome struct {
 	Latency time.Duration // 0 means measured by the Router's clock
 	// Refused reports that the backend declined the request for lack of capacity before answering
 	// it (an engine's 429 or 503, or its error for a full KV cache): a sign of load, not of ill
-	// health. The default Router counts it (BackendLoad.Refusals), records neither a success nor
+	// health. The default Router counts it (BackendStats.Refusals), records neither a success nor
 	// a failure, and keeps the request's in-flight slot on the backend for Config.RefusalHold.
 	Refused bool
 	// NotSent reports that the request never reached the backend (the gateway sent it elsewhere

@@ -5,6 +5,8 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
@@ -14,12 +16,21 @@ import (
 // inFlightOf counts the requests r holds.
 func inFlightOf(r *kvroute.DefaultRouter) func() int {
 	return func() int {
+		st, _ := r.Stats(context.Background())
 		n := 0
-		for _, l := range r.Stats().BackendDistribution {
-			n += l.InFlightRequests
+		for _, l := range st.Backends {
+			n += l.InFlight
 		}
 		return n
 	}
+}
+
+// backendStats is r's Stats().Backends; Stats must not fail.
+func backendStats(t testing.TB, r *kvroute.DefaultRouter) []kvroute.BackendStats {
+	t.Helper()
+	st, err := r.Stats(context.Background())
+	require.NoError(t, err)
+	return st.Backends
 }
 
 func newDefault(t *testing.T, backends []string, kv bool) *kvroute.DefaultRouter {

@@ -39,8 +39,8 @@ func TestRouterWrapperWithExportedAPI(t *testing.T) {
 	})
 	inFlight := func() int {
 		n := 0
-		for _, l := range inner.Stats().BackendDistribution {
-			n += l.InFlightRequests
+		for _, l := range backendStats(t, inner) {
+			n += l.InFlight
 		}
 		return n
 	}
@@ -109,8 +109,11 @@ func TestLookupOnlyIndex(t *testing.T) {
 	assert.Equal(t, "b", d.Backend)
 	assert.Equal(t, kvroute.ReasonKVAware, d.Reason)
 	d.Done(kvroute.Outcome{})
-	_, err = r.KVStats(context.Background())
-	assert.ErrorIs(t, err, kvroute.ErrUnsupported)
+	st, err := r.Stats(context.Background())
+	require.NoError(t, err, "an index without stats is no error")
+	assert.Nil(t, st.Index)
+	assert.Equal(t, uint64(1), st.Lookups)
+	assert.Equal(t, "expected_ttft", st.Scorer)
 	_, err = r.ClearKVIndex(context.Background())
 	assert.ErrorIs(t, err, kvroute.ErrUnsupported)
 }
@@ -146,8 +149,8 @@ func TestWrapDecision(t *testing.T) {
 	d.FirstToken()
 	d.Done(kvroute.Outcome{})
 	assert.Equal(t, []string{"first", "done"}, order, "each hook once, FirstToken's before Done's")
-	for _, l := range inner.Stats().BackendDistribution {
-		assert.Zero(t, l.InFlightRequests, "the inner decision was released")
+	for _, l := range backendStats(t, inner) {
+		assert.Zero(t, l.InFlight, "the inner decision was released")
 	}
 
 	// A FirstToken racing Done: its hook runs wholly before the Done hook, or not at all.

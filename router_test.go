@@ -2,7 +2,6 @@ package kvroute
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -13,6 +12,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/prefixkey"
 )
 
@@ -41,6 +41,25 @@ func newRouter(t testing.TB, cfg Config) *DefaultRouter {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = r.Close() })
 	return r
+}
+
+// statsOf is r.Stats, which must not fail.
+func statsOf(t testing.TB, r *DefaultRouter) Stats {
+	t.Helper()
+	s, err := r.Stats(context.Background())
+	require.NoError(t, err)
+	return s
+}
+
+// backendsOf returns the backends of st with role.
+func backendsOf(st Stats, role disagg.Role) []BackendStats {
+	var out []BackendStats
+	for _, b := range st.Backends {
+		if b.Role == role {
+			out = append(out, b)
+		}
+	}
+	return out
 }
 
 func TestRoutePrefixSticky(t *testing.T) {
@@ -102,9 +121,10 @@ func TestRouteDisabledPrefixRouting(t *testing.T) {
 	assert.Equal(t, ReasonStrategy, d.Reason, "nothing fell back: the strategy is the policy")
 	assert.Equal(t, "strategy", d.Reason.String())
 	assert.False(t, d.HasPrefixKey)
-	assert.False(t, r.Stats().Enabled)
-	assert.Equal(t, uint64(1), r.Stats().RoutingDecisions.Strategy)
-	assert.Zero(t, r.Stats().RoutingDecisions.Fallback)
+	st := statsOf(t, r)
+	assert.Equal(t, uint64(1), st.Decisions.Strategy)
+	assert.Zero(t, st.Decisions.Fallback)
+	assert.Zero(t, st.UniquePrefixes, "no prefix key with prefix routing off")
 }
 
 func TestStrategyLeastLoaded(t *testing.T) {
@@ -118,8 +138,8 @@ func TestStrategyLeastLoaded(t *testing.T) {
 		require.NoError(t, err)
 		held = append(held, d)
 	}
-	for _, l := range r.Stats().BackendDistribution {
-		assert.Equal(t, 3, l.InFlightRequests, l.Backend)
+	for _, l := range statsOf(t, r).Backends {
+		assert.Equal(t, 3, l.InFlight, l.Name)
 	}
 	// Free two on one backend: the next two requests must go there.
 	target := held[0].Backend
@@ -218,12 +238,12 @@ func TestDoneReleasesOnceAndRecordsHealth(t *testing.T) {
 	r := newRouter(t, Config{Backends: backends(1)})
 	d, err := r.Route(context.Background(), chatReq("s", "u"))
 	require.NoError(t, err)
-	assert.Equal(t, 1, r.Stats().BackendDistribution[0].InFlightRequests)
+	assert.Equal(t, 1, statsOf(t, r).Backends[0].InFlight)
 	d.Done(Outcome{Err: errors.New("upstream 500")})
 	d.Done(Outcome{Err: errors.New("upstream 500")})
 	d.Done(Outcome{})
-	st := r.Stats().BackendDistribution[0]
-	assert.Equal(t, 0, st.InFlightRequests)
+	st := statsOf(t, r).Backends[0]
+	assert.Equal(t, 0, st.InFlight)
 	assert.InDelta(t, 1-ewmaWeight, st.SuccessRate, 1e-9, "one failure recorded once")
 	var nilDecision *Decision
 	nilDecision.Done(Outcome{}) // no panic
@@ -244,9 +264,9 @@ func TestRemoveBackendWithInFlight(t *testing.T) {
 		d.Done(Outcome{})
 	}
 	total := 0
-	for _, l := range r.Stats().BackendDistribution {
-		assert.NotEqual(t, "vllm-2", l.Backend)
-		total += l.InFlightRequests
+	for _, l := range statsOf(t, r).Backends {
+		assert.NotEqual(t, "vllm-2", l.Name)
+		total += l.InFlight
 	}
 	assert.Zero(t, total)
 	for i := range 100 {
@@ -267,43 +287,61 @@ func TestOverflowUnderHotPrefix(t *testing.T) {
 		require.NoError(t, err)
 		held = append(held, d)
 	}
-	s := r.Stats()
-	assert.Equal(t, uint64(40), s.RoutingDecisions.Total)
-	assert.Positive(t, s.RoutingDecisions.Overflow)
+	s := statsOf(t, r)
+	assert.Equal(t, uint64(40), s.Decisions.Total())
+	assert.Positive(t, s.Decisions.Overflow)
+	assert.Equal(t, uint64(40), s.Decisions.PrefixHash+s.Decisions.Overflow)
 	// ceil(1.25·(T+1)/4) caps every backend: with 40 in flight none holds more than ceil(1.25·40/4) = 13.
-	for _, l := range s.BackendDistribution {
-		assert.LessOrEqual(t, l.InFlightRequests, int(math.Ceil(1.25*40/4)), l.Backend)
+	inFlight := 0
+	for _, l := range s.Backends {
+		assert.LessOrEqual(t, l.InFlight, int(math.Ceil(1.25*40/4)), l.Name)
+		inFlight += l.InFlight
 	}
-	want := fmt.Sprintf("%.4f", float64(s.RoutingDecisions.Overflow)/40)
-	assert.Equal(t, want, s.RoutingDecisions.OverflowRate)
+	assert.Equal(t, 40, inFlight)
 	for _, d := range held {
 		d.Done(Outcome{})
 	}
 }
 
-func TestStatsJSONShape(t *testing.T) {
-	r := newRouter(t, Config{Backends: backends(2), AnthropicCacheControlInjection: true})
-	for i := range 100 {
-		d, err := r.Route(context.Background(), chatReq(fmt.Sprintf("p%d", i%25), "u"))
-		require.NoError(t, err)
-		d.Done(Outcome{})
+// Stats counts from New on and never goes down (there is no reset: a monitoring system takes
+// differences); the unique-prefix estimate counts distinct prefix keys.
+func TestStatsCounters(t *testing.T) {
+	r := newRouter(t, Config{Backends: backends(2)})
+	route := func(n int) {
+		for i := range n {
+			d, err := r.Route(context.Background(), chatReq(fmt.Sprintf("p%d", i%25), "u"))
+			require.NoError(t, err)
+			d.Done(Outcome{Latency: 20 * time.Millisecond})
+		}
 	}
-	b, err := json.Marshal(r.Stats())
-	require.NoError(t, err)
-	var got map[string]any
-	require.NoError(t, json.Unmarshal(b, &got))
-	cfg := got["config"].(map[string]any)
-	assert.Equal(t, 1024.0, cfg["max_prefix_length"])
-	assert.Equal(t, 0.25, cfg["load_factor_epsilon"])
-	assert.Equal(t, 150.0, cfg["virtual_nodes"])
-	assert.Equal(t, true, cfg["anthropic_cache_control_injection"])
-	dec := got["routing_decisions"].(map[string]any)
-	assert.Equal(t, 100.0, dec["total"])
-	assert.Equal(t, "0.0000", dec["overflow_rate"])
-	assert.Len(t, got["backend_distribution"], 2)
-	assert.Equal(t, 25.0, got["unique_prefixes"])
-	r.ResetStats()
-	assert.Zero(t, r.Stats().RoutingDecisions.Total)
+	route(100)
+	s := statsOf(t, r)
+	assert.Equal(t, DecisionCounts{PrefixHash: 100}, s.Decisions)
+	assert.Equal(t, uint64(100), s.Decisions.Total())
+	assert.Equal(t, uint64(25), s.UniquePrefixes)
+	require.Len(t, s.Backends, 2)
+	decisions := uint64(0)
+	for _, b := range s.Backends {
+		assert.Equal(t, disagg.RoleUnified, b.Role)
+		assert.True(t, b.Healthy)
+		assert.Equal(t, 1.0, b.Weight)
+		assert.Zero(t, b.InFlight)
+		assert.Equal(t, 1.0, b.SuccessRate)
+		assert.Equal(t, 20*time.Millisecond, b.Latency, b.Name)
+		assert.Nil(t, b.Engine)
+		decisions += b.Decisions
+	}
+	assert.Equal(t, uint64(100), decisions)
+	assert.Nil(t, s.Index, "tier 4 off")
+	assert.Nil(t, s.Disagg, "disaggregation off")
+	assert.Zero(t, s.Lookups)
+	assert.Empty(t, s.Scorer)
+	assert.Zero(t, s.BlockSize)
+
+	route(10)
+	later := statsOf(t, r)
+	assert.Equal(t, uint64(110), later.Decisions.Total())
+	assert.Equal(t, uint64(25), later.UniquePrefixes)
 }
 
 func TestConfigValidation(t *testing.T) {
@@ -333,14 +371,14 @@ func TestTwoRoutersIndependent(t *testing.T) {
 	}
 	require.NoError(t, a.SetHealthy("vllm-1", false))
 	require.NoError(t, a.RemoveBackend("vllm-2"))
-	sb := b.Stats()
-	assert.Zero(t, sb.RoutingDecisions.Total)
+	sb := statsOf(t, b)
+	assert.Zero(t, sb.Decisions.Total())
 	assert.Zero(t, sb.UniquePrefixes)
-	for _, l := range sb.BackendDistribution {
+	for _, l := range sb.Backends {
 		assert.True(t, l.Healthy)
-		assert.Zero(t, l.InFlightRequests)
+		assert.Zero(t, l.InFlight)
 	}
-	assert.Len(t, sb.BackendDistribution, 2)
+	assert.Len(t, sb.Backends, 2)
 	d, err := b.Route(context.Background(), chatReq("s", "u"))
 	require.NoError(t, err)
 	d.Done(Outcome{})
@@ -381,8 +419,8 @@ func TestConcurrentRouteAndMembership(t *testing.T) {
 		}
 	}()
 	wg.Wait()
-	for _, l := range r.Stats().BackendDistribution {
-		assert.Zero(t, l.InFlightRequests, l.Backend)
+	for _, l := range statsOf(t, r).Backends {
+		assert.Zero(t, l.InFlight, l.Name)
 	}
 }
 
@@ -412,9 +450,10 @@ func TestHyperLogLogEstimate(t *testing.T) {
 
 // inFlight returns the in-flight requests of backend name in r's stats.
 func inFlight(r *DefaultRouter, name string) int {
-	for _, l := range r.Stats().BackendDistribution {
-		if l.Backend == name {
-			return l.InFlightRequests
+	st, _ := r.Stats(context.Background())
+	for _, l := range st.Backends {
+		if l.Name == name {
+			return l.InFlight
 		}
 	}
 	return -1
@@ -439,8 +478,8 @@ func TestDoneRefusedHoldsSlot(t *testing.T) {
 		assert.NotEqual(t, refused, d2.Backend, "the backend that refused is busier than the other")
 		d2.Done(Outcome{})
 	}
-	for _, l := range r.Stats().BackendDistribution {
-		if l.Backend == refused {
+	for _, l := range statsOf(t, r).Backends {
+		if l.Name == refused {
 			assert.Equal(t, uint64(1), l.Refusals)
 			assert.Equal(t, 1.0, l.SuccessRate, "a refusal is not a failure")
 		}
@@ -463,9 +502,9 @@ func TestDoneRefusedHoldsSlot(t *testing.T) {
 	d, err = r3.Route(ctx, req)
 	require.NoError(t, err)
 	d.Done(Outcome{NotSent: true, Err: errors.New("not sent")})
-	for _, l := range r3.Stats().BackendDistribution {
-		assert.Zero(t, l.InFlightRequests)
-		assert.Zero(t, l.LatencyEWMAMs, "%s: a request never sent has no latency", l.Backend)
+	for _, l := range statsOf(t, r3).Backends {
+		assert.Zero(t, l.InFlight)
+		assert.Zero(t, l.Latency, "%s: a request never sent has no latency", l.Name)
 		assert.Equal(t, 1.0, l.SuccessRate)
 	}
 

@@ -42,7 +42,7 @@ const (
 	SpeculationApproximate
 )
 
-// indexStatser and indexClearer are the parts of kvindex.KvCacheIndex behind KVStats and
+// indexStatser and indexClearer are the parts of kvindex.KvCacheIndex behind Stats.Index and
 // ClearKVIndex.
 type (
 	indexStatser interface {
@@ -59,9 +59,9 @@ type KVConfig struct {
 	// Index is the KV-block index fed by the engines' KV events (or by speculation alone in
 	// Approximate mode). Routing needs only its Lookup; an index of one's own may implement less
 	// than kvindex.KvCacheIndex: kvindex.Speculator is required unless Speculation is
-	// SpeculationOff, kvindex.PrefixLookuper when UsePrefixEntries is set, and Stats and Clear (as
-	// KvCacheIndex declares them) back KVStats and ClearKVIndex, which report ErrUnsupported
-	// without them. kvindex.MemoryIndex and redisindex.Index implement all of it.
+	// SpeculationOff, kvindex.PrefixLookuper when UsePrefixEntries is set; Stats (as KvCacheIndex
+	// declares it) backs Stats.Index, nil without it, and Clear backs ClearKVIndex, which reports
+	// ErrUnsupported without it. kvindex.MemoryIndex and redisindex.Index implement all of it.
 	Index kvindex.Lookuper
 	// BlockSize is the index's block size in tokens; 0 means the index's own when it reports one
 	// (kvindex.BlockSizer, as kvindex.MemoryIndex and redisindex.Index do), else
@@ -152,7 +152,7 @@ type tier4 struct {
 	tieTurn   atomic.Uint64 // rotates the start of acquireLowest's scan, so that ties share load
 	scoreErrs atomic.Uint64 // the scorer's answers refused by scorer.ScoreSafely
 
-	handedOff              atomic.Uint64 // requests tier 4 left to tier 1 (KVRoutingDecisions.Fallback)
+	handedOff              atomic.Uint64 // requests tier 4 left to tier 1 (DecisionCounts.HandedOff)
 	lookups, lookupErrs    atomic.Uint64
 	tokenizeErrs, noTokens atomic.Uint64
 }
@@ -624,105 +624,6 @@ func (r *DefaultRouter) speculateTier1(ctx context.Context, d *Decision, s *scra
 	if t := r.kv; t.specTTL > 0 && len(s.keys) > 0 {
 		_ = t.spec.Speculate(ctx, d.handle.Backend(), s.keys, t.specTTL)
 	}
-}
-
-// KVIndexStats is the content of kvroute's GET /admin/kv-index/stats as far as the Router knows
-// it; a gateway adds its event sources.
-type KVIndexStats struct {
-	Enabled          bool               `json:"enabled"`
-	Config           KVIndexStatsConfig `json:"config"`
-	Index            kvindex.Stats      `json:"index"`
-	RoutingDecisions KVRoutingDecisions `json:"routing_decisions"`
-	Lookups          uint64             `json:"query_latency_count"`
-	LookupErrors     uint64             `json:"lookup_errors"`
-	TokenizeErrors   uint64             `json:"tokenize_errors"`
-	ScoreErrors      uint64             `json:"score_errors"` // the scorer's answers refused (scorer.ScoreSafely): fallbacks
-	NoTokens         uint64             `json:"requests_without_block_keys"`
-	OverlapScores    uint64             `json:"overlap_score_count"`
-}
-
-// KVIndexStatsConfig is tier 4's configuration as the stats report it.
-type KVIndexStatsConfig struct {
-	Backend             string  `json:"backend"`
-	BlockSize           int     `json:"block_size"`
-	MinOverlapThreshold float64 `json:"min_overlap_threshold"`
-	LoadFactorEpsilon   float64 `json:"load_factor_epsilon"`
-	Speculation         string  `json:"speculation"`
-	SpeculativeTTLSecs  float64 `json:"speculative_ttl_seconds"`
-	// Scorer names tier 4's scorer: expected_ttft (the default), kv_overlap (the composite),
-	// cost, or custom (any other implementation). AttentionCost is KVConfig.AttentionCost in
-	// effect (0: prefill work counts tokens alone).
-	Scorer        string  `json:"scorer"`
-	AttentionCost float64 `json:"attention_cost"`
-}
-
-// scorerName is KVIndexStatsConfig.Scorer for s.
-func scorerName(s scorer.BackendScorer) string {
-	switch s.(type) {
-	case *scorer.ExpectedTTFT:
-		return "expected_ttft"
-	case *scorer.Composite:
-		return "kv_overlap"
-	case *scorer.Cost:
-		return "cost"
-	}
-	return "custom"
-}
-
-// KVRoutingDecisions counts the requests tier 4 looked at by outcome, with the labels of Reason:
-// kv_aware, load_bound, imbalance and least_work when tier 4 chose, and fallback when it left the
-// request to tier 1 (no block keys, an index, tokenizer or scorer error, every candidate at tier
-// 4's bound, or too little cached with RingFallback or prefix entries); tier 1 then labels such a
-// request prefix_hash, overflow, fallback or strategy in RoutingDecisionCounts.
-type KVRoutingDecisions struct {
-	KVAware   uint64 `json:"kv_aware"`
-	LoadBound uint64 `json:"load_bound"`
-	Imbalance uint64 `json:"imbalance"`
-	LeastWork uint64 `json:"least_work"`
-	Fallback  uint64 `json:"fallback"`
-	Total     uint64 `json:"total"`
-}
-
-// KVStats returns tier 4's statistics; Enabled is false (and the rest zero) when tier 4 is off.
-// ctx bounds a remote index's Stats call; an index error is returned with the Router's own
-// counters filled in. Safe for concurrent use.
-func (r *DefaultRouter) KVStats(ctx context.Context) (KVIndexStats, error) {
-	t := r.kv
-	if t == nil {
-		return KVIndexStats{}, nil
-	}
-	st := KVIndexStats{
-		Enabled: true,
-		Config: KVIndexStatsConfig{
-			BlockSize:           t.cfg.BlockSize,
-			MinOverlapThreshold: t.threshold,
-			LoadFactorEpsilon:   t.eps,
-			Speculation:         t.cfg.Speculation.String(),
-			SpeculativeTTLSecs:  t.specTTL.Seconds(),
-			Scorer:              scorerName(t.scorer),
-			AttentionCost:       t.attn,
-		},
-		Lookups:        t.lookups.Load(),
-		LookupErrors:   t.lookupErrs.Load(),
-		TokenizeErrors: t.tokenizeErrs.Load(),
-		ScoreErrors:    t.scoreErrs.Load(),
-		NoTokens:       t.noTokens.Load(),
-	}
-	rd := &st.RoutingDecisions
-	rd.KVAware = r.counts[ReasonKVAware].Load()
-	rd.LoadBound = r.counts[ReasonLoadBound].Load()
-	rd.Imbalance = r.counts[ReasonImbalance].Load()
-	rd.LeastWork = r.counts[ReasonLeastWork].Load()
-	rd.Fallback = t.handedOff.Load()
-	rd.Total = rd.KVAware + rd.LoadBound + rd.Imbalance + rd.LeastWork + rd.Fallback
-	st.OverlapScores = st.Lookups - st.LookupErrors
-	var err error
-	if t.stats == nil {
-		return st, fmt.Errorf("%w: the KV index reports no stats", ErrUnsupported)
-	}
-	st.Index, err = t.stats.Stats(ctx)
-	st.Config.Backend = st.Index.Backend
-	return st, err
 }
 
 // ClearKVIndex drops every entry of the KV index (kvroute's POST /admin/kv-index/clear) and

@@ -77,11 +77,13 @@ func TestKVAwareRoutesToHolder(t *testing.T) {
 	}
 	assert.Equal(t, map[string]int{"vllm-1": 8, "vllm-2": 0, "vllm-3": 32, "vllm-4": 0}, got)
 
-	st, err := r.KVStats(context.Background())
-	require.NoError(t, err)
-	assert.True(t, st.Enabled)
-	assert.Equal(t, uint64(1), st.RoutingDecisions.KVAware)
-	assert.Equal(t, uint64(1), r.Stats().RoutingDecisions.KVAware)
+	st := statsOf(t, r)
+	assert.Equal(t, DecisionCounts{KVAware: 1}, st.Decisions)
+	assert.Equal(t, uint64(1), st.Lookups)
+	assert.Zero(t, st.LookupErrors)
+	require.NotNil(t, st.Index, "the memory index reports its stats")
+	assert.Equal(t, "memory", st.Index.Backend)
+	assert.Positive(t, st.Index.Blocks)
 }
 
 func TestKVBelowThresholdRingFallback(t *testing.T) {
@@ -94,8 +96,9 @@ func TestKVBelowThresholdRingFallback(t *testing.T) {
 	defer d.Done(Outcome{})
 	assert.Equal(t, ReasonPrefixHash, d.Reason)
 	assert.Nil(t, d.Overlaps)
-	st, _ := r.KVStats(context.Background())
-	assert.Equal(t, uint64(1), st.RoutingDecisions.Fallback)
+	st := statsOf(t, r)
+	assert.Equal(t, DecisionCounts{PrefixHash: 1, HandedOff: 1}, st.Decisions)
+	assert.Equal(t, uint64(1), st.Decisions.Total(), "a hand-off is not a decision of its own")
 }
 
 // Below the threshold the backend with the least prefill work ahead of the request takes it: the
@@ -130,11 +133,9 @@ func TestKVBelowThresholdLeastWork(t *testing.T) {
 	d2.Done(Outcome{})
 	assert.Equal(t, int64(0), backlog(d2.Backend), "Done ends a prefill whose first token was never reported")
 
-	st, _ := r.KVStats(ctx)
-	// One vocabulary: tier 4 chose both, so the KV stats count them as least_work, as the header
-	// and the prefix-routing stats do, and nothing as fallback.
-	assert.Equal(t, KVRoutingDecisions{LeastWork: 2, Total: 2}, st.RoutingDecisions)
-	assert.Equal(t, uint64(2), r.Stats().RoutingDecisions.LeastWork)
+	// One vocabulary: tier 4 chose both, so the stats count them as least_work, as the header
+	// does, and nothing as handed off.
+	assert.Equal(t, DecisionCounts{LeastWork: 2}, statsOf(t, r).Decisions)
 }
 
 // A cold fleet (empty index, equal load) shares new prefixes: equal candidates are taken in
@@ -173,8 +174,9 @@ func TestKVFaultyScorerFallsBack(t *testing.T) {
 			require.NoError(t, err)
 			assert.NotEqual(t, ReasonKVAware, d.Reason)
 			d.Done(Outcome{})
-			st, _ := r.KVStats(context.Background())
+			st := statsOf(t, r)
 			assert.Equal(t, uint64(1), st.ScoreErrors)
+			assert.Equal(t, uint64(1), st.Decisions.HandedOff)
 		})
 	}
 }
@@ -199,10 +201,9 @@ func TestKVShortPromptLeastWork(t *testing.T) {
 		seen[d.Backend] = true
 		assert.Equal(t, int64(9), backlog(d.Backend))
 	}
-	st, err := r.KVStats(ctx)
-	require.NoError(t, err)
+	st := statsOf(t, r)
 	assert.Equal(t, uint64(1), st.Lookups, "short prompts are not looked up")
-	assert.Zero(t, st.NoTokens)
+	assert.Zero(t, st.NoBlockKeys)
 
 	// RingFallback keeps the ring-first behaviour: the ring takes what tier 4 cannot look up.
 	r2 := newRouter(t, Config{Backends: backends(3), KV: &KVConfig{Index: newMemIndex(t), RingFallback: true}})
@@ -246,8 +247,8 @@ func TestKVRespectsLoadBound(t *testing.T) {
 				held = append(held, d)
 				// The bound now, with this request counted, is what it was checked against or more.
 				bound := int(math.Ceil((1 + tc.want) * float64(len(held)) / 4))
-				for _, l := range r.Stats().BackendDistribution {
-					assert.LessOrEqual(t, l.InFlightRequests, bound, "%s at %d in flight, bound %d", l.Backend, l.InFlightRequests, bound)
+				for _, l := range statsOf(t, r).Backends {
+					assert.LessOrEqual(t, l.InFlight, bound, "%s at %d in flight, bound %d", l.Name, l.InFlight, bound)
 				}
 			}
 			byBackend := map[string]int{}
@@ -261,9 +262,7 @@ func TestKVRespectsLoadBound(t *testing.T) {
 				assert.Less(t, byBackend["vllm-1"], 40, "a hot prefix must not pile onto one backend")
 			}
 			assert.GreaterOrEqual(t, byBackend["vllm-1"], min(share, 40)-1, "the holder takes its bounded share")
-			st, err := r.KVStats(ctx)
-			require.NoError(t, err)
-			assert.Equal(t, tc.want, st.Config.LoadFactorEpsilon)
+			assert.Equal(t, tc.want, r.kv.eps)
 		})
 	}
 	_, err := New(Config{Backends: backends(2), KV: &KVConfig{Index: newMemIndex(t), LoadFactorEpsilon: 11}})
@@ -301,12 +300,11 @@ func TestKVLoadBoundLabel(t *testing.T) {
 		d.Done(Outcome{})
 	}
 	require.Positive(t, byReason[ReasonLoadBound], "the bound must have sent some requests elsewhere")
-	st, err := r.KVStats(ctx)
-	require.NoError(t, err)
-	assert.Equal(t, uint64(byReason[ReasonKVAware]), st.RoutingDecisions.KVAware)
-	assert.Equal(t, uint64(byReason[ReasonLoadBound]), st.RoutingDecisions.LoadBound)
-	assert.Equal(t, uint64(12), st.RoutingDecisions.Total)
-	assert.Equal(t, uint64(byReason[ReasonLoadBound]), r.Stats().RoutingDecisions.LoadBound)
+	st := statsOf(t, r)
+	assert.Equal(t, uint64(byReason[ReasonKVAware]), st.Decisions.KVAware)
+	assert.Equal(t, uint64(byReason[ReasonLoadBound]), st.Decisions.LoadBound)
+	assert.Equal(t, uint64(12), st.Decisions.Total())
+	assert.Zero(t, st.Decisions.HandedOff)
 	assert.Equal(t, "load_bound", ReasonLoadBound.String())
 }
 
@@ -393,7 +391,7 @@ func TestKVTokenizer(t *testing.T) {
 	d.Done(Outcome{})
 	assert.Equal(t, ReasonPrefixHash, d.Reason)
 	assert.Equal(t, 2, calls)
-	st, _ := r.KVStats(context.Background())
+	st := statsOf(t, r)
 	assert.Equal(t, uint64(1), st.TokenizeErrors)
 
 	// Callers that have tokens skip the tokenizer.
@@ -472,11 +470,12 @@ func TestKVClearAndConfig(t *testing.T) {
 	n, err := r.ClearKVIndex(context.Background())
 	require.NoError(t, err)
 	assert.Positive(t, n)
-	st, err := r.KVStats(context.Background())
-	require.NoError(t, err)
+	st := statsOf(t, r)
+	require.NotNil(t, st.Index)
 	assert.Zero(t, st.Index.Blocks)
-	assert.Equal(t, "speculate", st.Config.Speculation)
-	assert.Equal(t, 16, st.Config.BlockSize)
+	assert.Equal(t, kvindex.DefaultSpeculativeTTL, st.SpeculativeTTL, "speculation on, with its default TTL")
+	assert.Equal(t, 16, st.BlockSize)
+	assert.Equal(t, "expected_ttft", st.Scorer)
 
 	for name, kv := range map[string]*KVConfig{
 		"no index":    {},
@@ -491,9 +490,11 @@ func TestKVClearAndConfig(t *testing.T) {
 		})
 	}
 	off := newRouter(t, Config{})
-	st, err = off.KVStats(context.Background())
-	require.NoError(t, err)
-	assert.False(t, st.Enabled)
+	st = statsOf(t, off)
+	assert.Nil(t, st.Index, "tier 4 off")
+	assert.Empty(t, st.Scorer)
+	assert.Zero(t, st.BlockSize)
+	assert.Zero(t, st.SpeculativeTTL)
 }
 
 // A request with an image whose place in the tokens the caller did not give (no MultiModal spans)

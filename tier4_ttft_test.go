@@ -63,10 +63,9 @@ func TestKVQueuedHolderLosesToIdleBackend(t *testing.T) {
 			r := newRouter(t, Config{Backends: backends(2), Now: clock.Now,
 				KV: &KVConfig{Index: ix, Speculation: SpeculationOff, Weights: tc.weights}})
 			ctx := context.Background()
-			st, err := r.KVStats(ctx)
-			require.NoError(t, err)
-			assert.Equal(t, tc.wantScore, st.Config.Scorer)
-			assert.Equal(t, scorer.DefaultAttentionCost, st.Config.AttentionCost)
+			st := statsOf(t, r)
+			assert.Equal(t, tc.wantScore, st.Scorer)
+			assert.Equal(t, scorer.DefaultAttentionCost, st.AttentionCost)
 
 			// A cold 100,000-token prompt: 300,000 token-equivalents of prefill on its backend.
 			long := promptTokens(7, 100_000)
@@ -271,9 +270,7 @@ func TestKVAttentionCost(t *testing.T) {
 		assert.ErrorIs(t, err, ErrInvalidConfig, "%v", bad)
 	}
 	r := newRouter(t, Config{Backends: backends(1), KV: &KVConfig{Index: newMemIndex(t), AttentionCost: -1, Speculation: SpeculationOff}})
-	st, err := r.KVStats(context.Background())
-	require.NoError(t, err)
-	assert.Zero(t, st.Config.AttentionCost)
+	assert.Zero(t, statsOf(t, r).AttentionCost)
 	toks := promptTokens(4, 50_000)
 	d, err := r.Route(context.Background(), tokReq("linear", toks))
 	require.NoError(t, err)

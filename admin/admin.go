@@ -20,6 +20,17 @@
 //
 //	mux.Handle("POST /admin/route/probe", admin.Guard(token, admin.ProbeHandler(router.Probe, 4<<20)))
 //	mux.Handle("GET /admin/kv-index/dump", admin.Guard(token, admin.DumpHandler(kvindex.DumperFunc(router.DumpKVIndex))))
+//
+// And it holds the JSON bodies of the stats endpoints, built from one kvroute.Stats snapshot
+// (DefaultRouter.Stats) and what only the gateway knows, its configuration as it reports it and
+// its KV event sources: NewPrefixRoutingStats (GET /admin/prefix-routing/stats), NewKVIndexStats
+// (GET /admin/kv-index/stats), NewDisaggStats (GET /admin/disaggregation/stats) and NewPeerStats
+// (the "peers" of GET /admin/replicas/stats). Their keys and formats are the endpoints', which
+// is why some values are strings ("overflow_rate": "0.0123", "prefill_timeout": "30s").
+//
+//	st, err := router.Stats(ctx)
+//	body := admin.NewKVIndexStats(st, err, admin.KVIndexConfig{MaxEntries: 100_000}, consumer.Status())
+//	_ = json.NewEncoder(w).Encode(body)
 package admin
 
 import (

@@ -81,14 +81,13 @@ func (c *Config) RouterConfig(o Options) (kvroute.Config, error) {
 	c.mustHaveDefaults("RouterConfig")
 	strategy, _ := ParseStrategy(c.SelectionStrategy)
 	rcfg := kvroute.Config{
-		DisablePrefixRouting:           !*c.PrefixRouting.Enabled,
-		MaxPrefixLength:                c.PrefixRouting.MaxPrefixLength,
-		LoadFactorEpsilon:              c.PrefixRouting.LoadFactorEpsilon,
-		VirtualNodes:                   c.PrefixRouting.VirtualNodes,
-		Strategy:                       strategy,
-		AnthropicCacheControlInjection: c.PrefixRouting.AnthropicCacheControlInjection,
-		MeterProvider:                  o.MeterProvider,
-		TracerProvider:                 o.TracerProvider,
+		DisablePrefixRouting: !*c.PrefixRouting.Enabled,
+		MaxPrefixLength:      c.PrefixRouting.MaxPrefixLength,
+		LoadFactorEpsilon:    c.PrefixRouting.LoadFactorEpsilon,
+		VirtualNodes:         c.PrefixRouting.VirtualNodes,
+		Strategy:             strategy,
+		MeterProvider:        o.MeterProvider,
+		TracerProvider:       o.TracerProvider,
 	}
 	if c.Replicas.Enabled {
 		rcfg.PeerMaxAge = time.Duration(c.Replicas.PeerMaxAge)

@@ -19,7 +19,7 @@ func kvScoring(scoring string) string {
 }
 
 // buildKV returns cfg's KVConfig over a memory index and the stats of the Router built with it.
-func buildKV(t *testing.T, cfg *Config) (*kvroute.KVConfig, kvroute.KVIndexStatsConfig) {
+func buildKV(t *testing.T, cfg *Config) (*kvroute.KVConfig, kvroute.Stats) {
 	t.Helper()
 	ix, err := kvindex.NewMemory(kvindex.MemoryConfig{})
 	require.NoError(t, err)
@@ -32,9 +32,9 @@ func buildKV(t *testing.T, cfg *Config) (*kvroute.KVConfig, kvroute.KVIndexStats
 	r, err := kvroute.New(rcfg)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = r.Close() })
-	st, err := r.KVStats(t.Context())
+	st, err := r.Stats(t.Context())
 	require.NoError(t, err)
-	return kc, st.Config
+	return kc, st
 }
 
 // Without scoring settings tier 4 uses ExpectedTTFT with its defaults; the composite's weights

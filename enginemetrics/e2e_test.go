@@ -1,6 +1,7 @@
 package enginemetrics_test
 
 import (
+	"context"
 	"net/http/httptest"
 	"testing"
 	"time"
@@ -46,8 +47,10 @@ func TestRouterExternalLoadEndToEnd(t *testing.T) {
 	}, router)
 
 	external := func(backend string) (int, *kvroute.EngineLoad) {
-		for _, bl := range router.Stats().BackendDistribution {
-			if bl.Backend == backend {
+		st, err := router.Stats(context.Background())
+		require.NoError(t, err)
+		for _, bl := range st.Backends {
+			if bl.Name == backend {
 				return bl.ExternalLoad, bl.Engine
 			}
 		}
@@ -75,7 +78,9 @@ func TestRouterExternalLoadEndToEnd(t *testing.T) {
 	}, waitFor, tick)
 	na, _ := external("vllm-a")
 	assert.Equal(t, 3, na)
-	assert.Positive(t, router.PeerStats().EngineStale)
+	st, err := router.Stats(context.Background())
+	require.NoError(t, err)
+	assert.Positive(t, st.Peers.EngineStale)
 	assert.Positive(t, statsOf(t, s, "sglang-b").ConsecutiveFailures)
 
 	// vllm-a's engine goes down (503) too.

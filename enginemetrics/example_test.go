@@ -59,9 +59,10 @@ vllm:kv_cache_usage_perc{engine="0",model_name="llama-3-8b"} 0.25
 	defer s.Close()
 
 	<-reported
-	bl := router.Stats().BackendDistribution[0]
+	rs, _ := router.Stats(context.Background())
+	bl := rs.Backends[0]
 	fmt.Printf("%s: external load %d (running %d, waiting %d, KV cache %.0f%%)\n",
-		bl.Backend, bl.ExternalLoad, bl.Engine.Running, bl.Engine.Waiting, 100*bl.Engine.KVCacheUsage)
+		bl.Name, bl.ExternalLoad, bl.Engine.Running, bl.Engine.Waiting, 100*bl.Engine.KVCacheUsage)
 	st := s.Stats()[0]
 	fmt.Printf("engine %s, %d consecutive failures\n", st.Engine, st.ConsecutiveFailures)
 	// Output:

@@ -127,10 +127,17 @@ func promptTokens(seed, n int) []uint32 {
 
 func loads(r *kvroute.DefaultRouter) (own, external map[string]int) {
 	own, external = map[string]int{}, map[string]int{}
-	for _, b := range r.Stats().BackendDistribution {
-		own[b.Backend], external[b.Backend] = b.InFlightRequests, b.ExternalLoad
+	st, _ := r.Stats(context.Background())
+	for _, b := range st.Backends {
+		own[b.Name], external[b.Name] = b.InFlight, b.ExternalLoad
 	}
 	return own, external
+}
+
+// peerStats is what r knows of its peers (kvroute.Stats.Peers).
+func peerStats(r *kvroute.DefaultRouter) kvroute.PeerStats {
+	st, _ := r.Stats(context.Background())
+	return st.Peers
 }
 
 func externalLoads(r *kvroute.DefaultRouter) map[string]int {
@@ -175,7 +182,7 @@ func TestSharesLoad(t *testing.T) {
 	own := ownLoads(a.r)
 	require.Eventually(t, func() bool { return assert.ObjectsAreEqual(own, externalLoads(b.r)) }, waitFor, tick,
 		"b's external load is a's in-flight requests")
-	assert.Equal(t, kvroute.PeerStats{Peers: 1, InFlight: 8, Applied: 8}, b.r.PeerStats())
+	assert.Equal(t, kvroute.PeerStats{Peers: 1, InFlight: 8, Applied: 8}, peerStats(b.r))
 
 	// a's ninth request for the prefix would overflow its owner, at its bound; b's does too.
 	p, err := a.r.Probe(context.Background(), req)
@@ -187,7 +194,7 @@ func TestSharesLoad(t *testing.T) {
 	finish(db)
 
 	finish(ds...)
-	require.Eventually(t, func() bool { return assert.ObjectsAreEqual(idle, externalLoads(b.r)) && b.r.PeerStats().InFlight == 0 },
+	require.Eventually(t, func() bool { return assert.ObjectsAreEqual(idle, externalLoads(b.r)) && peerStats(b.r).InFlight == 0 },
 		waitFor, tick, "a's requests leave b's backends when they end")
 	require.Eventually(t, func() bool { return assert.ObjectsAreEqual(idle, externalLoads(a.r)) }, waitFor, tick)
 	st := b.s.Stats()
@@ -218,14 +225,14 @@ func TestSpeculates(t *testing.T) {
 	// The router counts a's decision, then speculates its blocks: wait for both.
 	require.Eventually(t, func() bool {
 		p, err := b.r.Probe(context.Background(), tokReq(tokens))
-		return err == nil && p.Reason == kvroute.ReasonKVAware && b.r.PeerStats().InFlight == 1
+		return err == nil && p.Reason == kvroute.ReasonKVAware && peerStats(b.r).InFlight == 1
 	}, waitFor, tick)
 	db := route(t, b.r, tokReq(tokens))
 	assert.Equal(t, kvroute.ReasonKVAware, db.Reason)
 	assert.Equal(t, da.Backend, db.Backend)
 	assert.Equal(t, 1, externalLoads(b.r)[da.Backend])
 	finish(da, db)
-	require.Eventually(t, func() bool { return b.r.PeerStats().InFlight == 0 && a.r.PeerStats().InFlight == 0 }, waitFor, tick)
+	require.Eventually(t, func() bool { return peerStats(b.r).InFlight == 0 && peerStats(a.r).InFlight == 0 }, waitFor, tick)
 }
 
 // (c) The server stops mid-flow: routing goes on without blocking, the peers are forgotten after
@@ -240,7 +247,7 @@ func TestSurvivesServerRestart(t *testing.T) {
 	for i := range 3 {
 		before = append(before, route(t, a.r, chatReq(string(rune('x'+i)))))
 	}
-	require.Eventually(t, func() bool { return b.r.PeerStats().InFlight == 3 }, waitFor, tick)
+	require.Eventually(t, func() bool { return peerStats(b.r).InFlight == 3 }, waitFor, tick)
 
 	srv.Stop()
 	require.Eventually(t, func() bool { return !a.s.Stats().Connected && !b.s.Stats().Connected }, waitFor, tick)
@@ -268,7 +275,7 @@ func TestSurvivesServerRestart(t *testing.T) {
 
 	// Neither hears the other: each forgets the other, and its load.
 	require.Eventually(t, func() bool {
-		return b.r.PeerStats().Peers == 0 && len(b.s.Stats().Peers) == 0 && len(a.s.Stats().Peers) == 0
+		return peerStats(b.r).Peers == 0 && len(b.s.Stats().Peers) == 0 && len(a.s.Stats().Peers) == 0
 	}, waitFor, tick)
 	assert.Equal(t, idle, externalLoads(b.r))
 	assert.Equal(t, uint64(1), b.s.Stats().TimedOut)
@@ -302,21 +309,21 @@ func TestGoodbye(t *testing.T) {
 	waitPeers(t, a, b)
 
 	d1, d2 := route(t, a.r, chatReq("x")), route(t, a.r, chatReq("y"))
-	require.Eventually(t, func() bool { return b.r.PeerStats().InFlight == 2 }, waitFor, tick)
+	require.Eventually(t, func() bool { return peerStats(b.r).InFlight == 2 }, waitFor, tick)
 
 	require.NoError(t, a.s.Close())
-	require.Eventually(t, func() bool { return b.r.PeerStats().Peers == 0 && !hears(b.s, "replica-a") }, waitFor, tick)
+	require.Eventually(t, func() bool { return peerStats(b.r).Peers == 0 && !hears(b.s, "replica-a") }, waitFor, tick)
 	assert.Equal(t, idle, externalLoads(b.r))
 	assert.Equal(t, uint64(1), b.s.Stats().Goodbyes)
 	assert.Zero(t, b.s.Stats().TimedOut)
-	assert.Equal(t, kvroute.PeerStats{Forgot: 2, Applied: 2}, b.r.PeerStats())
+	assert.Equal(t, kvroute.PeerStats{Forgot: 2, Applied: 2}, peerStats(b.r))
 
 	// a's router outlives its Sync: its events are dropped, and a second Close is harmless.
 	finish(d1, d2)
 	assert.Equal(t, uint64(4), a.s.Stats().Dropped, "the first tokens and ends")
 	require.NoError(t, a.s.Close())
 	assert.Equal(t, "CLOSED", a.s.Stats().Connection)
-	assert.Zero(t, a.r.PeerStats().Peers)
+	assert.Zero(t, peerStats(a.r).Peers)
 }
 
 // rawConn is a plain NATS connection for publishing by hand.
@@ -352,7 +359,7 @@ func TestMalformedMessages(t *testing.T) {
 	assert.Zero(t, st.Received)
 	assert.Zero(t, st.Applied)
 	assert.Empty(t, st.Peers)
-	assert.Equal(t, kvroute.PeerStats{}, b.r.PeerStats())
+	assert.Equal(t, kvroute.PeerStats{}, peerStats(b.r))
 	assert.Equal(t, idle, externalLoads(b.r))
 
 	// A well-formed message still goes through.
@@ -376,7 +383,7 @@ func TestSequenceGapForgets(t *testing.T) {
 	pub(msgEvents, 7, kvroute.PeerEvent{Kind: kvroute.PeerRouted, ID: 1, Backend: "a"}) // first contact: any sequence
 	pub(msgHeartbeat, 8)
 	pub(msgEvents, 9, kvroute.PeerEvent{Kind: kvroute.PeerRouted, ID: 2, Backend: "b"})
-	require.Eventually(t, func() bool { return b.r.PeerStats().InFlight == 2 }, waitFor, tick)
+	require.Eventually(t, func() bool { return peerStats(b.r).InFlight == 2 }, waitFor, tick)
 	assert.Zero(t, b.s.Stats().Gaps)
 
 	pub(msgHeartbeat, 11) // 10 was lost
@@ -405,8 +412,8 @@ func TestSharedConnection(t *testing.T) {
 	b := newReplica(t, cfg("replica-b"), kvroute.Config{})
 	waitPeers(t, a, b)
 	d := route(t, a.r, chatReq("x"))
-	require.Eventually(t, func() bool { return b.r.PeerStats().InFlight == 1 }, waitFor, tick)
-	assert.Zero(t, a.r.PeerStats().InFlight, "a ignores its own messages")
+	require.Eventually(t, func() bool { return peerStats(b.r).InFlight == 1 }, waitFor, tick)
+	assert.Zero(t, peerStats(a.r).InFlight, "a ignores its own messages")
 	assert.Len(t, a.s.Stats().Peers, 1)
 	finish(d)
 

@@ -325,11 +325,14 @@ func (s *pdSim) run() error {
 	}
 }
 
-// inFlight returns the phases the router counts in flight.
+// inFlight returns the phases the router counts in flight (prefills and decodes on the pools' backends).
 func (s *pdSim) inFlight() int {
+	st := routerCounts(s.r)
 	n := 0
-	for _, b := range s.r.Disagg().Stats().Backends {
-		n += b.PrefillsInFlight + b.DecodesInFlight
+	for _, b := range st.Backends {
+		if b.Role != disagg.RoleUnified {
+			n += b.InFlight
+		}
 	}
 	return n
 }

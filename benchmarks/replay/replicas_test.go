@@ -142,7 +142,7 @@ func TestSyncDelayHonoured(t *testing.T) {
 	snapshot := func() []counts {
 		out := make([]counts, k)
 		for j, r := range s.reps.rs {
-			st := r.r.PeerStats()
+			st := routerCounts(r.r).Peers
 			out[j] = counts{st.Applied + st.Ignored, st.EngineReports}
 		}
 		return out

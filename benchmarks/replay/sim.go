@@ -226,12 +226,12 @@ type Result struct {
 	// KVAware is the fraction of decisions taken by tier 4 (kv_aware or imbalance).
 	KVAware float64 `json:"kv_aware"`
 	WallSec float64 `json:"wall_s"`
-	// Peers sums the replicas' kvroute.PeerStats at the end of the run (zero with one replica and
+	// Peers sums the replicas' kvroute.Stats.Peers at the end of the run (zero with one replica and
 	// no sync).
 	Peers PeerCounts `json:"peers"`
 }
 
-// PeerCounts are the replicas' kvroute.PeerStats counters, summed.
+// PeerCounts are the replicas' kvroute.PeerStats counters (Stats.Peers), summed.
 type PeerCounts struct {
 	Applied       uint64 `json:"applied"`
 	Ignored       uint64 `json:"ignored"`

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"io"
 	"net/http"
@@ -75,7 +76,9 @@ func TestGateway(t *testing.T) {
 	require.NoError(t, err)
 	r2.Body.Close()
 	assert.Equal(t, 502, r2.StatusCode)
-	st := only.Stats().BackendDistribution[0]
-	assert.Zero(t, st.InFlightRequests, "the decision is released")
+	rs, err := only.Stats(context.Background())
+	require.NoError(t, err)
+	st := rs.Backends[0]
+	assert.Zero(t, st.InFlight, "the decision is released")
 	assert.Less(t, st.SuccessRate, 1.0, "as a failure")
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -10,6 +11,9 @@ import (
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/admin"
+	"github.com/kvroute/kvroute/chwbl"
+	"github.com/kvroute/kvroute/config"
+	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
@@ -92,25 +96,52 @@ func (s *server) backendsHealth(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]any{"healthy_backends": s.health.HealthyCount(), "backends": s.health.Statuses()})
 }
 
+// routerCounters returns the Router's stats without its KV index's, for the endpoints that do not
+// show them: a context already done skips the index's call (a remote index's round trip).
+func (s *server) routerCounters() kvroute.Stats {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	st, _ := s.router.Stats(ctx)
+	return st
+}
+
 // GET /admin/replicas/stats: the replica sync, the event log, the engines' scraped load and what
 // the Router knows of its peers.
 func (s *server) replicasStats(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, http.StatusOK, s.fleet.stats(s.router))
+	writeJSON(w, http.StatusOK, s.fleet.stats(s.routerCounters().Peers))
 }
 
-// GET /admin/prefix-routing/stats: the Router's tier-1 stats.
+// GET /admin/prefix-routing/stats: tier 1's configuration (the Router's defaults filled in) and
+// the Router's decisions and unified backends.
 func (s *server) prefixRoutingStats(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, http.StatusOK, s.router.Stats())
+	st := s.routerCounters()
+	pr := s.cfg.PrefixRouting
+	strategy, _ := config.ParseStrategy(s.cfg.SelectionStrategy)
+	writeJSON(w, http.StatusOK, admin.NewPrefixRoutingStats(st, *pr.Enabled, admin.PrefixRoutingConfig{
+		MaxPrefixLength:                cmp.Or(pr.MaxPrefixLength, prefixkey.DefaultMaxPrefixLength),
+		LoadFactorEpsilon:              cmp.Or(pr.LoadFactorEpsilon, chwbl.DefaultLoadFactorEpsilon),
+		VirtualNodes:                   cmp.Or(pr.VirtualNodes, chwbl.DefaultVirtualNodes),
+		AnthropicCacheControlInjection: pr.AnthropicCacheControlInjection,
+		SelectionStrategy:              string(cmp.Or(strategy, kvroute.DefaultStrategy)),
+	}))
 }
 
-// GET /admin/disaggregation/stats: the Router's DisaggStats (configuration, requests by routing
-// path and reason, each prefill and decode backend's phases in flight; credentials redacted).
+// GET /admin/disaggregation/stats: the configuration in force (credentials redacted), requests by
+// routing path and reason, each prefill and decode backend's phases in flight and storage.
 func (s *server) disaggregationStats(w http.ResponseWriter, _ *http.Request) {
-	if !s.cfg.DisaggregatedServing.Enabled {
+	dc, ok := s.router.Disagg().Config()
+	if !s.cfg.DisaggregatedServing.Enabled || !ok {
 		writeJSON(w, http.StatusOK, map[string]any{"enabled": false})
 		return
 	}
-	writeJSON(w, http.StatusOK, s.router.Disagg().Stats())
+	storage := map[string]*disagg.ExternalStorage{}
+	for _, b := range s.cfg.Backends {
+		if b.ExternalStorage != nil {
+			loc := b.ExternalStorage.Location()
+			storage[b.Name] = &loc
+		}
+	}
+	writeJSON(w, http.StatusOK, admin.NewDisaggStats(s.routerCounters(), dc, storage))
 }
 
 // GET /admin/response-cache/stats.
@@ -153,60 +184,6 @@ func (s *server) responseCacheInvalidate(w http.ResponseWriter, r *http.Request)
 	writeJSON(w, http.StatusOK, res)
 }
 
-// kvStatsConfig is the "config" section of GET /admin/kv-index/stats: the index's settings plus the
-// Router's.
-type kvStatsConfig struct {
-	kvroute.KVIndexStatsConfig
-	MaxEntries        int           `json:"max_entries"`
-	EntryTTLSeconds   int           `json:"entry_ttl_seconds"`
-	EventSourcesCount int           `json:"event_sources_count"`
-	Tokenizer         string        `json:"tokenizer"`
-	Scoring           scoringConfig `json:"scoring"`
-}
-
-type scoringConfig struct {
-	OverlapWeight       float64 `json:"overlap_weight"`
-	LoadWeight          float64 `json:"load_weight"`
-	HealthWeight        float64 `json:"health_weight"`
-	MinOverlapThreshold float64 `json:"min_overlap_threshold"`
-	LoadFactorEpsilon   float64 `json:"load_factor_epsilon"`
-	GPUTierWeight       float64 `json:"gpu_tier_weight"`
-	CPUTierWeight       float64 `json:"cpu_tier_weight"`
-	StorageTierWeight   float64 `json:"storage_tier_weight"`
-}
-
-// eventSourceSummary is one entry of "event_sources" in GET /admin/kv-index/stats: a source's
-// status in a flat form, with its transport details.
-type eventSourceSummary struct {
-	BackendName    string    `json:"backend_name"`
-	Transport      string    `json:"transport"`
-	Endpoint       string    `json:"endpoint"`
-	Status         string    `json:"status"`
-	Connected      bool      `json:"connected"`
-	EventsReceived uint64    `json:"events_received"`
-	EventsDropped  uint64    `json:"events_dropped"`
-	LastEventAt    time.Time `json:"last_event_at,omitzero"`
-	ReconnectCount uint64    `json:"reconnect_count"`
-	SequenceGaps   uint64    `json:"sequence_gaps"`
-	LastError      string    `json:"last_error,omitempty"`
-}
-
-// kvStatsBody is the body of GET /admin/kv-index/stats.
-type kvStatsBody struct {
-	Enabled          bool                       `json:"enabled"`
-	Config           kvStatsConfig              `json:"config"`
-	Index            kvindex.Stats              `json:"index"`
-	EventSources     []eventSourceSummary       `json:"event_sources"`
-	RoutingDecisions kvroute.KVRoutingDecisions `json:"routing_decisions"`
-	QueryLatency     uint64                     `json:"query_latency_count"`
-	OverlapScores    uint64                     `json:"overlap_score_count"`
-	LookupErrors     uint64                     `json:"lookup_errors"`
-	TokenizeErrors   uint64                     `json:"tokenize_errors"`
-	NoBlockKeys      uint64                     `json:"requests_without_block_keys"`
-	Tokenizer        *prefixkey.TokenizerStats  `json:"tokenizer_stats,omitempty"`
-	IndexError       string                     `json:"index_error,omitempty"`
-}
-
 // statuses returns the status of every event source of every consumer.
 func (s *server) statuses() []events.SourceStatus {
 	var out []events.SourceStatus
@@ -216,7 +193,8 @@ func (s *server) statuses() []events.SourceStatus {
 	return out
 }
 
-// GET /admin/kv-index/stats: Router.KVStats plus the event sources.
+// GET /admin/kv-index/stats: the Router's tier-4 stats, the index's, the configuration and the event
+// sources.
 func (s *server) kvIndexStats(w http.ResponseWriter, r *http.Request) {
 	if s.index == nil {
 		writeJSON(w, http.StatusOK, map[string]any{"enabled": false})
@@ -224,39 +202,20 @@ func (s *server) kvIndexStats(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), adminTimeout)
 	defer cancel()
-	st, err := s.router.KVStats(ctx)
+	st, err := s.router.Stats(ctx)
 	kc := s.cfg.KVCacheIndex
 	sc := kc.Scoring
-	body := kvStatsBody{
-		Enabled: st.Enabled,
-		Config: kvStatsConfig{KVIndexStatsConfig: st.Config, MaxEntries: kc.MaxEntries, EntryTTLSeconds: kc.EntryTTLSeconds,
-			EventSourcesCount: len(kc.EventSources), Tokenizer: kc.Tokenizer,
-			Scoring: scoringConfig{OverlapWeight: *sc.OverlapWeight, LoadWeight: *sc.LoadWeight, HealthWeight: *sc.HealthWeight,
-				MinOverlapThreshold: sc.MinOverlapThreshold, LoadFactorEpsilon: sc.LoadFactorEpsilon, GPUTierWeight: *sc.GPUTierWeight, CPUTierWeight: *sc.CPUTierWeight,
-				StorageTierWeight: *sc.StorageTierWeight}},
-		Index:            st.Index,
-		EventSources:     []eventSourceSummary{},
-		RoutingDecisions: st.RoutingDecisions,
-		QueryLatency:     st.Lookups,
-		OverlapScores:    st.OverlapScores,
-		LookupErrors:     st.LookupErrors,
-		TokenizeErrors:   st.TokenizeErrors,
-		NoBlockKeys:      st.NoTokens,
-	}
-	if err != nil {
-		body.IndexError = err.Error()
-	}
+	body := admin.NewKVIndexStats(st, err, admin.KVIndexConfig{
+		MinOverlapThreshold: sc.MinOverlapThreshold, LoadFactorEpsilon: sc.LoadFactorEpsilon, Speculation: kc.Speculation,
+		MaxEntries: kc.MaxEntries, EntryTTLSeconds: kc.EntryTTLSeconds, EventSourcesCount: len(kc.EventSources),
+		Tokenizer: kc.Tokenizer,
+		Scoring: admin.Scoring{OverlapWeight: sc.OverlapWeight, LoadWeight: sc.LoadWeight, HealthWeight: sc.HealthWeight,
+			MinOverlapThreshold: sc.MinOverlapThreshold, LoadFactorEpsilon: sc.LoadFactorEpsilon,
+			GPUTierWeight: *sc.GPUTierWeight, CPUTierWeight: *sc.CPUTierWeight, StorageTierWeight: *sc.StorageTierWeight},
+	}, s.statuses())
 	if et, ok := s.tok.(*engineTokenizer); ok {
 		ts := et.stats()
 		body.Tokenizer = &ts
-	}
-	for _, ss := range s.statuses() {
-		body.EventSources = append(body.EventSources, eventSourceSummary{
-			BackendName: ss.Backend, Transport: ss.Transport, Endpoint: ss.Endpoint, Status: string(ss.Connection.State),
-			Connected: ss.Connection.Connected, EventsReceived: ss.Events.Received, EventsDropped: ss.Events.Dropped,
-			LastEventAt: ss.Connection.LastEventAt, ReconnectCount: ss.Connection.ReconnectCount,
-			SequenceGaps: ss.Sequence.Gaps, LastError: ss.LastError,
-		})
 	}
 	writeJSON(w, http.StatusOK, body)
 }

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
@@ -64,7 +65,7 @@ func TestAdminEndpoints(t *testing.T) {
 		t.Fatalf("%d %s", r.StatusCode, b)
 	}
 	waitFor(t, 10*time.Second, "KV events indexed", func() bool {
-		var st kvStatsBody
+		var st admin.KVIndexStats
 		code, b := adminDo(t, "GET", p.URL+"/admin/kv-index/stats", token, "")
 		return code == 200 && json.Unmarshal(b, &st) == nil && st.Index.Entries > 0
 	})
@@ -143,7 +144,12 @@ func TestAdminEndpoints(t *testing.T) {
 		doc := get("/admin/kv-index/stats")
 		hasKeys(t, "kv", doc, "", "enabled", "config", "index", "event_sources", "routing_decisions", "query_latency_count", "overlap_score_count")
 		hasKeys(t, "kv", doc, "config", "backend", "max_entries", "entry_ttl_seconds", "event_sources_count", "scoring")
-		hasKeys(t, "kv", doc, "config.scoring", "overlap_weight", "load_weight", "health_weight", "min_overlap_threshold", "load_factor_epsilon")
+		hasKeys(t, "kv", doc, "config.scoring", "min_overlap_threshold", "load_factor_epsilon")
+		// expected_ttft decides: the composite's weights, which take no part, are not shown
+		// (TestAdminKVIndexStatsWeights).
+		if sc := doc["config"].(map[string]any); sc["scorer"] != "expected_ttft" || sc["scoring"].(map[string]any)["overlap_weight"] != nil {
+			t.Errorf("kv: config %v", sc)
+		}
 		hasKeys(t, "kv", doc, "index", "prefix_count", "entry_count", "total_hits", "total_evictions")
 		hasKeys(t, "kv", doc, "routing_decisions", "kv_aware", "load_bound", "imbalance", "least_work", "fallback", "total")
 		srcs := doc["event_sources"].([]any)
@@ -201,7 +207,7 @@ func TestAdminEndpoints(t *testing.T) {
 		// The engines' events of the requests above may still be on their way: wait until the
 		// index stops changing, so that none lands after the clear.
 		entries := func() int {
-			var st kvStatsBody
+			var st admin.KVIndexStats
 			_, b := adminDo(t, "GET", p.URL+"/admin/kv-index/stats", token, "")
 			_ = json.Unmarshal(b, &st)
 			return st.Index.Entries
@@ -223,7 +229,7 @@ func TestAdminEndpoints(t *testing.T) {
 		if code != 200 || json.Unmarshal(b, &res) != nil || !res.Success || res.EntriesBeforeClear == 0 || res.ClearedEntries == 0 {
 			t.Errorf("clear: %d %s", code, b)
 		}
-		var st kvStatsBody
+		var st admin.KVIndexStats
 		_, b = adminDo(t, "GET", p.URL+"/admin/kv-index/stats", token, "")
 		if json.Unmarshal(b, &st) != nil || st.Index.Entries != 0 {
 			t.Errorf("after clear: %s", b)
@@ -239,6 +245,34 @@ func TestAdminEndpoints(t *testing.T) {
 			}
 		}
 	})
+}
+
+// GET /admin/kv-index/stats shows the composite scorer's weights only while it ranks tier 4's
+// candidates (scorer kv_overlap), not while expected_ttft decides (issue 26); the rest of its
+// scoring section shows either way.
+func TestAdminKVIndexStatsWeights(t *testing.T) {
+	up := newFakeUpstream(t, "a")
+	for _, scorer := range []string{config.ScorerExpectedTTFT, config.ScorerKVOverlap} {
+		t.Run(scorer, func(t *testing.T) {
+			p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, func(c *config.Config) {
+				c.KVCacheIndex.Enabled = true
+				c.KVCacheIndex.Scoring.Scorer = scorer
+			}))
+			var st admin.KVIndexStats
+			if code := getJSON(t, p.URL+"/admin/kv-index/stats", &st); code != 200 {
+				t.Fatalf("kv-index/stats: %d", code)
+			}
+			sc := st.Config.Scoring
+			if st.Config.Scorer != scorer || sc.MinOverlapThreshold != 0.3 || sc.GPUTierWeight != 1 {
+				t.Errorf("config %+v", st.Config)
+			}
+			if shown := sc.OverlapWeight != nil && sc.LoadWeight != nil && sc.HealthWeight != nil; shown != (scorer == config.ScorerKVOverlap) {
+				t.Errorf("scorer %s: weights shown %v: %+v", scorer, shown, sc)
+			} else if shown && (*sc.OverlapWeight != 0.6 || *sc.LoadWeight != 0.3 || *sc.HealthWeight != 0.1) {
+				t.Errorf("weights %v %v %v", *sc.OverlapWeight, *sc.LoadWeight, *sc.HealthWeight)
+			}
+		})
+	}
 }
 
 // Tiers that are off answer {"enabled": false}; their write endpoints 404.

@@ -14,6 +14,7 @@ import (
 	"github.com/openai/openai-go/v3/option"
 
 	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/prefixkey"
 )
 
@@ -302,7 +303,7 @@ func TestE2EKVAwareRoutesToHolder(t *testing.T) {
 	if pred, err := strconv.Atoi(r.Header.Get(HeaderCachedTokens)); err != nil || pred <= 0 {
 		t.Errorf("%s %q, want the holder's predicted cached tokens (engine: %s)", HeaderCachedTokens, r.Header.Get(HeaderCachedTokens), ct)
 	}
-	var st kvStatsBody
+	var st admin.KVIndexStats
 	getJSON(t, p.URL+"/admin/kv-index/stats", &st)
 	if st.RoutingDecisions.KVAware == 0 {
 		t.Errorf("kv-index stats: %+v", st.RoutingDecisions)

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/internal/enginesim"
 	"github.com/kvroute/kvroute/prefixkey"
@@ -84,7 +85,7 @@ func TestE2ESSEEventSources(t *testing.T) {
 	body := chatBody(sys, "A question.", `"temperature":0.5,"max_tokens":2`)
 	holder := warmNonOwner(t, p, f, body, chatBody(sys, "Warm-up.", `"max_tokens":1`))
 	expectKVRouted(t, p, body, holder, "the warmed prompt")
-	var st kvStatsBody
+	var st admin.KVIndexStats
 	getJSON(t, p.URL+"/admin/kv-index/stats", &st)
 	if len(st.EventSources) != 3 || st.EventSources[0].Transport != "sse" || !st.EventSources[0].Connected {
 		t.Errorf("event sources %+v", st.EventSources)

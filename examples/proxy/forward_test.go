@@ -1045,9 +1045,10 @@ type fwdBackendState struct {
 
 func fwdState(p *fwdProxy, name string) fwdBackendState {
 	var st fwdBackendState
-	for _, l := range p.srv.router.Stats().BackendDistribution {
-		if l.Backend == name {
-			st.InFlight, st.RouterFailed, st.Refusals = l.InFlightRequests, l.SuccessRate < 1, l.Refusals
+	rs, _ := p.srv.router.Stats(context.Background())
+	for _, l := range rs.Backends {
+		if l.Name == name {
+			st.InFlight, st.RouterFailed, st.Refusals = l.InFlight, l.SuccessRate < 1, l.Refusals
 		}
 	}
 	for _, h := range p.srv.health.Statuses() {

@@ -12,16 +12,17 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/kvindex"
 )
 
 // routingState is what routing changes in the proxy's admin stats and a probe must not.
 type routingState struct {
-	Decisions   kvroute.RoutingDecisionCounts
+	Decisions   admin.RoutingDecisions
 	InFlight    map[string]int
 	PerBackend  map[string]uint64
-	KVDecisions kvroute.KVRoutingDecisions
+	KVDecisions admin.KVRoutingDecisions
 	Lookups     uint64 // the Router's (query_latency_count); the index's own count sees probes too
 	Speculative int
 	entries     int // not compared: an engine's late events may change it
@@ -29,18 +30,18 @@ type routingState struct {
 
 func routingStateOf(t *testing.T, p *testProxy, token string) routingState {
 	t.Helper()
-	var prs kvroute.PrefixRoutingStats
+	var prs admin.PrefixRoutingStats
 	code, b := adminDo(t, "GET", p.URL+"/admin/prefix-routing/stats", token, "")
 	if code != 200 || json.Unmarshal(b, &prs) != nil {
 		t.Fatalf("prefix-routing/stats: %d %s", code, b)
 	}
-	var kv kvStatsBody
+	var kv admin.KVIndexStats
 	code, b = adminDo(t, "GET", p.URL+"/admin/kv-index/stats", token, "")
 	if code != 200 || json.Unmarshal(b, &kv) != nil {
 		t.Fatalf("kv-index/stats: %d %s", code, b)
 	}
 	s := routingState{Decisions: prs.RoutingDecisions, InFlight: map[string]int{}, PerBackend: map[string]uint64{},
-		KVDecisions: kv.RoutingDecisions, Lookups: kv.QueryLatency, Speculative: kv.Index.SpeculativeCount, entries: kv.Index.Entries}
+		KVDecisions: kv.RoutingDecisions, Lookups: kv.Lookups, Speculative: kv.Index.SpeculativeCount, entries: kv.Index.Entries}
 	for _, l := range prs.BackendDistribution {
 		s.InFlight[l.Backend], s.PerBackend[l.Backend] = l.InFlightRequests, l.Decisions
 	}

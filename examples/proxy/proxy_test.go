@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -15,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/health"
 )
@@ -295,7 +297,7 @@ func TestRetryOnRefusal(t *testing.T) {
 	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "full", URL: full.URL}, {Name: "b", URL: b.URL}},
 		func(c *config.Config) { c.CircuitBreaker.FailureThreshold = 2 }))
 	var st struct {
-		BackendDistribution []kvroute.BackendLoad `json:"backend_distribution"`
+		BackendDistribution []admin.BackendLoad `json:"backend_distribution"`
 	}
 	idle := func() bool {
 		getJSON(t, p.URL+"/admin/prefix-routing/stats", &st)
@@ -508,10 +510,12 @@ func TestUpstreamAbortMidStream(t *testing.T) {
 	if err == nil {
 		t.Errorf("truncated stream read without error: %q", b)
 	}
-	waitFor(t, 5*time.Second, "the slot released", func() bool {
-		return p.router.Stats().BackendDistribution[0].InFlightRequests == 0
-	})
-	if st := p.router.Stats().BackendDistribution[0]; st.SuccessRate >= 1 {
+	backend := func() kvroute.BackendStats {
+		st, _ := p.router.Stats(context.Background())
+		return st.Backends[0]
+	}
+	waitFor(t, 5*time.Second, "the slot released", func() bool { return backend().InFlight == 0 })
+	if st := backend(); st.SuccessRate >= 1 {
 		t.Errorf("the abort was not counted against the backend: %+v", st)
 	}
 }

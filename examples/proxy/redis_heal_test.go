@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/internal/testenv"
 )
@@ -156,7 +157,7 @@ func TestE2ERedisIndexHealsThroughProxy(t *testing.T) {
 				time.Sleep(200 * time.Millisecond)
 			}
 			if len(bad) > 0 {
-				var st kvStatsBody
+				var st admin.KVIndexStats
 				getJSON(t, p.URL+"/admin/kv-index/stats", &st)
 				t.Fatalf("%v after Redis came back, prompts still not routed by KV: %v; index error %q", time.Since(back), bad, st.IndexError)
 			}

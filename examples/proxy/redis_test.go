@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/internal/testenv"
 )
@@ -50,7 +51,7 @@ func TestE2ERedisDown(t *testing.T) {
 	if redis == nil || redis["fallback_active"] != true {
 		t.Errorf("fallback not active: %v", cs)
 	}
-	var ks kvStatsBody
+	var ks admin.KVIndexStats
 	if code := getJSON(t, p.URL+"/admin/kv-index/stats", &ks); code != 200 {
 		t.Errorf("kv stats with Redis down: %d", code)
 	}
@@ -119,7 +120,7 @@ func TestE2ERedisIndexHealsAfterRestart(t *testing.T) {
 				t.Fatalf("%d %s", r.StatusCode, b)
 			}
 			if got, route := r.Header.Get(HeaderBackend), r.Header.Get(HeaderRoute); got != holder || route != "kv_aware" {
-				var st kvStatsBody
+				var st admin.KVIndexStats
 				getJSON(t, p.URL+"/admin/kv-index/stats", &st)
 				t.Errorf("after the restart: routed to %s (%s), want %s (kv_aware): the index did not relearn the warm-up; holder %+v; index error %q",
 					got, route, holder, kvBackend(t, p, holder), st.IndexError)

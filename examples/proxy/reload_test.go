@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute/config"
+	"github.com/kvroute/kvroute/prefixkey"
 )
 
 // reloadConfig is the test's configuration file: backends, admin token, a tier-4 threshold and the
@@ -124,8 +125,13 @@ func TestReload(t *testing.T) {
 			t.Errorf("after the reload: c got %d requests (want some), b %d more (want none)", c.requests.Load(), b.requests.Load()-bBefore)
 		}
 		s := l.cur.Load()
-		if s == first || s.router.Config().KV.MinOverlapThreshold != 0.5 || s.cache.TTL() != time.Minute || level.Level() != slog.LevelDebug {
-			t.Errorf("threshold %v, TTL %v, level %v", s.router.Config().KV.MinOverlapThreshold, s.cache.TTL(), level.Level())
+		// The Router's threshold in force, as a probe reports it.
+		pr, err := s.router.Probe(context.Background(), &prefixkey.Request{Model: "m"})
+		if err != nil || pr.KV == nil {
+			t.Fatalf("probe: %+v, %v", pr, err)
+		}
+		if s == first || pr.KV.MinOverlapThreshold != 0.5 || s.cache.TTL() != time.Minute || level.Level() != slog.LevelDebug {
+			t.Errorf("threshold %v, TTL %v, level %v", pr.KV.MinOverlapThreshold, s.cache.TTL(), level.Level())
 		}
 		if s.cache != first.cache || s.index != first.index {
 			t.Error("the reload rebuilt the response cache or the KV index")

@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/enginemetrics"
 	"github.com/kvroute/kvroute/events"
@@ -287,7 +288,7 @@ func natsIDPart(s string) string {
 type replicasStats struct {
 	Enabled       bool                        `json:"enabled"`
 	Sync          *natsync.Stats              `json:"sync,omitempty"`
-	Peers         kvroute.PeerStats           `json:"peers"`
+	Peers         admin.PeerStats             `json:"peers"`
 	EventLog      *eventLogStats              `json:"event_log,omitempty"`
 	EngineMetrics []enginemetrics.TargetStats `json:"engine_metrics,omitempty"`
 }
@@ -299,9 +300,9 @@ type eventLogStats struct {
 	Restore     *eventlog.RestoreResult    `json:"restore,omitempty"`
 }
 
-// stats returns what the fleet's parts and router report.
-func (f *fleet) stats(router *kvroute.DefaultRouter) replicasStats {
-	st := replicasStats{Enabled: f.sync != nil, Peers: router.PeerStats()}
+// stats returns what the fleet's parts report, with peers, what the Router knows of its peers.
+func (f *fleet) stats(peers kvroute.PeerStats) replicasStats {
+	st := replicasStats{Enabled: f.sync != nil, Peers: admin.NewPeerStats(peers)}
 	if f.sync != nil {
 		ss := f.sync.Stats()
 		st.Sync = &ss

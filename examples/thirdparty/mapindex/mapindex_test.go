@@ -139,9 +139,9 @@ func TestWithDefaultRouter(t *testing.T) {
 		t.Errorf("a new prompt went to %s, then %s (%s): speculation did not reach the index",
 			first.Backend, second.Backend, second.Reason)
 	}
-	st, err := r.KVStats(ctx)
-	if err != nil || st.Index.Backend != "map" || st.Index.SpeculativeCount == 0 {
-		t.Errorf("KVStats = %+v, %v", st.Index, err)
+	st, err := r.Stats(ctx)
+	if err != nil || st.Index == nil || st.Index.Backend != "map" || st.Index.SpeculativeCount == 0 {
+		t.Errorf("Stats().Index = %+v, %v", st.Index, err)
 	}
 }
 

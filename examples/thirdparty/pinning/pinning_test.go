@@ -34,9 +34,10 @@ func newDefault(t *testing.T, backends ...string) *kvroute.DefaultRouter {
 
 // innerInFlight is the default Router's in-flight requests, from its stats.
 func innerInFlight(r *kvroute.DefaultRouter) int {
+	st, _ := r.Stats(context.Background())
 	n := 0
-	for _, l := range r.Stats().BackendDistribution {
-		n += l.InFlightRequests
+	for _, l := range st.Backends {
+		n += l.InFlight
 	}
 	return n
 }
@@ -192,8 +193,12 @@ func TestRouting(t *testing.T) {
 		if n := innerInFlight(inner); n != 0 {
 			t.Errorf("inner Router holds %d after Done, want 0", n)
 		}
-		for _, l := range inner.Stats().BackendDistribution {
-			if l.Backend == d.Backend && l.SuccessRate == 1 {
+		st, err := inner.Stats(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, l := range st.Backends {
+			if l.Name == d.Backend && l.SuccessRate == 1 {
 				t.Errorf("the outcome did not reach the inner Router: %+v", l)
 			}
 		}
