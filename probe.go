@@ -12,7 +12,7 @@ import (
 )
 
 // This file holds the Router's read-only introspection: Probe (kvroute's POST
-// /admin/route/probe) and DumpKVIndex (GET /admin/kv-index/dump).
+// /admin/route/probe).
 
 // ProbeResult is what DefaultRouter.Probe found: the decision Route would make for a request now,
 // and what each backend weighed in it. Its JSON encoding is the body of kvroute's POST
@@ -371,19 +371,3 @@ func (r *Reason) UnmarshalText(b []byte) error {
 
 // percent formats a fraction as a percentage.
 func percent(f float64) string { return fmt.Sprintf("%.0f%%", 100*f) }
-
-// DumpKVIndex lists the KV index's entries for backend, for debugging (kvroute's GET
-// /admin/kv-index/dump): it is the index's kvindex.Dumper, whose contract says how limit, fn and
-// ctx are honoured; a Dumper's locks are held briefly and never while fn runs, so that routing
-// goes on meanwhile. It returns nil without calling fn when tier 4 is off, and an error wrapping
-// ErrUnsupported when the index does not implement kvindex.Dumper. Safe for concurrent use.
-func (r *DefaultRouter) DumpKVIndex(ctx context.Context, backend string, limit int, fn func(kvindex.DumpEntry) error) error {
-	if r.kv == nil {
-		return nil
-	}
-	d, ok := r.kv.cfg.Index.(kvindex.Dumper)
-	if !ok {
-		return fmt.Errorf("%w: the KV index cannot list its entries (kvindex.Dumper)", ErrUnsupported)
-	}
-	return d.Dump(ctx, backend, limit, fn)
-}

@@ -3,7 +3,6 @@ package kvroute
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"testing"
 
@@ -261,28 +260,6 @@ func TestProbeEdgeCases(t *testing.T) {
 
 // lookupOnly is an index that implements nothing but Lookup.
 type lookupOnly struct{ kvindex.Lookuper }
-
-func TestDumpKVIndex(t *testing.T) {
-	ctx := context.Background()
-	none := func(kvindex.DumpEntry) error { t.Error("fn called"); return nil }
-	off := newRouter(t, Config{Backends: backends(1)})
-	assert.NoError(t, off.DumpKVIndex(ctx, "vllm-1", 10, none), "tier 4 off: nothing to list")
-
-	plain := newRouter(t, Config{Backends: backends(1), KV: &KVConfig{Index: lookupOnly{newMemIndex(t)}, Speculation: SpeculationOff}})
-	assert.ErrorIs(t, plain.DumpKVIndex(ctx, "vllm-1", 10, none), ErrUnsupported)
-
-	ix := newMemIndex(t)
-	r := newRouter(t, Config{Backends: backends(2), KV: &KVConfig{Index: ix}})
-	storeBlocks(t, ix, "vllm-1", promptTokens(3, 4*16), 4, events.TierGPU)
-	var got []kvindex.DumpEntry
-	require.NoError(t, r.DumpKVIndex(ctx, "vllm-1", 3, func(e kvindex.DumpEntry) error {
-		got = append(got, e)
-		return nil
-	}))
-	assert.Len(t, got, 3)
-	stop := errors.New("stop")
-	assert.ErrorIs(t, r.DumpKVIndex(ctx, "vllm-1", 0, func(kvindex.DumpEntry) error { return stop }), stop)
-}
 
 func TestReasonTextRoundTrip(t *testing.T) {
 	for _, r := range append([]Reason{0}, allReasons[:]...) {

@@ -37,7 +37,6 @@ var (
 	ErrUnknownBackend   = errors.New("kvroute: unknown backend")
 	ErrDuplicateBackend = errors.New("kvroute: backend already present")
 	ErrInvalidConfig    = errors.New("kvroute: invalid config")
-	ErrUnsupported      = errors.New("kvroute: not supported by the configured KV index")
 )
 
 // Reason says why a Decision chose its backend. Its String values are kvroute's routing-decision

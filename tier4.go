@@ -42,26 +42,15 @@ const (
 	SpeculationApproximate
 )
 
-// indexStatser and indexClearer are the parts of kvindex.KvCacheIndex behind Stats.Index and
-// ClearKVIndex.
-type (
-	indexStatser interface {
-		Stats(ctx context.Context) (kvindex.Stats, error)
-	}
-	indexClearer interface {
-		Clear(ctx context.Context) (int, error)
-	}
-)
-
 // KVConfig turns on tier 4, precise KV-aware routing. Index is required; everything else has a
 // default.
 type KVConfig struct {
 	// Index is the KV-block index fed by the engines' KV events (or by speculation alone in
 	// Approximate mode). Routing needs only its Lookup; an index of one's own may implement less
 	// than kvindex.KvCacheIndex: kvindex.Speculator is required unless Speculation is
-	// SpeculationOff, kvindex.PrefixLookuper when UsePrefixEntries is set; Stats (as KvCacheIndex
-	// declares it) backs Stats.Index, nil without it, and Clear backs ClearKVIndex, which reports
-	// ErrUnsupported without it. kvindex.MemoryIndex and redisindex.Index implement all of it.
+	// SpeculationOff, kvindex.PrefixLookuper when UsePrefixEntries is set, and kvindex.Statser
+	// backs Stats.Index (nil without it). kvindex.MemoryIndex and redisindex.Index implement all
+	// of it. The Router never clears or dumps the index: the caller who built it does.
 	Index kvindex.Lookuper
 	// BlockSize is the index's block size in tokens; 0 means the index's own when it reports one
 	// (kvindex.BlockSizer, as kvindex.MemoryIndex and redisindex.Index do), else
@@ -141,8 +130,7 @@ type tier4 struct {
 	scorer    scorer.BackendScorer
 	prefix    kvindex.PrefixLookuper // cfg.Index's, or nil
 	spec      kvindex.Speculator     // cfg.Index's, or nil (then Speculation is SpeculationOff)
-	stats     indexStatser           // cfg.Index's, or nil
-	clear     indexClearer           // cfg.Index's, or nil
+	stats     kvindex.Statser        // cfg.Index's, or nil
 	threshold float64
 	eps       float64 // LoadFactorEpsilon, defaulted
 	attn      float64 // AttentionCost, defaulted (0: none)
@@ -192,8 +180,7 @@ func newTier4(cfg KVConfig) (*tier4, error) {
 	t := &tier4{cfg: cfg, scorer: cfg.Scorer, threshold: cfg.MinOverlapThreshold}
 	t.prefix, _ = cfg.Index.(kvindex.PrefixLookuper)
 	t.spec, _ = cfg.Index.(kvindex.Speculator)
-	t.stats, _ = cfg.Index.(indexStatser)
-	t.clear, _ = cfg.Index.(indexClearer)
+	t.stats, _ = cfg.Index.(kvindex.Statser)
 	if cfg.UsePrefixEntries && t.prefix == nil {
 		return nil, fmt.Errorf("%w: KV.UsePrefixEntries needs an index that implements kvindex.PrefixLookuper", ErrInvalidConfig)
 	}
@@ -624,19 +611,6 @@ func (r *DefaultRouter) speculateTier1(ctx context.Context, d *Decision, s *scra
 	if t := r.kv; t.specTTL > 0 && len(s.keys) > 0 {
 		_ = t.spec.Speculate(ctx, d.handle.Backend(), s.keys, t.specTTL)
 	}
-}
-
-// ClearKVIndex drops every entry of the KV index (kvroute's POST /admin/kv-index/clear) and
-// returns how many it dropped. The index rebuilds from the engines' events. It returns 0, nil when
-// tier 4 is off.
-func (r *DefaultRouter) ClearKVIndex(ctx context.Context) (int, error) {
-	if r.kv == nil {
-		return 0, nil
-	}
-	if r.kv.clear == nil {
-		return 0, fmt.Errorf("%w: the KV index cannot be cleared", ErrUnsupported)
-	}
-	return r.kv.clear.Clear(ctx)
 }
 
 // String returns the mode's name in kvroute's configuration (kv_cache_index.speculation):

@@ -19,7 +19,7 @@
 // DumpHandler (GET /admin/kv-index/dump, the KV index's entries for a backend as JSON lines).
 //
 //	mux.Handle("POST /admin/route/probe", admin.Guard(token, admin.ProbeHandler(router.Probe, 4<<20)))
-//	mux.Handle("GET /admin/kv-index/dump", admin.Guard(token, admin.DumpHandler(kvindex.DumperFunc(router.DumpKVIndex))))
+//	mux.Handle("GET /admin/kv-index/dump", admin.Guard(token, admin.DumpHandler(index)))
 //
 // And it holds the JSON bodies of the stats endpoints, built from one kvroute.Stats snapshot
 // (DefaultRouter.Stats) and what only the gateway knows, its configuration as it reports it and

@@ -102,8 +102,7 @@ func probeFormat(r *http.Request, body []byte) (prefixkey.Format, error) {
 }
 
 // DumpHandler returns the handler of kvroute's GET /admin/kv-index/dump?backend=<name>&limit=<n>:
-// it streams d's entries for the backend (kvroute.DefaultRouter.DumpKVIndex, or an index's own
-// kvindex.Dumper) as JSON lines, one kvindex.DumpEntry per line (Content-Type
+// it streams d's entries for the backend (the KV index, as a kvindex.Dumper) as JSON lines, one kvindex.DumpEntry per line (Content-Type
 // application/x-ndjson), flushed every 256 lines. limit defaults to kvindex.DefaultDumpLimit and
 // may not exceed MaxDumpLimit; the dump runs under the request's context bounded by DumpTimeout.
 // A missing backend or a bad limit is answered 400 {"error": …}, and a dump that fails before its

@@ -102,8 +102,18 @@ type KvCacheIndex interface {
 	Lookuper
 	PrefixLookuper
 	Speculator
+	Statser
+	Clearer
+}
+
+// Statser is the part of an index that reports counters and sizes (kvroute's Stats.Index).
+type Statser interface {
 	// Stats returns counters and sizes; ctx bounds a remote index's I/O.
 	Stats(ctx context.Context) (Stats, error)
+}
+
+// Clearer is the part of an index that drops its entries (kvroute's POST /admin/kv-index/clear).
+type Clearer interface {
 	// Clear drops every entry of every backend and returns how many entries it dropped.
 	Clear(ctx context.Context) (int, error)
 }

@@ -50,7 +50,7 @@ func (s *server) routes() http.Handler {
 	mux.Handle("GET /admin/kv-index/stats", s.admin(http.HandlerFunc(s.kvIndexStats)))
 	mux.Handle("GET /admin/kv-index/backends", s.admin(http.HandlerFunc(s.kvIndexBackends)))
 	mux.Handle("POST /admin/kv-index/clear", s.admin(http.HandlerFunc(s.kvIndexClear)))
-	mux.Handle("GET /admin/kv-index/dump", s.admin(admin.DumpHandler(kvindex.DumperFunc(s.router.DumpKVIndex))))
+	mux.Handle("GET /admin/kv-index/dump", s.admin(admin.DumpHandler(kvindex.DumperFunc(s.dumpKVIndex))))
 	mux.Handle("POST /admin/route/probe", s.admin(admin.ProbeHandler(s.router.Probe, s.cfg.Server.MaxBodyBytes)))
 	mux.Handle("GET /admin/disaggregation/stats", s.admin(http.HandlerFunc(s.disaggregationStats)))
 	mux.Handle("GET /admin/replicas/stats", s.admin(http.HandlerFunc(s.replicasStats)))
@@ -247,11 +247,24 @@ func (s *server) kvIndexClear(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), adminTimeout)
 	defer cancel()
 	before, _ := s.index.Stats(ctx)
-	n, err := s.router.ClearKVIndex(ctx)
+	n, err := s.index.Clear(ctx)
 	if err != nil {
 		writeJSON(w, http.StatusInternalServerError, map[string]any{"success": false, "error": err.Error()})
 		return
 	}
 	s.log.Info("KV index cleared", "entries_before_clear", before.Entries, "cleared_entries", n)
 	writeJSON(w, http.StatusOK, map[string]any{"success": true, "entries_before_clear": before.Entries, "cleared_entries": n})
+}
+
+// dumpKVIndex is GET /admin/kv-index/dump's kvindex.Dumper: the index's own, or an empty dump when
+// tier 4 is off.
+func (s *server) dumpKVIndex(ctx context.Context, backend string, limit int, fn func(kvindex.DumpEntry) error) error {
+	if s.index == nil {
+		return nil
+	}
+	d, ok := s.index.(kvindex.Dumper)
+	if !ok {
+		return errors.New("the KV index cannot list its entries (kvindex.Dumper)")
+	}
+	return d.Dump(ctx, backend, limit, fn)
 }
