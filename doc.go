@@ -29,8 +29,8 @@
 // discounted, so a hot prefix family warms a second backend instead of piling onto one. The
 // Router estimates the queued work from the requests it routed there that have no first token
 // yet, less the progress made since the head of that queue began, at the prefill rate the
-// backend's first tokens showed. KVConfig.Weights selects the composite overlap/load/health
-// scorer (kv_overlap) instead. Below the threshold the backend with the least prefill work ahead
+// backend's first tokens showed. KVConfig.Scorer set to scorer.NewComposite's selects the
+// composite overlap/load/health scorer (kv_overlap) instead. Below the threshold the backend with the least prefill work ahead
 // of the request takes it (least_work: the same queued work, plus this request's own), because
 // the ring's bound counts requests, not their length; KVConfig.RingFallback gives the decision
 // to the ring instead. Every decision holds an in-flight slot on its backend until Done; the slots are what the load bounds count:
@@ -85,7 +85,8 @@
 // requests at the time of the report; it counts in the backend's bound (tier 1's and tier 4's) and
 // in tier 4's candidates like the Router's own requests. Peers' prefill tokens join the backend's
 // prefill backlog, their block keys its speculative entries (with the Router's own speculation
-// TTL) and, with KVConfig.Active, its active sequences.
+// TTL) and, with a scorer that tracks them (scorer.SequenceTracker), its active
+// sequences.
 //
 // Lost messages cost accuracy, never correctness: a peer decision whose end never arrives is
 // dropped Config.PeerMaxAge after it arrived, a peer that falls silent is dropped with ForgetPeer,

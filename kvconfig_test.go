@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvroute/kvroute/kvindex"
+	"github.com/kvroute/kvroute/scorer"
 )
 
 // bareIndex is an index of one's own that implements Lookup alone.
@@ -73,4 +74,54 @@ func TestSpeculationText(t *testing.T) {
 	assert.Error(t, s.UnmarshalText([]byte("sometimes")))
 	_, err := Speculation(9).MarshalText()
 	assert.Error(t, err)
+}
+
+// trackedScorer is the default scorer with a tracker of active sequences: a scorer of one's own
+// that reads the Candidate.Active* fields implements scorer.SequenceTracker so.
+type trackedScorer struct {
+	*scorer.ExpectedTTFT
+	active *scorer.Active
+}
+
+func (s trackedScorer) Sequences() *scorer.Active { return s.active }
+
+// tracked returns a trackedScorer and its tracker.
+func tracked(t testing.TB) (scorer.BackendScorer, *scorer.Active) {
+	t.Helper()
+	e, err := scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{})
+	require.NoError(t, err)
+	a, err := scorer.NewActive(scorer.ActiveConfig{})
+	require.NoError(t, err)
+	return trackedScorer{e, a}, a
+}
+
+// The attention cost: the scorer's own when KVConfig leaves it 0; a KVConfig value that differs
+// from the scorer's is refused; the default scorer takes KVConfig's.
+func TestKVAttentionCostFromTheScorer(t *testing.T) {
+	ix, err := kvindex.NewMemory(kvindex.MemoryConfig{DefaultModel: testModel})
+	require.NoError(t, err)
+	t.Cleanup(func() { ix.Close() })
+	sc, err := scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{AttentionCost: 4e-5})
+	require.NoError(t, err)
+
+	r, err := New(Config{Backends: backends(1), KV: &KVConfig{Index: ix, Scorer: sc}})
+	require.NoError(t, err)
+	assert.Equal(t, 4e-5, r.kv.attn)
+	r.Close()
+
+	_, err = New(Config{Backends: backends(1), KV: &KVConfig{Index: ix, Scorer: sc, AttentionCost: 2e-5}})
+	require.ErrorIs(t, err, ErrInvalidConfig)
+
+	r, err = New(Config{Backends: backends(1), KV: &KVConfig{Index: ix, AttentionCost: 3e-5}})
+	require.NoError(t, err)
+	assert.Equal(t, 3e-5, r.kv.attn)
+	assert.Equal(t, 3e-5, r.kv.scorer.(scorer.AttentionCoster).AttentionCost(), "the default scorer takes KVConfig's")
+	r.Close()
+
+	comp, err := scorer.NewComposite(scorer.CompositeConfig{})
+	require.NoError(t, err)
+	r, err = New(Config{Backends: backends(1), KV: &KVConfig{Index: ix, Scorer: comp}})
+	require.NoError(t, err)
+	assert.Equal(t, scorer.DefaultAttentionCost, r.kv.attn, "a scorer without a cost model: the default")
+	r.Close()
 }

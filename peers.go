@@ -180,9 +180,9 @@ func (r *DefaultRouter) ApplyPeerEvent(replica string, ev PeerEvent) {
 			// backend's share of the recent decisions, as this Router's own do.
 			st.noteDecision(r.since(now))
 		}
-		if r.kv != nil && r.kv.cfg.Active != nil && len(ev.BlockKeys) > 0 {
+		if r.kv != nil && r.kv.active != nil && len(ev.BlockKeys) > 0 {
 			e.activeID = r.kv.nextID.Add(1)
-			r.kv.cfg.Active.Add(e.activeID, ev.Backend, ev.BlockKeys, ev.CachedBlocks)
+			r.kv.active.Add(e.activeID, ev.Backend, ev.BlockKeys, ev.CachedBlocks)
 		}
 		if p.entries == nil {
 			p.entries, p.order, p.byPeer = map[peerKey]*peerEntry{}, list.New(), map[string]int{}
@@ -243,7 +243,7 @@ func (r *DefaultRouter) endPeerPrefill(e *peerEntry) {
 	}
 	e.st.prefill.end(&e.prefill, false, r.since(r.cfg.Now()))
 	if e.activeID != 0 {
-		r.kv.cfg.Active.FirstToken(e.activeID)
+		r.kv.active.FirstToken(e.activeID)
 	}
 }
 
@@ -252,7 +252,7 @@ func (r *DefaultRouter) dropPeerLocked(e *peerEntry) {
 	p := &r.peers
 	r.endPeerPrefill(e)
 	if e.activeID != 0 {
-		r.kv.cfg.Active.Done(e.activeID)
+		r.kv.active.Done(e.activeID)
 	}
 	delete(p.entries, e.key)
 	p.order.Remove(e.elem)

@@ -88,9 +88,8 @@ func TestPeerEventsShareLoad(t *testing.T) {
 }
 
 func TestPeerEventsSpeculateAndTrackActive(t *testing.T) {
-	active, err := scorer.NewActive(scorer.ActiveConfig{})
-	require.NoError(t, err)
-	kvb := &KVConfig{Index: newMemIndex(t), Active: active}
+	sc, active := tracked(t)
+	kvb := &KVConfig{Index: newMemIndex(t), Scorer: sc}
 	backends := []Backend{{Name: "a"}, {Name: "b"}, {Name: "c"}}
 	rb, err := New(Config{Backends: backends, KV: kvb})
 	require.NoError(t, err)

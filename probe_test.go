@@ -37,8 +37,8 @@ func stateOf(t *testing.T, r *DefaultRouter) routerState {
 			s.Stats.Index.Lookups = 0
 		}
 		s.TieTurn = r.kv.tieTurn.Load()
-		if r.kv.cfg.Active != nil {
-			s.Active = r.kv.cfg.Active.Len()
+		if r.kv.active != nil {
+			s.Active = r.kv.active.Len()
 		}
 	}
 	return s
@@ -93,9 +93,8 @@ func probeBackend(t *testing.T, p ProbeResult, name string) ProbeBackend {
 // and changes nothing (no speculative entry, slot, backlog, active sequence or count).
 func TestProbeTier4KVAwareThenLoadBound(t *testing.T) {
 	ix := newMemIndex(t)
-	active, err := scorer.NewActive(scorer.ActiveConfig{})
-	require.NoError(t, err)
-	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, LoadFactorEpsilon: 0.25, Active: active}})
+	sc, _ := tracked(t)
+	r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, LoadFactorEpsilon: 0.25, Scorer: sc}})
 	toks := promptTokens(11, 16*16+3)
 	storeBlocks(t, ix, "vllm-2", toks, 16, events.TierCPU)
 	probes := lockstep(t, r, repeat(tokReq("hot", toks), 8)...)

@@ -684,7 +684,7 @@ func (d *Decision) Done(o Outcome) {
 	}
 	d.endPrefill(false)
 	if d.activeID != 0 {
-		d.router.kv.cfg.Active.Done(d.activeID)
+		d.router.kv.active.Done(d.activeID)
 	}
 	d.router.publish(d, PeerDone, nil)
 	if o.Refused {
@@ -745,7 +745,7 @@ func (d *Decision) FirstToken() {
 	}
 	d.endPrefill(true)
 	if d.activeID != 0 {
-		d.router.kv.cfg.Active.FirstToken(d.activeID)
+		d.router.kv.active.FirstToken(d.activeID)
 	}
 	d.router.publish(d, PeerFirstToken, nil)
 }

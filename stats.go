@@ -44,8 +44,7 @@ type Stats struct {
 
 	// Tier 4's settings in effect that its KVConfig may leave to the Router; zero when tier 4 is
 	// off. Scorer names the scorer that ranks the candidates: "expected_ttft"
-	// (scorer.ExpectedTTFT, the default), "kv_overlap" (scorer.Composite, chosen by
-	// KVConfig.Weights), "cost" (scorer.Cost) or "custom" (any other implementation).
+	// (scorer.ExpectedTTFT, the default), "kv_overlap" (scorer.Composite), "cost" (scorer.Cost) or "custom" (any other implementation).
 	// AttentionCost is the prefill cost model's attention term (0: prefill work counts tokens
 	// alone), BlockSize the index's block size in tokens, SpeculativeTTL the lifetime of the
 	// index entries speculation records (0: speculation off).

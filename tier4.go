@@ -64,18 +64,18 @@ type KVConfig struct {
 	// MinOverlapThreshold of the request: below it the backend with the least prefill work
 	// takes the request (least_work), or tier 1 with RingFallback. nil means kvroute's default,
 	// scorer.ExpectedTTFT with this AttentionCost (the backend with the earliest expected first
-	// token, counting the compute a cache miss costs the fleet); or, when Weights is set, the
-	// composite scorer scorer.NewComposite(Weights).
+	// token, counting the compute a cache miss costs the fleet). The composite overlap, load and
+	// health scorer is scorer.NewComposite's; the Dynamo-style cost is scorer.NewCost's, whose
+	// tracker of active sequences (scorer.SequenceTracker) the Router keeps up to date.
 	Scorer scorer.BackendScorer
-	// Weights, when not the zero value, choose the composite scorer (kv_overlap: overlap, load
-	// and health weighed 0.6/0.3/0.1 by default) as the scorer when Scorer is nil.
-	Weights scorer.CompositeConfig
 	// AttentionCost is the prefill cost model's attention term (scorer.PrefillWork): the cost a
-	// prompt token adds per token of context before it, relative to a token without context.
-	// The Router measures the prefill work queued on each backend with it
-	// (scorer.Candidate.PendingPrefillWork, least_work's choice). 0 means
-	// scorer.DefaultAttentionCost (2e-5, a dense 8B-class model); negative means none (work
-	// is tokens); at most scorer.MaxAttentionCost.
+	// prompt token adds per token of context before it, relative to a token without context,
+	// a property of the model the engines serve. The Router measures the prefill work queued on
+	// each backend with it (scorer.Candidate.PendingPrefillWork, least_work's choice). 0 means
+	// the Scorer's own when it reports one (scorer.AttentionCoster, as scorer.ExpectedTTFT does),
+	// else scorer.DefaultAttentionCost (2e-5, a dense 8B-class model); negative means none (work
+	// is tokens); at most scorer.MaxAttentionCost. A value that differs from the Scorer's own is
+	// a configuration error: the two would measure work in different units.
 	AttentionCost float64
 	// MinOverlapThreshold: 0 means DefaultMinOverlapThreshold. Valid: (0, 1].
 	MinOverlapThreshold float64
@@ -97,13 +97,13 @@ type KVConfig struct {
 	// Speculation mode and its TTL (0 means the mode's default).
 	Speculation    Speculation
 	SpeculativeTTL time.Duration
+
+	// Tuning: the defaults are what kvroute's routing-quality replay measures best; these two
+	// restore older behaviours.
+
 	// Guard hands the decision to the least-loaded backend when the fleet is skewed; the zero
 	// Guard never fires.
 	Guard scorer.Guard
-	// Active, when set, tracks active sequences per backend for cost scoring: Route adds each
-	// request tier 4 placed (kv_aware, imbalance, least_work), Decision.FirstToken ends its prefill
-	// load and Done frees it.
-	Active *scorer.Active
 	// RingFallback sends a request whose best overlap is below MinOverlapThreshold to tier 1 (the
 	// CHWBL ring, by prefix key), as kvroute's design has it. By default such a request goes instead
 	// to the backend with the least prefill work ahead of it (ReasonLeastWork): the prefill work
@@ -131,6 +131,7 @@ type tier4 struct {
 	prefix    kvindex.PrefixLookuper // cfg.Index's, or nil
 	spec      kvindex.Speculator     // cfg.Index's, or nil (then Speculation is SpeculationOff)
 	stats     kvindex.Statser        // cfg.Index's, or nil
+	active    *scorer.Active         // the scorer's tracker of active sequences (scorer.SequenceTracker), or nil
 	threshold float64
 	eps       float64 // LoadFactorEpsilon, defaulted
 	attn      float64 // AttentionCost, defaulted (0: none)
@@ -197,30 +198,33 @@ func newTier4(cfg KVConfig) (*tier4, error) {
 	if math.IsNaN(t.eps) || t.eps < 0.01 || t.eps > 10 {
 		return nil, fmt.Errorf("%w: KV load_factor_epsilon %v not in [0.01, 10]", ErrInvalidConfig, cfg.LoadFactorEpsilon)
 	}
+	own, hasOwn := t.scorer.(scorer.AttentionCoster)
 	switch t.attn = cfg.AttentionCost; {
 	case math.IsNaN(t.attn) || t.attn > scorer.MaxAttentionCost:
 		return nil, fmt.Errorf("%w: KV attention_cost %v not at most %v", ErrInvalidConfig, cfg.AttentionCost, scorer.MaxAttentionCost)
+	case t.attn == 0 && hasOwn:
+		t.attn = own.AttentionCost()
 	case t.attn == 0:
 		t.attn = scorer.DefaultAttentionCost
 	case t.attn < 0:
 		t.attn = 0
 	}
-	if e, ok := t.scorer.(*scorer.ExpectedTTFT); ok {
+	if hasOwn && cfg.AttentionCost != 0 && max(own.AttentionCost(), 0) != t.attn {
 		// Its own work and the queued work the Router hands it must be in the same units.
-		if a := max(e.Config().AttentionCost, 0); a != t.attn {
-			return nil, fmt.Errorf("%w: the KV scorer's AttentionCost %v differs from KV attention_cost %v", ErrInvalidConfig, a, t.attn)
-		}
+		return nil, fmt.Errorf("%w: the KV scorer's attention cost %v differs from KV attention_cost %v", ErrInvalidConfig, own.AttentionCost(), t.attn)
 	}
 	if t.scorer == nil {
-		var err error
-		if cfg.Weights == (scorer.CompositeConfig{}) {
-			t.scorer, err = scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{AttentionCost: cfg.AttentionCost})
-		} else {
-			t.scorer, err = scorer.NewComposite(cfg.Weights)
+		attn := t.attn
+		if attn == 0 {
+			attn = -1 // none
 		}
-		if err != nil {
+		var err error
+		if t.scorer, err = scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{AttentionCost: attn}); err != nil {
 			return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 		}
+	}
+	if st, ok := t.scorer.(scorer.SequenceTracker); ok {
+		t.active = st.Sequences()
 	}
 	if cfg.Speculation == SpeculationAuto {
 		t.cfg.Speculation, cfg.Speculation = SpeculationOff, SpeculationOff
@@ -368,7 +372,7 @@ func (r *DefaultRouter) lookup(ctx context.Context, d *Decision, s *scratch4, us
 }
 
 // candidates builds s.cands, in the order of s.names, from the index's matches and the
-// backends' loads, health, prefill backlogs, recent shares and (with KVConfig.Active) active
+// backends' loads, health, prefill backlogs, recent shares and (with a scorer.SequenceTracker scorer) active
 // sequences, at now (nanoseconds since the Router's epoch: Route's start, read once).
 func (r *DefaultRouter) candidates(s *scratch4, set *backendSet, now int64) {
 	s.cands = s.cands[:0]
@@ -397,8 +401,8 @@ func (r *DefaultRouter) candidates(s *scratch4, set *backendSet, now int64) {
 		s.cands = append(s.cands, c)
 	}
 	recentShares(s.cands, now)
-	if r.kv.cfg.Active != nil {
-		r.kv.cfg.Active.Fill(s.cands)
+	if r.kv.active != nil {
+		r.kv.active.Fill(s.cands)
 	}
 }
 
@@ -598,9 +602,9 @@ func (r *DefaultRouter) afterKVChoice(ctx context.Context, s *scratch4, d *Decis
 	if t.specTTL > 0 && len(s.keys) > 0 {
 		_ = t.spec.Speculate(ctx, d.handle.Backend(), s.keys, t.specTTL)
 	}
-	if t.cfg.Active != nil && len(s.keys) > 0 {
+	if t.active != nil && len(s.keys) > 0 {
 		d.activeID = t.nextID.Add(1)
-		t.cfg.Active.Add(d.activeID, d.handle.Backend(), s.keys, c.CachedBlocks)
+		t.active.Add(d.activeID, d.handle.Backend(), s.keys, c.CachedBlocks)
 	}
 }
 

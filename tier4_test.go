@@ -442,9 +442,8 @@ func TestKVImbalanceGuard(t *testing.T) {
 
 func TestKVActiveSequences(t *testing.T) {
 	ix := newMemIndex(t)
-	active, err := scorer.NewActive(scorer.ActiveConfig{})
-	require.NoError(t, err)
-	r := newRouter(t, Config{Backends: backends(2), KV: &KVConfig{Index: ix, Speculation: SpeculationOff, Active: active}})
+	sc, active := tracked(t)
+	r := newRouter(t, Config{Backends: backends(2), KV: &KVConfig{Index: ix, Speculation: SpeculationOff, Scorer: sc}})
 	toks := promptTokens(10, 16*16)
 	storeBlocks(t, ix, "vllm-2", toks, 8, events.TierGPU)
 	d, err := r.Route(context.Background(), tokReq("s", toks))
@@ -478,7 +477,7 @@ func TestKVStatsAndConfig(t *testing.T) {
 		"no index":    {},
 		"threshold":   {Index: ix, MinOverlapThreshold: 1.5},
 		"block size":  {Index: ix, BlockSize: -1},
-		"weights":     {Index: ix, Weights: scorer.CompositeConfig{OverlapWeight: 0.9, LoadWeight: 0.9}},
+		"attention":   {Index: ix, AttentionCost: 1},
 		"speculation": {Index: ix, Speculation: 9},
 	} {
 		t.Run(name, func(t *testing.T) {

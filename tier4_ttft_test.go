@@ -50,18 +50,22 @@ func probeOf(t *testing.T, r *DefaultRouter, tokens []uint32, backend string) Pr
 func TestKVQueuedHolderLosesToIdleBackend(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
-		weights   scorer.CompositeConfig
+		scorer    func() scorer.BackendScorer
 		leaves    bool
 		wantScore string
 	}{
-		{"expected_ttft", scorer.CompositeConfig{}, true, "expected_ttft"},
-		{"kv_overlap", scorer.CompositeConfig{OverlapWeight: 0.6, LoadWeight: 0.3, HealthWeight: 0.1}, false, "kv_overlap"},
+		{"expected_ttft", func() scorer.BackendScorer { return nil }, true, "expected_ttft"},
+		{"kv_overlap", func() scorer.BackendScorer {
+			c, err := scorer.NewComposite(scorer.CompositeConfig{OverlapWeight: 0.6, LoadWeight: 0.3, HealthWeight: 0.1})
+			require.NoError(t, err)
+			return c
+		}, false, "kv_overlap"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			clock := newStepClock()
 			ix := newMemIndex(t)
 			r := newRouter(t, Config{Backends: backends(2), Now: clock.Now,
-				KV: &KVConfig{Index: ix, Speculation: SpeculationOff, Weights: tc.weights}})
+				KV: &KVConfig{Index: ix, Speculation: SpeculationOff, Scorer: tc.scorer()}})
 			ctx := context.Background()
 			st := statsOf(t, r)
 			assert.Equal(t, tc.wantScore, st.Scorer)
@@ -278,12 +282,15 @@ func TestKVAttentionCost(t *testing.T) {
 	d.Done(Outcome{})
 }
 
-// An ExpectedTTFT given as KVConfig.Scorer must measure work as the Router does.
+// An ExpectedTTFT given as KVConfig.Scorer measures work as the Router does: KVConfig takes its
+// attention cost, or must name the same one.
 func TestKVScorerAttentionMustMatch(t *testing.T) {
 	sc, err := scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{AttentionCost: 4e-5})
 	require.NoError(t, err)
-	_, err = New(Config{Backends: backends(1), KV: &KVConfig{Index: newMemIndex(t), Scorer: sc}})
+	_, err = New(Config{Backends: backends(1), KV: &KVConfig{Index: newMemIndex(t), Scorer: sc, AttentionCost: 2e-5}})
 	assert.ErrorIs(t, err, ErrInvalidConfig)
+	_, err = New(Config{Backends: backends(1), KV: &KVConfig{Index: newMemIndex(t), Scorer: sc, AttentionCost: -1}})
+	assert.ErrorIs(t, err, ErrInvalidConfig, "none against the scorer's 4e-5")
 	_, err = New(Config{Backends: backends(1), KV: &KVConfig{Index: newMemIndex(t), Scorer: sc, AttentionCost: 4e-5}})
 	assert.NoError(t, err)
 	linear, err := scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{AttentionCost: -1})

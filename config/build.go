@@ -579,8 +579,11 @@ func (c *Config) KVConfig(index kvindex.KvCacheIndex, tok prefixkey.Tokenizer) *
 	if kcfg.AttentionCost == 0 { // the YAML's "no attention term"; the library's 0 is its default
 		kcfg.AttentionCost = -1
 	}
+	// Validate has checked the weights and the cache weight: the constructors cannot fail here.
 	if sc.Scorer == ScorerKVOverlap {
-		kcfg.Weights = c.compositeConfig()
+		if s, err := scorer.NewComposite(c.compositeConfig()); err == nil {
+			kcfg.Scorer = s
+		}
 	} else if s, err := scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{CacheWeight: *sc.CacheWeight,
 		AttentionCost: kcfg.AttentionCost}); err == nil {
 		kcfg.Scorer = s

@@ -527,9 +527,15 @@ kv_cache_index:
   scoring: {overlap_weight: 0.5, load_weight: 0.5, health_weight: 0, min_overlap_threshold: 0.2, load_factor_epsilon: 0.5}
 `, tok, func(t *testing.T, kc *kvroute.KVConfig) {
 			if kc.Tokenizer != nil || kc.Speculation != kvroute.SpeculationOn || !kc.UsePrefixEntries || kc.BlockSize != 32 ||
-				kc.Weights.OverlapWeight != 0.5 || kc.Weights.LoadWeight != 0.5 || kc.Weights.HealthWeight != 0 ||
-				kc.Weights.MinOverlapThreshold != 0.2 || kc.MinOverlapThreshold != 0.2 || kc.LoadFactorEpsilon != 0.5 {
+				kc.MinOverlapThreshold != 0.2 || kc.LoadFactorEpsilon != 0.5 {
 				t.Errorf("%+v", kc)
+			}
+			comp, ok := kc.Scorer.(*scorer.Composite)
+			if !ok {
+				t.Fatalf("Scorer %T, want the composite", kc.Scorer)
+			}
+			if w := comp.Config(); w.OverlapWeight != 0.5 || w.LoadWeight != 0.5 || w.HealthWeight != 0 || w.MinOverlapThreshold != 0.2 {
+				t.Errorf("%+v", w)
 			}
 		}},
 		{"ZMQ sources: engine, caller's tokenizer", minimalBackends + `
@@ -539,7 +545,10 @@ kv_cache_index:
   event_sources: [{backend_name: vllm-1, endpoint: "tcp://127.0.0.1:5557"}]
 `, tok, func(t *testing.T, kc *kvroute.KVConfig) {
 			if kc.Tokenizer != tok || kc.Speculation != kvroute.SpeculationOff || kc.UsePrefixEntries ||
-				kc.LoadFactorEpsilon != kvroute.DefaultKVLoadFactorEpsilon || kc.Weights != (scorer.CompositeConfig{}) {
+				kc.LoadFactorEpsilon != kvroute.DefaultKVLoadFactorEpsilon {
+				t.Errorf("%+v", kc)
+			}
+			if _, ok := kc.Scorer.(*scorer.ExpectedTTFT); !ok {
 				t.Errorf("%+v", kc)
 			}
 		}},

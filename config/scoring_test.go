@@ -52,7 +52,6 @@ func TestScoringDefaultIsExpectedTTFT(t *testing.T) {
 	require.True(t, ok, "Scorer %T", kc.Scorer)
 	assert.Equal(t, scorer.DefaultCacheWeight, ett.Config().CacheWeight)
 	assert.Equal(t, scorer.DefaultAttentionCost, ett.Config().AttentionCost)
-	assert.Equal(t, scorer.CompositeConfig{}, kc.Weights)
 	assert.Equal(t, scorer.DefaultAttentionCost, kc.AttentionCost)
 	assert.Equal(t, ScorerExpectedTTFT, st.Scorer)
 	assert.Equal(t, scorer.DefaultAttentionCost, st.AttentionCost)
@@ -72,7 +71,6 @@ func TestScoringExpectedTTFTSettings(t *testing.T) {
 	assert.Equal(t, 3.0, ett.Config().CacheWeight)
 	assert.Equal(t, 1e-4, ett.Config().AttentionCost)
 	assert.Equal(t, 1e-4, kc.AttentionCost)
-	assert.Equal(t, scorer.CompositeConfig{}, kc.Weights)
 	assert.Equal(t, 1e-4, st.AttentionCost)
 }
 
@@ -96,8 +94,10 @@ func TestScoringKVOverlap(t *testing.T) {
 			cfg := mustParse(t, kvScoring(tc.scoring), nil)
 			assert.Equal(t, ScorerKVOverlap, cfg.KVCacheIndex.Scoring.Scorer)
 			kc, st := buildKV(t, cfg)
-			assert.Nil(t, kc.Scorer)
-			assert.Equal(t, tc.want, kc.Weights)
+			comp, ok := kc.Scorer.(*scorer.Composite)
+			require.True(t, ok, "Scorer %T", kc.Scorer)
+			tc.want.PrefillTokensPerRequest = scorer.DefaultPrefillTokensPerRequest // Config reports the defaults
+			assert.Equal(t, tc.want, comp.Config())
 			assert.Equal(t, scorer.DefaultAttentionCost, kc.AttentionCost)
 			assert.Equal(t, ScorerKVOverlap, st.Scorer)
 		})

@@ -18,6 +18,9 @@ type CostConfig struct {
 	// LoadOnly drops the prefill term: cost = decode blocks alone, pure load balancing that
 	// ignores the prefix cache (Dynamo's weight 0). PrefillWeight must then be left 0.
 	LoadOnly bool
+	// Sequences configures the Cost's tracker of active sequences (Cost.Sequences), whose
+	// per-backend loads fill the Candidate.Active* fields the cost reads.
+	Sequences ActiveConfig
 }
 
 // Cost is Dynamo's KV router cost function, in blocks. For candidate c of request r:
@@ -31,13 +34,18 @@ type CostConfig struct {
 // from an Active tracker (Active.Fill). Scores are in blocks, not in [0, 1]: use Softmax with
 // Normalize, or a temperature in blocks, to sample among them.
 //
-// A Cost is immutable once built: safe for concurrent use. Score allocates nothing when out is
+// A Cost's weights are immutable once built and its tracker is safe for concurrent use: a Cost is
+// safe for concurrent use. Score allocates nothing when out is
 // large enough.
 type Cost struct {
 	prefillWeight float64
+	active        *Active
 }
 
-var _ BackendScorer = (*Cost)(nil)
+var (
+	_ BackendScorer   = (*Cost)(nil)
+	_ SequenceTracker = (*Cost)(nil)
+)
 
 // NewCost validates cfg, applies its defaults and returns the scorer. The error wraps
 // ErrInvalidConfig when PrefillWeight is negative or not finite, or set together with LoadOnly.
@@ -54,10 +62,19 @@ func NewCost(cfg CostConfig) (*Cost, error) {
 	case w == 0:
 		w = DefaultPrefillWeight
 	}
-	return &Cost{prefillWeight: w}, nil
+	active, err := NewActive(cfg.Sequences)
+	if err != nil {
+		return nil, err
+	}
+	return &Cost{prefillWeight: w, active: active}, nil
 }
 
-// Config returns the configuration in effect, defaults applied. Safe for concurrent use.
+// Sequences returns the Cost's tracker of active sequences (SequenceTracker): a kvroute Router
+// fills its candidates from it and records its decisions there. Safe for concurrent use.
+func (c *Cost) Sequences() *Active { return c.active }
+
+// Config returns the weights in effect, defaults applied (Sequences is left zero). Safe for
+// concurrent use.
 func (c *Cost) Config() CostConfig {
 	if c.prefillWeight == 0 {
 		return CostConfig{LoadOnly: true}

@@ -33,7 +33,10 @@ func TestNewCost(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := c.Config(); got != tt.want {
+			if c.Sequences() == nil {
+				t.Fatal("no tracker of active sequences")
+			}
+			if got := c.Config(); got.PrefillWeight != tt.want.PrefillWeight || got.LoadOnly != tt.want.LoadOnly {
 				t.Errorf("Config() = %+v, want %+v", got, tt.want)
 			}
 		})

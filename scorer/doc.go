@@ -16,8 +16,8 @@
 //     token-equivalents: (tokens − cached) + AttentionCost·(tokens² − cached²), a linear term
 //     for the weights and a quadratic one for attention over the context, so that the tail of a
 //     long prompt costs more than a short prompt of the same length.
-//   - Composite is kvroute's kv_overlap scorer (its KvOverlapScorer), the one kvroute's
-//     KVConfig.Weights selects: OverlapWeight·overlap + LoadWeight·(1 − load) +
+//   - Composite is kvroute's kv_overlap scorer (its KvOverlapScorer), KVConfig.Scorer set to
+//     NewComposite's: OverlapWeight·overlap + LoadWeight·(1 − load) +
 //     HealthWeight·health, with a minimum-overlap threshold (Composite.Active) below which the
 //     caller falls back to its consistent-hash ring.
 //   - Cost is Dynamo's KV router cost: PrefillWeight·prefill_blocks + decode_blocks, in blocks,

@@ -68,6 +68,21 @@ func (f Func) Score(req Request, cands []Candidate, out []float64) []float64 {
 
 var _ BackendScorer = Func(nil)
 
+// AttentionCoster is implemented by a scorer that measures prefill work with PrefillWork: its
+// attention cost (0: none, work is tokens). A kvroute Router measures the prefill work queued on
+// each backend (Candidate.PendingPrefillWork) with the same cost, so that the scorer compares
+// like with like; ExpectedTTFT implements it.
+type AttentionCoster interface {
+	AttentionCost() float64
+}
+
+// SequenceTracker is implemented by a scorer that reads the Candidate.Active* fields: a kvroute
+// Router fills them from the tracker Sequences returns and records there each request its tier
+// 4 places; Cost implements it.
+type SequenceTracker interface {
+	Sequences() *Active
+}
+
 // ErrBadScores is returned by ScoreSafely when a scorer returned another number of scores than
 // candidates, or panicked.
 var ErrBadScores = errors.New("scorer: the scorer returned no score per candidate")

@@ -60,8 +60,9 @@ type ExpectedTTFTConfig struct {
 	// compute CacheWeight times): seven times with the default 6. Range: finite and ≥ 0; 0
 	// means DefaultCacheWeight.
 	CacheWeight float64
-	// AttentionCost is PrefillWork's attentionCost: it must be the one the Router computes
-	// Candidate.PendingPrefillWork with (kvroute.KVConfig.AttentionCost). Range [0,
+	// AttentionCost is PrefillWork's attentionCost, which a kvroute Router also computes
+	// Candidate.PendingPrefillWork with (it takes it through AttentionCost when
+	// KVConfig.AttentionCost is 0, and refuses a KVConfig that names another). Range [0,
 	// MaxAttentionCost]; 0 means DefaultAttentionCost; negative means none (work is tokens).
 	AttentionCost float64
 	// HotShare and HotDiscount spread load that cache affinity piles up: a backend receiving
@@ -100,7 +101,10 @@ type ExpectedTTFT struct {
 	cacheWeight, attention, hotShare, hotDiscount float64
 }
 
-var _ BackendScorer = (*ExpectedTTFT)(nil)
+var (
+	_ BackendScorer   = (*ExpectedTTFT)(nil)
+	_ AttentionCoster = (*ExpectedTTFT)(nil)
+)
 
 // NewExpectedTTFT validates cfg, applies its defaults and returns the scorer. The error wraps
 // ErrInvalidConfig for a value out of its range.
@@ -137,6 +141,10 @@ func NewExpectedTTFT(cfg ExpectedTTFTConfig) (*ExpectedTTFT, error) {
 	}
 	return e, nil
 }
+
+// AttentionCost returns the attention cost PrefillWork is computed with (0: none); it makes
+// ExpectedTTFT an AttentionCoster. Safe for concurrent use.
+func (e *ExpectedTTFT) AttentionCost() float64 { return e.attention }
 
 // Config returns the configuration in effect, defaults applied (an AttentionCost or HotDiscount
 // turned off reads as -1). Safe for concurrent use.

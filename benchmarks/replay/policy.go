@@ -138,15 +138,11 @@ func newRouter(name string, env policyEnv) (router, error) {
 			cfg.KV.Scorer = composite
 		}
 		if name == PolicyCost {
-			cost, err := scorer.NewCost(scorer.CostConfig{})
+			cost, err := scorer.NewCost(scorer.CostConfig{Sequences: scorer.ActiveConfig{MaxAge: 24 * time.Hour, Now: env.now}})
 			if err != nil {
 				return nil, err
 			}
-			active, err := scorer.NewActive(scorer.ActiveConfig{MaxAge: 24 * time.Hour, Now: env.now})
-			if err != nil {
-				return nil, err
-			}
-			cfg.KV.Scorer, cfg.KV.Active = cost, active
+			cfg.KV.Scorer = cost
 			// The cost function decides whenever any backend holds any of the prompt, as in Dynamo.
 			cfg.KV.MinOverlapThreshold = 1e-9
 		}
