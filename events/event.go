@@ -194,7 +194,7 @@ type Sink interface {
 // for concurrent use and answer quickly (they may read a remote marker at most every second or
 // so, sharing the answer between backends), and their Apply returns an error (kvindex's
 // ErrBackendLost) for a lost backend until ClearBackend. The Redis index of package
-// kvindex/redisindex implements it; CountingSink forwards it.
+// kvindex/redisindex implements it; admin.CountingSink forwards it.
 type LossReporter interface {
 	BackendLost(ctx context.Context, backend string) (lost bool, err error)
 }

@@ -224,7 +224,7 @@ func (s *server) kvIndexStats(w http.ResponseWriter, r *http.Request) {
 // the index mutations its events caused.
 func (s *server) kvIndexBackends(w http.ResponseWriter, r *http.Request) {
 	if s.index == nil {
-		writeJSON(w, http.StatusOK, map[string]any{"enabled": false, "backends": []events.BackendSummary{}})
+		writeJSON(w, http.StatusOK, map[string]any{"enabled": false, "backends": []admin.BackendSummary{}})
 		return
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), adminTimeout)
@@ -235,7 +235,7 @@ func (s *server) kvIndexBackends(w http.ResponseWriter, r *http.Request) {
 		names = append(names, b.Name)
 	}
 	writeJSON(w, http.StatusOK, map[string]any{"enabled": true,
-		"backends": events.SummarizeBackends(names, s.statuses(), s.sink.Counts(), ist.PerBackend)})
+		"backends": admin.SummarizeBackends(names, s.statuses(), s.sink.Counts(), ist.PerBackend)})
 }
 
 // POST /admin/kv-index/clear.

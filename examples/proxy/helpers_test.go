@@ -15,8 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/config"
-	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/internal/enginesim"
 )
 
@@ -259,10 +259,10 @@ func expectKVRouted(t *testing.T, p *testProxy, body, holder, when string) {
 }
 
 // kvBackend is what /admin/kv-index/backends reports of backend; zero when it is not listed.
-func kvBackend(t *testing.T, p *testProxy, backend string) events.BackendSummary {
+func kvBackend(t *testing.T, p *testProxy, backend string) admin.BackendSummary {
 	t.Helper()
 	var body struct {
-		Backends []events.BackendSummary `json:"backends"`
+		Backends []admin.BackendSummary `json:"backends"`
 	}
 	getJSON(t, p.URL+"/admin/kv-index/backends", &body)
 	for _, b := range body.Backends {
@@ -270,7 +270,7 @@ func kvBackend(t *testing.T, p *testProxy, backend string) events.BackendSummary
 			return b
 		}
 	}
-	return events.BackendSummary{}
+	return admin.BackendSummary{}
 }
 
 // errorBody is the OpenAI error shape.

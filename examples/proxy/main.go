@@ -30,11 +30,12 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/kvroute/kvroute"
-	"github.com/kvroute/kvroute/config"
-	"github.com/kvroute/kvroute/events"
-	"github.com/kvroute/kvroute/internal/enginesim"
 	"golang.org/x/sync/semaphore"
+
+	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/admin"
+	"github.com/kvroute/kvroute/config"
+	"github.com/kvroute/kvroute/internal/enginesim"
 )
 
 func main() {
@@ -191,7 +192,7 @@ func newGeneration(cfg *config.Config, log *slog.Logger, prev *server) (s *serve
 		s.cache = cache
 		s.closers = append(s.closers, closeStores)
 		if index != nil {
-			s.index, s.sink = index, events.NewCountingSink(index)
+			s.index, s.sink = index, admin.NewCountingSink(index)
 			reg, err := s.tel.observeIndexMutations(s.sink)
 			if err != nil {
 				return nil, err

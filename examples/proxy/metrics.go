@@ -8,8 +8,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvroute/kvroute/events"
-	"github.com/kvroute/kvroute/health"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -17,6 +15,9 @@ import (
 	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
 	"go.opentelemetry.io/otel/metric"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+
+	"github.com/kvroute/kvroute/admin"
+	"github.com/kvroute/kvroute/health"
 )
 
 // Metric names of the proxy itself (the library packages register their own).
@@ -136,7 +137,7 @@ func (t *otelSDK) retry(ctx context.Context, backend string) {
 
 // observeIndexMutations registers kv_index_events_total{backend, type}: the index mutations the
 // KV events caused (created, evicted).
-func (t *otelSDK) observeIndexMutations(sink *events.CountingSink) (metric.Registration, error) {
+func (t *otelSDK) observeIndexMutations(sink *admin.CountingSink) (metric.Registration, error) {
 	m := t.provider.Meter(proxyScope)
 	ctr, err := m.Int64ObservableCounter(metricIndexMutations,
 		metric.WithDescription("Index mutations caused by KV events, by backend and type (created, evicted)."),

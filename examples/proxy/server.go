@@ -17,15 +17,16 @@ import (
 	"syscall"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
+	"golang.org/x/sync/semaphore"
+
 	"github.com/kvroute/kvroute"
+	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/config"
-	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/health"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
-	"go.opentelemetry.io/otel/trace"
-	"golang.org/x/sync/semaphore"
 )
 
 // server is the proxy: the Router and everything around it. newServer builds it without
@@ -38,7 +39,7 @@ type server struct {
 	tel    *otelSDK
 	router *kvroute.DefaultRouter
 	index  kvindex.KvCacheIndex // nil when tier 4 is off
-	sink   *events.CountingSink // nil when tier 4 is off
+	sink   *admin.CountingSink  // nil when tier 4 is off
 	cons   []config.EventConsumer
 	cache  *respcache.Cache // nil when the response cache is off
 	health *health.Monitor

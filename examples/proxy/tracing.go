@@ -6,13 +6,14 @@ import (
 	"os"
 	"time"
 
-	"github.com/kvroute/kvroute/config"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
 	"go.opentelemetry.io/otel/exporters/stdout/stdouttrace"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvroute/kvroute/config"
 )
 
 // startTracing builds the tracing section's TracerProvider (nil when tracing is off) and the

@@ -1,7 +1,8 @@
-package events_test
+package admin_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"testing"
 	"time"
@@ -9,6 +10,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/events"
 )
 
@@ -34,7 +36,7 @@ func (s *recordingSink) ClearBackend(_ context.Context, backend string) error {
 
 func TestCountingSink(t *testing.T) {
 	next := &recordingSink{fail: "bad"}
-	s := events.NewCountingSink(next)
+	s := admin.NewCountingSink(next)
 	ctx := context.Background()
 	require.NoError(t, s.Apply(ctx, "a", &events.Batch{Events: []events.Event{
 		{Kind: events.KindBlockStored, BlockHashes: []uint64{1, 2, 3}},
@@ -49,7 +51,7 @@ func TestCountingSink(t *testing.T) {
 	require.Error(t, s.Apply(ctx, "bad", &events.Batch{Events: []events.Event{{Kind: events.KindBlockStored, BlockHashes: []uint64{9}}}}))
 	require.NoError(t, s.ClearBackend(ctx, "b"))
 
-	assert.Equal(t, map[string]events.MutationCounts{
+	assert.Equal(t, map[string]admin.MutationCounts{
 		"a":   {Created: 3, Evicted: 1, Cleared: 1},
 		"b":   {Created: 2, Evicted: 1, Cleared: 1},
 		"bad": {ApplyErrors: 1},
@@ -69,8 +71,8 @@ func TestSummarizeBackends(t *testing.T) {
 			Events:     events.Stats{Received: 5, Processed: 5}, Sequence: events.SequenceStats{Resets: 1}},
 		{Backend: "phantom", Transport: "sse", Endpoint: "http://p/v1/kv_events"},
 	}
-	counts := map[string]events.MutationCounts{"a": {Created: 7, Evicted: 2}, "z": {Created: 1}, "y": {Created: 1}}
-	got := events.SummarizeBackends([]string{"b", "a"}, sources, counts, map[string]int{"a": 4})
+	counts := map[string]admin.MutationCounts{"a": {Created: 7, Evicted: 2}, "z": {Created: 1}, "y": {Created: 1}}
+	got := admin.SummarizeBackends([]string{"b", "a"}, sources, counts, map[string]int{"a": 4})
 
 	names := []string{}
 	for _, b := range got {
@@ -78,12 +80,47 @@ func TestSummarizeBackends(t *testing.T) {
 	}
 	assert.Equal(t, []string{"b", "a", "phantom", "y", "z"}, names)
 	a := got[1]
-	assert.Equal(t, events.BackendConnection{Connected: true, ReconnectCount: 3, LastEventAt: t2}, a.Connection)
-	assert.Equal(t, events.BackendEvents{Received: 15, Processed: 14, Dropped: 1, Malformed: 1, IndexCreated: 7, IndexEvicted: 2, Resets: 1}, a.Events)
+	assert.Equal(t, admin.BackendConnection{Connected: true, ReconnectCount: 3, LastEventAt: t2}, a.Connection)
+	assert.Equal(t, admin.BackendEvents{Received: 15, Processed: 14, Dropped: 1, Malformed: 1, IndexCreated: 7, IndexEvicted: 2, Resets: 1}, a.Events)
 	assert.Equal(t, 4, a.IndexEntries)
 	require.Len(t, a.Sources, 2)
 	assert.Equal(t, "reconnecting", a.Sources[0].Status)
 	assert.Empty(t, got[0].Sources)
 
-	assert.NotNil(t, events.SummarizeBackends(nil, nil, nil, nil), "an empty summary encodes as [], not null")
+	assert.NotNil(t, admin.SummarizeBackends(nil, nil, nil, nil), "an empty summary encodes as [], not null")
+}
+
+// lossySink is a recordingSink that reports the backends in lost as lost.
+type lossySink struct {
+	recordingSink
+	lost map[string]bool
+}
+
+func (s *lossySink) BackendLost(_ context.Context, backend string) (bool, error) {
+	return s.lost[backend], nil
+}
+
+// CountingSink reports what the sink behind it reports, and no loss for a sink that cannot lose
+// anything.
+func TestCountingSinkForwardsLoss(t *testing.T) {
+	ctx := context.Background()
+	cs := admin.NewCountingSink(&lossySink{lost: map[string]bool{"a": true}})
+	lost, err := cs.BackendLost(ctx, "a")
+	require.NoError(t, err)
+	assert.True(t, lost)
+	lost, err = cs.BackendLost(ctx, "b")
+	require.NoError(t, err)
+	assert.False(t, lost)
+	lost, err = admin.NewCountingSink(&recordingSink{}).BackendLost(ctx, "a")
+	require.NoError(t, err)
+	assert.False(t, lost)
+}
+
+// A ZMQ source's summary carries its sequence block, zero, before any batch has arrived, rather
+// than leaving it out.
+func TestSummarySequenceBeforeFirstBatch(t *testing.T) {
+	sum := admin.SummarizeBackends([]string{"a"}, []events.SourceStatus{{Backend: "a", Transport: "zmq", Endpoint: "tcp://h:1"}}, nil, nil)
+	b, err := json.Marshal(sum)
+	require.NoError(t, err)
+	assert.Contains(t, string(b), `"sequence":{"batches":0,"last_seq":0,"gaps":0,"replays":0,"replay_failures":0,"catch_ups":0,`)
 }

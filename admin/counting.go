@@ -1,4 +1,4 @@
-package events
+package admin
 
 import (
 	"context"
@@ -6,6 +6,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/kvroute/kvroute/events"
 )
 
 // MutationCounts are the index mutations one backend's events caused: blocks (or prefix entries)
@@ -17,11 +19,12 @@ type MutationCounts struct {
 	ApplyErrors uint64 `json:"apply_errors"`
 }
 
-// CountingSink is a Sink that passes every batch to the next one and counts, per backend, the
-// mutations the batch carried (MutationCounts). A batch the next sink refuses counts as an apply
+// CountingSink is an events.Sink that passes every batch to the next one and counts, per
+// backend, the mutations the batch carried (MutationCounts), for a gateway's
+// /admin/kv-index/backends (SummarizeBackends). A batch the next sink refuses counts as an apply
 // error only. It is safe for concurrent use.
 type CountingSink struct {
-	next Sink
+	next events.Sink
 	mu   sync.Mutex
 	m    map[string]*mutationCounters
 }
@@ -29,12 +32,12 @@ type CountingSink struct {
 type mutationCounters struct{ created, evicted, cleared, applyErrors atomic.Uint64 }
 
 var (
-	_ Sink         = (*CountingSink)(nil)
-	_ LossReporter = (*CountingSink)(nil)
+	_ events.Sink         = (*CountingSink)(nil)
+	_ events.LossReporter = (*CountingSink)(nil)
 )
 
 // NewCountingSink returns a CountingSink in front of next.
-func NewCountingSink(next Sink) *CountingSink {
+func NewCountingSink(next events.Sink) *CountingSink {
 	return &CountingSink{next: next, m: map[string]*mutationCounters{}}
 }
 
@@ -51,7 +54,7 @@ func (s *CountingSink) counters(backend string) *mutationCounters {
 
 // Apply passes b to the next sink and, when it succeeds, counts b's mutations for backend. It
 // returns the next sink's error.
-func (s *CountingSink) Apply(ctx context.Context, backend string, b *Batch) error {
+func (s *CountingSink) Apply(ctx context.Context, backend string, b *events.Batch) error {
 	err := s.next.Apply(ctx, backend, b)
 	c := s.counters(backend)
 	if err != nil {
@@ -61,15 +64,15 @@ func (s *CountingSink) Apply(ctx context.Context, backend string, b *Batch) erro
 	for i := range b.Events {
 		ev := &b.Events[i]
 		switch ev.Kind {
-		case KindBlockStored:
+		case events.KindBlockStored:
 			c.created.Add(uint64(len(ev.BlockHashes)))
-		case KindBlockRemoved:
+		case events.KindBlockRemoved:
 			c.evicted.Add(uint64(len(ev.BlockHashes)))
-		case KindAllBlocksCleared:
+		case events.KindAllBlocksCleared:
 			c.cleared.Add(1)
-		case KindPrefix:
+		case events.KindPrefix:
 			switch ev.PrefixOp {
-			case PrefixCreated, PrefixReloaded:
+			case events.PrefixCreated, events.PrefixReloaded:
 				c.created.Add(1)
 			default:
 				c.evicted.Add(1)
@@ -85,10 +88,10 @@ func (s *CountingSink) ClearBackend(ctx context.Context, backend string) error {
 	return s.next.ClearBackend(ctx, backend)
 }
 
-// BackendLost implements LossReporter: it asks the next sink when that sink is a LossReporter,
-// and otherwise reports no loss.
+// BackendLost implements events.LossReporter: it asks the next sink when that sink is an
+// events.LossReporter, and otherwise reports no loss.
 func (s *CountingSink) BackendLost(ctx context.Context, backend string) (bool, error) {
-	if lr, ok := s.next.(LossReporter); ok {
+	if lr, ok := s.next.(events.LossReporter); ok {
 		return lr.BackendLost(ctx, backend)
 	}
 	return false, nil
@@ -142,13 +145,13 @@ type SourceSummary struct {
 	LastError string `json:"last_error,omitempty"`
 	// Sequence: gaps, replays, catch-ups and resets of a ZMQ source, present (all zero) before its
 	// first batch too; all zero for SSE, which numbers no batches.
-	Sequence SequenceStats `json:"sequence"`
+	Sequence events.SequenceStats `json:"sequence"`
 }
 
 // SummarizeBackends returns one BackendSummary per backend: those of backends first, in their
 // order, then any other backend a source or a count names, in the order met. entries gives each
 // backend's index entries (nil: none known).
-func SummarizeBackends(backends []string, sources []SourceStatus, counts map[string]MutationCounts, entries map[string]int) []BackendSummary {
+func SummarizeBackends(backends []string, sources []events.SourceStatus, counts map[string]MutationCounts, entries map[string]int) []BackendSummary {
 	var out []BackendSummary
 	at := map[string]int{}
 	get := func(name string) *BackendSummary {
