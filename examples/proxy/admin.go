@@ -30,7 +30,7 @@ func (s *server) routes() http.Handler {
 		mux.HandleFunc(path, methodNotAllowed)
 	}
 	mux.HandleFunc("GET /v1/models", s.models)
-	mux.HandleFunc("GET /v1/models/{id}", s.model)
+	mux.HandleFunc("GET /v1/models/{id...}", s.model) // ids have slashes: meta-llama/Llama-3.1-8B-Instruct
 	mux.HandleFunc("/v1/", s.passthrough)
 	mux.HandleFunc("GET /healthz", s.healthz)
 	if s.cfg.Admin.ProtectMetrics {
