@@ -6,10 +6,12 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"strconv"
 	"time"
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/admin"
+	"github.com/kvroute/kvroute/apierror"
 	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
@@ -46,7 +48,7 @@ func (s *server) routes() http.Handler {
 	mux.Handle("GET /admin/kv-index/stats", s.admin(http.HandlerFunc(s.kvIndexStats)))
 	mux.Handle("GET /admin/kv-index/backends", s.admin(http.HandlerFunc(s.kvIndexBackends)))
 	mux.Handle("POST /admin/kv-index/clear", s.admin(http.HandlerFunc(s.kvIndexClear)))
-	mux.Handle("GET /admin/kv-index/dump", s.admin(admin.DumpHandler(kvindex.DumperFunc(s.router.DumpKVIndex))))
+	mux.Handle("GET /admin/kv-index/dump", s.admin(s.knownBackend(admin.DumpHandler(kvindex.DumperFunc(s.router.DumpKVIndex)))))
 	mux.Handle("POST /admin/route/probe", s.admin(admin.ProbeHandler(s.router.Probe, s.cfg.Server.MaxBodyBytes)))
 	mux.Handle("GET /admin/disaggregation/stats", s.admin(http.HandlerFunc(s.disaggregationStats)))
 	mux.Handle("GET /admin/replicas/stats", s.admin(http.HandlerFunc(s.replicasStats)))
@@ -60,6 +62,20 @@ func (s *server) routes() http.Handler {
 // loopback operator's request that nothing marks as a web page's.
 func (s *server) admin(h http.Handler) http.Handler {
 	return admin.Guard(string(s.cfg.Admin.AuthToken), h)
+}
+
+// knownBackend answers a request whose backend query parameter names no configured backend with
+// 404 backend_not_found (an OpenAI error body), rather than h's answer for a backend nothing is
+// known of (the KV index's dump of it is empty); a request without one goes to h.
+func (s *server) knownBackend(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if b := r.URL.Query().Get("backend"); b != "" && s.backends[b] == nil {
+			apierror.Write(w, prefixkey.FormatOpenAIChat, http.StatusNotFound, "backend_not_found", "backend",
+				"no backend is named "+strconv.Quote(b))
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
 }
 
 // writeJSON answers with v as indented JSON.
