@@ -355,6 +355,9 @@ func (r *DefaultRouter) probeTier1(pk prefixkey.Key, hasKey bool, set *backendSe
 	}
 	res.Tier, res.Backend = 1, pick.name
 	res.Why = left + "no prefix key: the " + string(r.cfg.Strategy) + " strategy chooses"
+	if r.cfg.Strategy == StrategyPrefixAwareHash {
+		res.Why = left + "no prefix key: the prefix_aware_hash strategy goes round robin"
+	}
 }
 
 // UnmarshalText implements encoding.TextUnmarshaler with String's labels ("none" is the zero
