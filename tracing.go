@@ -14,7 +14,12 @@ import (
 // Spans of the default Router, recorded through Config.TracerProvider (OpenTelemetry's trace API;
 // without a provider, or with the API's no-op one, the Router records none and allocates nothing
 // for them). kvroute.route is a child of the span in Route's context, the others children of
-// kvroute.route. DisaggRouter.Route records only the kvroute.route of a unified decision.
+// kvroute.route. DisaggRouter.Route records the same spans, one kvroute.route per call whatever the
+// path: AttrReason is the plan's reason (local_hit, storage_hit, short_prompt, cache_miss), or on
+// the unified and fallback paths the unified decision's; AttrBackend the decode (or unified)
+// backend; AttrRoutingPath the path and AttrPrefillBackend the prefill backend, when there is one;
+// AttrExpectedCachedTokens the plan's with tier 4 on; its kvroute.kv_index.lookup asks about every
+// backend, and on the unified and fallback paths Route's own tokenize and lookup follow.
 //
 //	kvroute.route              Route: AttrReason, AttrBackend, AttrPrefixKey when the request has one,
 //	                           AttrExpectedCachedTokens when tier 4 decided (Reason.FromKVIndex),
@@ -46,8 +51,15 @@ const (
 	AttrTokens = "kvroute.tokens"
 	// AttrBlocks is the number of the request's block keys looked up (0 for a prefix entry).
 	AttrBlocks = "kvroute.blocks"
-	// AttrBackends is the number of healthy backends the index was asked about.
+	// AttrBackends is the number of backends the index was asked about: Route asks about the
+	// healthy ones, DisaggRouter.Route about every backend (a prefix an unhealthy one wrote to
+	// shared storage is still there).
 	AttrBackends = "kvroute.backends"
+	// AttrRoutingPath is a DisaggRouter.Route decision's routing path (disagg.Path: fast_decode,
+	// prefill_then_decode, unified, fallback).
+	AttrRoutingPath = "kvroute.routing_path"
+	// AttrPrefillBackend is a prefill_then_decode decision's prefill backend.
+	AttrPrefillBackend = "kvroute.prefill_backend"
 )
 
 // tracerScope is the instrumentation scope of the Router's spans.
@@ -82,6 +94,32 @@ func (r *DefaultRouter) routeTraced(ctx context.Context, req *prefixkey.Request)
 	return d, err
 }
 
+// routeTraced is DisaggRouter.route within a SpanRoute span.
+func (dr *DisaggRouter) routeTraced(ctx context.Context, req *prefixkey.Request) (*DisaggDecision, error) {
+	r := dr.r
+	ctx, span := r.tracer.Start(ctx, SpanRoute)
+	d, err := dr.route(ctx, req)
+	if err == nil {
+		reason, fromKV := d.Reason.String(), r.kv != nil
+		if d.Unified != nil {
+			reason, fromKV = d.Unified.Reason.String(), d.Unified.Reason.FromKVIndex()
+		}
+		span.SetAttributes(attribute.String(AttrReason, reason), attribute.String(AttrBackend, d.Decode),
+			attribute.String(AttrRoutingPath, d.Path.String()))
+		if d.Prefill != "" {
+			span.SetAttributes(attribute.String(AttrPrefillBackend, d.Prefill))
+		}
+		if d.HasPrefixKey {
+			span.SetAttributes(attribute.String(AttrPrefixKey, d.PrefixKey.String()))
+		}
+		if fromKV {
+			span.SetAttributes(attribute.Int(AttrExpectedCachedTokens, d.ExpectedCachedTokens))
+		}
+	}
+	endSpan(span, err)
+	return d, err
+}
+
 // startSpan starts a child span of ctx named name; with tracing off it returns ctx and a no-op
 // span, without allocating.
 func (r *DefaultRouter) startSpan(ctx context.Context, name string) (context.Context, trace.Span) {
@@ -104,8 +142,13 @@ func (r *DefaultRouter) tokenize(ctx context.Context, req *prefixkey.Request) ([
 
 // endLookup ends the SpanKVLookup span of a lookup of s's block keys on s's backends.
 func (r *DefaultRouter) endLookup(span trace.Span, s *scratch4, err error) {
+	r.endLookupOf(span, len(s.keys), len(s.names), err)
+}
+
+// endLookupOf ends the SpanKVLookup span of a lookup of blocks block keys on backends backends.
+func (r *DefaultRouter) endLookupOf(span trace.Span, blocks, backends int, err error) {
 	if r.tracer != nil {
-		span.SetAttributes(attribute.Int(AttrBlocks, len(s.keys)), attribute.Int(AttrBackends, len(s.names)))
+		span.SetAttributes(attribute.Int(AttrBlocks, blocks), attribute.Int(AttrBackends, backends))
 		endSpan(span, err)
 	}
 }
