@@ -49,7 +49,12 @@ func (s *server) routes() http.Handler {
 	mux.Handle("GET /admin/kv-index/backends", s.admin(http.HandlerFunc(s.kvIndexBackends)))
 	mux.Handle("POST /admin/kv-index/clear", s.admin(http.HandlerFunc(s.kvIndexClear)))
 	mux.Handle("GET /admin/kv-index/dump", s.admin(s.knownBackend(admin.DumpHandler(kvindex.DumperFunc(s.router.DumpKVIndex)))))
-	mux.Handle("POST /admin/route/probe", s.admin(admin.ProbeHandler(s.router.Probe, s.cfg.Server.MaxBodyBytes)))
+	// The probe answers for the routing a request gets (forward): the plan with disaggregation on.
+	probe := admin.ProbeHandler(s.router.Probe, s.cfg.Server.MaxBodyBytes)
+	if s.disaggregated() {
+		probe = admin.ProbeHandler(s.router.Disagg().Probe, s.cfg.Server.MaxBodyBytes)
+	}
+	mux.Handle("POST /admin/route/probe", s.admin(probe))
 	mux.Handle("GET /admin/disaggregation/stats", s.admin(http.HandlerFunc(s.disaggregationStats)))
 	mux.Handle("GET /admin/replicas/stats", s.admin(http.HandlerFunc(s.replicasStats)))
 	mux.Handle("/admin/", s.admin(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
