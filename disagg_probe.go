@@ -194,8 +194,12 @@ func (dr *DisaggRouter) why(plan disagg.Plan, in disagg.Input) string {
 		return fmt.Sprintf("no decode backend can reuse any of the prompt, but its %d tokens are short enough for %s to compute (%s)",
 			plan.UncachedTokens, plan.Decode, short)
 	case disagg.ReasonCacheMiss:
-		return fmt.Sprintf("no decode backend can reuse enough of the prompt: %s computes it (holding %d tokens of it already) and writes its KV to storage, where %s loads it",
-			plan.Prefill, plan.ExpectedCachedTokens, plan.Decode)
+		held := ""
+		if plan.ExpectedCachedTokens > 0 {
+			held = fmt.Sprintf(" (holding %d tokens of it already)", plan.ExpectedCachedTokens)
+		}
+		return fmt.Sprintf("no decode backend can reuse enough of the prompt: %s computes it%s and writes its KV to storage, where %s loads it",
+			plan.Prefill, held, plan.Decode)
 	}
 	return ""
 }
