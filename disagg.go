@@ -8,10 +8,14 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
+
 	"github.com/kvroute/kvroute/chwbl"
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 // disaggAttempts bounds how often DisaggRouter.Route re-plans when a concurrent request took the last
@@ -136,8 +140,17 @@ type DisaggDecision struct {
 // ended before the choice; an error wrapping ErrNoBackend (and disagg.ErrNoBackend) when no path
 // the configuration allows has a healthy backend. ctx also bounds the tokenizer and a remote
 // index. The caller must call Done when the request ends, and PrefillDone or PrefillFailed when a
-// prefill phase ends. Safe for concurrent use.
+// prefill phase ends. With Config.TracerProvider, each call is one telemetry.SpanRoute span, child of ctx's,
+// whatever the path. Safe for concurrent use.
 func (dr *DisaggRouter) Route(ctx context.Context, req *prefixkey.Request) (*DisaggDecision, error) {
+	if dr.r.tracer != nil {
+		return dr.routeTraced(ctx, req)
+	}
+	return dr.route(ctx, req)
+}
+
+// route is Route without its span; its unified paths run Route's steps without a span of their own.
+func (dr *DisaggRouter) route(ctx context.Context, req *prefixkey.Request) (*DisaggDecision, error) {
 	r := dr.r
 	if req == nil {
 		return nil, ErrNilRequest
@@ -146,7 +159,8 @@ func (dr *DisaggRouter) Route(ctx context.Context, req *prefixkey.Request) (*Dis
 		return nil, err
 	}
 	if r.dis == nil {
-		return r.routeUnified(ctx, req, disagg.Plan{Path: disagg.PathUnified, Reason: disagg.ReasonDisabled}, nil)
+		u, err := r.route(ctx, req)
+		return r.unifiedDecision(ctx, req, disagg.Plan{Path: disagg.PathUnified, Reason: disagg.ReasonDisabled}, nil, u, err)
 	}
 	t := r.dis
 	s := t.scratch.Get().(*scratchD)
@@ -171,7 +185,8 @@ func (dr *DisaggRouter) Route(ctx context.Context, req *prefixkey.Request) (*Dis
 			return nil, fmt.Errorf("%w: %w", ErrNoBackend, err)
 		}
 		if plan.Path == disagg.PathUnified || plan.Path == disagg.PathFallback {
-			return r.routeUnified(ctx, req, plan, s.cands)
+			u, err := r.route(ctx, req)
+			return r.unifiedDecision(ctx, req, plan, s.cands, u, err)
 		}
 		if r.takeSlots(d, plan, attempt >= disaggAttempts) {
 			d.Plan = plan
@@ -233,6 +248,12 @@ func (r *DefaultRouter) takeSlots(d *DisaggDecision, plan disagg.Plan, force boo
 // given, supply the expected cached tokens of Route's pick.
 func (r *DefaultRouter) routeUnified(ctx context.Context, req *prefixkey.Request, plan disagg.Plan, cands []disagg.Candidate) (*DisaggDecision, error) {
 	u, err := r.Route(ctx, req)
+	return r.unifiedDecision(ctx, req, plan, cands, u, err)
+}
+
+// unifiedDecision wraps Route's decision u (or its error) for a unified or fallback plan.
+func (r *DefaultRouter) unifiedDecision(ctx context.Context, req *prefixkey.Request, plan disagg.Plan, cands []disagg.Candidate,
+	u *Decision, err error) (*DisaggDecision, error) {
 	if err != nil {
 		if r.dis != nil && errors.Is(err, ErrNoBackend) {
 			r.dis.counters.RecordNoBackend()
@@ -293,34 +314,66 @@ func (r *DefaultRouter) disaggCandidates(ctx context.Context, d *DisaggDecision,
 		s.cands = append(s.cands, c)
 		s.names = append(s.names, l.Name)
 	}
-	k := r.kv
-	if !lookup {
-		return
+	if lookup {
+		_, _ = r.disaggLookup(ctx, d.PrefixKey, d.HasPrefixKey, s, true)
 	}
-	usePrefix := k != nil && len(s.keys) == 0 && k.cfg.UsePrefixEntries && d.HasPrefixKey
+}
+
+// disaggLookup asks the KV index what each backend of s.names holds of the request (by block key,
+// or by prefix entry for a request without block keys under KVConfig.UsePrefixEntries) and fills
+// s.cands' cache facts. It reports whether the index was asked (not with tier 4 off or nothing to
+// look up) and its error, which leaves the candidates without cache facts: every path stays
+// available. With record (Route) the lookup is a telemetry.SpanKVLookup span and a latency metric, and the
+// best overlap goes on ctx's telemetry.SpanRoute span; without, it records nothing.
+func (r *DefaultRouter) disaggLookup(ctx context.Context, pk prefixkey.Key, hasKey bool, s *scratchD, record bool) (bool, error) {
+	k := r.kv
+	usePrefix := k != nil && len(s.keys) == 0 && k.cfg.UsePrefixEntries && hasKey
 	if k == nil || (len(s.keys) == 0 && !usePrefix) || len(s.names) == 0 {
-		return
+		return false, nil
 	}
 	if cap(s.matches) < len(s.names) {
 		s.matches = make([]kvindex.Match, len(s.names))
 	}
-	start := r.cfg.Now()
+	var start time.Time
+	lctx, span := ctx, trace.Span(noop.Span{})
+	if record {
+		start = r.cfg.Now()
+		lctx, span = r.startSpan(ctx, telemetry.SpanKVLookup)
+	}
 	var err error
 	if usePrefix {
-		s.matches, err = k.prefix.LookupPrefix(ctx, d.PrefixKey.String(), s.names, s.matches[:len(s.names)])
+		s.matches, err = k.prefix.LookupPrefix(lctx, pk.String(), s.names, s.matches[:len(s.names)])
 	} else {
-		s.matches, err = k.cfg.Index.Lookup(ctx, s.keys, s.names, s.matches[:len(s.names)])
+		s.matches, err = k.cfg.Index.Lookup(lctx, s.keys, s.names, s.matches[:len(s.names)])
 	}
-	r.metrics.recordLookup(ctx, r.cfg.Now().Sub(start))
-	if err != nil { // plan without cache facts: every path stays available
-		return
+	if record {
+		r.endLookupOf(span, len(s.keys), len(s.names), err)
+		r.metrics.recordLookup(ctx, r.cfg.Now().Sub(start))
 	}
+	if err != nil {
+		return true, err
+	}
+	best := 0.0
 	for i := range s.matches {
 		m := &s.matches[i]
 		c := &s.cands[i]
 		c.CachedTokens, c.WeightedBlocks, c.StoredTokens = m.Tokens, m.WeightedBlocks, m.StoredTokens
 		c.Tier = min(m.Tier, disagg.TierStorage) // an index's unknown tier counts as storage
+		if c.Healthy {
+			best = max(best, c.WeightedBlocks)
+		}
 	}
+	if record {
+		ratio := 0.0
+		switch {
+		case len(s.keys) > 0:
+			ratio = best / float64(len(s.keys))
+		case best > 0:
+			ratio = 1
+		}
+		r.traceOverlap(ctx, ratio)
+	}
+	return true, nil
 }
 
 // PrefillDone ends the prefill phase: it releases the prefill slot and records o against the

@@ -118,6 +118,12 @@ type ProbeBackend struct {
 // than returned. A fleet without a healthy backend is no error: Backend is "". Safe for
 // concurrent use.
 func (r *DefaultRouter) Probe(ctx context.Context, req *prefixkey.Request) (ProbeResult, error) {
+	return r.probe(ctx, req, 0)
+}
+
+// probe is Probe for a Route that comes ahead turns of the round robin after the next one
+// (DisaggRouter.Route takes one before its unified path).
+func (r *DefaultRouter) probe(ctx context.Context, req *prefixkey.Request, ahead uint64) (ProbeResult, error) {
 	if req == nil {
 		return ProbeResult{}, ErrNilRequest
 	}
@@ -153,7 +159,7 @@ func (r *DefaultRouter) Probe(ctx context.Context, req *prefixkey.Request) (Prob
 		res.RoutingTier = 4
 		return res, nil
 	}
-	r.probeTier1(pk, hasKey, set, &res)
+	r.probeTier1(pk, hasKey, set, ahead, &res)
 	return res, nil
 }
 
@@ -303,8 +309,8 @@ func (r *DefaultRouter) probePick(s *scratch4, pos []*ProbeBackend) int {
 }
 
 // probeTier1 fills res with the ring's choice (a request with a prefix key) or the selection
-// strategy's, as Route's tier 1 would make it.
-func (r *DefaultRouter) probeTier1(pk prefixkey.Key, hasKey bool, set *backendSet, res *ProbeResult) {
+// strategy's, as Route's tier 1 would make it, ahead turns of the round robin after the next one.
+func (r *DefaultRouter) probeTier1(pk prefixkey.Key, hasKey bool, set *backendSet, ahead uint64, res *ProbeResult) {
 	left := ""
 	if res.KV != nil {
 		left = "tier 4 leaves it (" + res.KV.HandedOff + "): "
@@ -334,7 +340,7 @@ func (r *DefaultRouter) probeTier1(pk prefixkey.Key, hasKey bool, set *backendSe
 	n := len(set.list)
 	var pick *backendState
 	if n > 0 {
-		start := int((r.rr.Load() + 1) % uint64(n))
+		start := int((r.rr.Load() + 1 + ahead) % uint64(n))
 		switch r.cfg.Strategy {
 		case StrategyRandom:
 			res.RoutingTier = 1
@@ -355,6 +361,9 @@ func (r *DefaultRouter) probeTier1(pk prefixkey.Key, hasKey bool, set *backendSe
 	}
 	res.RoutingTier, res.Backend = 1, pick.name
 	res.Why = left + "no prefix key: the " + string(r.cfg.Strategy) + " strategy chooses"
+	if r.cfg.Strategy == StrategyPrefixAwareHash {
+		res.Why = left + "no prefix key: the prefix_aware_hash strategy goes round robin"
+	}
 }
 
 // UnmarshalText implements encoding.TextUnmarshaler with String's labels ("none" is the zero

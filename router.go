@@ -240,7 +240,10 @@ func (c Config) validate() error {
 		return fmt.Errorf("%w: load_factor_epsilon %v not in [0.01, 10]", ErrInvalidConfig, c.LoadFactorEpsilon)
 	}
 	if !c.Strategy.valid() {
-		return fmt.Errorf("%w: selection_strategy %q is not one of round_robin, least_loaded, random, least_latency", ErrInvalidConfig, c.Strategy)
+		return fmt.Errorf("%w: selection_strategy %q is not one of round_robin, least_loaded, random, least_latency, prefix_aware_hash", ErrInvalidConfig, c.Strategy)
+	}
+	if c.Strategy == StrategyPrefixAwareHash && c.DisablePrefixRouting {
+		return fmt.Errorf("%w: selection_strategy prefix_aware_hash routes by prefix key: it needs prefix routing (DisablePrefixRouting is set)", ErrInvalidConfig)
 	}
 	return nil
 }

@@ -157,6 +157,40 @@ func TestStrategyLeastLoaded(t *testing.T) {
 	}
 }
 
+// StrategyPrefixAwareHash (kvroute's PrefixAwareHash) names tier 1 itself: a request with a prefix
+// key goes to its owner on the ring, as under the default strategy; one without a key goes round
+// robin. It routes by prefix key, so New refuses it with prefix routing off.
+func TestStrategyPrefixAwareHash(t *testing.T) {
+	r := newRouter(t, Config{Backends: backends(3), Strategy: StrategyPrefixAwareHash})
+	def := newRouter(t, Config{Backends: backends(3)})
+	ctx := context.Background()
+	for i := range 20 {
+		req := chatReq(fmt.Sprintf("system %d", i), "u")
+		d, err := r.Route(ctx, req)
+		require.NoError(t, err)
+		want, err := def.Route(ctx, req)
+		require.NoError(t, err)
+		assert.Equal(t, ReasonPrefixHash, d.Reason)
+		assert.Equal(t, want.Backend, d.Backend, "the ring's owner, as under the default strategy")
+		d.Done(Outcome{})
+		want.Done(Outcome{})
+	}
+	counts := map[string]int{}
+	for range 30 {
+		d, err := r.Route(ctx, &prefixkey.Request{Model: "m"}) // no anchor: round robin
+		require.NoError(t, err)
+		assert.Equal(t, ReasonFallback, d.Reason)
+		counts[d.Backend]++
+		d.Done(Outcome{})
+	}
+	assert.Equal(t, map[string]int{"vllm-1": 10, "vllm-2": 10, "vllm-3": 10}, counts)
+	assert.Equal(t, uint64(30), statsOf(t, r).Decisions.Fallback)
+
+	_, err := New(Config{Strategy: StrategyPrefixAwareHash, DisablePrefixRouting: true})
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	assert.ErrorContains(t, err, "prefix_aware_hash")
+}
+
 func TestStrategyRandomSkipsUnhealthy(t *testing.T) {
 	r := newRouter(t, Config{Backends: backends(4), Strategy: StrategyRandom})
 	require.NoError(t, r.SetHealthy("vllm-2", false))

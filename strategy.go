@@ -7,7 +7,7 @@ import (
 )
 
 // Strategy is the selection strategy for requests without a prefix key (kvroute's
-// selection_strategy).
+// selection_strategy); StrategyPrefixAwareHash names prefix routing itself.
 type Strategy string
 
 const (
@@ -22,11 +22,17 @@ const (
 	// latency (Decision.Done feeds it); backends not yet observed are tried first, ties go to the
 	// least loaded.
 	StrategyLeastLatency Strategy = "least_latency"
+	// StrategyPrefixAwareHash is kvroute's PrefixAwareHash: tier 1 named as the strategy. A request
+	// with a prefix key goes to the key's owner on the CHWBL ring (or the next one clockwise under
+	// its load bound), as under every strategy while prefix routing is on; one without a key, which
+	// no ring can place, goes round robin. It routes by prefix key, so New refuses it with
+	// Config.DisablePrefixRouting.
+	StrategyPrefixAwareHash Strategy = "prefix_aware_hash"
 )
 
 func (s Strategy) valid() bool {
 	switch s {
-	case StrategyRoundRobin, StrategyLeastLoaded, StrategyRandom, StrategyLeastLatency:
+	case StrategyRoundRobin, StrategyLeastLoaded, StrategyRandom, StrategyLeastLatency, StrategyPrefixAwareHash:
 		return true
 	}
 	return false
@@ -53,7 +59,7 @@ func (r *DefaultRouter) acquireByStrategy(h *chwbl.Handle) error {
 		pick = r.leastLoaded(set, start, nil)
 	case StrategyLeastLatency:
 		pick = r.leastLatency(set, start)
-	default: // round robin
+	default: // round robin, and prefix_aware_hash without a prefix key
 		pick = nthHealthy(set.list, start)
 	}
 	if pick == nil {

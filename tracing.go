@@ -44,6 +44,32 @@ func (r *DefaultRouter) routeTraced(ctx context.Context, req *prefixkey.Request)
 	return d, err
 }
 
+// routeTraced is DisaggRouter.route within a telemetry.SpanRoute span.
+func (dr *DisaggRouter) routeTraced(ctx context.Context, req *prefixkey.Request) (*DisaggDecision, error) {
+	r := dr.r
+	ctx, span := r.tracer.Start(ctx, telemetry.SpanRoute)
+	d, err := dr.route(ctx, req)
+	if err == nil {
+		reason, fromKV := d.Plan.Reason.String(), r.kv != nil
+		if d.Unified != nil {
+			reason, fromKV = d.Unified.Reason.String(), d.Unified.Reason.FromKVIndex()
+		}
+		span.SetAttributes(attribute.String(telemetry.AttrReason, reason), attribute.String(telemetry.AttrBackend, d.Plan.Decode),
+			attribute.String(telemetry.AttrRoutingPath, d.Plan.Path.String()))
+		if d.Plan.Prefill != "" {
+			span.SetAttributes(attribute.String(telemetry.AttrPrefillBackend, d.Plan.Prefill))
+		}
+		if d.HasPrefixKey {
+			span.SetAttributes(attribute.String(telemetry.AttrPrefixKey, d.PrefixKey.String()))
+		}
+		if fromKV {
+			span.SetAttributes(attribute.Int(telemetry.AttrExpectedCachedTokens, d.Plan.ExpectedCachedTokens))
+		}
+	}
+	endSpan(span, err)
+	return d, err
+}
+
 // startSpan starts a child span of ctx named name; with tracing off it returns ctx and a no-op
 // span, without allocating.
 func (r *DefaultRouter) startSpan(ctx context.Context, name string) (context.Context, trace.Span) {
@@ -66,8 +92,13 @@ func (r *DefaultRouter) tokenize(ctx context.Context, req *prefixkey.Request) ([
 
 // endLookup ends the telemetry.SpanKVLookup span of a lookup of s's block keys on s's backends.
 func (r *DefaultRouter) endLookup(span trace.Span, s *scratch4, err error) {
+	r.endLookupOf(span, len(s.keys), len(s.names), err)
+}
+
+// endLookupOf ends the telemetry.SpanKVLookup span of a lookup of blocks block keys on backends backends.
+func (r *DefaultRouter) endLookupOf(span trace.Span, blocks, backends int, err error) {
 	if r.tracer != nil {
-		span.SetAttributes(attribute.Int(telemetry.AttrBlocks, len(s.keys)), attribute.Int(telemetry.AttrBackends, len(s.names)))
+		span.SetAttributes(attribute.Int(telemetry.AttrBlocks, blocks), attribute.Int(telemetry.AttrBackends, backends))
 		endSpan(span, err)
 	}
 }

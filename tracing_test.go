@@ -14,7 +14,9 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
 
+	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/telemetry"
 )
@@ -203,4 +205,110 @@ func TestTracingOffAllocs(t *testing.T) {
 			})
 		}
 	}
+}
+
+// DisaggRouter.Route records one kvroute.route span per call, as Route does, with the plan's
+// reason and decode backend, the routing path and (prefill_then_decode) the prefill backend, and
+// the index's lookup as a kvroute.kv_index.lookup child; on the unified and fallback paths the
+// route span carries the unified decision's reason, and Route's own steps are its children, never
+// a second kvroute.route.
+func TestTracingDisaggRouteSpans(t *testing.T) {
+	long := dgTokens(1, 64*16+5) // 64 full blocks
+	for _, tc := range []struct {
+		name    string
+		setup   func(t *testing.T, r *DefaultRouter, ix *kvindex.MemoryIndex)
+		reason  string
+		path    string
+		backend string
+		prefill string // "" for none
+		lookups int    // kvroute.kv_index.lookup spans under the route span
+	}{{
+		name: "fast_decode",
+		setup: func(t *testing.T, r *DefaultRouter, ix *kvindex.MemoryIndex) {
+			dgHold(t, ix, "decode-2", long, 64, events.TierGPU)
+		},
+		reason: "local_hit", path: "fast_decode", backend: "decode-2", lookups: 1,
+	}, {
+		name: "prefill_then_decode",
+		setup: func(t *testing.T, r *DefaultRouter, ix *kvindex.MemoryIndex) {
+			dgHold(t, ix, "prefill-2", long, 40, events.TierGPU)
+			dgBusy(t, r, "decode-1", 1)
+			dgBusy(t, r, "decode-3", 1)
+		},
+		reason: "cache_miss", path: "prefill_then_decode", backend: "decode-2", prefill: "prefill-2", lookups: 1,
+	}, {
+		name: "fallback",
+		setup: func(t *testing.T, r *DefaultRouter, ix *kvindex.MemoryIndex) {
+			for _, n := range []string{"decode-1", "decode-2", "decode-3"} {
+				require.NoError(t, r.SetHealthy(n, false))
+			}
+		},
+		reason: "least_work", path: "fallback", backend: "unified-fallback", lookups: 2, // the plan's, then tier 4's over the unified backends
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			tp, rec := recorder(t)
+			ix := dgIndex(t)
+			r := dgRouter(t, ix, disagg.Config{}, func(c *Config) { c.KV.Speculation = SpeculationOff; c.TracerProvider = tp })
+			tc.setup(t, r, ix)
+
+			ctx, parent := tp.Tracer("test").Start(context.Background(), "parent")
+			d, err := r.Disagg().Route(ctx, dgReq(long))
+			require.NoError(t, err)
+			d.Done(Outcome{})
+			parent.End()
+			require.Equal(t, tc.path, d.Plan.Path.String())
+
+			var route sdktrace.ReadOnlySpan
+			lookups := 0
+			for _, s := range rec.Ended() {
+				switch s.Name() {
+				case telemetry.SpanRoute:
+					require.Nil(t, route, "one kvroute.route span per call")
+					route = s
+				case telemetry.SpanKVLookup:
+					lookups++
+				}
+			}
+			require.NotNil(t, route, "no kvroute.route span")
+			assert.Equal(t, parent.SpanContext().SpanID(), route.Parent().SpanID(), "route is a child of the caller's span")
+			assert.Equal(t, codes.Unset, route.Status().Code)
+			got := attrs(route)
+			assert.Equal(t, tc.reason, got[telemetry.AttrReason].AsString())
+			assert.Equal(t, tc.backend, got[telemetry.AttrBackend].AsString())
+			assert.Equal(t, d.PrefixKey.String(), got[telemetry.AttrPrefixKey].AsString())
+			assert.Equal(t, tc.path, got[telemetry.AttrRoutingPath].AsString())
+			if tc.prefill != "" {
+				assert.Equal(t, tc.prefill, got[telemetry.AttrPrefillBackend].AsString())
+			} else {
+				assert.NotContains(t, got, attribute.Key(telemetry.AttrPrefillBackend))
+			}
+			assert.Equal(t, int64(d.Plan.ExpectedCachedTokens), got[telemetry.AttrExpectedCachedTokens].AsInt64())
+			assert.Contains(t, got, attribute.Key(telemetry.AttrBestOverlap))
+			assert.Equal(t, tc.lookups, lookups)
+			for _, s := range rec.Ended() {
+				if s.Name() != telemetry.SpanKVLookup {
+					continue
+				}
+				assert.Equal(t, route.SpanContext().SpanID(), s.Parent().SpanID(), "the lookup is a child of the route span")
+				a := attrs(s)
+				assert.Equal(t, int64(64), a[telemetry.AttrBlocks].AsInt64())
+				assert.Positive(t, a[telemetry.AttrBackends].AsInt64())
+			}
+		})
+	}
+}
+
+// A DisaggRouter.Route that finds no backend ends its span with status Error.
+func TestTracingDisaggRouteError(t *testing.T) {
+	tp, rec := recorder(t)
+	r := dgRouter(t, nil, disagg.Config{DisableFallback: true}, func(c *Config) { c.TracerProvider = tp })
+	for _, n := range []string{"decode-1", "decode-2", "decode-3"} {
+		require.NoError(t, r.SetHealthy(n, false))
+	}
+	_, err := r.Disagg().Route(context.Background(), dgReq(dgTokens(3, 100)))
+	require.ErrorIs(t, err, ErrNoBackend)
+	spans := rec.Ended()
+	require.Len(t, spans, 1)
+	assert.Equal(t, telemetry.SpanRoute, spans[0].Name())
+	assert.Equal(t, codes.Error, spans[0].Status().Code)
 }

@@ -50,13 +50,15 @@ func (o Options) logger() *slog.Logger {
 }
 
 // ParseStrategy maps a selection_strategy value (snake_case or kvroute's CamelCase) to the
-// Router's Strategy; "" and prefix_aware_hash give the default fallback (""). ok is false for
-// any other value. It is a pure function, safe for concurrent use.
+// Router's Strategy; "" gives the default (""). ok is false for any other value. It is a pure
+// function, safe for concurrent use.
 func ParseStrategy(s string) (strategy kvroute.Strategy, ok bool) {
 	norm := strings.ToLower(strings.NewReplacer("_", "", "-", "", " ", "").Replace(s))
 	switch norm {
-	case "", "prefixawarehash", "prefixaware":
+	case "":
 		return "", true
+	case "prefixawarehash", "prefixaware":
+		return kvroute.StrategyPrefixAwareHash, true
 	case "roundrobin":
 		return kvroute.StrategyRoundRobin, true
 	case "leastloaded", "leastconnections":

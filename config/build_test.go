@@ -2,6 +2,7 @@ package config
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"log/slog"
 	"net/http"
@@ -63,8 +64,8 @@ func TestParseStrategy(t *testing.T) {
 		ok   bool
 	}{
 		{"", "", true},
-		{"prefix_aware_hash", "", true},
-		{"PrefixAwareHash", "", true},
+		{"prefix_aware_hash", kvroute.StrategyPrefixAwareHash, true},
+		{"PrefixAwareHash", kvroute.StrategyPrefixAwareHash, true},
 		{"round_robin", kvroute.StrategyRoundRobin, true},
 		{"RoundRobin", kvroute.StrategyRoundRobin, true},
 		{"least_loaded", kvroute.StrategyLeastLoaded, true},
@@ -78,6 +79,29 @@ func TestParseStrategy(t *testing.T) {
 			got, ok := ParseStrategy(tc.in)
 			if got != tc.want || ok != tc.ok {
 				t.Errorf("ParseStrategy(%q) = %q, %v; want %q, %v", tc.in, got, ok, tc.want, tc.ok)
+			}
+		})
+	}
+}
+
+// Every selection_strategy the configuration accepts is one the Router accepts, under the same
+// name: one vocabulary from the YAML file to the Router's stats.
+func TestSelectionStrategyReachesRouter(t *testing.T) {
+	for in, want := range map[string]string{"": "round_robin", "round_robin": "round_robin", "LeastConnections": "least_loaded",
+		"random": "random", "LeastLatency": "least_latency", "prefix_aware_hash": "prefix_aware_hash", "PrefixAwareHash": "prefix_aware_hash"} {
+		t.Run(in, func(t *testing.T) {
+			cfg := mustParse(t, minimalBackends+"selection_strategy: \""+in+"\"\n", nil)
+			rcfg, err := cfg.RouterConfig(Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			r, err := kvroute.New(rcfg)
+			if err != nil {
+				t.Fatalf("the Router refuses what the configuration accepts: %v", err)
+			}
+			defer r.Close()
+			if got := cmp.Or(rcfg.Strategy, kvroute.DefaultStrategy); string(got) != want {
+				t.Errorf("the Router's strategy is %q, want %q", got, want)
 			}
 		})
 	}

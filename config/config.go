@@ -28,8 +28,10 @@ type Config struct {
 	// Admin protects the /admin endpoints.
 	Admin AdminConfig `yaml:"admin"`
 	// SelectionStrategy chooses a backend for requests without a prefix key: round_robin (default),
-	// least_loaded, random or least_latency. kvroute's CamelCase names (RoundRobin, LeastLatency,
-	// …) are accepted, and PrefixAwareHash means prefix routing with the default fallback.
+	// least_loaded, random or least_latency; or prefix_aware_hash, which names prefix routing
+	// itself (kvroute.StrategyPrefixAwareHash: requests without a prefix key go round robin) and
+	// needs prefix_routing.enabled. kvroute's CamelCase names (RoundRobin, LeastLatency,
+	// PrefixAwareHash, …) are accepted.
 	SelectionStrategy string `yaml:"selection_strategy"`
 	// PrefixRouting is tier 1: prefix-aware consistent hashing with bounded loads.
 	PrefixRouting PrefixRoutingConfig `yaml:"prefix_routing"`

@@ -118,6 +118,10 @@ prefix_routing: {load_factor_epsilon: 20}
 		{"strategy", minimalBackends + `
 selection_strategy: Fastest
 `, nil, []string{`selection_strategy: "Fastest" is not one of`}},
+		{"prefix_aware_hash without prefix routing", minimalBackends + `
+selection_strategy: PrefixAwareHash
+prefix_routing: {enabled: false}
+`, nil, []string{`selection_strategy: prefix_aware_hash routes by prefix key: it needs prefix_routing.enabled`}},
 		{"cache backend", minimalBackends + `
 response_cache: {enabled: true, backend: disk}
 `, nil, []string{`response_cache.backend: "disk" is not one of memory, redis, tiered`}},

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/scorer"
@@ -54,8 +55,11 @@ func (c *Config) Validate() error {
 		fe.add("log_level", "%q is not one of debug, info, warn, error", c.LogLevel)
 	}
 	if s := c.SelectionStrategy; s != "" {
-		if _, ok := ParseStrategy(s); !ok {
+		switch st, ok := ParseStrategy(s); {
+		case !ok:
 			fe.add("selection_strategy", "%q is not one of round_robin, least_loaded, random, least_latency, prefix_aware_hash", s)
+		case st == kvroute.StrategyPrefixAwareHash && c.PrefixRouting.Enabled != nil && !*c.PrefixRouting.Enabled:
+			fe.add("selection_strategy", "prefix_aware_hash routes by prefix key: it needs prefix_routing.enabled")
 		}
 	}
 

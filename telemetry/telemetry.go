@@ -37,6 +37,12 @@ const (
 // Spans of the Router, recorded through Config.TracerProvider (OpenTelemetry's trace API; without
 // a provider, or with the API's no-op one, the Router records none and allocates nothing for
 // them). SpanRoute is a child of the span in Route's context, the others children of SpanRoute.
+// DisaggRouter.Route records the same spans, one kvroute.route per call whatever the path:
+// AttrReason is the plan's reason (local_hit, storage_hit, short_prompt, cache_miss), or on the
+// unified and fallback paths the unified decision's; AttrBackend the decode (or unified) backend;
+// AttrRoutingPath the path and AttrPrefillBackend the prefill backend, when there is one;
+// AttrExpectedCachedTokens the plan's with tier 4 on; its kvroute.kv_index.lookup asks about
+// every backend, and on the unified and fallback paths Route's own tokenize and lookup follow.
 //
 //	kvroute.route              Route: AttrReason, AttrBackend, AttrPrefixKey when the request has one,
 //	                           AttrExpectedCachedTokens when tier 4 decided (Reason.FromKVIndex),
@@ -68,8 +74,15 @@ const (
 	AttrTokens = "kvroute.tokens"
 	// AttrBlocks is the number of the request's block keys looked up (0 for a prefix entry).
 	AttrBlocks = "kvroute.blocks"
-	// AttrBackends is the number of healthy backends the index was asked about.
+	// AttrBackends is the number of backends the index was asked about: Route asks about the
+	// healthy ones, DisaggRouter.Route about every backend (a prefix an unhealthy one wrote to
+	// shared storage is still there).
 	AttrBackends = "kvroute.backends"
+	// AttrRoutingPath is a DisaggRouter.Route decision's routing path (disagg.Path: fast_decode,
+	// prefill_then_decode, unified, fallback).
+	AttrRoutingPath = "kvroute.routing_path"
+	// AttrPrefillBackend is a prefill_then_decode decision's prefill backend.
+	AttrPrefillBackend = "kvroute.prefill_backend"
 )
 
 // KV event sources (package events and events/zmqevents). Every instrument carries a "backend"

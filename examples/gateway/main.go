@@ -1,8 +1,9 @@
-// Command gateway is the smallest net/http gateway built on kvroute: NewGateway (gateway.go, one
-// function of 32 lines) reads a request, routes it by its prompt prefix and forwards it with
-// httputil.ReverseProxy. examples/proxy is the full reference proxy (response cache, KV events,
-// health, retries, admin); this one shows what composing kvroute into a handler you already have
-// takes.
+// Command gateway is the smallest net/http gateway built on kvroute: NewGateway (gateway.go) reads
+// a request, routes it by its prompt prefix, forwards it with httputil.ReverseProxy, and reports the
+// request's whole lifecycle to the Router (FirstToken on the first byte of a successful answer,
+// then Done once with its Outcome: success, failure, refusal, or cancelled when the client left).
+// examples/proxy is the full reference proxy (response cache, KV events, health, retries, admin);
+// this one shows what composing kvroute into a handler you already have takes.
 //
 //	go run ./examples/gateway -backends vllm-1=http://10.0.0.1:8000,vllm-2=http://10.0.0.2:8000
 package main

@@ -7,10 +7,12 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"strconv"
 	"time"
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/admin"
+	"github.com/kvroute/kvroute/apierror"
 	"github.com/kvroute/kvroute/chwbl"
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/disagg"
@@ -34,7 +36,7 @@ func (s *server) routes() http.Handler {
 		mux.HandleFunc(path, methodNotAllowed)
 	}
 	mux.HandleFunc("GET /v1/models", s.models)
-	mux.HandleFunc("GET /v1/models/{id}", s.model)
+	mux.HandleFunc("GET /v1/models/{id...}", s.model) // ids have slashes: meta-llama/Llama-3.1-8B-Instruct
 	mux.HandleFunc("/v1/", s.passthrough)
 	mux.HandleFunc("GET /healthz", s.healthz)
 	if s.cfg.Admin.ProtectMetrics {
@@ -50,8 +52,13 @@ func (s *server) routes() http.Handler {
 	mux.Handle("GET /admin/kv-index/stats", s.admin(http.HandlerFunc(s.kvIndexStats)))
 	mux.Handle("GET /admin/kv-index/backends", s.admin(http.HandlerFunc(s.kvIndexBackends)))
 	mux.Handle("POST /admin/kv-index/clear", s.admin(http.HandlerFunc(s.kvIndexClear)))
-	mux.Handle("GET /admin/kv-index/dump", s.admin(admin.DumpHandler(kvindex.DumperFunc(s.dumpKVIndex))))
-	mux.Handle("POST /admin/route/probe", s.admin(admin.ProbeHandler(s.router.Probe, s.cfg.Server.MaxBodyBytes)))
+	mux.Handle("GET /admin/kv-index/dump", s.admin(s.knownBackend(admin.DumpHandler(kvindex.DumperFunc(s.dumpKVIndex)))))
+	// The probe answers for the routing a request gets (forward): the plan with disaggregation on.
+	probe := admin.ProbeHandler(s.router.Probe, s.cfg.Server.MaxBodyBytes)
+	if s.disaggregated() {
+		probe = admin.ProbeHandler(s.router.Disagg().Probe, s.cfg.Server.MaxBodyBytes)
+	}
+	mux.Handle("POST /admin/route/probe", s.admin(probe))
 	mux.Handle("GET /admin/disaggregation/stats", s.admin(http.HandlerFunc(s.disaggregationStats)))
 	mux.Handle("GET /admin/replicas/stats", s.admin(http.HandlerFunc(s.replicasStats)))
 	mux.Handle("/admin/", s.admin(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
@@ -64,6 +71,20 @@ func (s *server) routes() http.Handler {
 // loopback operator's request that nothing marks as a web page's.
 func (s *server) admin(h http.Handler) http.Handler {
 	return admin.Guard(string(s.cfg.Admin.AuthToken), h)
+}
+
+// knownBackend answers a request whose backend query parameter names no configured backend with
+// 404 backend_not_found (an OpenAI error body), rather than h's answer for a backend nothing is
+// known of (the KV index's dump of it is empty); a request without one goes to h.
+func (s *server) knownBackend(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if b := r.URL.Query().Get("backend"); b != "" && s.backends[b] == nil {
+			apierror.Error{Status: http.StatusNotFound, Code: "backend_not_found", Param: "backend", Message: "no backend is named " + strconv.Quote(b)}.Write(w, prefixkey.FormatOpenAIChat)
+
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
 }
 
 // writeJSON answers with v as indented JSON.

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"encoding/json"
 	"io"
 	"os"
 	"regexp"
@@ -28,7 +29,9 @@ func demoBody(system string) string {
 // unified one exchanging KV through an in-process S3. A cold long prompt is prefilled on the
 // prefill engine then decoded (prefill_then_decode), the same prompt again is decoded where it is
 // (fast_decode, local_hit), a short one is decoded without a prefill (fast_decode, short_prompt):
-// the headers README.md shows. SIGHUP (no file to reload) does not stop it; SIGTERM does.
+// the headers README.md shows. Before each, POST /admin/route/probe names the plan the request then
+// gets, changing nothing. SIGHUP (no file to reload) is logged at INFO and does not stop it;
+// SIGTERM does.
 func TestDemoDisagg(t *testing.T) {
 	if !canSendSIGTERM {
 		t.Skip("the test stops the proxy with SIGTERM, which this system cannot send to itself")
@@ -71,7 +74,33 @@ func TestDemoDisagg(t *testing.T) {
 			disagg.HeaderDecodeBackend, h.decode, HeaderBackend, h.backend, HeaderRoute, h.route)
 		return h
 	}
+	// probe answers what the request would get, and checks that asking changed nothing.
+	probe := func(body string) headers {
+		t.Helper()
+		var before, after disaggStatsBody
+		getJSON(t, base+"/admin/disaggregation/stats", &before)
+		code, b := adminDo(t, "POST", base+"/admin/route/probe", "", body)
+		getJSON(t, base+"/admin/disaggregation/stats", &after)
+		var res struct {
+			Path    string `json:"path"`
+			Reason  string `json:"reason"`
+			Prefill string `json:"prefill_backend"`
+			Decode  string `json:"decode_backend"`
+			Why     string `json:"why"`
+		}
+		if code != 200 || json.Unmarshal(b, &res) != nil || res.Why == "" {
+			t.Fatalf("probe: %d %s", code, b)
+		}
+		if !equalJSON(before, after) {
+			t.Errorf("the probe changed the disaggregation stats:\nbefore %+v\nafter  %+v", before, after)
+		}
+		return headers{path: res.Path, prefill: res.Prefill, decode: res.Decode, backend: res.Decode, route: res.Reason}
+	}
+	probed := probe(demoBody(demoLongSystem))
 	long := send(demoBody(demoLongSystem))
+	if probed != long {
+		t.Errorf("a cold long prompt: probed %+v, routed %+v", probed, long)
+	}
 	if long.path != "prefill_then_decode" || long.prefill != "prefill-0" || !strings.HasPrefix(long.decode, "decode-") ||
 		long.backend != long.decode || long.route != "cache_miss" {
 		t.Errorf("long prompt: %+v", long)
@@ -84,7 +113,14 @@ func TestDemoDisagg(t *testing.T) {
 	if again.decode != long.decode || again.prefill != "" || again.route != "local_hit" {
 		t.Errorf("the long prompt again: %+v, want fast_decode on %s (local_hit)", again, long.decode)
 	}
+	if probed, again := probe(demoBody(demoLongSystem)), send(demoBody(demoLongSystem)); probed != again || probed.route != "local_hit" {
+		t.Errorf("the long prompt a third time: probed %+v, routed %+v", probed, again)
+	}
+	probed = probe(demoBody("You are a helpful assistant."))
 	short := send(demoBody("You are a helpful assistant."))
+	if probed != short {
+		t.Errorf("a short prompt: probed %+v, routed %+v", probed, short)
+	}
 	if short.path != "fast_decode" || short.prefill != "" || !strings.HasPrefix(short.decode, "decode-") || short.route != "short_prompt" {
 		t.Errorf("short prompt: %+v", short)
 	}
@@ -97,7 +133,12 @@ func TestDemoDisagg(t *testing.T) {
 		if err := p.Signal(syscall.SIGHUP); err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, 10*time.Second, "SIGHUP's log line", func() bool { return strings.Contains(stderr.String(), "no configuration file") })
+		waitFor(t, 10*time.Second, "SIGHUP's log line", func() bool {
+			return strings.Contains(stderr.String(), `level=INFO msg="SIGHUP ignored in demo mode`)
+		})
+		if strings.Contains(stderr.String(), "level=ERROR") {
+			t.Errorf("an error logged:\n%s", stderr.String())
+		}
 		send(demoBody("Still there?"))
 	}
 	if err := sendSIGTERM(); err != nil {

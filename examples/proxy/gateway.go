@@ -82,7 +82,9 @@ func (s *server) models(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": s.modelList(r.Context())})
 }
 
-// model serves GET /v1/models/{id}: that entry of the union, or 404 model_not_found.
+// model serves GET /v1/models/{id...}: that entry of the union, or 404 model_not_found. The id is
+// the rest of the path, unescaped, so that a model id with a slash (meta-llama/Llama-3.1-8B-Instruct)
+// may be sent as it is or with the slash escaped.
 func (s *server) model(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
 	for _, m := range s.modelList(r.Context()) {

@@ -97,6 +97,58 @@ func TestModels(t *testing.T) {
 	}
 }
 
+// Model ids contain slashes (meta-llama/Llama-3.1-8B-Instruct, the demo's own): GET
+// /v1/models/{id} answers the model whether the slash comes as it is or escaped, and an unknown id,
+// with a slash or not, gets the OpenAI error body with 404 model_not_found, never net/http's
+// plain-text 404.
+func TestModelIDWithSlash(t *testing.T) {
+	const id = "meta-llama/Llama-3.1-8B-Instruct"
+	// Backends that do not answer contribute their configured models.
+	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: deadURL(t), Model: id}, {Name: "b", URL: deadURL(t), Model: "qwen"}}, nil))
+	for _, tc := range []struct {
+		name, path string
+		code       int
+		id         string // the answered model's id; "" for the error
+	}{
+		{"slash", "/v1/models/" + id, http.StatusOK, id},
+		{"escaped slash", "/v1/models/meta-llama%2FLlama-3.1-8B-Instruct", http.StatusOK, id},
+		{"no slash", "/v1/models/qwen", http.StatusOK, "qwen"},
+		{"unknown with a slash", "/v1/models/meta-llama/nope", http.StatusNotFound, ""},
+		{"unknown", "/v1/models/nope", http.StatusNotFound, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			resp, err := httpClient.Get(p.URL + tc.path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			var got struct {
+				ID    string `json:"id"`
+				Error *struct {
+					Type  string `json:"type"`
+					Code  string `json:"code"`
+					Param string `json:"param"`
+				} `json:"error"`
+			}
+			if err := json.NewDecoder(resp.Body).Decode(&got); err != nil {
+				t.Fatalf("%d %s: not JSON: %v", resp.StatusCode, resp.Header.Get("Content-Type"), err)
+			}
+			if resp.StatusCode != tc.code || resp.Header.Get("Content-Type") != "application/json" {
+				t.Fatalf("%d %s, want %d application/json", resp.StatusCode, resp.Header.Get("Content-Type"), tc.code)
+			}
+			if tc.id != "" {
+				if got.ID != tc.id || got.Error != nil {
+					t.Errorf("got %+v, want the model %s", got, tc.id)
+				}
+				return
+			}
+			if got.Error == nil || got.Error.Code != "model_not_found" || got.Error.Type != "invalid_request_error" || got.Error.Param != "model" {
+				t.Errorf("error body %+v, want model_not_found", got.Error)
+			}
+		})
+	}
+}
+
 // The /v1 endpoints the proxy does not route by prompt go to a backend that serves the request's
 // model, with the body and query as they came; an unknown model is 404.
 func TestPassthrough(t *testing.T) {

@@ -186,8 +186,10 @@ func TestProbeAndDumpThroughProxy(t *testing.T) {
 		if _, _, two, _ := dumpLines(t, p, token, "?backend="+holder+"&limit=2"); len(two) != 2 {
 			t.Errorf("limit=2: %d entries", len(two))
 		}
-		if code, _, none, raw := dumpLines(t, p, token, "?backend=nobody"); code != 200 || len(none) != 0 {
-			t.Errorf("unknown backend: %d %s", code, raw)
+		// An unknown backend is no empty dump: 404 with the OpenAI error body.
+		if code, ct, _, raw := dumpLines(t, p, token, "?backend=nobody"); code != http.StatusNotFound || ct != "application/json" ||
+			!strings.Contains(string(raw), `"code":"backend_not_found"`) || !strings.Contains(string(raw), `"param":"backend"`) {
+			t.Errorf("unknown backend: %d %s %s, want 404 backend_not_found", code, ct, raw)
 		}
 		for _, q := range []string{"", "?limit=5", "?backend=" + holder + "&limit=0", "?backend=" + holder + "&limit=-3",
 			"?backend=" + holder + "&limit=ten", "?backend=" + holder + "&limit=100001"} {

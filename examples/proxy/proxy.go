@@ -437,7 +437,7 @@ func (s *server) bodyError(w http.ResponseWriter, format prefixkey.Format, err e
 // forward tokenizes, routes and proxies one request, pr; a backend that fails before answering
 // is replaced once by another. With disaggregation on, forwardDisagg runs the request instead.
 func (s *server) forward(w http.ResponseWriter, r *http.Request, pr *parsedRequest) {
-	if s.cfg.DisaggregatedServing.Enabled {
+	if s.disaggregated() {
 		s.forwardDisagg(w, r, pr)
 		return
 	}
@@ -460,6 +460,10 @@ func (s *server) forward(w http.ResponseWriter, r *http.Request, pr *parsedReque
 	d2, err2 := s.routeAvoiding(ctx, pr.req, up.backend)
 	s.retryOn(w, r, pr, up.backend, err, d2, err2, nil)
 }
+
+// disaggregated reports whether requests go through Router.Disagg().Route (forwardDisagg) rather
+// than Router.Route: POST /admin/route/probe follows the same choice.
+func (s *server) disaggregated() bool { return s.cfg.DisaggregatedServing.Enabled }
 
 // cachedTokens is X-Kvroute-Cached-Tokens for d: its backend's cached prompt tokens when the KV
 // index took part in the decision, else "".

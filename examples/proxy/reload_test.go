@@ -138,6 +138,20 @@ func TestReload(t *testing.T) {
 		}
 	})
 
+	t.Run("unchanged file: logged as nothing changed", func(t *testing.T) {
+		before := l.cur.Load()
+		if err := l.reload(); err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(logs.String(), `level=INFO msg="reloaded, nothing changed"`) {
+			t.Errorf("log:\n%s", logs.String())
+		}
+		if l.cur.Load() != before {
+			t.Error("a reload that changed nothing replaced the server")
+		}
+		send(2, "unchanged")
+	})
+
 	t.Run("invalid configuration: logged, the one in force kept", func(t *testing.T) {
 		before := l.cur.Load()
 		write("backends:\n  - {name: d, url: \"http://127.0.0.1:1\", role: decode}\n")
@@ -170,22 +184,43 @@ func TestReload(t *testing.T) {
 	})
 }
 
-// SIGHUP in the demo (no configuration file) logs that there is nothing to reload; it never
-// stops the proxy.
-func TestReloadWithoutFile(t *testing.T) {
+// SIGHUP in the demo (no configuration file) is logged at INFO as ignored, not as a failed reload,
+// and the proxy keeps serving.
+func TestSIGHUPInDemoMode(t *testing.T) {
 	up := newFakeUpstream(t, "a")
 	var logs syncBuffer
-	l := &live{log: slog.New(slog.NewTextHandler(&logs, nil)), level: new(slog.LevelVar)}
+	l := &live{log: slog.New(slog.NewTextHandler(&logs, nil)), level: new(slog.LevelVar)} // no load: the demo's
 	cfg := fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, nil)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
+	url := "http://" + ln.Addr().String()
 	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go func() { _ = l.run(ctx, cfg, ln) }()
+	runErr := make(chan error, 1)
+	go func() { runErr <- l.run(ctx, cfg, ln) }()
+	defer func() {
+		cancel()
+		if err := <-runErr; err != nil {
+			t.Errorf("run: %v", err)
+		}
+	}()
 	waitFor(t, 10*time.Second, "the proxy to serve", func() bool { return strings.Contains(logs.String(), "serving") })
-	if err := l.reload(); err == nil || !strings.Contains(logs.String(), "no configuration file") {
-		t.Errorf("reload: %v\n%s", err, logs.String())
+	if runtime.GOOS == "windows" { // no SIGHUP to send: what the signal runs
+		l.hangup()
+	} else {
+		p, _ := os.FindProcess(os.Getpid())
+		if err := p.Signal(syscall.SIGHUP); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const ignored = `level=INFO msg="SIGHUP ignored in demo mode: there is no configuration file to reload"`
+	waitFor(t, 10*time.Second, "the SIGHUP logged", func() bool { return strings.Contains(logs.String(), ignored) })
+	if strings.Contains(logs.String(), "level=ERROR") {
+		t.Errorf("an error logged:\n%s", logs.String())
+	}
+	r, body := post(t, url+"/v1/chat/completions", chatBody("system", "hi", `"max_tokens":1`))
+	if r.StatusCode != 200 {
+		t.Fatalf("after SIGHUP: %d %s", r.StatusCode, body)
 	}
 }

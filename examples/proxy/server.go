@@ -195,7 +195,7 @@ func (l *live) run(ctx context.Context, cfg *config.Config, ln net.Listener) err
 		case err := <-errc:
 			return fmt.Errorf("serve: %w", err)
 		case <-hup:
-			_ = l.reload()
+			l.hangup()
 		case <-ctx.Done():
 		}
 	}
@@ -215,6 +215,16 @@ func (l *live) run(ctx context.Context, cfg *config.Config, ln net.Listener) err
 	return nil
 }
 
+// hangup answers a SIGHUP: a reload, or in demo mode, which has no configuration file, a note at
+// INFO that the signal is ignored. Either way the proxy keeps serving.
+func (l *live) hangup() {
+	if l.load == nil {
+		l.log.Info("SIGHUP ignored in demo mode: there is no configuration file to reload")
+		return
+	}
+	_ = l.reload()
+}
+
 // reload reads the configuration again and swaps in a server built from its live settings
 // (config.PlanReload); the old server's Router and probes stop, its requests finish. Settings that
 // need a restart keep their values in force. A failure is logged, returned, and changes nothing.
@@ -227,8 +237,11 @@ func (l *live) reload() (err error) {
 		}
 	}()
 	old := l.cur.Load()
-	if l.load == nil || old.draining.Load() {
-		return errors.New("no configuration file to reload (demo mode), or shutting down")
+	switch {
+	case l.load == nil:
+		return errors.New("no configuration file to reload (demo mode)")
+	case old.draining.Load():
+		return errors.New("shutting down")
 	}
 	next, err := l.load()
 	if err != nil {
@@ -238,8 +251,11 @@ func (l *live) reload() (err error) {
 	if len(plan.Restart) > 0 {
 		l.log.Warn("reload: these changed settings need a restart; their values in force are kept", "settings", plan.Restart)
 	}
-	if len(plan.Live) == 0 {
-		return nil // nothing to apply: the server in force keeps its state
+	if len(plan.Live) == 0 { // nothing to apply: the server in force keeps its state
+		if len(plan.Restart) == 0 {
+			l.log.Info("reloaded, nothing changed")
+		}
+		return nil
 	}
 	reg := old.tel.reg // old's health gauges, which the new server's replace
 	s, err := newGeneration(plan.Next, l.log, old)

@@ -261,7 +261,9 @@ func hasAttr(s *tracepb.Span, key, want string) bool {
 }
 
 // TestTracingDisaggPrefill: a disaggregated request's prefill call is a client span of its own,
-// child of the proxy's server span, and its trace context reaches the prefill engine.
+// child of the proxy's server span, and its trace context reaches the prefill engine; the
+// Router's kvroute.route span (the plan: reason, path, both backends) and its KV index lookup are
+// there as for a unified request.
 func TestTracingDisaggPrefill(t *testing.T) {
 	col := newOTLPCollector(t)
 	f := startPDFleet(t, 1, 1, 0, nil)
@@ -276,14 +278,26 @@ func TestTracingDisaggPrefill(t *testing.T) {
 		t.Fatal(err)
 	}
 	spans := col.trace(clientTraceID)
-	var server, prefill *tracepb.Span
+	var server, prefill, route, lookup *tracepb.Span
 	for _, s := range spans {
 		switch s.GetName() {
 		case "kvroute.proxy /v1/chat/completions":
 			server = s
 		case "prefill":
 			prefill = s
+		case telemetry.SpanRoute:
+			route = s
+		case telemetry.SpanKVLookup:
+			lookup = s
 		}
+	}
+	if route == nil || lookup == nil {
+		t.Fatalf("spans %v: want %s and %s", names(spans), telemetry.SpanRoute, telemetry.SpanKVLookup)
+	}
+	if !hasAttr(route, telemetry.AttrReason, "cache_miss") || !hasAttr(route, telemetry.AttrRoutingPath, "prefill_then_decode") ||
+		!hasAttr(route, telemetry.AttrPrefillBackend, f.prefill[0]) || !hasAttr(route, telemetry.AttrBackend, f.decode[0]) ||
+		!bytes.Equal(lookup.GetParentSpanId(), route.GetSpanId()) {
+		t.Errorf("route span %v, lookup's parent %x (route %x)", route.GetAttributes(), lookup.GetParentSpanId(), route.GetSpanId())
 	}
 	if server == nil || prefill == nil {
 		t.Fatalf("spans %v: want the server span and a prefill span", names(spans))

@@ -41,7 +41,7 @@ type Input struct {
 	Tokens []uint32
 	// OutputTokens is the number of completion tokens to generate.
 	OutputTokens int
-	// PrefixKey is kvroute's prefix key of the request (prefixkey.PrefixKey(req, 1024)), used by
+	// PrefixKey is kvroute's prefix key of the request (req.PrefixKey(1024)), used by
 	// the SSE events; the zero Key means none.
 	PrefixKey prefixkey.Key
 	// KVTransfer is the request's kv_transfer_params (prefill/decode disaggregation); nil means
