@@ -109,6 +109,7 @@ func TestScrapeResults(t *testing.T) {
 		}, "error", "", kvroute.EngineLoad{}, "deadline exceeded"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel() // each has its own target, scraper and meter provider
 			srv := serve(t, tc.h)
 			mp, rd := metricsReader(t)
 			sink := newRecorder()

@@ -114,6 +114,7 @@ func TestGridPoints(t *testing.T) {
 // TestRunGridParallel checks that RunGrid's results do not depend on how many runs it simulates
 // at once: each run has its own engines, router and index.
 func TestRunGridParallel(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	w1, w2 := smallShared(t, 1), smallShared(t, 2)
 	mt, err := MultiTurn(MultiTurnConfig{Conversations: 6, Turns: 3, Seed: 1})
 	require.NoError(t, err)

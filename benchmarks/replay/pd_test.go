@@ -24,6 +24,7 @@ func runPDSim(t *testing.T, w *Workload, cfg Config, pd PDConfig) (*pdSim, PDRes
 }
 
 func TestRunPDCompletesAndAccounts(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	w := smallShared(t, 1)
 	s, res := runPDSim(t, w, smallFleet, pdFleet)
 	require.Equal(t, len(w.Requests), res.Requests)
@@ -88,6 +89,7 @@ func TestRunPDCompletesAndAccounts(t *testing.T) {
 // conditional disaggregation allows when the index is exact (no event lag, no speculation, every
 // prefix fits the caches), and that a lower threshold sends more prompts to the prefill engine.
 func TestRunPDConditionalThreshold(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	w := smallShared(t, 2).Limit(120)
 	cfg := smallFleet
 	cfg.EventLag = 0
@@ -128,6 +130,7 @@ func TestRunPDConditionalThreshold(t *testing.T) {
 }
 
 func TestRunPDDeterministic(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	w := smallShared(t, 3).Limit(100)
 	a, err := RunPD(w, smallFleet, pdFleet)
 	require.NoError(t, err)
@@ -150,6 +153,7 @@ func TestRunPDDeterministic(t *testing.T) {
 // TestRunPDSameArrivals checks that the P/D fleet and a unified fleet of as many engines are
 // offered the same arrival times.
 func TestRunPDSameArrivals(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	w := smallShared(t, 1).Limit(100)
 	u, err := Run(w, smallFleet, PolicyKVRoute)
 	require.NoError(t, err)
@@ -163,6 +167,7 @@ func TestRunPDSameArrivals(t *testing.T) {
 
 // TestRunPDTransferCost checks that a slower storage costs TTFT on the remote-prefill path.
 func TestRunPDTransferCost(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	w := smallShared(t, 1).Limit(100)
 	fast, err := RunPD(w, smallFleet, pdFleet)
 	require.NoError(t, err)

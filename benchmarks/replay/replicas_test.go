@@ -21,6 +21,7 @@ func smallMultiTurn(t testing.TB, conversations int, seed uint64) *Workload {
 // whatever it syncs: with one replica there is no peer to hear from, and the engines' reported
 // load is the router's own in-flight requests, which adds no external load.
 func TestOneReplicaIsTheSingleRouter(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	w := smallShared(t, 1).Limit(80)
 	policies := []string{PolicyCHWBL, PolicyCost, PolicyKVRoute, PolicyRandom}
 	if raceEnabled {
@@ -54,6 +55,7 @@ func TestOneReplicaIsTheSingleRouter(t *testing.T) {
 }
 
 func TestReplicasDeterministic(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	w := smallMultiTurn(t, 12, 1)
 	cfg := smallFleet
 	cfg.Replicas, cfg.Sync, cfg.SyncDelay = 4, SyncBoth, 5*time.Millisecond
@@ -96,6 +98,7 @@ func TestReplicasDeterministic(t *testing.T) {
 // requests over engines, which evens the request counts out; peers let them agree on the engine
 // holding a prefix again, as one router does, within tier 4's load bound.)
 func TestPeersRecoverWhatReplicasLose(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	seeds := []uint64{1, 2, 3}
 	if testing.Short() || raceEnabled {
 		seeds = seeds[:1]

@@ -23,6 +23,7 @@ func smallShared(t testing.TB, seed uint64) *Workload {
 var smallFleet = Config{Engines: 4, CapacityTokens: 16_384, EventLag: 10 * time.Millisecond, Seed: 3}
 
 func TestRunDeterministic(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	w := smallShared(t, 1)
 	for _, p := range []string{PolicyRandom, PolicyKVRoute, PolicyCost, OracleGlobalLRU} {
 		t.Run(p, func(t *testing.T) {
@@ -51,6 +52,7 @@ func TestRunDeterministic(t *testing.T) {
 // hit ratio, and the global LRU of the whole fleet's cache beats the policies that ignore the
 // cache; the cache-aware policies beat those too.
 func TestOraclesBound(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	w := smallShared(t, 2)
 	got := map[string]Result{}
 	for _, p := range AllPolicies {
@@ -81,6 +83,7 @@ func TestOraclesBound(t *testing.T) {
 // document carry up to twice the mean in flight (KVConfig.LoadFactorEpsilon), so request counts
 // over this short trace (30 documents of uneven popularity) may be uneven by a third, not more.
 func TestSharedFirstBlock(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	w, err := ReadTrace(strings.NewReader(burstyTrace(400, 7)), "bursty")
 	require.NoError(t, err)
 	for _, p := range []string{PolicyKVRoute, PolicyPrecise} {
@@ -115,6 +118,7 @@ func TestTimeScale(t *testing.T) {
 }
 
 func TestReportAndChart(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	w := smallShared(t, 1).Limit(60)
 	var rs []Result
 	for _, seed := range []uint64{1, 2} {

@@ -16,20 +16,37 @@ import (
 
 // prefill_timeout bounds the prefill, kv_transfer_timeout the decode engine's response headers
 // only: a stream that lasts longer is not cut, a decode engine that does not answer is replaced
-// by the unified engine, and so is a prefill engine that does not answer.
+// by the unified engine, and so is a prefill engine that does not answer. Each case has a fleet
+// and a proxy of its own (one stalls an engine the others need), so the three wait out their
+// timeouts side by side.
 func TestDisaggTimeouts(t *testing.T) {
 	// Real time: 150 ms per generated token, next to nothing per prompt token. The timeouts are 3 s,
 	// not less: under -race beside the workspace's other tests, a 1 ms prefill has taken over 1 s.
-	f := startPDFleet(t, 1, 1, 1, func(c *enginesim.Config) {
-		c.Latency = enginesim.Latency{Base: time.Millisecond, PerToken: time.Microsecond, PerOutputToken: 150 * time.Millisecond, SpeedFactor: 1}
-	})
-	p := startProxy(t, pdConfig(t, f, func(c *config.Config) {
-		c.DisaggregatedServing.PrefillTimeout = config.Duration(3 * time.Second)
-		c.DisaggregatedServing.KVTransferTimeout = config.Duration(3 * time.Second)
-	}))
-	prefill, decode, unified := f.engine(t, f.prefill[0]), f.engine(t, f.decode[0]), f.unified[0]
+	start := func(t *testing.T) (p *testProxy, prefill, decode *enginesim.Engine, unified string) {
+		t.Helper()
+		f := startPDFleet(t, 1, 1, 1, func(c *enginesim.Config) {
+			c.Latency = enginesim.Latency{Base: time.Millisecond, PerToken: time.Microsecond, PerOutputToken: 150 * time.Millisecond, SpeedFactor: 1}
+		})
+		p = startProxy(t, pdConfig(t, f, func(c *config.Config) {
+			c.DisaggregatedServing.PrefillTimeout = config.Duration(3 * time.Second)
+			c.DisaggregatedServing.KVTransferTimeout = config.Duration(3 * time.Second)
+		}))
+		return p, f.engine(t, f.prefill[0]), f.engine(t, f.decode[0]), f.unified[0]
+	}
+	// metrics checks that p's /metrics has every one of want.
+	metrics := func(t *testing.T, p *testProxy, want ...string) {
+		t.Helper()
+		code, m := adminDo(t, "GET", p.URL+"/metrics", "", "")
+		for _, w := range want {
+			if code != 200 || !strings.Contains(string(m), w) {
+				t.Errorf("/metrics (%d) lacks %s", code, w)
+			}
+		}
+	}
 
 	t.Run("a stream longer than kv_transfer_timeout is not cut", func(t *testing.T) {
+		t.Parallel()
+		p, _, decode, _ := start(t)
 		resp, b := post(t, p.URL+"/v1/chat/completions", longPrompt("long-stream", 800, `"max_tokens":24,"stream":true`))
 		r := readPD(resp, b)
 		if r.status != 200 || r.path != "prefill_then_decode" || r.decode != decode.Name() || resp.Header.Get(HeaderRetriedFrom) != "" {
@@ -38,8 +55,11 @@ func TestDisaggTimeouts(t *testing.T) {
 		if n := strings.Count(string(b), `"content":`); n < 24 || !strings.HasSuffix(strings.TrimSpace(string(b)), "data: [DONE]") {
 			t.Errorf("%d content chunks, want 24, in\n%s", n, b)
 		}
+		metrics(t, p, "kvroute_disagg_requests_total")
 	})
 	t.Run("decode engine stalls: the unified engine serves", func(t *testing.T) {
+		t.Parallel()
+		p, _, decode, unified := start(t)
 		decode.SetStall(true)
 		defer decode.SetStall(false)
 		resp, b := post(t, p.URL+"/v1/chat/completions", longPrompt("stalled-decode", 800, `"max_tokens":2`))
@@ -51,8 +71,12 @@ func TestDisaggTimeouts(t *testing.T) {
 		if st := disaggStats(t, p).Requests; st.DecodeFailures != 1 || st.Reasons.DecodeFailed != 1 {
 			t.Errorf("decode failure not counted by the router: %+v", st)
 		}
+		metrics(t, p, fmt.Sprintf(`kvroute_proxy_upstream_errors_total{backend=%q,kind="timeout"`, decode.Name()),
+			"kvroute_disagg_requests_total")
 	})
 	t.Run("prefill engine stalls: the unified engine serves", func(t *testing.T) {
+		t.Parallel()
+		p, prefill, _, unified := start(t)
 		failures := disaggStats(t, p).Requests.PrefillFailures
 		prefill.SetStall(true)
 		defer prefill.SetStall(false)
@@ -63,16 +87,9 @@ func TestDisaggTimeouts(t *testing.T) {
 		if got := disaggStats(t, p).Requests.PrefillFailures; got != failures+1 {
 			t.Errorf("prefill failures %d → %d", failures, got)
 		}
+		metrics(t, p, fmt.Sprintf(`kvroute_proxy_upstream_errors_total{backend=%q,kind="timeout"`, prefill.Name()),
+			"kvroute_disagg_requests_total", "kvroute_disagg_prefill_failures_total")
 	})
-	code, m := adminDo(t, "GET", p.URL+"/metrics", "", "")
-	for _, want := range []string{
-		fmt.Sprintf(`kvroute_proxy_upstream_errors_total{backend=%q,kind="timeout"`, decode.Name()),
-		fmt.Sprintf(`kvroute_proxy_upstream_errors_total{backend=%q,kind="timeout"`, prefill.Name()),
-		"kvroute_disagg_requests_total", "kvroute_disagg_prefill_failures_total"} {
-		if code != 200 || !strings.Contains(string(m), want) {
-			t.Errorf("/metrics (%d) lacks %s", code, want)
-		}
-	}
 }
 
 // With fallback_to_unified off (or no unified backend), a failed prefill is answered 503 in the

@@ -885,6 +885,7 @@ func fwdErrorView(t *testing.T, mode string, body string) (view, detail string) 
 // other), one that refuses with 429 or 503 (retried on the other, counted as a refusal), one that dies in the middle of the body (the client's response is cut short, the
 // lease is released as a failure).
 func TestForwardFailures(t *testing.T) {
+	t.Parallel() // its own backends and proxies
 	closeConn := func(c net.Conn, _ fwdSeen) bool { return false }
 	status := func(code int) func(net.Conn, fwdSeen) bool {
 		return fwdAnswer(fmt.Sprintf("HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: 15\r\n\r\n{\"error\":\"%d\"}",

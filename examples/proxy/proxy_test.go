@@ -276,6 +276,7 @@ func TestRetryOnUnavailableStatus(t *testing.T) {
 // on another backend before the first byte, counted as a refusal in the Router's load, and not
 // held against the engine's circuit breaker; a plain 500 passes through.
 func TestRetryOnRefusal(t *testing.T) {
+	t.Parallel() // its own backends and proxy
 	var status, refusals atomic.Int32
 	var plain atomic.Bool // a 500 that says nothing of capacity
 	full := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

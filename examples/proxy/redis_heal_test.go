@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/config"
+	"github.com/kvroute/kvroute/events/zmqevents"
 	"github.com/kvroute/kvroute/internal/testenv"
 )
 
@@ -28,11 +29,13 @@ const redisHealWithin = 30 * time.Second
 // again — with requests flowing through the proxy all along, and with no request at all until the
 // sources have healed (no Lookup, no event: the consumers ask the index).
 func TestE2ERedisIndexHealsThroughProxy(t *testing.T) {
+	t.Parallel() // its own Redis servers, engines and proxies
 	for _, tt := range []struct {
 		name    string
 		traffic bool // requests flow through the proxy during the outage and the recovery
 	}{{"requests flowing", true}, {"quiet gap before traffic resumes", false}} {
 		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel() // each has its own Redis, engines and proxy
 			rs := testenv.StartRedisServer(t)
 			f := startFleet(t, 3, true)
 			cfg := fleetConfig(t, f, func(c *config.Config) {
@@ -134,10 +137,18 @@ func TestE2ERedisIndexHealsThroughProxy(t *testing.T) {
 				go traffic()
 			}
 
+			// The outage lasts longer than the consumers' loss-check interval, so that every
+			// source's check fails at least once against the dead server, and, with traffic, until
+			// requests have gone through the proxy while Redis was down.
 			rs.Kill()
-			time.Sleep(4 * time.Second) // the outage
-			rs.Start()                  // empty: everything the index held is gone
+			down, sentBefore := time.Now(), sent.Load()
+			time.Sleep(zmqevents.DefaultLossCheckInterval + 250*time.Millisecond)
+			if tt.traffic {
+				waitFor(t, 10*time.Second, "requests through the proxy during the outage", func() bool { return sent.Load() >= sentBefore+5 })
+			}
+			rs.Start() // empty: everything the index held is gone
 			back := time.Now()
+			t.Logf("Redis down for %v (%d requests)", back.Sub(down), sent.Load()-sentBefore)
 
 			// Every source catches up from its engine's replay buffer, with or without traffic.
 			waitFor(t, redisHealWithin, "a catch-up of every source after the restart", func() bool {

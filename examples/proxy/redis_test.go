@@ -67,6 +67,7 @@ func TestE2ERedisDown(t *testing.T) {
 // backend and first replays what the engine's replay buffer still holds, so the index knows again
 // which engine holds a prefix without waiting for those blocks to be stored again.
 func TestE2ERedisIndexHealsAfterRestart(t *testing.T) {
+	t.Parallel() // its own Redis servers, engines and proxies
 	for _, tt := range []struct {
 		name         string
 		batchesWhile bool // the holder publishes while Redis is down

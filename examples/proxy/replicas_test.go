@@ -101,6 +101,7 @@ func slowFleet(t *testing.T, n int) *enginesim.Fleet {
 // Two replicas on one NATS server: the requests one routes weigh on the other's view of the
 // backends (their external load), from the moment they are routed until they end.
 func TestE2EReplicasShareLoad(t *testing.T) {
+	t.Parallel() // its own NATS server, engines and proxies
 	ns := natstest.Start(t)
 	f := slowFleet(t, 3)
 	a := startProxy(t, replicaConfig(t, f, ns.URL(), "replica-a", nil))
@@ -138,6 +139,7 @@ func TestE2EReplicasShareLoad(t *testing.T) {
 // fleet's index from the snapshot and the stream: its first request for a prefix an engine holds
 // goes there by the KV index.
 func TestE2EReplicasEventLogRestore(t *testing.T) {
+	t.Parallel() // its own NATS server, engines and proxies
 	ns := natstest.Start(t)
 	f := startFleet(t, 3, true)
 	eventLog := config.EventLogConfig{Enabled: true, SnapshotInterval: config.Duration(time.Second)}
@@ -181,6 +183,7 @@ func TestE2EReplicasEventLogNATSDown(t *testing.T) {
 // NATS stops and comes back while requests flow through two replicas: no request fails, and the
 // replicas share again once it is back.
 func TestE2EReplicasSurviveNATSRestart(t *testing.T) {
+	t.Parallel() // its own NATS server, engines and proxies
 	ns := natstest.Start(t)
 	f := startFleet(t, 3, true)
 	a := startProxy(t, replicaConfig(t, f, ns.URL(), "replica-a", nil))
@@ -209,9 +212,12 @@ func TestE2EReplicasSurviveNATSRestart(t *testing.T) {
 			}
 		})
 	}
-	time.Sleep(300 * time.Millisecond)
+	waitFor(t, 10*time.Second, "requests through both replicas", func() bool { return sent.Load() >= 6 })
 	ns.Stop()
-	time.Sleep(1500 * time.Millisecond) // longer than the peer timeout: each forgets the other
+	// Down for longer than the peer timeout: each forgets the other.
+	waitFor(t, 10*time.Second, "each replica to forget the other", func() bool {
+		return len(replicasOf(t, a).Sync.Peers) == 0 && len(replicasOf(t, b).Sync.Peers) == 0
+	})
 	ns.Restart()
 	before := replicasOf(t, b).Peers.Applied
 	waitFor(t, 20*time.Second, "b to apply a's decisions again", func() bool {

@@ -9,6 +9,8 @@
 //     tests may write to, under unique key prefixes (S3).
 //   - KVROUTE_REQUIRE_INTEGRATION=1: every skip for a missing server or binary (SkipOrFail) fails
 //     the test instead, so that CI, which provisions them all (.ci/run), cannot pass by skipping.
+//   - KVROUTE_LONG_TESTS=1: the long tests run (SkipUnlessLong); without it they skip, so that the
+//     README's test command stays short. .ci/run sets it.
 //
 // Each function takes the test's testing.TB, says which variable or binary is missing and which
 // test needs it, and is safe for concurrent use by parallel tests.
@@ -49,6 +51,18 @@ func SkipOrFail(t testing.TB, why string) {
 		t.Fatalf("%s=1: %s", RequireIntegration, why)
 	}
 	t.Skip(why)
+}
+
+// LongTests is the environment variable that, set to "1", runs the tests that call SkipUnlessLong.
+const LongTests = "KVROUTE_LONG_TESTS"
+
+// SkipUnlessLong skips t unless KVROUTE_LONG_TESTS is "1"; why says what makes the test long. It
+// is for the few tests that would stretch the README's test command on their own: CI runs them.
+func SkipUnlessLong(t testing.TB, why string) {
+	t.Helper()
+	if os.Getenv(LongTests) != "1" {
+		t.Skipf("%s: set %s=1 to run it (.ci/run does)", why, LongTests)
+	}
 }
 
 // RedisAddr returns REDIS_ADDR, or skips t when it is unset (see SkipOrFail).

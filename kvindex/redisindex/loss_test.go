@@ -45,6 +45,7 @@ func TestLossDetected(t *testing.T) {
 	for _, how := range []string{"restart", "flush"} {
 		for _, f := range firsts {
 			t.Run(how+"/"+f.name, func(t *testing.T) {
+				t.Parallel() // its own Redis server and index
 				rc := testenv.StartRedisServer(t)
 				idx, err := New(Config{Addr: rc.Addr(), CommandTimeout: 2 * time.Second, UnavailableBackoff: 10 * time.Millisecond})
 				if err != nil {

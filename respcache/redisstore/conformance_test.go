@@ -53,9 +53,11 @@ func sharedClient(t testing.TB, addr string, clientSideCaching bool) rueidis.Cli
 
 // TestConformance runs the CacheStore suite against a real Redis (REDIS_ADDR), with and without
 // client-side caching, on the store's own client and on a caller's, and against a store whose
-// Redis is down (all in fallback).
+// Redis is down (all in fallback). The five run in parallel: each store has its own key prefix,
+// and each waits out a real TTL.
 func TestConformance(t *testing.T) {
 	t.Run("redis", func(t *testing.T) {
+		t.Parallel()
 		testenv.RedisAddr(t)
 		cachetest.RunOptions(t, func(t *testing.T) respcache.CacheStore {
 			s := newTestRedis(t, redisstore.Config{})
@@ -66,6 +68,7 @@ func TestConformance(t *testing.T) {
 		}, cachetest.Options{RealTimeTTL: true})
 	})
 	t.Run("client_side_caching", func(t *testing.T) {
+		t.Parallel()
 		testenv.RedisAddr(t)
 		cachetest.RunOptions(t, func(t *testing.T) respcache.CacheStore {
 			return newTestRedis(t, redisstore.Config{ClientSideCaching: true})
@@ -77,6 +80,7 @@ func TestConformance(t *testing.T) {
 			name += "_client_side_caching"
 		}
 		t.Run(name, func(t *testing.T) {
+			t.Parallel()
 			c := sharedClient(t, testenv.RedisAddr(t), csc)
 			cachetest.RunOptions(t, func(t *testing.T) respcache.CacheStore {
 				s, err := redisstore.NewWithClient(c, redisstore.Config{KeyPrefix: uniquePrefix("shared"), ClientSideCaching: csc})
@@ -89,6 +93,7 @@ func TestConformance(t *testing.T) {
 		})
 	}
 	t.Run("fallback_only", func(t *testing.T) {
+		t.Parallel()
 		// Nothing listens on the port: the store starts in fallback and stays there.
 		cachetest.RunOptions(t, func(t *testing.T) respcache.CacheStore {
 			s, err := redisstore.New(redisstore.Config{

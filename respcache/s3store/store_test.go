@@ -132,7 +132,7 @@ func TestExpiryMetadata(t *testing.T) {
 	require.False(t, ok)
 	require.Eventually(t, func() bool {
 		_, err := mc.StatObject(ctx, cfg.Bucket, cfg.KeyPrefix+"k", minio.StatObjectOptions{})
-		return minio.ToErrorResponse(err).Code == minio.NoSuchKey
+		return minio.ToErrorResponse(err).Code == minio.NoSuchKey && s.ReaperIdle()
 	}, 5*time.Second, 20*time.Millisecond, "expired object not deleted in the background")
 
 	for i := range 20 { // expired miss, then an immediate Set: the fresh value must survive the reaper

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvroute/kvroute/internal/testenv"
 )
 
 // TestRunTiny runs the whole measurement in a tiny configuration: build, child, burst, report.
@@ -15,6 +17,7 @@ func TestRunTiny(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds the proxy")
 	}
+	testenv.SkipUnlessLong(t, "builds the proxy with a nested go build (over a minute from a cold build cache) and measures its peak RSS")
 	if runtime.GOOS != "linux" {
 		t.Skip("peak RSS is read from /proc")
 	}

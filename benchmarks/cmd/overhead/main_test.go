@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvroute/kvroute/internal/testenv"
 )
 
 // TestMain lets the test binary be the measurement's children: the measurement re-executes its
@@ -28,6 +30,7 @@ func TestOverheadTiny(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds the proxy (over a minute from a cold build cache) and runs five targets")
 	}
+	testenv.SkipUnlessLong(t, "builds the proxy with a nested go build (over a minute from a cold build cache) and runs five targets")
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	args := []string{"-rounds", "1", "-duration", "200ms", "-warmup", "100ms", "-conns", "4", "-rate", "200"}

@@ -14,6 +14,7 @@ import (
 )
 
 func TestRunSweepWritesOutputs(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	dir := t.TempDir()
 	var out bytes.Buffer
 	err := run([]string{"-workload", "shared-prefix", "-requests", "40", "-engines", "2", "-capacity-tokens", "32768",
@@ -29,6 +30,7 @@ func TestRunSweepWritesOutputs(t *testing.T) {
 }
 
 func TestRunReplicaSweep(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	dir := t.TempDir()
 	var out bytes.Buffer
 	err := run([]string{"-sweep", "replicas", "-sweep-replicas", "1,2", "-workload", "shared-prefix,multi-turn", "-requests", "16",
@@ -77,6 +79,7 @@ func TestRunRejectsBadFlags(t *testing.T) {
 }
 
 func TestRunGridSweep(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	dir := t.TempDir()
 	var out bytes.Buffer
 	err := run([]string{"-sweep", "grid", "-workload", "shared-prefix", "-requests", "40", "-grid-engines", "2",
