@@ -320,6 +320,9 @@ type backendQueue struct {
 	done      map[uint64]uint64 // connection → stamp of the last item handled
 	ready     []lostEntry
 	replayBuf events.Batch
+	// healOwed: the sink stopped heal's catch-up (it refused a batch) after the backend was
+	// cleared; the next check heals again, though the sink no longer reports the loss.
+	healOwed bool
 }
 
 // lostKey is the chain of a lost batch; anyRank when the batch could not be decoded (its
@@ -1182,7 +1185,7 @@ func (c *Consumer) handle(ctx context.Context, be *backendQueue, it *item) {
 // checkLost heals the backend when the sink reports it lost (events.LossReporter), or when a clear is
 // pending and no batch has come to do it (a failed Apply of a publisher that went quiet).
 func (c *Consumer) checkLost(ctx context.Context, be *backendQueue) {
-	if !be.w.ResetPending() {
+	if !be.w.ResetPending() && !be.healOwed {
 		lost, err := c.loss.BackendLost(ctx, be.w.Backend())
 		if err != nil || !lost {
 			return // not known: asked again at the next tick
@@ -1194,8 +1197,10 @@ func (c *Consumer) checkLost(ctx context.Context, be *backendQueue) {
 // heal clears the backend, then catches each chain up on the batches through the last one it
 // applied, from its publisher's replay endpoint: what the engine still holds is learnt again
 // without waiting for its next batch. A clear that fails is tried again at the next check (and
-// before the next batch). When a catch-up fails part-way or the sink stops it, the backend is
-// cleared again and the chains catch up on their next batch, as after any reset.
+// before the next batch). When a catch-up fails part-way, the backend is cleared again and the
+// chains catch up on their next batch, as after any reset; when the sink stops it (a refused
+// batch), the backend is cleared again and healed again at the next check (healOwed), since an
+// engine whose requests all hit its cache publishes no batch to catch up on.
 func (c *Consumer) heal(ctx context.Context, be *backendQueue) {
 	src := be.first
 	for _, ch := range be.chains {
@@ -1206,6 +1211,7 @@ func (c *Consumer) heal(ctx context.Context, be *backendQueue) {
 		return
 	}
 	c.log.Info("kvroute events: the sink lost the backend's entries: clearing it and catching up", "backend", be.w.Backend())
+	be.healOwed = false
 	var empty events.Batch
 	be.w.RequestReset()
 	if !be.w.Apply(ctx, src, &empty) {
@@ -1218,6 +1224,7 @@ func (c *Consumer) heal(ctx context.Context, be *backendQueue) {
 		}
 		ch.caught = caught
 		if be.w.ResetPending() {
+			be.healOwed = caught == catchUpStopped
 			break
 		}
 		ch.clears = be.w.Clears()

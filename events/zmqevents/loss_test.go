@@ -42,6 +42,21 @@ func TestZMQHealsLostBackendWithoutBatches(t *testing.T) {
 	assert.Equal(t, uint64(1), eventstest.StatusOf(t, c, "a").Sequence.CatchUps)
 }
 
+// TestZMQHealRetriesAStoppedCatchUp: the sink refuses a batch of the healing catch-up (it fails
+// again right after its restart); the backend is cleared, the loss is no longer reported, and the
+// engine publishes nothing more: the worker heals again at its next check instead of leaving the
+// backend empty until the engine's next batch.
+func TestZMQHealRetriesAStoppedCatchUp(t *testing.T) {
+	_, sink, c := startLossConsumer(t)
+	sink.FailApplies(1, eventstest.ErrSinkDown)
+	sink.Lose("a")
+	require.Eventually(t, func() bool { return len(sink.Seqs("a")) >= 7 }, waitFor, tick, "healed again")
+	// Cleared, the catch-up's first batch refused, cleared again; at the next check healed again:
+	// cleared and caught up.
+	require.Equal(t, []int64{0, 1, -1, -1, -1, 0, 1}, sink.Seqs("a"))
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Sequence.CatchUps >= 1 }, waitFor, tick)
+}
+
 // TestZMQHealsPendingClearWithoutBatches: a batch the sink refused (it was down) leaves a clear
 // pending; once the sink is back, the next check performs it and catches up, though the engine
 // publishes nothing more.
