@@ -123,9 +123,13 @@ type failure struct {
 
 // init builds the Handler's ReverseProxy.
 func (h *Handler) init() {
+	tr := h.Transport
+	if tr == nil {
+		tr = NewTransport(0)
+	}
 	h.rp = &httputil.ReverseProxy{
 		Rewrite:   rewrite,
-		Transport: h.Transport,
+		Transport: tr,
 		// Without a pool ReverseProxy allocates a 32 KiB copy buffer per response.
 		BufferPool: &bufferPool{},
 		// FlushInterval 0: ReverseProxy flushes streams (text/event-stream, or no Content-Length)
@@ -172,7 +176,7 @@ func modifyResponse(res *http.Response) error {
 	if ans := health.Classify(res); ans != health.AnswerServed {
 		a.refused = ans == health.AnswerRefused
 		if a.canRetry {
-			return &StatusError{Code: res.StatusCode}
+			return &StatusError{Code: res.StatusCode, Refused: a.refused}
 		}
 	}
 	// The headers go with the final answer (ReverseProxy copies them over; informational answers

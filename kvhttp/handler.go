@@ -111,6 +111,9 @@ type Result struct {
 // failure or refusal that Forward retried on another backend.
 type StatusError struct {
 	Code int // the backend's status code
+	// Refused reports an answer that declined the request for lack of capacity (429, 503, a 500
+	// that says so; health.AnswerRefused): load, not ill health.
+	Refused bool
 }
 
 // Error says which status the backend answered.
@@ -143,7 +146,8 @@ type Handler struct {
 	Router kvroute.Router
 	// Backends maps the Router's backend names to their base URLs.
 	Backends map[string]*url.URL
-	// Transport carries the requests to the backends; nil means http.DefaultTransport.
+	// Transport carries the requests to the backends; nil means a NewTransport(0) of the
+	// Handler's own, made at its first request, whose idle connections close after 90 s unused.
 	Transport http.RoundTripper
 	// MaxBodyBytes caps a request body; 0 means DefaultMaxBodyBytes.
 	MaxBodyBytes int64

@@ -608,7 +608,9 @@ func TestCachedTokensAcrossWrites(t *testing.T) {
 		sse(w, in.Model[cut:])
 	})
 	got := make(chan int, 1)
-	h := &kvhttp.Handler{Router: &recorder{backends: []string{"a"}}, Backends: map[string]*url.URL{"a": u},
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	h := &kvhttp.Handler{Router: &recorder{backends: []string{"a"}}, Backends: map[string]*url.URL{"a": u}, Transport: tr,
 		Attempt: func(*http.Request, *kvhttp.Target) (func(kvhttp.Result), error) {
 			return func(res kvhttp.Result) { got <- res.CachedTokens }, nil
 		}}

@@ -25,7 +25,7 @@ type writer struct {
 
 // tailLen is how many of a write's last bytes are kept to find a terminal event or a cached-token
 // count that the next write completes: more than the longest of them
-// (`"cache_read_input_tokens": ` and nine digits).
+// (`"cache_read_input_tokens": ` and nine digits, with a few spaces).
 const tailLen = 48
 
 // Terminal events of the OpenAI and Anthropic streams.
@@ -128,10 +128,10 @@ func lastCachedTokens(b []byte) int {
 		}
 		rest = skipSpace(rest[1:])
 		v, k := 0, 0
-		for ; k < len(rest) && k < 9 && rest[k] >= '0' && rest[k] <= '9'; k++ {
+		for ; k < len(rest) && rest[k] >= '0' && rest[k] <= '9'; k++ {
 			v = v*10 + int(rest[k]-'0')
 		}
-		if k > 0 {
+		if k > 0 && k <= 9 { // more digits: no count of tokens
 			n = v
 		}
 	}
