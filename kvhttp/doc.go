@@ -63,7 +63,9 @@
 // # Concurrency
 //
 // A Handler is safe for concurrent use once its fields are set; they must not change after its
-// first request. It starts no goroutine of its own: the upstream calls run on the request's
-// goroutine, and the only timers are those a stream's end, ReadTimeout and a Target's
-// HeaderTimeout need, each stopped when its request ends.
+// first request. Nothing it starts outlives a request: the upstream call runs on the request's
+// goroutine, and the cancellation that follows a client's departure (context.AfterFunc), a
+// stream's end grace and a Target's HeaderTimeout are stopped when the request ends. The
+// connections are its Transport's (NewTransport's when left nil, whose idle connections close
+// after 90 s unused).
 package kvhttp

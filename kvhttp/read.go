@@ -126,6 +126,9 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, req *Request)
 	if n < 0 { // no Content-Length (HTTP/2, chunked): room for the largest body
 		n = limit
 	}
+	if r.Body == nil { // a client's request, not a server's
+		r.Body = http.NoBody
+	}
 	if b := req.budget; b != nil {
 		if !b.TryAcquire(n) && !b.acquireWithin(r.Context(), n) {
 			req.budget = nil
