@@ -1,7 +1,9 @@
-// Command gateway is the smallest net/http gateway built on kvroute: NewGateway (gateway.go) reads
-// a request, routes it by its prompt prefix, forwards it with httputil.ReverseProxy, and reports the
-// request's whole lifecycle to the Router (FirstToken on the first byte of a successful answer,
-// then Done once with its Outcome: success, failure, refusal, or cancelled when the client left).
+// Command gateway is the smallest net/http gateway built on kvroute: NewGateway (gateway.go), a
+// kvhttp.Handler, reads a request, routes it by its prompt prefix, forwards it with
+// httputil.ReverseProxy, and reports the request's whole lifecycle to the Router (FirstToken on the
+// first byte of a successful answer, then Done once with its Outcome: success, failure, refusal, or
+// cancelled when the client left). Its kvroute-specific code is the Router's construction below and
+// one line in gateway.go.
 // examples/proxy is the full reference proxy (response cache, KV events, health, retries, admin);
 // this one shows what composing kvroute into a handler you already have takes.
 //
@@ -39,9 +41,7 @@ func main() {
 		log.Fatal(err)
 	}
 	mux := http.NewServeMux()
-	for _, p := range []string{"/v1/chat/completions", "/v1/completions", "/v1/messages"} {
-		mux.Handle("POST "+p, NewGateway(router, urls))
-	}
+	mux.Handle("POST /v1/", NewGateway(router, urls)) // chat/completions, completions, messages; 404 for the rest
 	srv := &http.Server{Addr: *addr, Handler: mux, ReadHeaderTimeout: 10 * time.Second, ReadTimeout: time.Minute}
 	log.Printf("gateway on http://%s to %d backends", *addr, len(urls))
 	log.Fatal(srv.ListenAndServe())

@@ -27,17 +27,15 @@ const adminTimeout = 5 * time.Second
 
 // routes returns the proxy's HTTP routes.
 func (s *server) routes() http.Handler {
-	s.rp = s.newReverseProxy()
+	s.llm, s.pass = s.newKVHTTP(s.route), s.newKVHTTP(s.passRoute)
 	mux := http.NewServeMux()
-	mux.Handle("POST /v1/chat/completions", s.llmHandler(prefixkey.FormatOpenAIChat, "/v1/chat/completions"))
-	mux.Handle("POST /v1/completions", s.llmHandler(prefixkey.FormatOpenAICompletion, "/v1/completions"))
-	mux.Handle("POST /v1/messages", s.llmHandler(prefixkey.FormatAnthropicMessages, "/v1/messages"))
 	for _, path := range []string{"/v1/chat/completions", "/v1/completions", "/v1/messages"} {
+		mux.Handle("POST "+path, s.llmHandler(path))
 		mux.HandleFunc(path, methodNotAllowed)
 	}
 	mux.HandleFunc("GET /v1/models", s.models)
 	mux.HandleFunc("GET /v1/models/{id...}", s.model) // ids have slashes: meta-llama/Llama-3.1-8B-Instruct
-	mux.HandleFunc("/v1/", s.passthrough)
+	mux.Handle("/v1/", s.pass)
 	mux.HandleFunc("GET /healthz", s.healthz)
 	if s.cfg.Admin.ProtectMetrics {
 		mux.Handle("GET /metrics", s.admin(s.tel.handler))

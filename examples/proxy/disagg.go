@@ -10,7 +10,6 @@ import (
 	"io"
 	"net/http"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/tidwall/gjson"
@@ -23,6 +22,7 @@ import (
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/apierror"
 	"github.com/kvroute/kvroute/disagg"
+	"github.com/kvroute/kvroute/kvhttp"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/telemetry"
 )
@@ -55,8 +55,9 @@ const maxPrefillResponse = 4 << 20
 
 // Errors of a remote prefill.
 var (
-	errPrefillTimeout   error = timeoutError("no answer within prefill_timeout")
-	errNoTransferParams       = errors.New("the prefill answer has no kv_transfer_params object")
+	errPrefillTimeout   = fmt.Errorf("no answer within prefill_timeout (%w)", context.DeadlineExceeded)
+	errNoTransferParams = errors.New("the prefill answer has no kv_transfer_params object")
+	errCircuitOpen      = errors.New("circuit breaker open")
 )
 
 // prefillResult is the outcome of a remote prefill: the kv_transfer_params object of its answer,
@@ -76,96 +77,110 @@ type relayedResponse struct {
 	body   []byte
 }
 
-// forwardDisagg serves one request with disaggregation on.
-func (s *server) forwardDisagg(w http.ResponseWriter, r *http.Request, pr *parsedRequest) {
+// routeDisagg routes one request with disaggregation on (kvhttp.Handler.Route): it runs the
+// remote prefill of prefill_then_decode here, and returns the decode (or unified) Target, which
+// a failure before answering sends on to a unified backend.
+func (s *server) routeDisagg(w http.ResponseWriter, r *http.Request, req *kvhttp.Request) (*kvhttp.Target, error) {
 	ctx := r.Context()
-	d, err := s.router.Disagg().Route(ctx, pr.req)
+	d, err := s.router.Disagg().Route(ctx, req.Parsed)
 	if err != nil {
-		s.routeError(w, pr, err)
-		return
+		return nil, s.routeError(w, req.Format, err)
 	}
-	up := disaggUpstream(d, pr.body)
+	t := disaggTarget(req, d)
 	if d.Plan.Path == disagg.PathPrefillThenDecode {
 		reqID := r.Header.Get(headerRequestID)
 		if reqID == "" {
 			reqID = newRequestID()
 		}
-		res := s.prefill(ctx, r, pr, d.Plan.Prefill, reqID)
+		res := s.prefill(ctx, r, req, d.Plan.Prefill, reqID)
 		switch {
 		case ctx.Err() != nil: // the client left: nobody reads an answer
 			d.Done(kvroute.Outcome{})
-			return
+			return nil, nil
 		case res.relay != nil:
 			// The prefill backend refused the request itself: no KV was computed (PrefillDone
 			// would record speculative entries for it); Done ends both phases.
 			d.Done(kvroute.Outcome{})
 			s.relay(w, d, res.relay)
-			return
+			return nil, nil
 		case res.err != nil:
 			prefillBackend := d.Plan.Prefill
 			s.log.Warn("prefill failed; falling back to a unified backend", "backend", prefillBackend, "err", res.err)
 			nd, err := d.PrefillFailed(ctx, res.err)
 			if err != nil {
 				if errors.Is(err, kvroute.ErrNoBackend) {
-					s.unavailable(w, pr.format,
+					s.unavailable(w, req.Format,
 						"the prefill on "+prefillBackend+" failed ("+res.err.Error()+") and no unified backend can serve the request")
-					return
+					return nil, nil
 				}
-				s.routeError(w, pr, err)
-				return
+				return nil, s.routeError(w, req.Format, err)
 			}
-			d, up = nd, disaggUpstream(nd, pr.body)
+			d, t = nd, disaggTarget(req, nd)
 		default:
 			d.PrefillDone(kvroute.Outcome{})
-			body, err := sjson.SetRawBytes(pr.body, "kv_transfer_params", res.params)
+			body, err := sjson.SetRawBytes(req.Body, "kv_transfer_params", res.params)
 			if err != nil { // the body parsed as an object: not reached
 				d.Done(kvroute.Outcome{})
 				s.log.Error("cannot add kv_transfer_params to the request", "err", err)
-				apierror.Error{Status: http.StatusInternalServerError, Code: "internal_error", Message: "cannot build the decode request"}.Write(w, pr.format)
-				return
+				return nil, apierror.Error{Status: http.StatusInternalServerError, Code: "internal_error", Message: "cannot build the decode request"}
 			}
-			up.body = body
-			up.headerTimeout = time.Duration(s.cfg.DisaggregatedServing.KVTransferTimeout)
-			up.requestID = reqID
+			t.Body, t.RequestHeader = body, http.Header{headerRequestID: {reqID}}
+			t.HeaderTimeout = time.Duration(s.cfg.DisaggregatedServing.KVTransferTimeout)
 		}
 	}
-	retry, err := s.proxyTo(w, r, pr, up, "", s.canFallback(d))
-	if !retry {
-		return
-	}
-	// The second attempt goes to a unified backend: the whole request, as the client sent it.
-	if d.Unified == nil {
-		// A decode backend failed: the library releases its slots, counts the failure and
-		// re-plans (fallback, decode_failed); the Done in failedBeforeAnswer is then a no-op.
-		nd, err2 := d.DecodeFailed(ctx, err)
-		s.failedBeforeAnswer(ctx, up, err)
-		var d2 *kvroute.Decision
-		plan := &disagg.Plan{Path: disagg.PathFallback, Reason: disagg.ReasonDecodeFailed}
-		if err2 == nil {
-			d2, plan = nd.Unified, &nd.Plan
+	if s.canFallback(d) {
+		t.Retry = func(ctx context.Context, cause error) (*kvhttp.Target, error) {
+			// The second attempt goes to a unified backend: the whole request, as the client sent it.
+			s.retrying(ctx, t.Backend, cause)
+			if d.Unified == nil {
+				// A decode backend failed: the library releases its slots, counts the failure and
+				// re-plans (fallback, decode_failed); kvhttp's Done after this is a no-op.
+				nd, err := d.DecodeFailed(ctx, cause)
+				if err != nil {
+					return nil, err
+				}
+				return s.target(req, nd.Unified, &nd.Plan), nil
+			}
+			d2, err := kvhttp.RouteAvoiding(ctx, s.router, req.Parsed, t.Backend, 2*len(s.cfg.Backends)+2)
+			if err != nil {
+				return nil, err
+			}
+			path := disagg.PathFallback
+			if d.Plan.Path == disagg.PathUnified { // no pools to fall back from: another unified backend
+				path = disagg.PathUnified
+			}
+			return s.target(req, d2, &disagg.Plan{Path: path}), nil
 		}
-		s.retryOn(w, r, pr, up.backend, err, d2, err2, plan)
-		return
 	}
-	s.failedBeforeAnswer(ctx, up, err)
-	d2, err2 := s.routeAvoiding(ctx, pr.req, up.backend)
-	path := disagg.PathFallback
-	if d.Plan.Path == disagg.PathUnified { // no pools to fall back from: another unified backend
-		path = disagg.PathUnified
-	}
-	s.retryOn(w, r, pr, up.backend, err, d2, err2, &disagg.Plan{Path: path})
+	return t, nil
 }
 
-// disaggUpstream is the attempt for d's decode (or unified) backend with the client's body.
+// disaggTarget is the Target of d's decode (or unified) backend with the client's body.
 // X-Kvroute-Route is the plan's reason on the disaggregated paths (local_hit, storage_hit,
 // short_prompt, cache_miss) and the unified decision's label on the others.
-func disaggUpstream(d *kvroute.DisaggDecision, body []byte) *upstream {
-	plan := d.Plan
-	up := &upstream{backend: d.Plan.Decode, route: d.Plan.Reason.String(), plan: &plan, lease: d, body: body}
+func disaggTarget(req *kvhttp.Request, d *kvroute.DisaggDecision) *kvhttp.Target {
+	t := &kvhttp.Target{Backend: d.Plan.Decode, Route: d.Plan.Reason.String(), Lease: lease(req, d), Header: planHeader(nil, &d.Plan)}
 	if d.Unified != nil {
-		up.route = d.Unified.Reason.String()
+		t.Route = d.Unified.Reason.String()
 	}
-	return up
+	return t
+}
+
+// planHeader adds to h (nil: a new one) the routing-path headers of plan (disagg.Plan.SetHeaders),
+// those it has none for as deletions.
+func planHeader(h http.Header, plan *disagg.Plan) http.Header {
+	if h == nil {
+		h = http.Header{}
+	}
+	h[disagg.HeaderRoutingPath] = []string{plan.Path.String()}
+	h[disagg.HeaderPrefillBackend], h[disagg.HeaderDecodeBackend] = nil, nil
+	if plan.Prefill != "" {
+		h[disagg.HeaderPrefillBackend] = []string{plan.Prefill}
+	}
+	if plan.Decode != "" {
+		h[disagg.HeaderDecodeBackend] = []string{plan.Decode}
+	}
+	return h
 }
 
 // canFallback reports whether a decode or unified attempt of d that fails before answering may be
@@ -185,12 +200,12 @@ func (s *server) canFallback(d *kvroute.DisaggDecision) bool {
 
 // prefill runs the remote prefill of the request on backend, under prefill_timeout (and the
 // client's context), and records its outcome in the backend's circuit breaker.
-func (s *server) prefill(ctx context.Context, r *http.Request, pr *parsedRequest, backend, reqID string) prefillResult {
+func (s *server) prefill(ctx context.Context, r *http.Request, req *kvhttp.Request, backend, reqID string) prefillResult {
 	tk, ok := s.health.Admit(backend)
 	if !ok {
 		return prefillResult{err: errCircuitOpen}
 	}
-	res := s.doPrefill(ctx, r, pr, backend, reqID)
+	res := s.doPrefill(ctx, r, req, backend, reqID)
 	switch {
 	case ctx.Err() != nil:
 		tk.Cancel()
@@ -203,7 +218,7 @@ func (s *server) prefill(ctx context.Context, r *http.Request, pr *parsedRequest
 	return res
 }
 
-func (s *server) doPrefill(ctx context.Context, r *http.Request, pr *parsedRequest, backend, reqID string) (res prefillResult) {
+func (s *server) doPrefill(ctx context.Context, r *http.Request, pr *kvhttp.Request, backend, reqID string) (res prefillResult) {
 	body, err := prefillBody(pr)
 	if err != nil {
 		return prefillResult{err: fmt.Errorf("prefill request: %w", err)}
@@ -216,7 +231,7 @@ func (s *server) doPrefill(ctx context.Context, r *http.Request, pr *parsedReque
 	if err != nil {
 		return prefillResult{err: err}
 	}
-	req.Header = upstreamHeader(r.Header)
+	req.Header = kvhttp.UpstreamHeader(r.Header)
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Accept", "application/json")
 	req.Header.Set(headerRequestID, reqID)
@@ -251,11 +266,11 @@ func (s *server) doPrefill(ctx context.Context, r *http.Request, pr *parsedReque
 	code := resp.StatusCode
 	switch {
 	case code >= 500 || code == http.StatusRequestTimeout || code == http.StatusTooManyRequests:
-		return prefillResult{err: &statusError{code: code}}
+		return prefillResult{err: &kvhttp.StatusError{Code: code}}
 	case code >= 400:
-		return prefillResult{relay: &relayedResponse{status: code, header: withoutHopHeaders(resp.Header.Clone()), body: b}}
+		return prefillResult{relay: &relayedResponse{status: code, header: kvhttp.UpstreamHeader(resp.Header), body: b}}
 	case code < 200 || code > 299:
-		return prefillResult{err: &statusError{code: code}}
+		return prefillResult{err: &kvhttp.StatusError{Code: code}}
 	case len(b) > maxPrefillResponse:
 		return prefillResult{err: fmt.Errorf("the prefill answer exceeds %d bytes", maxPrefillResponse)}
 	}
@@ -271,7 +286,7 @@ func (s *server) doPrefill(ctx context.Context, r *http.Request, pr *parsedReque
 
 // prefillErrKind classifies a prefill failure for metrics.
 func prefillErrKind(err error) string {
-	if se, ok := errors.AsType[*statusError](err); ok && se.code >= 500 {
+	if se, ok := errors.AsType[*kvhttp.StatusError](err); ok && se.Code >= 500 {
 		return "status_5xx"
 	}
 	if errors.Is(err, errNoTransferParams) {
@@ -284,15 +299,15 @@ func prefillErrKind(err error) string {
 // (max_completion_tokens for a chat request that uses it), stream false, no stream_options or
 // min_tokens, and kv_transfer_params asking for a remote decode. Every other member is kept as it
 // came.
-func prefillBody(pr *parsedRequest) ([]byte, error) {
+func prefillBody(pr *kvhttp.Request) ([]byte, error) {
 	type edit struct {
 		key   string
 		value string // raw JSON; "" deletes the member
 	}
 	edits := []edit{{"stream", "false"}, {"stream_options", ""}, {"min_tokens", ""},
 		{"kv_transfer_params", prefillTransferParams}}
-	p := pr.req.Params
-	if pr.format == prefixkey.FormatOpenAIChat && p.MaxCompletionTokens.Set {
+	p := pr.Parsed.Params
+	if pr.Format == prefixkey.FormatOpenAIChat && p.MaxCompletionTokens.Set {
 		edits = append(edits, edit{"max_completion_tokens", "1"})
 		if p.MaxTokens.Set {
 			edits = append(edits, edit{"max_tokens", "1"})
@@ -300,7 +315,7 @@ func prefillBody(pr *parsedRequest) ([]byte, error) {
 	} else {
 		edits = append(edits, edit{"max_tokens", "1"})
 	}
-	body := pr.body
+	body := pr.Body
 	for _, e := range edits {
 		var err error
 		if e.value == "" {
@@ -327,37 +342,6 @@ func (s *server) relay(w http.ResponseWriter, d *kvroute.DisaggDecision, res *re
 	h.Set("Content-Length", strconv.Itoa(len(res.body)))
 	w.WriteHeader(res.status)
 	_, _ = w.Write(res.body)
-}
-
-// hopHeaders are the hop-by-hop headers (RFC 9110 section 7.6.1) a proxy does not forward.
-var hopHeaders = []string{"Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization",
-	"Te", "Trailer", "Transfer-Encoding", "Upgrade"}
-
-// upstreamHeader returns the client's headers for a request of the proxy's own to a backend:
-// without hop-by-hop headers (and those Connection names), Content-Length, Expect and
-// Accept-Encoding (identity bodies).
-func upstreamHeader(in http.Header) http.Header {
-	h := withoutHopHeaders(in.Clone())
-	h.Del("Expect")
-	h.Del("Accept-Encoding")
-	return h
-}
-
-// withoutHopHeaders deletes from h the hop-by-hop headers, those its Connection header names, and
-// Content-Length; it returns h.
-func withoutHopHeaders(h http.Header) http.Header {
-	for _, f := range h.Values("Connection") {
-		for _, name := range strings.Split(f, ",") {
-			if n := strings.TrimSpace(name); n != "" {
-				h.Del(n)
-			}
-		}
-	}
-	for _, k := range hopHeaders {
-		h.Del(k)
-	}
-	h.Del("Content-Length")
-	return h
 }
 
 // newRequestID returns 16 random bytes in hex.

@@ -21,6 +21,7 @@ import (
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/internal/enginesim"
+	"github.com/kvroute/kvroute/kvhttp"
 	"github.com/kvroute/kvroute/prefixkey"
 )
 
@@ -368,7 +369,7 @@ func TestPrefillBody(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			out, err := prefillBody(&parsedRequest{format: tc.format, req: req, body: []byte(tc.in)})
+			out, err := prefillBody(&kvhttp.Request{Format: tc.format, Parsed: req, Body: []byte(tc.in)})
 			if err != nil {
 				t.Fatal(err)
 			}

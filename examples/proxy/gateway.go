@@ -12,9 +12,9 @@ import (
 
 	"github.com/tidwall/gjson"
 
-	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/apierror"
 	"github.com/kvroute/kvroute/disagg"
+	"github.com/kvroute/kvroute/kvhttp"
 	"github.com/kvroute/kvroute/prefixkey"
 )
 
@@ -148,7 +148,7 @@ func (s *server) backendModels(ctx context.Context, backend string) ([]json.RawM
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return nil, &statusError{code: resp.StatusCode}
+		return nil, &kvhttp.StatusError{Code: resp.StatusCode}
 	}
 	var list struct {
 		Data []json.RawMessage `json:"data"`
@@ -159,27 +159,14 @@ func (s *server) backendModels(ctx context.Context, backend string) ([]json.RawM
 	return list.Data, nil
 }
 
-// noLease is the lease of a passed-through request: the Router did not choose its backend.
-type noLease struct{}
-
-func (noLease) FirstToken()          {}
-func (noLease) Done(kvroute.Outcome) {}
-
-// passthrough forwards a /v1 request the proxy does not route by its prompt (embeddings,
-// tokenize, audio, …) to a backend in rotation that serves its model ("model" of a JSON body or of
-// the query; any backend when it names none), in turn; one that fails before answering is
-// replaced once by the next. No such backend: 404 when none is configured for the model, 503
-// when none is in rotation.
-func (s *server) passthrough(w http.ResponseWriter, r *http.Request) {
-	const format = prefixkey.FormatOpenAIChat // OpenAI's error shape
-	body, release, err := s.readBody(w, r)
-	if err != nil {
-		s.bodyError(w, format, err)
-		return
-	}
-	defer release()
+// passRoute routes a /v1 request the proxy does not route by its prompt (embeddings, tokenize,
+// audio, …; kvhttp.Handler.Route of s.pass) to a backend in rotation that serves its model
+// ("model" of a JSON body or of the query; any backend when it names none), in turn; one that
+// fails before answering is replaced once by the next. No such backend: 404 when none is
+// configured for the model, 503 when none is in rotation.
+func (s *server) passRoute(w http.ResponseWriter, r *http.Request, req *kvhttp.Request) (*kvhttp.Target, error) {
 	model := r.URL.Query().Get("model")
-	if m := gjson.GetBytes(body, "model"); m.Type == gjson.String {
+	if m := gjson.GetBytes(req.Body, "model"); m.Type == gjson.String {
 		model = m.Str
 	}
 	var configured, cands []string
@@ -194,21 +181,18 @@ func (s *server) passthrough(w http.ResponseWriter, r *http.Request) {
 	}
 	switch {
 	case len(configured) == 0:
-		apierror.Error{Status: http.StatusNotFound, Code: "model_not_found", Param: "model", Message: "no backend serves the model " + strconv.Quote(model)}.Write(w, format)
-		return
+		return nil, apierror.Error{Status: http.StatusNotFound, Code: "model_not_found", Param: "model", Message: "no backend serves the model " + strconv.Quote(model)}
 	case len(cands) == 0:
-		s.unavailable(w, format, "no healthy backend is available")
-		return
+		s.unavailable(w, req.Format, "no healthy backend is available")
+		return nil, nil
 	}
 	next := int(s.passNext.Add(1))
-	pr := &parsedRequest{format: format, req: &prefixkey.Request{Model: model}, body: body}
-	up := &upstream{backend: cands[next%len(cands)], route: RoutePassthrough, lease: noLease{}, body: body}
-	retry, err := s.proxyTo(w, r, pr, up, "", len(cands) > 1)
-	if !retry {
-		return
+	t := &kvhttp.Target{Backend: cands[next%len(cands)], Route: RoutePassthrough}
+	if len(cands) > 1 {
+		t.Retry = func(ctx context.Context, cause error) (*kvhttp.Target, error) {
+			s.retrying(ctx, t.Backend, cause)
+			return &kvhttp.Target{Backend: cands[(next+1)%len(cands)], Route: RoutePassthrough}, nil
+		}
 	}
-	s.failedBeforeAnswer(r.Context(), up, err)
-	failed := up.backend
-	up = &upstream{backend: cands[(next+1)%len(cands)], route: RoutePassthrough, lease: noLease{}, body: body}
-	_, _ = s.proxyTo(w, r, pr, up, failed, false)
+	return t, nil
 }

@@ -8,11 +8,12 @@
 //	go run ./examples/proxy -demo disagg           # demo: prefill and decode engines, KV through an in-process S3
 //	go run ./examples/proxy -config fleet.yaml     # a real fleet (examples in configs/); SIGHUP reloads it
 //
-// Request flow (proxy.go): body checks → response cache → Router.Route (tokenization inside, when
-// tier 4 is on) → ReverseProxy → Decision.Done. A backend that fails before anything reached the
-// client is replaced once by another; with disaggregated_serving, Router.Disagg().Route may run a
-// one-token prefill on a prefill backend first (disagg.go). Admin, models and the other /v1
-// endpoints are in admin.go and gateway.go. README.md lists the endpoints, headers and errors.
+// Request flow (proxy.go, on package kvhttp): body checks → response cache → Router.Route
+// (tokenization inside, when tier 4 is on) → ReverseProxy → Decision.Done. A backend that fails
+// before anything reached the client is replaced once by another; with disaggregated_serving,
+// Router.Disagg().Route may run a one-token prefill on a prefill backend first (disagg.go). Admin,
+// models and the other /v1 endpoints are in admin.go and gateway.go. README.md lists the
+// endpoints, headers and errors.
 package main
 
 import (
@@ -30,12 +31,11 @@ import (
 	"syscall"
 	"time"
 
-	"golang.org/x/sync/semaphore"
-
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/internal/enginesim"
+	"github.com/kvroute/kvroute/kvhttp"
 )
 
 func main() {
@@ -157,7 +157,7 @@ func newGeneration(cfg *config.Config, log *slog.Logger, prev *server) (s *serve
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	s = &server{cfg: cfg, log: log, backends: map[string]*url.URL{}, bodies: semaphore.NewWeighted(cfg.Server.MaxInflightBodyBytes)}
+	s = &server{cfg: cfg, log: log, backends: map[string]*url.URL{}, bodies: kvhttp.NewBudget(cfg.Server.MaxInflightBodyBytes)}
 	defer func() {
 		if err != nil {
 			_ = s.Close()
@@ -172,7 +172,7 @@ func newGeneration(cfg *config.Config, log *slog.Logger, prev *server) (s *serve
 		s.transport, s.tel, s.opts, s.tracer, s.bodies = prev.transport, prev.tel, prev.opts, prev.tracer, prev.bodies
 		s.cache, s.index, s.sink, s.cons, s.fleet = prev.cache, prev.index, prev.sink, prev.cons, prev.fleet
 	} else {
-		s.transport = newTransport(cfg)
+		s.transport = kvhttp.NewTransport(time.Duration(cfg.Server.UpstreamDialTimeout))
 		s.closers = append(s.closers, func() error { s.transport.CloseIdleConnections(); return nil })
 		if s.tel, err = newTelemetry(); err != nil {
 			return nil, err

@@ -216,9 +216,9 @@ func TestBodyBudgetChargesParseCost(t *testing.T) {
 		heldMore bool // holds more than its bytes
 	}{{"tiny objects", tiny, true}, {"prose", prose, false}} {
 		r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(tc.body))
-		body, release, err := p.server.readBody(httptest.NewRecorder(), r)
-		if err != nil || len(body) != len(tc.body) {
-			t.Fatalf("%s: %d bytes, %v", tc.name, len(body), err)
+		req, err := p.server.llm.ReadRequest(httptest.NewRecorder(), r)
+		if err != nil || len(req.Body) != len(tc.body) {
+			t.Fatalf("%s: %v", tc.name, err)
 		}
 		free := int64(4<<20) - int64(len(tc.body))
 		if got := !p.server.bodies.TryAcquire(free); got != tc.heldMore {
@@ -226,7 +226,7 @@ func TestBodyBudgetChargesParseCost(t *testing.T) {
 		} else if !got {
 			p.server.bodies.Release(free)
 		}
-		release()
+		req.Release()
 		if !p.server.bodies.TryAcquire(4 << 20) {
 			t.Fatalf("%s: the budget was not given back", tc.name)
 		}

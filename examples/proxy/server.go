@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"net/http/httputil"
 	"net/url"
 	"os"
 	"os/signal"
@@ -18,12 +17,12 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/trace"
-	"golang.org/x/sync/semaphore"
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/health"
+	"github.com/kvroute/kvroute/kvhttp"
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
@@ -49,32 +48,17 @@ type server struct {
 
 	backends  map[string]*url.URL
 	transport *http.Transport // carries every request to the backends
-	rp        *httputil.ReverseProxy
+	llm, pass *kvhttp.Handler // the LLM endpoints' lifecycle, and the other /v1 endpoints'
 	handler   http.Handler
 	draining  atomic.Bool
-	passNext  atomic.Uint64       // turns of the passed-through requests over the backends
-	bodies    *semaphore.Weighted // request-body bytes in flight (server.max_inflight_body_bytes)
+	passNext  atomic.Uint64  // turns of the passed-through requests over the backends
+	bodies    *kvhttp.Budget // request-body bytes in flight (server.max_inflight_body_bytes)
 
 	opts    config.Options // what the stores and the Router were built with
 	own     []func() error // this server's own (Router, health): run in reverse order by Close and retire
 	closers []func() error // the parts reloads share: run in reverse order by Close, after own
 	started atomic.Bool
 	closed  atomic.Bool
-}
-
-// newTransport returns the http.Transport every request to the backends goes through: keep-alive
-// connections enough for a busy fleet, dials bounded by server.upstream_dial_timeout, and
-// identity bodies (cacheable, and streamed without a decompressor's buffering).
-func newTransport(cfg *config.Config) *http.Transport {
-	dialer := &net.Dialer{Timeout: time.Duration(cfg.Server.UpstreamDialTimeout), KeepAlive: 30 * time.Second}
-	return &http.Transport{
-		DialContext:           dialer.DialContext,
-		MaxIdleConns:          512,
-		MaxIdleConnsPerHost:   128,
-		IdleConnTimeout:       90 * time.Second,
-		ExpectContinueTimeout: time.Second,
-		DisableCompression:    true,
-	}
 }
 
 // newHealth builds the health probes and circuit breakers of health_checks and circuit_breaker,

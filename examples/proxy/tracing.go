@@ -2,12 +2,9 @@ package main
 
 import (
 	"context"
-	"net/http"
 	"os"
 	"time"
 
-	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
 	"go.opentelemetry.io/otel/exporters/stdout/stdouttrace"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -47,18 +44,4 @@ func (s *server) startTracing() (trace.TracerProvider, error) {
 	})
 	s.tracer = tp.Tracer(proxyScope)
 	return tp, nil
-}
-
-// endSpan ends the attempt's upstream span with the backend's status code, and status Error when
-// the attempt failed or the backend answered 5xx.
-func (a *attempt) endSpan() {
-	if a.status != 0 {
-		a.span.SetAttributes(attribute.Int("http.response.status_code", a.status))
-	}
-	if a.err != nil {
-		a.span.SetStatus(codes.Error, a.err.Error())
-	} else if a.status >= 500 {
-		a.span.SetStatus(codes.Error, http.StatusText(a.status))
-	}
-	a.span.End()
 }
