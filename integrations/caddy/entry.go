@@ -37,7 +37,7 @@ type entry struct {
 	id     string // a short digest of the key, for logs and the admin endpoint
 	cfg    *config.Config
 	kvOn   bool
-	router *kvroute.DefaultRouter
+	router routerAPI
 	// consumers feed the KV index from the engines' events.
 	consumers []config.EventConsumer
 	// cache is the response cache, nil when off; cached its middleware around serveCached.
@@ -51,6 +51,15 @@ type entry struct {
 	backends map[string]*backendState
 	healthMu sync.Mutex // serialises syncHealth's updates
 	noPolicy atomic.Bool
+}
+
+// routerAPI is what the module uses of its *kvroute.DefaultRouter: an interface, so that the tests
+// can watch the decisions.
+type routerAPI interface {
+	kvroute.Router
+	SetHealthy(name string, healthy bool) error
+	Stats(ctx context.Context) (kvroute.Stats, error)
+	Close() error
 }
 
 // backendState is one backend's health as the Router has it.
@@ -103,9 +112,11 @@ func newEntry(h *Handler, key string, log *slog.Logger) (*entry, error) {
 		return nil, errors.Join(err, e.Destruct())
 	}
 	rcfg.KV = cfg.KVConfig(index, tok)
-	if e.router, err = kvroute.New(rcfg); err != nil {
+	router, err := kvroute.New(rcfg)
+	if err != nil {
 		return nil, errors.Join(err, e.Destruct())
 	}
+	e.router = router
 	if e.consumers, err = cfg.NewEventConsumers(index, o); err != nil {
 		return nil, errors.Join(err, e.Destruct())
 	}
