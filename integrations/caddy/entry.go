@@ -48,9 +48,10 @@ type entry struct {
 
 	// backends holds each backend's health as last handed to the Router (syncHealth); the map is
 	// read-only after newEntry.
-	backends map[string]*backendState
-	healthMu sync.Mutex // serialises syncHealth's updates
-	noPolicy atomic.Bool
+	backends    map[string]*backendState
+	healthMu    sync.Mutex  // serialises syncHealth's updates
+	noPolicy    atomic.Bool // warnNoPolicy has logged
+	foreignPool atomic.Bool // warnForeignPool has logged
 }
 
 // routerAPI is what the module uses of its *kvroute.DefaultRouter: an interface, so that the tests
@@ -175,6 +176,25 @@ func (e *entry) syncHealth(pool reverseproxy.UpstreamPool) {
 			s.healthy.Store(h)
 			_ = e.router.SetHealthy(u.Dial, h) // the backend exists: it was built from cfg
 		}
+	}
+}
+
+// knowsAny reports whether some upstream of pool is one of the Router's backends.
+func (e *entry) knowsAny(pool reverseproxy.UpstreamPool) bool {
+	for _, u := range pool {
+		if e.backends[u.Dial] != nil {
+			return true
+		}
+	}
+	return false
+}
+
+// warnForeignPool logs, once per entry, that lb_policy kvroute met upstreams that are none of the
+// Router's backends.
+func (e *entry) warnForeignPool(log *zap.Logger) {
+	if e.foreignPool.CompareAndSwap(false, true) {
+		log.Warn("lb_policy kvroute: none of the reverse_proxy's upstreams is a kvroute backend; " +
+			"the fallback policy chooses (list the same upstreams in kvroute, as host:port)")
 	}
 }
 

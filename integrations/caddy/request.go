@@ -170,6 +170,15 @@ func (st *request) selectUpstream(pool reverseproxy.UpstreamPool, r *http.Reques
 	}
 	st.selects++
 	ctx := r.Context()
+	if !st.entry.knowsAny(pool) {
+		// A reverse_proxy whose upstreams are none of the Router's backends: no decision can fit.
+		st.entry.warnForeignPool(st.h.logger)
+		if st.d != nil {
+			st.d.Done(kvroute.Outcome{NotSent: true})
+			st.d = nil
+		}
+		return st.fallback(pool, r, w, fallback)
+	}
 	if st.d != nil {
 		if u := st.available(pool, st.d.Backend); u != nil {
 			return st.use(ctx, u, st.route)
@@ -182,11 +191,17 @@ func (st *request) selectUpstream(pool reverseproxy.UpstreamPool, r *http.Reques
 		st.d = d
 		return st.use(ctx, u, d.Reason.String())
 	}
+	return st.fallback(pool, r, w, fallback)
+}
+
+// fallback has the fallback policy choose among the upstreams of pool no attempt failed on.
+func (st *request) fallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter,
+	fallback reverseproxy.Selector) *reverseproxy.Upstream {
 	u := fallback.Select(st.untried(pool), r, w)
 	if u == nil {
 		return nil
 	}
-	return st.use(ctx, u, RouteFallbackPolicy)
+	return st.use(r.Context(), u, RouteFallbackPolicy)
 }
 
 // statusOf reads the status reverse_proxy's last answer had.
