@@ -1,6 +1,7 @@
 package kvroutecaddy
 
 import (
+	"math"
 	"strconv"
 
 	"github.com/caddyserver/caddy/v2"
@@ -286,7 +287,7 @@ func floatArg(d *caddyfile.Dispenser) (float64, error) {
 		return 0, err
 	}
 	f, err := strconv.ParseFloat(s, 64)
-	if err != nil {
+	if err != nil || math.IsNaN(f) || math.IsInf(f, 0) {
 		return 0, d.Errf("%q: want a number", s)
 	}
 	return f, nil

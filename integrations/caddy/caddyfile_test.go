@@ -123,6 +123,8 @@ func TestCaddyfileErrors(t *testing.T) {
 		{"zmq without endpoint", "kvroute {\n\tbackend a:1 {\n\t\tzmq\n\t}\n}", "wrong argument count"},
 		{"bad size", "kvroute a:1 {\n\tmax_body_size lots\n}", "max_body_size"},
 		{"bad weight", "kvroute {\n\tbackend a:1 {\n\t\tweight heavy\n\t}\n}", "want a number"},
+		{"NaN weight", "kvroute {\n\tbackend a:1 {\n\t\tweight NaN\n\t}\n}", "want a number"},
+		{"infinite epsilon", "kvroute a:1 {\n\tprefix_routing {\n\t\tload_factor_epsilon +Inf\n\t}\n}", "want a number"},
 		{"bad ttl", "kvroute a:1 {\n\tresponse_cache {\n\t\tttl soon\n\t}\n}", "want a duration"},
 		{"prefix_routing on", "kvroute a:1 {\n\tprefix_routing on\n}", "the only argument is off"},
 		{"kv_index memory url", "kvroute a:1 {\n\tkv_index memory redis://x\n}", "wrong argument count"},

@@ -105,7 +105,7 @@ var testBackends = []string{"127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003"
 
 // newTestHandler returns a provisioned handler over testBackends (or h's own backends) whose
 // Router records its decisions, and the policy with a first-available fallback.
-func newTestHandler(t *testing.T, h *Handler) (*Handler, *recRouter, *Policy) {
+func newTestHandler(t testing.TB, h *Handler) (*Handler, *recRouter, *Policy) {
 	t.Helper()
 	if h == nil {
 		h = &Handler{}
