@@ -316,8 +316,9 @@ func DialAddress(s string) (string, error) {
 // engineTokenizer tokenizes through the backends' /tokenize (vLLM's), so that block keys match
 // the engines' KV events: it asks the first backend, in configuration order, that serves the
 // request's model and that Caddy holds healthy (a stable choice keeps that backend's tokenizer
-// cache warm). Backends serving one model must share its tokenizer, as replicas do. Safe for
-// concurrent use.
+// cache warm), and the next one when that one fails (an engine that refuses with 503 while it is
+// full still has its KV cache worth routing to). Backends serving one model must share its
+// tokenizer, as replicas do. Safe for concurrent use.
 type engineTokenizer struct {
 	cfg    *config.Config
 	e      *entry
@@ -346,13 +347,17 @@ func newEngineTokenizer(cfg *config.Config, e *entry) (*engineTokenizer, error) 
 
 // Tokenize implements prefixkey.Tokenizer.
 func (t *engineTokenizer) Tokenize(ctx context.Context, r *prefixkey.Request) ([]uint32, error) {
+	err := errNoTokenizer
 	for _, name := range t.names {
 		if !t.e.backends[name].healthy.Load() || !t.cfg.Backend(name).Serves(r.Model) {
 			continue
 		}
-		return t.byName[name].Tokenize(ctx, r)
+		var tokens []uint32
+		if tokens, err = t.byName[name].Tokenize(ctx, r); err == nil || ctx.Err() != nil {
+			return tokens, err
+		}
 	}
-	return nil, errNoTokenizer
+	return nil, err
 }
 
 // Interface guards.

@@ -141,7 +141,8 @@ type KVIndex struct {
 // Tokenizer is tier 4's tokenizer (kvroute's kv_cache_index.tokenizer).
 type Tokenizer struct {
 	// Mode is engine (the backends' /tokenize: the first healthy backend serving the request's
-	// model, in configuration order), estimate (pseudo tokens from the prompt's bytes) or none.
+	// model, in configuration order, then the next when it fails), estimate (pseudo tokens from
+	// the prompt's bytes) or none.
 	Mode string `json:"mode,omitempty"`
 	// Timeout bounds one /tokenize call (default 100ms).
 	Timeout caddy.Duration `json:"timeout,omitempty"`

@@ -671,3 +671,39 @@ func TestStatsEndpoint(t *testing.T) {
 		t.Fatalf("stats %s: want the router %s with its backend and its KV index", w.Body.String(), h.entry.id)
 	}
 }
+
+func TestEngineTokenizerAsksTheNextBackendWhenOneFails(t *testing.T) {
+	var asked []string
+	var mu sync.Mutex
+	server := func(name string, code int) string {
+		s := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			mu.Lock()
+			asked = append(asked, name)
+			mu.Unlock()
+			w.WriteHeader(code)
+			_, _ = w.Write([]byte(`{"count":3,"max_model_len":8192,"tokens":[1,2,3]}`))
+		}))
+		t.Cleanup(s.Close)
+		return s.URL
+	}
+	h := &Handler{Backends: []Backend{
+		{Address: "127.0.0.1:9301", URL: server("full", http.StatusServiceUnavailable)},
+		{Address: "127.0.0.1:9302", URL: server("ok", http.StatusOK)},
+	}, KVIndex: &KVIndex{}, Tokenizer: &Tokenizer{Mode: "engine"}}
+	h, _, _ = newTestHandler(t, h)
+	req, _ := prefixkey.ParseOpenAIChat([]byte(chatBody))
+	tokens, err := h.entry.tokenizer.Tokenize(t.Context(), req)
+	if err != nil || len(tokens) != 3 {
+		t.Fatalf("Tokenize = %v, %v; want the second backend's 3 tokens", tokens, err)
+	}
+	if strings.Join(asked, ",") != "full,ok" {
+		t.Fatalf("asked %q, want the first backend, then the next", asked)
+	}
+	// A backend Caddy holds down is not asked.
+	h.entry.backends["127.0.0.1:9301"].healthy.Store(false)
+	asked = nil
+	req2, _ := prefixkey.ParseOpenAIChat([]byte(strings.Replace(chatBody, "hi", "hello", 1)))
+	if _, err := h.entry.tokenizer.Tokenize(t.Context(), req2); err != nil || strings.Join(asked, ",") != "ok" {
+		t.Fatalf("asked %q (%v), want only the healthy backend", asked, err)
+	}
+}

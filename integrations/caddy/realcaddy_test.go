@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/internal/enginesim"
 	"github.com/kvroute/kvroute/internal/testenv"
 )
@@ -25,8 +26,10 @@ import (
 // the modules and adapts the README's Caddyfile to the golden JSON, then runs it with a Caddyfile
 // in front of three simulated engines that publish their KV events over ZMQ, and checks, in
 // order: requests sharing a system prompt land on one engine and hit its prefix cache; streaming
-// goes through Caddy chunk by chunk; a reload through the admin API keeps the Router's state;
-// an engine killed mid-run is routed around.
+// goes through Caddy chunk by chunk; a reload through the admin API keeps the Routers' state; an
+// engine that refuses (503) has its request retried elsewhere (lb_retry_match) and the refusal
+// counted; an engine killed mid-run is routed around. The Caddyfile has two sites over the same
+// engines: one with tier 4 (ZMQ events), one with tier 1 alone (kvroute <upstreams...>).
 //
 // It skips only when no go command is on PATH (and fails then under
 // KVROUTE_REQUIRE_INTEGRATION=1). The build is Go's: cached after the first run.
@@ -109,7 +112,7 @@ func TestRealCaddy(t *testing.T) {
 	})
 
 	t.Run("reload keeps the router's state", func(t *testing.T) {
-		before := c.stats(t)
+		before, before1 := c.stats(t, true), c.stats(t, false)
 		cfg := c.admin(t, http.MethodGet, "/config/", nil, nil)
 		// The same configuration, as JSON; must-revalidate makes Caddy load it although it did not
 		// change, re-provisioning every module.
@@ -117,47 +120,92 @@ func TestRealCaddy(t *testing.T) {
 		if !c.logged("kvroute router reused") {
 			t.Fatalf("the reload did not re-provision the handler onto the pooled Router; Caddy's log:\n%s", c.log())
 		}
-		after := c.stats(t)
-		if after.ID != before.ID || after.PrefixRouting.RoutingDecisions.Total != before.PrefixRouting.RoutingDecisions.Total {
-			t.Fatalf("after the reload: router %s with %d decisions; before: %s with %d",
-				after.ID, after.PrefixRouting.RoutingDecisions.Total, before.ID, before.PrefixRouting.RoutingDecisions.Total)
+		after, after1 := c.stats(t, true), c.stats(t, false)
+		for _, p := range [][2]RouterStats{{before, after}, {before1, after1}} {
+			if p[1].ID != p[0].ID || p[1].PrefixRouting.RoutingDecisions.Total != p[0].PrefixRouting.RoutingDecisions.Total {
+				t.Fatalf("after the reload: router %s with %d decisions; before: %s with %d",
+					p[1].ID, p[1].PrefixRouting.RoutingDecisions.Total, p[0].ID, p[0].PrefixRouting.RoutingDecisions.Total)
+			}
 		}
 		res := c.chat(t, system, "After the reload: which tyre pressure?")
 		if res.engine != holder || res.cached == 0 {
 			t.Fatalf("after the reload the shared prompt went to %s with %d cached tokens (route %s); want %s, cached", res.engine, res.cached, res.route, holder)
 		}
-		if got, want := c.stats(t).PrefixRouting.RoutingDecisions.Total, before.PrefixRouting.RoutingDecisions.Total+1; got != want {
+		if got, want := c.stats(t, true).PrefixRouting.RoutingDecisions.Total, before.PrefixRouting.RoutingDecisions.Total+1; got != want {
 			t.Fatalf("decisions after one more request: %d, want %d (the counters went on)", got, want)
 		}
 	})
 
-	t.Run("killed engine is routed around", func(t *testing.T) {
-		other := "You translate product manuals from German into English. " + strings.Repeat("Keep the units metric and the tone neutral. ", 30)
-		for i := range 9 {
-			if i == 3 {
-				engines[holder].Kill()
-				t.Logf("killed %s", holder)
-			}
-			prompt := system
-			if i%2 == 1 {
-				prompt = other
-			}
-			res := c.chat(t, prompt, fmt.Sprintf("Mid-run question %d", i))
-			if i >= 3 && res.engine == holder {
-				t.Fatalf("request %d answered by %s, which was killed", i, holder)
-			}
-			if res.retriedFrom != "" {
-				t.Logf("request %d: retried from %s onto %s", i, res.retriedFrom, res.backend)
-			}
+	t.Run("refusing engine is retried elsewhere and counted as a refusal", func(t *testing.T) {
+		addr := c.addrOf[holder]
+		before := c.backend(t, true, addr)
+		engines[holder].SetDown(true) // every endpoint answers 503, as a full engine does
+		res := c.chat(t, system, "While the holder is full: which saddle?")
+		engines[holder].SetDown(false)
+		if res.engine == holder || res.retriedFrom != addr {
+			t.Fatalf("answered by %s, retried from %q; want lb_retry_match to move it off %s (%s)", res.engine, res.retriedFrom, holder, addr)
 		}
-		// Caddy's passive health check holds the dead engine down, and the Router followed it;
-		// every decision, the retried ones included, has ended (no slot is left in flight).
-		for _, b := range c.stats(t).PrefixRouting.BackendDistribution {
-			if b.Backend == c.addrOf[holder] && b.Healthy {
-				t.Errorf("backend %s (the killed %s) is still healthy in the Router's stats", b.Backend, holder)
+		after := c.backend(t, true, addr)
+		if after.Refusals != before.Refusals+1 || after.SuccessRate != before.SuccessRate {
+			t.Fatalf("%s: refusals %d → %d, success rate %v → %v; want one refusal more and no failure",
+				addr, before.Refusals, after.Refusals, before.SuccessRate, after.SuccessRate)
+		}
+		// The refusal holds its slot there for kvroute's RefusalHold (1 s), then lets it go.
+		deadline := time.Now().Add(5 * time.Second)
+		for c.backend(t, true, addr).InFlightRequests != 0 {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s keeps the refused request's slot", addr)
 			}
-			if b.InFlightRequests != 0 {
-				t.Errorf("backend %s: %d requests in flight after the last answer, want 0", b.Backend, b.InFlightRequests)
+			time.Sleep(100 * time.Millisecond)
+		}
+	})
+
+	t.Run("killed engine is routed around", func(t *testing.T) {
+		// The tier-1 site sends a prompt to its prefix key's owner on the ring, and keeps doing so
+		// after the owner dies, until a failed attempt tells: the retry must go elsewhere and the
+		// Router must hold the owner down. The tier-4 site's index forgets the dead engine as soon
+		// as its event stream breaks.
+		fourth := "You write release notes for a routing library. " + strings.Repeat("Lead with what changed for users, then why. ", 30)
+		other := "You translate product manuals from German into English. " + strings.Repeat("Keep the units metric and the tone neutral. ", 30)
+		warm := c.chatAt(t, c.base1, fourth, "Warm-up")
+		victim := warm.engine
+		if warm.route != "prefix_hash" {
+			t.Fatalf("the tier-1 site routed by %s, want prefix_hash", warm.route)
+		}
+		retried := false
+		for i := range 9 {
+			if i == 2 {
+				engines[victim].Kill()
+				t.Logf("killed %s, the owner of the tier-1 prompt", victim)
+			}
+			var res chatResult
+			switch i % 3 { // every request must succeed: chatAt fails the test otherwise
+			case 2:
+				res = c.chatAt(t, c.base1, fourth, fmt.Sprintf("Mid-run question %d", i))
+			case 0:
+				res = c.chat(t, system, fmt.Sprintf("Mid-run question %d", i))
+			case 1:
+				res = c.chat(t, other, fmt.Sprintf("Mid-run question %d", i))
+			}
+			t.Logf("request %d: %s, route %s, retried from %q", i, res.engine, res.route, res.retriedFrom)
+			if i >= 2 && res.engine == victim {
+				t.Fatalf("request %d answered by %s, which was killed", i, victim)
+			}
+			retried = retried || res.retriedFrom == c.addrOf[victim]
+		}
+		if !retried {
+			t.Errorf("no request was retried off %s: the tier-1 Router never sent its prompt to the dead owner", victim)
+		}
+		// Caddy's passive health check holds the dead engine down, and both Routers followed it;
+		// every decision, the retried ones included, has ended (no slot is left in flight).
+		for _, tier4 := range []bool{false, true} {
+			for _, b := range c.stats(t, tier4).PrefixRouting.BackendDistribution {
+				if b.Backend == c.addrOf[victim] && b.Healthy {
+					t.Errorf("backend %s (the killed %s) is still healthy in the Router's stats (tier 4 %v)", b.Backend, victim, tier4)
+				}
+				if b.InFlightRequests != 0 {
+					t.Errorf("backend %s: %d requests in flight after the last answer, want 0 (tier 4 %v)", b.Backend, b.InFlightRequests, tier4)
+				}
 			}
 		}
 	})
@@ -165,10 +213,12 @@ func TestRealCaddy(t *testing.T) {
 
 // caddyProc is a running Caddy with its addresses and log.
 type caddyProc struct {
-	base, adminURL string
-	addrOf         map[string]string // engine name → its upstream address
-	mu             sync.Mutex
-	logBuf         bytes.Buffer
+	base     string // the tier-4 site: kvroute with ZMQ events
+	base1    string // the tier-1 site: kvroute with the upstreams alone
+	adminURL string
+	addrOf   map[string]string // engine name → its upstream address
+	mu       sync.Mutex
+	logBuf   bytes.Buffer
 }
 
 func (c *caddyProc) Write(p []byte) (int, error) {
@@ -188,9 +238,9 @@ func (c *caddyProc) logged(s string) bool { return strings.Contains(c.log(), s) 
 // startCaddy writes the test's Caddyfile and runs bin with it until the test ends.
 func startCaddy(t *testing.T, bin string, fleet *enginesim.Fleet) *caddyProc {
 	t.Helper()
-	adminPort, httpPort := testenv.FreePort(t), testenv.FreePort(t)
-	c := &caddyProc{base: fmt.Sprintf("http://127.0.0.1:%d", httpPort), adminURL: fmt.Sprintf("http://127.0.0.1:%d", adminPort),
-		addrOf: map[string]string{}}
+	adminPort, httpPort, httpPort1 := testenv.FreePort(t), testenv.FreePort(t), testenv.FreePort(t)
+	c := &caddyProc{base: fmt.Sprintf("http://127.0.0.1:%d", httpPort), base1: fmt.Sprintf("http://127.0.0.1:%d", httpPort1),
+		adminURL: fmt.Sprintf("http://127.0.0.1:%d", adminPort), addrOf: map[string]string{}}
 	var backends, upstreams strings.Builder
 	for _, in := range fleet.Info() {
 		addr := strings.TrimPrefix(in.URL, "http://")
@@ -198,6 +248,17 @@ func startCaddy(t *testing.T, bin string, fleet *enginesim.Fleet) *caddyProc {
 		fmt.Fprintf(&backends, "\t\tbackend %s {\n\t\t\tzmq %s %s\n\t\t}\n", addr, in.ZMQEndpoint, in.ReplayEndpoint)
 		fmt.Fprintf(&upstreams, " %s", addr)
 	}
+	proxy := `	reverse_proxy` + upstreams.String() + ` {
+		lb_policy kvroute
+		lb_retries 2
+		lb_retry_match {
+			method POST
+		}
+		lb_retry_match {
+			expression {rp.status_code} in [429, 503]
+		}
+		fail_duration 30s
+	}`
 	caddyfile := fmt.Sprintf(`{
 	admin 127.0.0.1:%d
 	auto_https off
@@ -208,13 +269,15 @@ http://127.0.0.1:%d {
 	bind 127.0.0.1
 	kvroute {
 %s	}
-	reverse_proxy%s {
-		lb_policy kvroute
-		lb_retries 2
-		fail_duration 30s
-	}
+%s
 }
-`, adminPort, httpPort, backends.String(), upstreams.String())
+
+http://127.0.0.1:%d {
+	bind 127.0.0.1
+	kvroute%s
+%s
+}
+`, adminPort, httpPort, backends.String(), proxy, httpPort1, upstreams.String(), proxy)
 	dir := t.TempDir()
 	path := filepath.Join(dir, "Caddyfile")
 	if err := os.WriteFile(path, []byte(caddyfile), 0o644); err != nil {
@@ -289,17 +352,36 @@ func (c *caddyProc) admin(t *testing.T, method, path string, body []byte, h http
 	return b
 }
 
-// stats returns the one Router's stats from GET /kvroute/stats.
-func (c *caddyProc) stats(t *testing.T) RouterStats {
+// stats returns the tier-4 Router's stats (tier4 true) or the tier-1 Router's, from GET
+// /kvroute/stats.
+func (c *caddyProc) stats(t *testing.T, tier4 bool) RouterStats {
 	t.Helper()
 	var body StatsBody
 	if err := json.Unmarshal(c.admin(t, http.MethodGet, "/kvroute/stats", nil, nil), &body); err != nil {
 		t.Fatal(err)
 	}
-	if len(body.Routers) != 1 {
-		t.Fatalf("GET /kvroute/stats lists %d routers, want 1", len(body.Routers))
+	if len(body.Routers) != 2 {
+		t.Fatalf("GET /kvroute/stats lists %d routers, want 2 (one per site)", len(body.Routers))
 	}
-	return body.Routers[0]
+	for _, r := range body.Routers {
+		if (r.KVIndex != nil) == tier4 {
+			return r
+		}
+	}
+	t.Fatalf("GET /kvroute/stats has no router with tier 4 %v", tier4)
+	return RouterStats{}
+}
+
+// backend returns one backend's line of the Router's stats.
+func (c *caddyProc) backend(t *testing.T, tier4 bool, addr string) admin.BackendLoad {
+	t.Helper()
+	for _, b := range c.stats(t, tier4).PrefixRouting.BackendDistribution {
+		if b.Backend == addr {
+			return b
+		}
+	}
+	t.Fatalf("no backend %s in the Router's stats", addr)
+	return admin.BackendLoad{}
 }
 
 // chatResult is what one chat completion through Caddy showed.
@@ -308,12 +390,18 @@ type chatResult struct {
 	cached                              int
 }
 
-// chat sends one chat completion through Caddy and checks it succeeded.
+// chat sends one chat completion through Caddy's tier-4 site and checks it succeeded.
 func (c *caddyProc) chat(t *testing.T, system, user string) chatResult {
+	t.Helper()
+	return c.chatAt(t, c.base, system, user)
+}
+
+// chatAt sends one chat completion to the site at base and checks it succeeded.
+func (c *caddyProc) chatAt(t *testing.T, base, system, user string) chatResult {
 	t.Helper()
 	body, _ := json.Marshal(map[string]any{"model": enginesim.DefaultModel, "max_tokens": 2,
 		"messages": []map[string]string{{"role": "system", "content": system}, {"role": "user", "content": user}}})
-	res, err := http.Post(c.base+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+	res, err := http.Post(base+"/v1/chat/completions", "application/json", bytes.NewReader(body))
 	if err != nil {
 		t.Fatal(err)
 	}
