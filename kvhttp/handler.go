@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httputil"
 	"net/url"
+	"path"
 	"strconv"
 	"strings"
 	"sync"
@@ -207,9 +208,17 @@ func (h *Handler) retries() int {
 	return h.Retries
 }
 
-// ServeHTTP reads the request (ReadRequest), routes it and forwards it (Forward). A path that is
-// no LLM endpoint is answered 404, unless Route is set.
+// ServeHTTP reads the request (ReadRequest), routes it and forwards it (Forward). A path with dot
+// or empty segments (encoded or not: "/v1/%2e%2e/…") is answered 400 before anything is read; a
+// path that is no LLM endpoint is answered 404, unless Route is set.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if p := r.URL.Path; p == "" || p[0] != '/' || path.Clean(p) != p {
+		// Dot segments, encoded or not, and empty segments would reach the backend as written; a
+		// proxy in front of the engine that normalises them would take the request elsewhere.
+		apierror.Error{Status: http.StatusBadRequest, Code: "invalid_path",
+			Message: "the request path has dot or empty segments"}.Write(w, prefixkey.FormatOfPath(p))
+		return
+	}
 	if h.Route == nil && prefixkey.FormatOfPath(r.URL.Path) == 0 {
 		apierror.Error{Status: http.StatusNotFound, Code: "not_found",
 			Message: r.URL.Path + " is not an LLM endpoint (chat/completions, completions, messages)"}.Write(w, 0)

@@ -633,3 +633,36 @@ func TestCachedTokensAcrossWrites(t *testing.T) {
 		}
 	}
 }
+
+// A path with dot segments (encoded or not) is refused before anything is read or routed: it
+// would otherwise reach the backend as it is, and a proxy in front of the engine that normalises
+// paths would take it out of /v1/.
+func TestDotSegmentsRefused(t *testing.T) {
+	var hits atomic.Int64
+	backends := map[string]*url.URL{"a": upstream(t, func(w http.ResponseWriter, r *http.Request) {
+		hits.Add(1)
+		_, _ = io.WriteString(w, `{}`)
+	})}
+	router, err := kvroute.New(kvroute.Config{Backends: []kvroute.Backend{{Name: "a"}}})
+	require.NoError(t, err)
+	defer router.Close()
+	gw := gateway(t, &kvhttp.Handler{Router: router, Backends: backends})
+	body := `{"model":"m","messages":[{"role":"user","content":"hi"}]}`
+	for _, p := range []string{"/v1/%2e%2e/admin/v1/chat/completions", "/v1/..%2fadmin%2fv1/chat/completions",
+		"/v1/./v1/messages", "/x//v1/completions"} {
+		req, err := http.NewRequest(http.MethodPost, gw+p, strings.NewReader(body))
+		require.NoError(t, err)
+		req.URL.Opaque = p // sent as written, not cleaned by the client
+		res, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		b, _ := io.ReadAll(res.Body)
+		res.Body.Close()
+		assert.Equal(t, http.StatusBadRequest, res.StatusCode, "%s: %s", p, b)
+		assert.Contains(t, string(b), "dot or empty segments", p)
+	}
+	assert.Zero(t, hits.Load(), "nothing reached the backend")
+	res, err := http.Post(gw+"/v1/chat/completions", "application/json", strings.NewReader(body))
+	require.NoError(t, err)
+	res.Body.Close()
+	assert.Equal(t, http.StatusOK, res.StatusCode)
+}
