@@ -13,8 +13,8 @@ import (
 
 // This file holds the JSON bodies of kvroute's stats endpoints and the functions that build them
 // from a kvroute.Stats snapshot and what only the gateway knows: its configuration as it reports
-// it, and its KV event sources. The keys and formats are the endpoints' (the seeds' names, some
-// values formatted as strings), not the library's Go types.
+// it, and its KV event sources. The keys and formats are the endpoints' (kvroute's documented
+// admin names, some values formatted as strings), not the library's Go types.
 
 // PrefixRoutingStats is the body of GET /admin/prefix-routing/stats: tier 1's configuration,
 // decisions by reason and the unified backends' load.
