@@ -178,6 +178,12 @@ func newTier4(cfg KVConfig) (*tier4, error) {
 	if cfg.BlockSize < 1 {
 		return nil, fmt.Errorf("%w: KV.BlockSize %d", ErrInvalidConfig, cfg.BlockSize)
 	}
+	if _, speculates := cfg.Index.(kvindex.Speculator); cfg.Speculation == SpeculationAuto {
+		cfg.Speculation = SpeculationOff
+		if speculates {
+			cfg.Speculation = SpeculationOn
+		}
+	}
 	t := &tier4{cfg: cfg, scorer: cfg.Scorer, threshold: cfg.MinOverlapThreshold}
 	t.prefix, _ = cfg.Index.(kvindex.PrefixLookuper)
 	t.spec, _ = cfg.Index.(kvindex.Speculator)
@@ -225,12 +231,6 @@ func newTier4(cfg KVConfig) (*tier4, error) {
 	}
 	if st, ok := t.scorer.(scorer.SequenceTracker); ok {
 		t.active = st.Sequences()
-	}
-	if cfg.Speculation == SpeculationAuto {
-		t.cfg.Speculation, cfg.Speculation = SpeculationOff, SpeculationOff
-		if t.spec != nil {
-			t.cfg.Speculation, cfg.Speculation = SpeculationOn, SpeculationOn
-		}
 	}
 	switch cfg.Speculation {
 	case SpeculationOn:
