@@ -78,6 +78,32 @@ func TestFaultKillAndRestart(t *testing.T) {
 	t.Logf("calls %d, failures %d, errors %v", calls, failures, st.Errors)
 }
 
+// TestFaultRecoveryIsPromptWithALongHealthInterval: a store whose health interval is long leaves
+// the fallback within about a second of Redis's return, not at the next health check: what it
+// stores meanwhile would reach neither Redis nor the other router replicas.
+func TestFaultRecoveryIsPromptWithALongHealthInterval(t *testing.T) {
+	proc := testenv.StartRedisServer(t)
+	s, err := redisstore.New(redisstore.Config{
+		URL: proc.URL(), KeyPrefix: uniquePrefix("recovery"), HealthInterval: time.Hour,
+		CommandTimeout: 500 * time.Millisecond, ConnectTimeout: 500 * time.Millisecond,
+	})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = s.Close() })
+	ctx := context.Background()
+	proc.Kill()
+	// The first failing command switches to the fallback; the hour-long monitor has not run.
+	require.Eventually(t, func() bool {
+		_ = s.Set(ctx, "k", []byte("v"), time.Minute)
+		return s.FallbackActive()
+	}, 5*time.Second, 20*time.Millisecond, "fallback did not activate after kill -9")
+
+	proc.Start()
+	restarted := time.Now()
+	require.Eventually(t, func() bool { return !s.FallbackActive() }, 10*time.Second, 10*time.Millisecond,
+		"store did not return to Redis after its restart")
+	t.Logf("back on Redis %v after the restart (health interval 1h)", time.Since(restarted).Round(time.Millisecond))
+}
+
 // TestFaultDownAtStart: New with nothing listening works from the fallback and recovers
 // when a server appears on that port.
 func TestFaultDownAtStart(t *testing.T) {

@@ -41,6 +41,8 @@ const (
 	DefaultFallbackTTL = 300 * time.Second
 	// DefaultHealthInterval is the period of the health monitor.
 	DefaultHealthInterval = 30 * time.Second
+	// recoveryInterval bounds the health monitor's period while the fallback is active.
+	recoveryInterval = time.Second
 	// DefaultClientCacheTTL is the longest time a read is served from the client-side cache.
 	DefaultClientCacheTTL = time.Minute
 	// DefaultClientCacheBytes is the client-side cache size per connection.
@@ -109,8 +111,9 @@ type Config struct {
 	FallbackMaxBytes int64
 	// FallbackTTL caps the TTL of fallback entries; 0 means DefaultFallbackTTL.
 	FallbackTTL time.Duration
-	// HealthInterval is the period of the health monitor (a PING under CommandTimeout); 0 means
-	// DefaultHealthInterval.
+	// HealthInterval is the period of the health monitor (a PING under CommandTimeout) while
+	// Redis serves; while the fallback is active the monitor looks every second when this is
+	// longer. 0 means DefaultHealthInterval.
 	HealthInterval time.Duration
 
 	// MeterProvider receives the store's metrics (Metric* constants); nil means none.
@@ -149,7 +152,9 @@ func (c Config) LogValue() slog.Value { return slog.StringValue(c.String()) }
 // answered by the fallback (a Get is then a miss, a Set is stored there), so no request fails.
 // While the fallback is active, every operation goes to it without touching the network. A health
 // monitor goroutine PINGs Redis every HealthInterval (also when Redis is healthy, so that an
-// outage is noticed between requests); on success it replays the Deletes (and a Clear) made
+// outage is noticed between requests), and every second at most while the fallback is active, so
+// that what is stored after Redis is back reaches Redis (and the other replicas) within about a
+// second; on success it replays the Deletes (and a Clear) made
 // during the outage and switches back to Redis. Entries Set during the outage stay in the
 // fallback and are not copied to Redis. The fallback is emptied when it activates and again when
 // Redis is back, so it never serves an entry from an earlier outage. A caller's cancelled or
@@ -806,15 +811,21 @@ func (s *Store) Close() error {
 // fallback is active, replays the outage's deletes and switches back.
 func (s *Store) monitor() {
 	defer s.wg.Done()
-	t := time.NewTicker(s.cfg.HealthInterval)
+	// It wakes every second at most: every second in the fallback costs the other replicas what
+	// this one stores, so while the fallback is active it looks for Redis at each wake-up.
+	t := time.NewTicker(min(s.cfg.HealthInterval, recoveryInterval))
 	defer t.Stop()
+	last := time.Now()
 	for {
 		select {
 		case <-s.stop:
 			return
 		case <-t.C:
 		}
-		s.check()
+		if s.active.Load() || time.Since(last) >= s.cfg.HealthInterval {
+			last = time.Now()
+			s.check()
+		}
 	}
 }
 
