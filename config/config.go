@@ -33,6 +33,11 @@ type Config struct {
 	// needs prefix_routing.enabled. kvroute's CamelCase names (RoundRobin, LeastLatency,
 	// PrefixAwareHash, …) are accepted.
 	SelectionStrategy string `yaml:"selection_strategy"`
+	// MaxDecisionAge is the Router's safety net for a request whose end it was never told (a
+	// gateway bug, a goroutine that died): after this long its in-flight slot is reclaimed,
+	// counted in kvroute_decisions_expired_total and logged (default 30m, far above any LLM
+	// request; 0 turns the net off; at most 1d). kvroute.Config.MaxDecisionAge.
+	MaxDecisionAge *Duration `yaml:"max_decision_age"`
 	// PrefixRouting is tier 1: prefix-aware consistent hashing with bounded loads.
 	PrefixRouting PrefixRoutingConfig `yaml:"prefix_routing"`
 	// ResponseCache is tiers 2 and 3: the response cache and its store.

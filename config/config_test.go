@@ -128,6 +128,9 @@ response_cache: {enabled: true, backend: disk}
 		{"tenant header not a token", minimalBackends + `
 response_cache: {enabled: true, tenant_header: "X Tenant"}
 `, nil, []string{`response_cache.tenant_header: "X Tenant" is not a valid header name`}},
+		{"max decision age", minimalBackends + `
+max_decision_age: 2d
+`, nil, []string{"max_decision_age: 2d is above 1d"}},
 		{"tenant header with a colon", minimalBackends + `
 response_cache: {enabled: true, tenant_header: "X-Tenant:"}
 `, nil, []string{`response_cache.tenant_header: "X-Tenant:" is not a valid header name`}},

@@ -51,6 +51,9 @@ func (c *Config) Validate() error {
 			fe.add(path, "must not be negative")
 		}
 	}
+	if a := time.Duration(*c.MaxDecisionAge); a > 24*time.Hour {
+		fe.add("max_decision_age", "%v is above 1d (0 turns the net off)", *c.MaxDecisionAge)
+	}
 	if _, ok := parseLevel(c.LogLevel); !ok {
 		fe.add("log_level", "%q is not one of debug, info, warn, error", c.LogLevel)
 	}
