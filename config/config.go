@@ -94,7 +94,8 @@ type ServerConfig struct {
 type AdminConfig struct {
 	// AuthToken, when set, is required as "Authorization: Bearer <token>" on every /admin
 	// endpoint (401 otherwise). It is never logged. Without it, /admin answers loopback clients
-	// only (403 to others).
+	// only (403 to others). A token of whitespace only, with whitespace around it or with a
+	// control character is invalid: no request could send it.
 	AuthToken Secret `yaml:"auth_token"`
 	// ProtectMetrics puts GET /metrics behind the same check as /admin (default false: any client
 	// may scrape it).
