@@ -144,6 +144,8 @@ admin: {auth_token: "t0\u0001ken"}
 		{"max decision age", minimalBackends + `
 max_decision_age: 2d
 `, nil, []string{"max_decision_age: 2d is above 1d"}},
+		{"environment reference in a flow mapping", "server: {port: ${PORT:-18080}}\n" + minimalBackends, nil,
+			[]string{`${PORT:-18080} inside a flow mapping {...} must be quoted, as "${PORT:-18080}" (line 1, column 16)`}},
 		{"tenant header with a colon", minimalBackends + `
 response_cache: {enabled: true, tenant_header: "X-Tenant:"}
 `, nil, []string{`response_cache.tenant_header: "X-Tenant:" is not a valid header name`}},
