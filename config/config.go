@@ -140,8 +140,9 @@ type ResponseCacheConfig struct {
 	// TenantHeader names the request header that identifies the caller's tenant, typically set by
 	// an authenticating gateway in front of the proxy (e.g. X-Tenant-Id); requests carrying the
 	// same value share cached responses, requests without it share one anonymous tenant. Default
-	// "": the tenant is a SHA-256 digest of the caller's Authorization and x-api-key headers, so
-	// that a response is only ever served to the credential that paid for it.
+	// "": the tenant is a SHA-256 digest of the caller's Authorization, x-api-key and api-key
+	// (Azure OpenAI's) headers, so that a response is only ever served to the credential that
+	// paid for it.
 	TenantHeader string `yaml:"tenant_header"`
 	// SharedAcrossTenants lets every caller, whatever its credential, share every cached response
 	// (default false). Only for a proxy serving a single trusted client; excludes tenant_header.
