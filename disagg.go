@@ -123,6 +123,7 @@ type DisaggDecision struct {
 	start      time.Time
 	prefillEnd atomic.Int64 // UnixNano of PrefillDone, 0 before
 	specKeys   []uint64     // block keys PrefillDone speculates for Decode (prefill_then_decode)
+	live       liveNode     // its place among the Router's live decisions (Config.MaxDecisionAge)
 }
 
 // Route chooses the routing path and backends for req and takes the slots of the phases it
@@ -139,8 +140,9 @@ type DisaggDecision struct {
 // It returns a non-nil decision and a nil error, or nil and: ErrNilRequest; ctx.Err() when ctx
 // ended before the choice; an error wrapping ErrNoBackend (and disagg.ErrNoBackend) when no path
 // the configuration allows has a healthy backend. ctx also bounds the tokenizer and a remote
-// index. The caller must call Done when the request ends, and PrefillDone or PrefillFailed when a
-// prefill phase ends. With Config.TracerProvider, each call is one telemetry.SpanRoute span, child of ctx's,
+// index. The caller must call Done when the request ends (it is mandatory: defer it right after a
+// successful Route), and PrefillDone or PrefillFailed when a prefill phase ends. A decision whose
+// Done never comes is reclaimed after Config.MaxDecisionAge, as Route's are. With Config.TracerProvider, each call is one telemetry.SpanRoute span, child of ctx's,
 // whatever the path. Safe for concurrent use.
 func (dr *DisaggRouter) Route(ctx context.Context, req *prefixkey.Request) (*DisaggDecision, error) {
 	if dr.r.tracer != nil {
@@ -166,6 +168,7 @@ func (dr *DisaggRouter) route(ctx context.Context, req *prefixkey.Request) (*Dis
 	s := t.scratch.Get().(*scratchD)
 	defer t.scratch.Put(s)
 	d := &DisaggDecision{router: r, req: req, start: r.cfg.Now()}
+	r.expireDecisions(d.start)
 	if !r.cfg.DisablePrefixRouting {
 		d.PrefixKey, d.HasPrefixKey = req.PrefixKey(r.cfg.MaxPrefixLength)
 	}
@@ -221,6 +224,7 @@ func (dr *DisaggRouter) route(ctx context.Context, req *prefixkey.Request) (*Dis
 	}
 	t.counters.Record(d.Plan)
 	t.metrics.recordPlan(ctx, d.Plan)
+	r.live.track(&d.live, d, r.since(d.start))
 	return d, nil
 }
 
@@ -421,7 +425,8 @@ func (d *DisaggDecision) FirstToken() {
 
 // Done ends the request: it releases the decode slot (or the unified decision's slot) and records
 // o against that backend; a prefill slot still held is released without an outcome. Only the first
-// call has an effect; a nil decision is a no-op. Safe for concurrent use.
+// call has an effect, and none once Config.MaxDecisionAge has reclaimed the decision; a nil
+// decision is a no-op. Safe for concurrent use.
 func (d *DisaggDecision) Done(o Outcome) {
 	if d == nil {
 		return
@@ -430,6 +435,7 @@ func (d *DisaggDecision) Done(o Outcome) {
 		d.Unified.Done(o)
 		return
 	}
+	d.router.live.untrack(&d.live)
 	d.prefill.Release()
 	if o.Refused {
 		if !d.decode.Held() {
@@ -470,6 +476,7 @@ func (d *DisaggDecision) PrefillFailed(ctx context.Context, cause error) (*Disag
 		return nil, errNoPrefillPhase
 	}
 	r := d.router
+	r.live.untrack(&d.live)
 	d.decode.Release()
 	t := r.dis
 	t.counters.RecordPrefillFailure()
@@ -504,6 +511,7 @@ func (d *DisaggDecision) DecodeFailed(ctx context.Context, cause error) (*Disagg
 	if d == nil || d.Unified != nil {
 		return nil, errNoDecodePhase
 	}
+	d.router.live.untrack(&d.live)
 	d.prefill.Release()
 	if !d.decode.Release() {
 		return nil, errNoDecodePhase

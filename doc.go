@@ -58,8 +58,14 @@
 //	if err != nil { … }
 //	d, err := router.Route(ctx, req)
 //	if err != nil { … } // ErrNoBackend when every backend is unhealthy
-//	defer d.Done(kvroute.Outcome{Err: forwardErr})
-//	forward(d.Backend, body)
+//	var forwardErr error
+//	defer func() { d.Done(kvroute.Outcome{Err: forwardErr}) }() // mandatory, on every path
+//	forwardErr = forward(d.Backend, body)
+//
+// A Decision whose Done never comes (a forgotten call, a goroutine that died) holds its slot until
+// Config.MaxDecisionAge (30 minutes by default) reclaims it, counts it
+// (kvroute_decisions_expired_total) and logs it: a safety net, checked as Route, Stats and the
+// metrics' collection run.
 //
 // The library holds no package-level state, reads no environment variable and starts no
 // goroutine: two Routers in one process are independent. Metrics go to the OpenTelemetry

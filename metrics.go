@@ -77,7 +77,15 @@ func newRouterMetrics(mp metric.MeterProvider, r *DefaultRouter) (*routerMetrics
 	if err != nil {
 		return nil, fmt.Errorf("kvroute: metric %s: %w", telemetry.MetricPrefixRoutingCardinality, err)
 	}
+	expired, err := meter.Int64ObservableCounter(telemetry.MetricDecisionsExpired,
+		metric.WithDescription("Decisions whose Done had not come after max_decision_age, whose slots the Router reclaimed."),
+		metric.WithUnit("{request}"))
+	if err != nil {
+		return nil, fmt.Errorf("kvroute: metric %s: %w", telemetry.MetricDecisionsExpired, err)
+	}
 	m.reg, err = meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		r.expireDecisions(r.cfg.Now())
+		o.ObserveInt64(expired, int64(r.live.expired.Load()))
 		set := r.set.Load()
 		var buf [loadsBuf]chwbl.Load
 		for _, l := range r.ring.Loads(buf[:0]) {
@@ -98,7 +106,7 @@ func newRouterMetrics(mp metric.MeterProvider, r *DefaultRouter) (*routerMetrics
 			o.ObserveInt64(kvDecisions, int64(t.handedOff.Load()), kvFallback)
 		}
 		return nil
-	}, dist, card, requests, kvDecisions)
+	}, dist, card, requests, kvDecisions, expired)
 	if err != nil {
 		return nil, fmt.Errorf("kvroute: metric callback: %w", err)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"math/rand/v2"
 	"sync"
@@ -23,7 +24,19 @@ import (
 // Route returns a non-nil *Decision and a nil error, or a nil *Decision and an error: ErrNoBackend
 // when no healthy backend exists, ErrNilRequest for a nil request, or ctx.Err() when ctx has ended
 // before a backend was chosen. The caller must call Decision.Done exactly when the request ends
-// (calling it more than once is harmless).
+// (calling it more than once is harmless). Done is mandatory, on every path, errors and panics
+// included: the decision holds a slot on its backend until then. Write it as go vet would have
+// you write a context's cancel, right after the successful call:
+//
+//	d, err := router.Route(ctx, req)
+//	if err != nil {
+//		return err
+//	}
+//	defer func() { d.Done(outcome) }() // outcome: set as the request ends
+//
+// The default Router has a safety net (Config.MaxDecisionAge, 30 minutes by default): a decision
+// whose Done has not come by then is reclaimed, counted and logged; it is a net for bugs, not a
+// way to end requests.
 type Router interface {
 	Route(ctx context.Context, req *prefixkey.Request) (*Decision, error)
 }
@@ -190,6 +203,18 @@ type Config struct {
 	// EngineLoadMaxAge is how long an engine's reported load (ReportEngineLoad) counts; 0 means
 	// DefaultEngineLoadMaxAge (10 s). Set it to a few scrape intervals. At most 1 hour.
 	EngineLoadMaxAge time.Duration
+	// MaxDecisionAge is the safety net for a Decision (or DisaggDecision) whose Done never comes —
+	// a forgotten call, a goroutine that died: once it is that old (from Route), the Router
+	// releases what it holds (its in-flight slot, tier 4's prefill backlog and active sequence,
+	// its peers' copy) as Done(Outcome{NotSent: true}) would, counts it (Stats.Decisions.Expired,
+	// telemetry.MetricDecisionsExpired) and logs it once to Logger at Warn; a later Done does
+	// nothing. The check runs in Route, DisaggRouter.Route, Stats and the metrics' collection (no
+	// goroutine, no timer), by Now. 0 means DefaultMaxDecisionAge (30 minutes); a negative value
+	// turns the net off. Set it above your longest request. At most 24 hours.
+	MaxDecisionAge time.Duration
+	// Logger receives the Router's rare events (a decision reclaimed by MaxDecisionAge) at Warn;
+	// nil discards them.
+	Logger *slog.Logger
 }
 
 // DefaultRefusalHold is Config.RefusalHold's default.
@@ -220,6 +245,12 @@ func (c Config) withDefaults() Config {
 	if c.EngineLoadMaxAge == 0 {
 		c.EngineLoadMaxAge = DefaultEngineLoadMaxAge
 	}
+	if c.MaxDecisionAge == 0 {
+		c.MaxDecisionAge = DefaultMaxDecisionAge
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
 	return c
 }
 
@@ -229,6 +260,9 @@ func (c Config) validate() error {
 	}
 	if c.PeerMaxAge < 0 || c.PeerMaxAge > 24*time.Hour {
 		return fmt.Errorf("%w: PeerMaxAge %v not in (0, 24h]", ErrInvalidConfig, c.PeerMaxAge)
+	}
+	if c.MaxDecisionAge > 24*time.Hour {
+		return fmt.Errorf("%w: MaxDecisionAge %v is above 24h", ErrInvalidConfig, c.MaxDecisionAge)
 	}
 	if c.EngineLoadMaxAge < 0 || c.EngineLoadMaxAge > time.Hour {
 		return fmt.Errorf("%w: EngineLoadMaxAge %v not in (0, 1h]", ErrInvalidConfig, c.EngineLoadMaxAge)
@@ -305,6 +339,7 @@ type DefaultRouter struct {
 	dis     *disaggState // nil when disaggregation is off
 	tracer  trace.Tracer // nil when tracing is off (Config.TracerProvider)
 	peers   peers        // the other replicas' decisions and the engines' reports (peers.go)
+	live    liveSet      // the decisions whose Done has not come (expire.go)
 	peerSeq atomic.Uint64
 	// epoch is Config.Now when New ran: tier 4's prefill queues and decision shares keep their
 	// times as nanoseconds since it (since), on the monotonic clock when Now reads it.
@@ -324,6 +359,7 @@ func New(cfg Config) (*DefaultRouter, error) {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	r := &DefaultRouter{cfg: cfg, ring: ring, tracer: newTracer(cfg.TracerProvider), epoch: cfg.Now()}
+	r.live.init(cfg.MaxDecisionAge)
 	// Decision ids shared with peers start at random, so that a Router built by a reload, sharing
 	// its replica id with the one it replaces, does not reuse that one's ids.
 	r.peerSeq.Store(rand.Uint64() >> 8)
@@ -490,6 +526,7 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 	}
 	d := &Decision{router: r, start: r.cfg.Now()}
 	r.expireExternal(d.start)
+	r.expireDecisions(d.start)
 	if !r.cfg.DisablePrefixRouting {
 		d.PrefixKey, d.HasPrefixKey = req.PrefixKey(r.cfg.MaxPrefixLength)
 	}
@@ -504,6 +541,7 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 			d = r.finish(ctx, d)
 			r.addBacklog(d, s4)
 			r.share(d, s4.keys)
+			r.live.track(&d.live, d, r.since(d.start))
 			return d, nil
 		}
 		r.kv.handedOff.Add(1)
@@ -541,6 +579,7 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 		keys = s4.keys
 	}
 	r.share(d, keys)
+	r.live.track(&d.live, d, r.since(d.start))
 	return d, nil
 }
 
@@ -570,6 +609,10 @@ func (r *DefaultRouter) finish(ctx context.Context, d *Decision) *Decision {
 // Decision is the outcome of Route: the chosen backend, why, and the request's prefix key. It holds
 // an in-flight slot on the backend until Done. Done is safe for concurrent use and idempotent; the
 // exported fields are read-only for the caller.
+//
+// Done is mandatory: call it once the request has ended, however it ended (defer it right after a
+// successful Route). A Decision whose Done never comes keeps its backend loaded — with the default
+// Router, until Config.MaxDecisionAge (30 minutes by default) reclaims it, counts it and logs it.
 type Decision struct {
 	Backend      string
 	Reason       Reason
@@ -592,6 +635,7 @@ type Decision struct {
 	state    *backendState
 	handle   chwbl.Handle
 	start    time.Time
+	live     liveNode // its place among the Router's live decisions (Config.MaxDecisionAge)
 }
 
 // DecisionHooks are what a Decision made by NewDecision does when the gateway reports on it.
@@ -666,7 +710,8 @@ type Outcome struct {
 
 // Done releases the decision's in-flight slot and records the outcome (latency for least_latency,
 // success or failure for the backend's health score; a refusal as Outcome.Refused says). Only the
-// first call has an effect. Safe to call from any goroutine; a nil Decision is a no-op.
+// first call has an effect, and none once Config.MaxDecisionAge has reclaimed the decision. Safe
+// to call from any goroutine; a nil Decision is a no-op.
 func (d *Decision) Done(o Outcome) {
 	if d == nil {
 		return
@@ -685,6 +730,12 @@ func (d *Decision) Done(o Outcome) {
 		}
 		return
 	}
+	d.router.live.untrack(&d.live)
+	d.end(o)
+}
+
+// end is Done's work for a Router's decision, once ended is set.
+func (d *Decision) end(o Outcome) {
 	d.endPrefill(false)
 	if d.activeID != 0 {
 		d.router.kv.active.Done(d.activeID)

@@ -80,6 +80,10 @@ type DecisionCounts struct {
 	// KVConfig.RingFallback or prefix entries. Each is counted again under the tier-1 reason
 	// that decided it.
 	HandedOff uint64
+	// Expired counts the decisions (Route's and DisaggRouter.Route's) whose Done had not come
+	// after Config.MaxDecisionAge, whose slots the Router reclaimed: a caller's bug to look for.
+	// They are counted under their reasons too.
+	Expired uint64
 }
 
 // Total returns the number of decisions: the sum of the reasons' counts (HandedOff aside, whose
@@ -119,8 +123,10 @@ type BackendStats struct {
 // returns the rest, Index nil, and ctx.Err() — the way to read the Router's own counters alone,
 // at no cost to the index. An index that reports no statistics, and tier 4 off, are no error
 // (Index is nil). Safe for concurrent use; the counters are read one by one, so a snapshot taken
-// under load may be off by the decisions made while it was taken.
+// under load may be off by the decisions made while it was taken. It first reclaims the decisions
+// older than Config.MaxDecisionAge, so that their slots are not shown in flight.
 func (r *DefaultRouter) Stats(ctx context.Context) (Stats, error) {
+	r.expireDecisions(r.cfg.Now())
 	s := Stats{UniquePrefixes: r.prefix.estimate(), Peers: r.peerStats()}
 	d := &s.Decisions
 	d.PrefixHash = r.counts[ReasonPrefixHash].Load()
@@ -131,6 +137,7 @@ func (r *DefaultRouter) Stats(ctx context.Context) (Stats, error) {
 	d.LoadBound = r.counts[ReasonLoadBound].Load()
 	d.Imbalance = r.counts[ReasonImbalance].Load()
 	d.LeastWork = r.counts[ReasonLeastWork].Load()
+	d.Expired = r.live.expired.Load()
 
 	set := r.set.Load()
 	s.Backends = make([]BackendStats, 0, len(set.list)+len(set.pd))

@@ -48,6 +48,10 @@ type RoutingDecisions struct {
 	LoadBound    uint64 `json:"load_bound,omitempty"`
 	Strategy     uint64 `json:"strategy,omitempty"`
 	OverflowRate string `json:"overflow_rate"`
+	// Expired counts the decisions whose end never came within max_decision_age, whose slots
+	// the Router reclaimed (kvroute.DecisionCounts.Expired; counted under their reasons too);
+	// left out while zero.
+	Expired uint64 `json:"expired,omitempty"`
 }
 
 // BackendLoad is one unified backend's line in PrefixRoutingStats (kvroute.BackendStats).
@@ -75,6 +79,7 @@ func NewPrefixRoutingStats(st kvroute.Stats, enabled bool, cfg PrefixRoutingConf
 		RoutingDecisions: RoutingDecisions{
 			Total: d.Total(), PrefixHash: d.PrefixHash, Overflow: d.Overflow, Fallback: d.Fallback,
 			KVAware: d.KVAware, Imbalance: d.Imbalance, LeastWork: d.LeastWork, LoadBound: d.LoadBound, Strategy: d.Strategy,
+			Expired: d.Expired,
 		},
 		BackendDistribution: make([]BackendLoad, 0, len(st.Backends)),
 		UniquePrefixes:      st.UniquePrefixes,

@@ -26,7 +26,7 @@ var update = flag.Bool("update", false, "rewrite the golden files under testdata
 func snapshot() kvroute.Stats {
 	return kvroute.Stats{
 		Decisions: kvroute.DecisionCounts{PrefixHash: 120, Overflow: 3, Fallback: 2, KVAware: 40, LoadBound: 5,
-			Imbalance: 1, LeastWork: 9, HandedOff: 7},
+			Imbalance: 1, LeastWork: 9, HandedOff: 7, Expired: 4},
 		Backends: []kvroute.BackendStats{
 			{Name: "vllm-1", Role: disagg.RoleUnified, Healthy: true, Weight: 1, InFlight: 3, ExternalLoad: 2,
 				Decisions: 100, Latency: 12500 * time.Microsecond, SuccessRate: 0.98, Refusals: 1,

@@ -72,7 +72,8 @@ func ParseStrategy(s string) (strategy kvroute.Strategy, ok bool) {
 }
 
 // RouterConfig maps the configuration onto the Router's: the backends (name, weight, role and
-// external storage), prefix_routing, selection_strategy, o.MeterProvider and o.TracerProvider, and, when
+// external storage), prefix_routing, selection_strategy, max_decision_age (0 becomes the library's
+// negative "off"), o.MeterProvider, o.TracerProvider and o.Logger (component "router"), and, when
 // disaggregated_serving is enabled, Disagg (see DisaggConfig). KV is left nil: tier 4 needs an
 // index and a tokenizer the caller builds and closes, so set it with KVConfig
 // (NewKVIndex builds the index). A selection_strategy Validate would reject maps to the default.
@@ -90,6 +91,11 @@ func (c *Config) RouterConfig(o Options) (kvroute.Config, error) {
 		Strategy:             strategy,
 		MeterProvider:        o.MeterProvider,
 		TracerProvider:       o.TracerProvider,
+		MaxDecisionAge:       time.Duration(*c.MaxDecisionAge),
+		Logger:               o.logger().With("component", "router"),
+	}
+	if rcfg.MaxDecisionAge == 0 {
+		rcfg.MaxDecisionAge = -1 // the YAML's "off"
 	}
 	if c.Replicas.Enabled {
 		rcfg.PeerMaxAge = time.Duration(c.Replicas.PeerMaxAge)

@@ -146,6 +146,26 @@ func TestRouterConfigTier1(t *testing.T) {
 	}
 }
 
+// max_decision_age reaches the Router: its default, a value, and 0 as the library's "off"; the
+// Router logs through Options.Logger.
+func TestRouterConfigMaxDecisionAge(t *testing.T) {
+	for in, want := range map[string]time.Duration{"": kvroute.DefaultMaxDecisionAge,
+		"max_decision_age: 2h\n": 2 * time.Hour, "max_decision_age: 0\n": -1} {
+		rcfg, err := mustParse(t, minimalBackends+in, nil).RouterConfig(Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rcfg.MaxDecisionAge != want || rcfg.Logger == nil {
+			t.Errorf("%q: MaxDecisionAge %v, want %v (logger %v)", in, rcfg.MaxDecisionAge, want, rcfg.Logger)
+		}
+		r, err := kvroute.New(rcfg)
+		if err != nil {
+			t.Fatalf("%q: %v", in, err)
+		}
+		_ = r.Close()
+	}
+}
+
 // Disaggregated serving: roles, storage, timeouts, thresholds and the scorer reach the Router,
 // which builds with tier 4 on.
 func TestRouterConfigDisaggregated(t *testing.T) {

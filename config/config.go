@@ -33,6 +33,11 @@ type Config struct {
 	// needs prefix_routing.enabled. kvroute's CamelCase names (RoundRobin, LeastLatency,
 	// PrefixAwareHash, …) are accepted.
 	SelectionStrategy string `yaml:"selection_strategy"`
+	// MaxDecisionAge is the Router's safety net for a request whose end it was never told (a
+	// gateway bug, a goroutine that died): after this long its in-flight slot is reclaimed,
+	// counted in kvroute_decisions_expired_total and logged (default 30m, far above any LLM
+	// request; 0 turns the net off; at most 1d). kvroute.Config.MaxDecisionAge.
+	MaxDecisionAge *Duration `yaml:"max_decision_age"`
 	// PrefixRouting is tier 1: prefix-aware consistent hashing with bounded loads.
 	PrefixRouting PrefixRoutingConfig `yaml:"prefix_routing"`
 	// ResponseCache is tiers 2 and 3: the response cache and its store.
@@ -89,7 +94,8 @@ type ServerConfig struct {
 type AdminConfig struct {
 	// AuthToken, when set, is required as "Authorization: Bearer <token>" on every /admin
 	// endpoint (401 otherwise). It is never logged. Without it, /admin answers loopback clients
-	// only (403 to others).
+	// only (403 to others). A token of whitespace only, with whitespace around it or with a
+	// control character is invalid: no request could send it.
 	AuthToken Secret `yaml:"auth_token"`
 	// ProtectMetrics puts GET /metrics behind the same check as /admin (default false: any client
 	// may scrape it).
@@ -134,8 +140,9 @@ type ResponseCacheConfig struct {
 	// TenantHeader names the request header that identifies the caller's tenant, typically set by
 	// an authenticating gateway in front of the proxy (e.g. X-Tenant-Id); requests carrying the
 	// same value share cached responses, requests without it share one anonymous tenant. Default
-	// "": the tenant is a SHA-256 digest of the caller's Authorization and x-api-key headers, so
-	// that a response is only ever served to the credential that paid for it.
+	// "": the tenant is a SHA-256 digest of the caller's Authorization, x-api-key and api-key
+	// (Azure OpenAI's) headers, so that a response is only ever served to the credential that
+	// paid for it.
 	TenantHeader string `yaml:"tenant_header"`
 	// SharedAcrossTenants lets every caller, whatever its credential, share every cached response
 	// (default false). Only for a proxy serving a single trusted client; excludes tenant_header.

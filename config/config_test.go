@@ -128,6 +128,24 @@ response_cache: {enabled: true, backend: disk}
 		{"tenant header not a token", minimalBackends + `
 response_cache: {enabled: true, tenant_header: "X Tenant"}
 `, nil, []string{`response_cache.tenant_header: "X Tenant" is not a valid header name`}},
+		{"admin token of spaces", minimalBackends + `
+admin: {auth_token: "   "}
+`, nil, []string{"admin.auth_token: is only whitespace"}},
+		{"admin token of spaces from the environment", minimalBackends + `
+admin:
+  auth_token: ${ADMIN_TOKEN}
+`, map[string]string{"ADMIN_TOKEN": " \t"}, []string{"admin.auth_token: is only whitespace"}},
+		{"admin token with a trailing newline", minimalBackends + `
+admin: {auth_token: "t0ken\n"}
+`, nil, []string{"admin.auth_token: begins or ends with whitespace"}},
+		{"admin token with a control character", minimalBackends + `
+admin: {auth_token: "t0\u0001ken"}
+`, nil, []string{"admin.auth_token: contains a control character"}},
+		{"max decision age", minimalBackends + `
+max_decision_age: 2d
+`, nil, []string{"max_decision_age: 2d is above 1d"}},
+		{"environment reference in a flow mapping", "server: {port: ${PORT:-18080}}\n" + minimalBackends, nil,
+			[]string{`${PORT:-18080} inside a flow mapping {...} must be quoted, as "${PORT:-18080}" (line 1, column 16)`}},
 		{"tenant header with a colon", minimalBackends + `
 response_cache: {enabled: true, tenant_header: "X-Tenant:"}
 `, nil, []string{`response_cache.tenant_header: "X-Tenant:" is not a valid header name`}},

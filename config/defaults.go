@@ -50,6 +50,9 @@ func (c *Config) ApplyDefaults() {
 	if c.PrefixRouting.Enabled == nil {
 		c.PrefixRouting.Enabled = ptr(true)
 	}
+	if c.MaxDecisionAge == nil {
+		c.MaxDecisionAge = ptr(Duration(kvroute.DefaultMaxDecisionAge))
+	}
 
 	rc := &c.ResponseCache
 	if rc.Backend == "" {
@@ -279,6 +282,7 @@ func (c *Config) undefaulted() string {
 	}{
 		{"server.port", c.Server.Port != nil},
 		{"prefix_routing.enabled", c.PrefixRouting.Enabled != nil},
+		{"max_decision_age", c.MaxDecisionAge != nil},
 		{"response_cache.cache_streaming", c.ResponseCache.CacheStreaming != nil},
 		{"response_cache.redis.fallback_to_memory", c.ResponseCache.Redis.FallbackToMemory != nil},
 		{"response_cache.tiered.promote_on_hit", c.ResponseCache.Tiered.PromoteOnHit != nil},

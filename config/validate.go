@@ -51,6 +51,12 @@ func (c *Config) Validate() error {
 			fe.add(path, "must not be negative")
 		}
 	}
+	if a := time.Duration(*c.MaxDecisionAge); a > 24*time.Hour {
+		fe.add("max_decision_age", "%v is above 1d (0 turns the net off)", *c.MaxDecisionAge)
+	}
+	if msg := adminTokenProblem(string(c.Admin.AuthToken)); msg != "" {
+		fe.add("admin.auth_token", "%s", msg)
+	}
 	if _, ok := parseLevel(c.LogLevel); !ok {
 		fe.add("log_level", "%q is not one of debug, info, warn, error", c.LogLevel)
 	}
@@ -717,4 +723,23 @@ func isToken(s string) bool {
 		}
 	}
 	return true
+}
+
+// adminTokenProblem says what is wrong with an admin.auth_token, "" when nothing is. The admin
+// guard compares the token with the Authorization header's credentials, which HTTP trims of
+// surrounding whitespace and cannot carry control characters: a token made of spaces, or with
+// spaces around it, or with a control character, could never be matched, and would lock every
+// operator out of /admin (on a reload as at start).
+func adminTokenProblem(tok string) string {
+	switch {
+	case tok == "":
+		return ""
+	case strings.TrimSpace(tok) == "":
+		return "is only whitespace: no request could send it (leave it empty for loopback-only access)"
+	case strings.TrimSpace(tok) != tok:
+		return "begins or ends with whitespace, which HTTP strips from the Authorization header: no request could match it"
+	case strings.ContainsFunc(tok, func(r rune) bool { return r < 0x20 || r == 0x7f }):
+		return "contains a control character, which no Authorization header can carry"
+	}
+	return ""
 }

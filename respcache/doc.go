@@ -98,13 +98,13 @@
 //
 // A cached response is only ever served to the tenant that paid for it: the tenant is part of
 // the key, and so of the coalescing of concurrent requests too. By default (Config.Tenant nil) the
-// tenant is CredentialTenant, a SHA-256 digest of the caller's Authorization and X-Api-Key
-// headers: callers with different API keys never share an entry, and the key holds neither the
-// credential nor anything from which to recover it. Requests with neither header share one
-// anonymous tenant. HeaderTenant names the tenant by a header that an authenticating gateway in
-// front sets (X-Tenant-Id), and any func(*http.Request) string will do; Config.SharedAcrossTenants
-// turns isolation off, for a cache serving a single trusted client. Code that keys requests
-// itself (KeyOf, KeyFor) sets prefixkey.Request.Tenant the same way.
+// tenant is CredentialTenant, a SHA-256 digest of the caller's Authorization, X-Api-Key and
+// api-key (Azure OpenAI's) headers: callers with different API keys never share an entry, and the
+// key holds neither the credential nor anything from which to recover it. Requests with none of
+// these headers share one anonymous tenant. HeaderTenant names the tenant by a header that an
+// authenticating gateway in front sets (X-Tenant-Id), and any func(*http.Request) string will do;
+// Config.SharedAcrossTenants turns isolation off, for a cache serving a single trusted client.
+// Code that keys requests itself (KeyOf, KeyFor) sets prefixkey.Request.Tenant the same way.
 //
 // # Streaming record and replay
 //

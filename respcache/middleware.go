@@ -87,9 +87,9 @@ type Config struct {
 	// Request.Tenant that Parse set; "" is the one anonymous tenant. It must be safe for concurrent
 	// use and must not read the request body.
 	//
-	// Nil means CredentialTenant: a digest of the request's Authorization and X-Api-Key headers,
-	// requests with neither sharing the anonymous tenant. HeaderTenant names the tenant by a header
-	// that an authenticating gateway sets instead.
+	// Nil means CredentialTenant: a digest of the request's Authorization, X-Api-Key and api-key
+	// headers, requests with none of them sharing the anonymous tenant. HeaderTenant names the
+	// tenant by a header that an authenticating gateway sets instead.
 	Tenant func(*http.Request) string
 
 	// SharedAcrossTenants turns tenant isolation off: with it every caller, whatever its

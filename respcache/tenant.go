@@ -17,32 +17,42 @@ const (
 )
 
 // CredentialTenant names the tenant of r by the credential it carries: the 64 lowercase hex digits
-// of a SHA-256 digest over r's Authorization and X-Api-Key header values, or "" — the one anonymous
-// tenant, shared by every request without a credential — when r has neither header. It is the
-// tenant a Cache uses when Config.Tenant is nil (and Config.SharedAcrossTenants is false). It is
-// safe for concurrent use, reads only r's headers and costs one SHA-256 of them.
+// of a SHA-256 digest over r's Authorization, X-Api-Key (Anthropic's, OpenAI-compatible SDKs')
+// and api-key (Azure OpenAI's) header values, or "" — the one anonymous tenant, shared by every
+// request without a credential — when r has none of them. It is the tenant a Cache uses when
+// Config.Tenant is nil (and Config.SharedAcrossTenants is false). It is safe for concurrent use,
+// reads only r's headers and costs one SHA-256 of them.
 //
 // The raw credential never leaves the function: only its digest names the tenant, and the cache
-// key is itself a digest of that. Both headers are hashed, every value of each, so that a client
+// key is itself a digest of that. Every header is hashed, every value of each, so that a client
 // sending a placeholder "Authorization: Bearer none" beside its real X-Api-Key (as some SDKs do)
 // is not pooled with every other client sending the same placeholder. The digest's input, with
 // str(s) = le64(len(s)) ‖ s and values in the order they arrived:
 //
 //	SHA-256( "kvroute/respcache/tenant/credential/v1" ‖ 0x00
-//	         ‖ le64(#Authorization values) ‖ str(value)… ‖ le64(#X-Api-Key values) ‖ str(value)… )
+//	         ‖ le64(#Authorization values) ‖ str(value)… ‖ le64(#X-Api-Key values) ‖ str(value)…
+//	         [ ‖ le64(#api-key values) ‖ str(value)… ] )
+//
+// The api-key part is present only when the request carries an api-key header, so that the
+// tenants of requests without one are those of kvroute 0.1.0, whose digest stopped after
+// X-Api-Key (and a request with api-key alone, anonymous there, has its own tenant now). Each
+// list is self-delimiting, so that an input with the api-key part never equals one without.
 //
 // Gateways that authenticate callers some other way (cookies, client certificates, a key in the
-// query string, a header such as Azure's api-key) must set Config.Tenant, for example to
-// HeaderTenant of a header they set after authentication.
+// query string, a header of their own) must set Config.Tenant, for example to HeaderTenant of a
+// header they set after authentication.
 func CredentialTenant(r *http.Request) string {
-	auth, key := r.Header.Values("Authorization"), r.Header.Values("X-Api-Key")
-	if len(auth) == 0 && len(key) == 0 {
+	auth, key, azure := r.Header.Values("Authorization"), r.Header.Values("X-Api-Key"), r.Header.Values("Api-Key")
+	if len(auth) == 0 && len(key) == 0 && len(azure) == 0 {
 		return ""
 	}
 	h := sha256.New()
 	h.Write([]byte(credentialTenantDomain))
 	writeValues(h, auth)
 	writeValues(h, key)
+	if len(azure) > 0 {
+		writeValues(h, azure)
+	}
 	return hexDigest(h)
 }
 

@@ -17,6 +17,10 @@ const (
 	MetricPrefixRoutingDistribution = "kvroute.prefix_routing.backend_distribution"
 	// MetricPrefixRoutingCardinality is the approximate count of unique prefix keys seen.
 	MetricPrefixRoutingCardinality = "kvroute.prefix_routing.prefix_cardinality"
+	// MetricDecisionsExpired counts the decisions whose Done had not come after
+	// Config.MaxDecisionAge, whose slots the Router reclaimed (Prometheus:
+	// kvroute_decisions_expired_total).
+	MetricDecisionsExpired = "kvroute.decisions.expired"
 
 	// MetricKVRoutingDecisions counts tier 4's decisions by outcome.
 	MetricKVRoutingDecisions = "kvroute.kv_index.routing_decisions"

@@ -239,7 +239,7 @@ func TestAdminEndpoints(t *testing.T) {
 		code, b := adminDo(t, "GET", p.URL+"/metrics", "", "")
 		for _, m := range []string{"kvroute_prefix_routing_requests_total", "kvroute_response_cache_requests_total",
 			"kvroute_kv_event_received_total", "kvroute_proxy_requests_total", "kvroute_proxy_backend_healthy",
-			"kvroute_kv_index_events_total", "go_goroutines"} {
+			"kvroute_kv_index_events_total", "kvroute_decisions_expired_total", "go_goroutines"} {
 			if !strings.Contains(string(b), m) {
 				t.Errorf("/metrics (%d) lacks %s", code, m)
 			}

@@ -168,6 +168,20 @@ func TestReload(t *testing.T) {
 		send(2, "invalid")
 	})
 
+	// Issue 28: a token of spaces could never be sent (HTTP trims the header): it would lock every
+	// operator out. It is invalid configuration, and the token in force stays.
+	t.Run("whitespace-only admin token: refused, the token in force kept", func(t *testing.T) {
+		before := l.cur.Load()
+		write(reloadConfig(0, "   ", 0.5, "1m", a, c))
+		err := l.reload()
+		if err == nil || !strings.Contains(err.Error(), "admin.auth_token: is only whitespace") {
+			t.Fatalf("reload: %v", err)
+		}
+		if l.cur.Load() != before || admin("new-token") != 200 {
+			t.Error("the configuration in force was not kept")
+		}
+	})
+
 	t.Run("restart-only change: logged as needing a restart", func(t *testing.T) {
 		before := l.cur.Load()
 		write(reloadConfig(18080, "new-token", 0.5, "1m", a, c))

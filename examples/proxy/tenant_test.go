@@ -7,7 +7,7 @@ import (
 )
 
 // TestResponseCacheTenants: through the proxy, a cached response is served only to the tenant
-// that made it. By default the caller's credential (Authorization or x-api-key) is the tenant;
+// that made it. By default the caller's credential (Authorization, x-api-key or api-key) is the tenant;
 // response_cache.tenant_header hands the decision to a header; shared_across_tenants turns
 // isolation off.
 func TestResponseCacheTenants(t *testing.T) {
@@ -28,6 +28,9 @@ func TestResponseCacheTenants(t *testing.T) {
 		{"two x-api-keys", nil,
 			[][]string{{"x-api-key", "sk-ant-alice"}, {"x-api-key", "sk-ant-bob"}, {"x-api-key", "sk-ant-alice"}},
 			[]string{"MISS", "MISS", "HIT"}},
+		{"two azure api-keys, and none", nil, // issue 28: they shared the anonymous tenant
+			[][]string{{"api-key", "azure-alice"}, {"api-key", "azure-bob"}, nil, {"api-key", "azure-alice"}},
+			[]string{"MISS", "MISS", "MISS", "HIT"}},
 		{"credential vs none", nil,
 			[][]string{alice, nil, nil}, []string{"MISS", "MISS", "HIT"}},
 		{"tenant_header decides", func(rc *config.ResponseCacheConfig) { rc.TenantHeader = "X-Tenant-Id" },

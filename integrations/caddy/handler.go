@@ -163,7 +163,7 @@ type ResponseCache struct {
 	// MaxResponseSize is the largest cached response body in bytes (default 1 MiB).
 	MaxResponseSize int `json:"max_response_size,omitempty"`
 	// TenantHeader names the request header that identifies the caller's tenant; "" means a
-	// digest of the caller's credential (Authorization, X-Api-Key).
+	// digest of the caller's credential (Authorization, X-Api-Key, api-key).
 	TenantHeader string `json:"tenant_header,omitempty"`
 }
 

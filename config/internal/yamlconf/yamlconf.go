@@ -34,6 +34,13 @@ import (
 func Decode(data []byte, v any, lookup func(string) (string, bool)) error {
 	var doc yaml.Node
 	if err := yaml.Unmarshal(data, &doc); err != nil {
+		// yaml.v3 gives a syntax error's line only sometimes (never on the first line, and one
+		// less than the line in parser errors): the one mistake it cannot name, an environment
+		// reference in a flow collection, is found here and located.
+		if ref, kind, line, col, ok := flowEnvRef(data); ok {
+			return fmt.Errorf("invalid YAML: %s inside a flow %s must be quoted, as \"%s\" (line %d, column %d): %w",
+				ref, kind, ref, line, col, err)
+		}
 		return fmt.Errorf("invalid YAML: %w", err)
 	}
 	if doc.Kind == 0 { // empty document

@@ -129,7 +129,8 @@ func TestSecretRedacted(t *testing.T) {
 // FuzzDecode: no input makes Decode panic or hang.
 func FuzzDecode(f *testing.F) {
 	for _, s := range []string{"port: 1\non: true\nttl: 7d\ntoken: ${T:-x}\n", "inner: {name: a, tags: {a: b}}\nitems: [{name: x}]\n",
-		"a: &x [*x, *x]\nitems: *x\n", "free: {a: &y [*y]}\n", "ptr: ~\nport: 0x1F\n"} {
+		"a: &x [*x, *x]\nitems: *x\n", "free: {a: &y [*y]}\n", "ptr: ~\nport: 0x1F\n",
+		"inner: {name: ${N:-x}}\n", "note: |\n  {x: ${Y}}\nitems: [a, '${Z}', \"q\\\" ${W}\"]\n"} {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
@@ -148,4 +149,44 @@ func FuzzParseDuration(f *testing.F) {
 			t.Fatalf("ParseDuration(%q) = %v", s, d)
 		}
 	})
+}
+
+// Issue 28: an environment reference unquoted in a flow mapping (port: ${PORT:-18080} inside
+// {...}) is a YAML syntax error that yaml.v3 reports without a line on the first line and with
+// the wrong one elsewhere; the error names the reference, the fix, the line and the column.
+func TestFlowEnvRefLocated(t *testing.T) {
+	type S struct {
+		Server struct {
+			Port int    `yaml:"port"`
+			Host string `yaml:"host"`
+		} `yaml:"server"`
+		Hosts []string `yaml:"hosts"`
+		Note  string   `yaml:"note"`
+	}
+	unset := func(string) (string, bool) { return "", false }
+	for _, tc := range []struct{ name, in, want string }{
+		{"first line", "server: {port: ${PORT:-18080}}\n",
+			`invalid YAML: ${PORT:-18080} inside a flow mapping {...} must be quoted, as "${PORT:-18080}" (line 1, column 16): yaml: `},
+		{"later line", "# proxy\nnote: \"{a: ${B}}\" # {c: ${D}}\nserver: {host: x,\n   port: ${PORT:-18080}}\n",
+			`${PORT:-18080} inside a flow mapping {...} must be quoted, as "${PORT:-18080}" (line 4, column 10)`},
+		{"after a block scalar", "note: |\n  {x: ${NOT_THIS}}\nhosts: [a, ${HOST}]\n",
+			`${HOST} inside a flow sequence [...] must be quoted, as "${HOST}" (line 3, column 12)`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var s S
+			err := Decode([]byte(tc.in), &s, unset)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Decode(%q) = %v, want an error containing %q", tc.in, err, tc.want)
+			}
+		})
+	}
+	// Quoted, the reference is fine; a syntax error of another kind keeps yaml.v3's message.
+	var s S
+	if err := Decode([]byte("server: {port: \"${PORT:-18080}\", host: '${H:-x}'}\n"), &s, unset); err != nil || s.Server.Port != 18080 || s.Server.Host != "x" {
+		t.Errorf("quoted: %v, %+v", err, s)
+	}
+	err := Decode([]byte("note: \"${A}\"\nserver: {port: 1\n"), &s, unset)
+	if err == nil || strings.Contains(err.Error(), "must be quoted") {
+		t.Errorf("unclosed flow mapping: %v", err)
+	}
 }
