@@ -230,7 +230,9 @@ func killedDuring(recs []faultRecord, backend string, start, end time.Duration) 
 	return false
 }
 
-// medians returns per proxy the medians of RSS, goroutines and open files over [from, to).
+// medians returns per proxy the median RSS and the least goroutines and open files over
+// [from, to): the floor of the counts is what a leak raises, while the requests in flight at the
+// moment of a reading (each a connection and a few goroutines) move the rest.
 func (a *analysis) medians(from, to time.Duration) [3][]float64 {
 	var m [3][]float64
 	for k := range m {
@@ -246,9 +248,7 @@ func (a *analysis) medians(from, to time.Duration) [3][]float64 {
 				}
 			}
 		}
-		for k := range v {
-			m[k][p] = quantile(v[k], 0.5)
-		}
+		m[0][p], m[1][p], m[2][p] = quantile(v[0], 0.5), quantile(v[1], 0), quantile(v[2], 0)
 	}
 	return m
 }

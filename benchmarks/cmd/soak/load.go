@@ -86,7 +86,9 @@ type chatState struct {
 }
 
 func newLoader(targets []string, model string, seed int64, t0 time.Time) *loader {
-	tr := &http.Transport{MaxIdleConnsPerHost: 256, DisableCompression: true, IdleConnTimeout: 30 * time.Second}
+	// Idle connections close after 5 s, so that the connections (and the proxy's goroutines
+	// serving them) a burst of slow answers opened do not linger as if a fault had leaked them.
+	tr := &http.Transport{MaxIdleConnsPerHost: 64, DisableCompression: true, IdleConnTimeout: 5 * time.Second}
 	l := &loader{targets: targets, model: model, t0: t0, client: &http.Client{Transport: tr},
 		rng: rand.New(rand.NewPCG(uint64(seed), 0x50a6))}
 	l.chats = make([]chatState, conversations)

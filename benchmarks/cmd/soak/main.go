@@ -51,10 +51,11 @@
 //
 // The run fails (exit status 1, after the report) unless: no request failed before its first
 // byte (one engine is down at most, so a healthy engine always exists); no request was cut
-// mid-stream but by its engine's death; after each fault, each proxy's RSS, goroutines and open
-// files, as medians of the last 5 s before the next fault (or the end), are within 10 % of their
-// medians over the 5 s before the fault (so that what the load itself grows, caches filling up,
-// is not charged to the faults; the report shows the baseline before the first); the KV-aware share is back to 90 % of its baseline within
+// mid-stream but by its engine's death; after each fault, each proxy's RSS (median), goroutines
+// and open files (least: the floor a leak raises, not the requests in flight at a reading) over
+// the last 5 s before the next fault (or the end) are within 10 % of the same over the 5 s before
+// the fault (so that what the load itself grows, caches filling up, is not charged to the
+// faults; the report shows the baseline before the first); the KV-aware share is back to 90 % of its baseline within
 // 10 s of each fault's end; and the response cache lost nothing but what Redis held when it
 // died: a deterministic request whose answer was stored (a MISS) while Redis was up must be a
 // HIT when repeated at least a second later with Redis up and no Redis death in between.

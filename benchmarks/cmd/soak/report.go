@@ -30,7 +30,7 @@ func (a *analysis) markdown(w io.Writer) {
 	fmt.Fprintf(w, "| requests | ok | rejected as expected (malformed; huge: over the context) | failed before the first byte | cut mid-stream by an engine's death | cut mid-stream otherwise | response-cache hits | p50 / p99 latency |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	fmt.Fprintf(w, "| %d | %d | %d | %d | %d | %d | %d | %s / %s ms |\n\n", t.ok+t.rejected+t.failPre+t.failMid+t.failMidDead, t.ok, t.rejected, t.failPre, t.failMidDead, t.failMid, t.hits,
 		num(a.p50, "%.0f"), num(a.p99, "%.0f"))
-	fmt.Fprintf(w, "Baseline (the %v before the first fault): RSS %s MB, goroutines %s, open files %s (per replica); KV-aware share %s.\n\n",
+	fmt.Fprintf(w, "Baseline (the %v before the first fault): RSS %s MB (median), goroutines %s, open files %s (least), per replica; KV-aware share %s.\n\n",
 		settleWindow, join(a.baseline[0], "%.0f"), join(a.baseline[1], "%.0f"), join(a.baseline[2], "%.0f"), pct(a.baseKV))
 	if len(a.faults) > 0 {
 		fmt.Fprintf(w, "| at | fault | over after | recovered after | failed before first byte | cut by engine death / otherwise | RSS MB after (vs before) | goroutines after (vs before) | open files after (vs before) | KV-aware share back after | note |\n")
@@ -44,7 +44,7 @@ func (a *analysis) markdown(w io.Writer) {
 		fmt.Fprintf(w, "\n\"Over after\": from the fault to its end (the process back, the stream restored, the stalled connections gone). "+
 			"\"Recovered after\": from its end to its own sign of recovery (the engine answers again, Redis holds a key, the replicas see each other over NATS, "+
 			"the events flow again) followed by %d seconds without a failed request. Failures count from the fault to the next one. "+
-			"RSS, goroutines and open files are medians of the last %v before the next fault, per replica, against the %v before this one. "+
+			"RSS (median), goroutines and open files (least) over the last %v before the next fault, per replica, against the same over the %v before this one. "+
 			"Latency: the chats and deterministic requests (not the slow clients, huge bodies or malformed ones), send to the end of the answer.\n\n",
 			stableSeconds, settleWindow, settleWindow)
 	}
