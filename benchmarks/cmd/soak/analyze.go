@@ -42,7 +42,7 @@ type faultResult struct {
 	failPre       int           // failed before the first byte, from its start to its slot's end
 	failMidDead   int
 	failMid       int
-	before, after [3][]float64  // RSS, goroutines, fds per proxy: medians of the settleWindow before it and of its slot's last
+	before, after [3][]float64  // RSS, goroutines, fds per proxy over slot.window() before it and at its slot's end
 	kvBack        time.Duration // from its end to the KV-aware share's return; -1: not seen
 	resourcesPass bool
 }
@@ -62,6 +62,8 @@ type analysis struct {
 	warmupFail int // failures before the first fault
 	lost       []string
 	p50, p99   float64 // ms, over the run, of the chats and deterministic requests answered
+	baseWindow time.Duration
+	cacheLog   []string // the first lost answers
 }
 
 // analyze turns the raw records into the analysis.
@@ -156,11 +158,12 @@ func analyze(o options, sched []slot, recs []faultRecord, outs []outcome, sample
 	}
 	// Baseline: the settle window before the first fault (or the end), for the report; each
 	// fault's own is the settle window before it.
-	baseEnd := o.duration
+	baseEnd, baseLen := o.duration, settleWindow
 	if len(sched) > 0 {
-		baseEnd = sched[0].at
+		baseEnd, baseLen = sched[0].at, sched[0].window()
 	}
-	a.baseline = a.medians(baseEnd-settleWindow, baseEnd)
+	a.baseWindow = baseLen
+	a.baseline = a.medians(baseEnd-baseLen, baseEnd)
 	a.baseKV = a.kvOver(baseEnd-settleWindow, baseEnd)
 	for _, s := range a.seconds[:min(n, int(baseEnd/time.Second))] {
 		a.warmupFail += s.failPre + s.failMid
@@ -181,8 +184,8 @@ func analyze(o options, sched []slot, recs []faultRecord, outs []outcome, sample
 				fr.failMidDead++
 			}
 		}
-		fr.before = a.medians(r.at-settleWindow, r.at)
-		fr.after = a.medians(r.slotEnd-settleWindow, r.slotEnd)
+		fr.before = a.medians(r.at-r.window(), r.at)
+		fr.after = a.medians(r.slotEnd-r.window(), r.slotEnd)
 		for k := range fr.after {
 			for p := range fr.after[k] {
 				if !(fr.after[k][p] <= fr.before[k][p]*(1+resourceSlack)) {
@@ -207,7 +210,7 @@ func analyze(o options, sched []slot, recs []faultRecord, outs []outcome, sample
 		}
 		a.faults = append(a.faults, fr)
 	}
-	a.cacheLost, a.cacheCheck = cacheLosses(outs, recs)
+	a.cacheLost, a.cacheCheck, a.cacheLog = cacheLosses(outs, recs)
 	return a
 }
 
@@ -297,7 +300,7 @@ func (a *analysis) recoveredAfter(r faultRecord) time.Duration {
 // answer was stored (an ok MISS) while Redis was up is expected to be a HIT when it is repeated
 // at least cacheStoreDelay later, with Redis up and not killed in between. It returns the
 // expected hits that missed and the expected hits checked.
-func cacheLosses(outs []outcome, recs []faultRecord) (lost, checked int) {
+func cacheLosses(outs []outcome, recs []faultRecord) (lost, checked int, log []string) {
 	var redis []faultRecord
 	for _, r := range recs {
 		if r.fault == faultRedis {
@@ -334,13 +337,17 @@ func cacheLosses(outs []outcome, recs []faultRecord) (lost, checked int) {
 			checked++
 			if o.cache != "HIT" {
 				lost++
+				if len(log) < 5 {
+					log = append(log, fmt.Sprintf("deterministic request %d stored at %.1f s, asked at %.1f s: X-Cache %q",
+						o.determ, at.Seconds(), o.start.Seconds(), o.cache))
+				}
 			}
 		}
 		if o.cache == "MISS" && up(o.start) && up(o.end) {
 			stored[o.determ] = o.end
 		}
 	}
-	return lost, checked
+	return lost, checked, log
 }
 
 // quantile returns the q-quantile of v (nearest rank), NaN for none. It sorts v.

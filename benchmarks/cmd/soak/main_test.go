@@ -187,8 +187,8 @@ func TestAnalyze(t *testing.T) {
 	})
 	t.Run("resources not back", func(t *testing.T) {
 		o, sched, recs, outs, samples := synthetic()
-		for i := range samples[20:] {
-			samples[20+i].proxies[0].goroutines = 89 // +11 % after the engine fault
+		for i := range samples[15:] {
+			samples[15+i].proxies[0].goroutines = 89 // +11 % after the engine fault, and on
 		}
 		a := analyze(o, sched, recs, outs, samples, 1)
 		if a.faults[0].resourcesPass || !a.faults[1].resourcesPass || a.pass() {
@@ -236,9 +236,9 @@ func TestCacheLosses(t *testing.T) {
 		{"other requests differ", []outcome{d(1, 1*s, 2*s, "MISS"), d(2, 5*s, 6*s, "MISS")}, 0, 0},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			lost, checked := cacheLosses(tt.outs, redis)
-			if lost != tt.lost || checked != tt.checked {
-				t.Errorf("lost %d of %d, want %d of %d", lost, checked, tt.lost, tt.checked)
+			lost, checked, log := cacheLosses(tt.outs, redis)
+			if lost != tt.lost || checked != tt.checked || len(log) != lost {
+				t.Errorf("lost %d of %d (%q), want %d of %d", lost, checked, log, tt.lost, tt.checked)
 			}
 		})
 	}

@@ -31,7 +31,7 @@ func (a *analysis) markdown(w io.Writer) {
 	fmt.Fprintf(w, "| %d | %d | %d | %d | %d | %d | %d | %s / %s ms |\n\n", t.ok+t.rejected+t.failPre+t.failMid+t.failMidDead, t.ok, t.rejected, t.failPre, t.failMidDead, t.failMid, t.hits,
 		num(a.p50, "%.0f"), num(a.p99, "%.0f"))
 	fmt.Fprintf(w, "Baseline (the %v before the first fault): RSS %s MB (median), goroutines %s, open files %s (least), per replica; KV-aware share %s.\n\n",
-		settleWindow, join(a.baseline[0], "%.0f"), join(a.baseline[1], "%.0f"), join(a.baseline[2], "%.0f"), pct(a.baseKV))
+		a.baseWindow, join(a.baseline[0], "%.0f"), join(a.baseline[1], "%.0f"), join(a.baseline[2], "%.0f"), pct(a.baseKV))
 	if len(a.faults) > 0 {
 		fmt.Fprintf(w, "| at | fault | over after | recovered after | failed before first byte | cut by engine death / otherwise | RSS MB after (vs before) | goroutines after (vs before) | open files after (vs before) | KV-aware share back after | note |\n")
 		fmt.Fprintf(w, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
@@ -44,11 +44,17 @@ func (a *analysis) markdown(w io.Writer) {
 		fmt.Fprintf(w, "\n\"Over after\": from the fault to its end (the process back, the stream restored, the stalled connections gone). "+
 			"\"Recovered after\": from its end to its own sign of recovery (the engine answers again, Redis holds a key, the replicas see each other over NATS, "+
 			"the events flow again) followed by %d seconds without a failed request. Failures count from the fault to the next one. "+
-			"RSS (median), goroutines and open files (least) over the last %v before the next fault, per replica, against the same over the %v before this one. "+
+			"RSS (median), goroutines and open files (least) over the last half of the fault's slot (at least %v), per replica, against the same over as long before it. "+
 			"Latency: the chats and deterministic requests (not the slow clients, huge bodies or malformed ones), send to the end of the answer.\n\n",
-			stableSeconds, settleWindow, settleWindow)
+			stableSeconds, settleWindow)
 	}
 	fmt.Fprintf(w, "Response cache across Redis restarts: %d of %d answers stored while Redis was up and asked for again were lost.\n\n", a.cacheLost, a.cacheCheck)
+	for _, l := range a.cacheLog {
+		fmt.Fprintf(w, "- %s\n", l)
+	}
+	if len(a.cacheLog) > 0 {
+		fmt.Fprintln(w)
+	}
 	if fs := a.failures(); len(fs) == 0 {
 		fmt.Fprintf(w, "**PASS**: every criterion held.\n")
 	} else {
