@@ -18,16 +18,6 @@ import (
 // childStartTimeout bounds a child's start: exec to the line giving its address.
 const childStartTimeout = 30 * time.Second
 
-// gitDescribe names the commit of the checkout at repo, "-dirty" when the working tree differs
-// from it; "an unknown commit" without git.
-func gitDescribe(ctx context.Context, repo string) string {
-	out, err := exec.CommandContext(ctx, "git", "-C", repo, "describe", "--always", "--dirty", "--abbrev=12").Output()
-	if err != nil {
-		return "an unknown commit"
-	}
-	return "commit " + strings.TrimSpace(string(out))
-}
-
 // goVersion returns the output of go version.
 func goVersion(ctx context.Context) (string, error) {
 	out, err := exec.CommandContext(ctx, "go", "version").Output()

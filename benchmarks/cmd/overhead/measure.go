@@ -39,14 +39,14 @@ func measure(ctx context.Context, o options, stdout, stderr io.Writer) error {
 
 	proxyBin, proxyDesc := o.proxy, "the binary "+o.proxy
 	if proxyBin == "" {
-		before := gitDescribe(ctx, repo)
+		before := benchenv.GitDescribe(ctx, repo)
 		progress("building ./examples/proxy in %s", repo)
 		proxyBin = filepath.Join(dir, "proxy")
 		if err := benchenv.BuildProxy(ctx, repo, proxyBin); err != nil {
 			return err
 		}
 		proxyDesc = "go build ./examples/proxy at " + before
-		if after := gitDescribe(ctx, repo); after != before {
+		if after := benchenv.GitDescribe(ctx, repo); after != before {
 			proxyDesc += " (" + after + " when the build ended)"
 		}
 	}

@@ -1,6 +1,6 @@
 // Package benchenv holds what kvroute's benchmark commands share about the machine and the
-// checkout they run in: the module's root, the proxy binary built from it, and the CPU's name for
-// the report.
+// checkout they run in: the module's root, the proxy and other commands built from it, and the
+// CPU's name for the report.
 package benchenv
 
 import (
@@ -53,12 +53,28 @@ func ModuleRoot(ctx context.Context, repo string) (string, error) {
 
 // BuildProxy builds ./examples/proxy of the module at repo into bin.
 func BuildProxy(ctx context.Context, repo, bin string) error {
-	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, "./examples/proxy")
+	return Build(ctx, repo, "./examples/proxy", bin)
+}
+
+// Build builds the command pkg (a path relative to repo, such as ./examples/enginesim) of the
+// workspace at repo into bin.
+func Build(ctx context.Context, repo, pkg, bin string) error {
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, pkg)
 	cmd.Dir = repo
 	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("go build ./examples/proxy: %w\n%s", err, out)
+		return fmt.Errorf("go build %s: %w\n%s", pkg, err, out)
 	}
 	return nil
+}
+
+// GitDescribe names the commit of the checkout at repo, "-dirty" when the working tree differs
+// from it; "an unknown commit" without git.
+func GitDescribe(ctx context.Context, repo string) string {
+	out, err := exec.CommandContext(ctx, "git", "-C", repo, "describe", "--always", "--dirty", "--abbrev=12").Output()
+	if err != nil {
+		return "an unknown commit"
+	}
+	return "commit " + strings.TrimSpace(string(out))
 }
 
 // CPUModel returns the CPU's model name from /proc/cpuinfo, or GOARCH where there is none.
