@@ -107,12 +107,12 @@ func TestOutageReplayNotCountedAsDrops(t *testing.T) {
 
 			apply(batch(events.KindBlockStored, 0, 2)) // blocks 0 and 1, through the stream
 			waitStream()
-			up.Store(false) // the outage, as the tee sees it
+			up.Store(false)                            // the outage, as the tee sees it
 			apply(batch(events.KindBlockStored, 2, 3)) // block 2 (parent 1)
 			apply(batch(events.KindBlockRemoved, 2, 3))
 			apply(batch(events.KindBlockRemoved, 1, 2))
 			up.Store(true)
-			waitStream() // the stream brings the three outage batches again
+			waitStream()                               // the stream brings the three outage batches again
 			apply(batch(events.KindBlockStored, 1, 2)) // after the outage: applied
 			waitStream()
 
