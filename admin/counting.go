@@ -135,6 +135,8 @@ type BackendEvents struct {
 	IndexCreated uint64 `json:"index_created"`
 	IndexEvicted uint64 `json:"index_evicted"`
 	Resets       uint64 `json:"resets"`
+	// ResetsLimited adds up the sources' resets refused by the backend's reset budget.
+	ResetsLimited uint64 `json:"resets_limited"`
 }
 
 // SourceSummary is one source of a BackendSummary.
@@ -180,6 +182,7 @@ func SummarizeBackends(backends []string, sources []events.SourceStatus, counts 
 		e.Dropped += ss.Events.Dropped
 		e.Malformed += ss.Events.Malformed
 		e.Resets += ss.Sequence.Resets
+		e.ResetsLimited += ss.Sequence.ResetsLimited
 		b.Sources = append(b.Sources, SourceSummary{Transport: ss.Transport, Endpoint: ss.Endpoint,
 			Status: string(ss.Connection.State), LastError: ss.LastError, Sequence: ss.Sequence})
 	}

@@ -108,11 +108,16 @@ func milliseconds(d time.Duration) float64 { return float64(d) / float64(time.Mi
 // KVIndexStats is the body of GET /admin/kv-index/stats: tier 4's configuration, the KV index's
 // own statistics, the event sources, and tier 4's decisions and counters.
 type KVIndexStats struct {
-	Enabled          bool               `json:"enabled"`
-	Config           KVIndexConfig      `json:"config"`
-	Index            kvindex.Stats      `json:"index"`
-	EventSources     []EventSource      `json:"event_sources"`
-	RoutingDecisions KVRoutingDecisions `json:"routing_decisions"`
+	Enabled      bool          `json:"enabled"`
+	Config       KVIndexConfig `json:"config"`
+	Index        kvindex.Stats `json:"index"`
+	EventSources []EventSource `json:"event_sources"`
+	// EventListeners are the addresses the gateway binds for engines' events (ZMQ bind mode),
+	// with the messages each received, placed on a backend or dropped (unplaced, malformed): a
+	// dropped message belongs to no backend, so no event source counts it. Set by the gateway;
+	// absent without bound addresses.
+	EventListeners   []events.ListenerStatus `json:"event_listeners,omitempty"`
+	RoutingDecisions KVRoutingDecisions      `json:"routing_decisions"`
 	// Lookups counts the Router's KV index lookups (kvroute.Stats.Lookups; the key names the
 	// lookups' latency samples), OverlapScores those answered (and so scored).
 	Lookups        uint64 `json:"query_latency_count"`
@@ -173,7 +178,10 @@ type EventSource struct {
 	LastEventAt    time.Time `json:"last_event_at,omitzero"`
 	ReconnectCount uint64    `json:"reconnect_count"`
 	SequenceGaps   uint64    `json:"sequence_gaps"`
-	LastError      string    `json:"last_error,omitempty"`
+	// ResetsLimited counts the resets of the backend the source asked for beyond the backend's
+	// reset budget, not made (events.SequenceStats.ResetsLimited).
+	ResetsLimited uint64 `json:"resets_limited"`
+	LastError     string `json:"last_error,omitempty"`
 }
 
 // KVRoutingDecisions counts the requests tier 4 looked at by outcome: kv_aware, load_bound,
@@ -225,7 +233,7 @@ func NewKVIndexStats(st kvroute.Stats, indexErr error, cfg KVIndexConfig, source
 			BackendName: ss.Backend, Transport: ss.Transport, Endpoint: ss.Endpoint, Status: string(ss.Connection.State),
 			Connected: ss.Connection.Connected, EventsReceived: ss.Events.Received, EventsDropped: ss.Events.Dropped,
 			LastEventAt: ss.Connection.LastEventAt, ReconnectCount: ss.Connection.ReconnectCount,
-			SequenceGaps: ss.Sequence.Gaps, LastError: ss.LastError,
+			SequenceGaps: ss.Sequence.Gaps, ResetsLimited: ss.Sequence.ResetsLimited, LastError: ss.LastError,
 		})
 	}
 	return s

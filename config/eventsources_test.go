@@ -195,7 +195,7 @@ func TestNewEventConsumersSeveralBound(t *testing.T) {
 	}
 	want := map[string]int{"a": 3, "b": 2, "c": 1}
 	deadline := time.Now().Add(10 * time.Second)
-	for !sink.has(want) || bound.Listeners()[2].Events.Malformed != 1 {
+	for !sink.has(want) || bound.Listeners()[2].Messages.Unplaced != 1 {
 		if time.Now().After(deadline) {
 			t.Fatalf("applied %v, want %v; listeners %+v", sink.counts(), want, bound.Listeners())
 		}

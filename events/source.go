@@ -124,6 +124,11 @@ type SequenceStats struct {
 	Resets uint64 `json:"resets"`
 	// QueueOverflows counts batches dropped because the backend's queue was full.
 	QueueOverflows uint64 `json:"queue_overflows"`
+	// ResetsLimited counts the resets this source's publishers asked for (a gap, a sequence
+	// that went back, a lost connection) that were not made because the backend had used its
+	// reset budget (zmqevents.Config.MaxResetsPerMinute): a publisher that keeps breaking its
+	// sequence, or anyone who can reach a bound address, cannot keep clearing the backend.
+	ResetsLimited uint64 `json:"resets_limited"`
 }
 
 // SourceInfo names an event source: the backend its events belong to, its transport ("sse",
@@ -158,6 +163,9 @@ type Source struct {
 	Batches, LastSeq, Gaps, Replays, ReplayFailures atomic.Uint64
 	CatchUps, CatchUpFailures, CaughtUpBatches      atomic.Uint64
 	Resets, QueueOverflows                          atomic.Uint64
+	// ResetsLimited is SequenceStats.ResetsLimited: resets a transport did not request of the
+	// BackendWriter because the backend's reset budget was spent.
+	ResetsLimited atomic.Uint64
 	// Reconnects is ConnectionStatus.ReconnectCount: connection attempts after the first one,
 	// or returns of a publisher after it disconnected.
 	Reconnects atomic.Uint64
@@ -286,6 +294,7 @@ func (s *Source) Status() SourceStatus {
 			CaughtUpBatches: s.CaughtUpBatches.Load(),
 			Resets:          s.Resets.Load(),
 			QueueOverflows:  s.QueueOverflows.Load(),
+			ResetsLimited:   s.ResetsLimited.Load(),
 		},
 	}
 	s.mu.Lock()
@@ -403,7 +412,8 @@ func stateRank(st SourceState) int {
 
 // RegisterMetrics registers the set's observable instruments (scopeName and the Metric* names)
 // on mp, and a callback that reports the sources at each collection: per backend, the counters
-// summed over its sources (received, processed, dropped, reconnects, gaps) and its connection by
+// summed over its sources (received, processed, dropped, reconnects, gaps, resets, resets
+// limited) and its connection by
 // its worst source (connected, and the source-status gauge). The counters report the atomics
 // Status reads, so counting an event costs a transport one atomic add and no OpenTelemetry call.
 // A nil mp registers nothing. Call it at most once, before or after adding sources; Close
@@ -441,6 +451,14 @@ func (r *SourceSet) RegisterMetrics(mp metric.MeterProvider) error {
 	if err != nil {
 		return err
 	}
+	resets, err := counter(telemetry.MetricConsumerResets, "Clears of a backend's index entries its event sources caused (unreplayable gaps, publisher restarts, lost connections).", "{reset}")
+	if err != nil {
+		return err
+	}
+	resetsLimited, err := counter(telemetry.MetricConsumerResetsLimited, "Resets a backend's publishers asked for beyond its reset budget, not made.", "{reset}")
+	if err != nil {
+		return err
+	}
 	connected, err := meter.Int64ObservableGauge(telemetry.MetricConsumerConnected,
 		metric.WithDescription("1 when every event source of the backend is connected."))
 	if err != nil {
@@ -453,6 +471,7 @@ func (r *SourceSet) RegisterMetrics(mp metric.MeterProvider) error {
 	}
 	type agg struct {
 		received, processed, dropped, reconnects, gaps int64
+		resets, resetsLimited                          int64
 		worst                                          SourceState
 	}
 	reg, err := meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
@@ -474,6 +493,8 @@ func (r *SourceSet) RegisterMetrics(mp metric.MeterProvider) error {
 			a.dropped += int64(s.Dropped.Load())
 			a.reconnects += int64(s.Reconnects.Load())
 			a.gaps += int64(s.Gaps.Load())
+			a.resets += int64(s.Resets.Load())
+			a.resetsLimited += int64(s.ResetsLimited.Load())
 			if st := s.State(); stateRank(st) > stateRank(a.worst) {
 				a.worst = st
 			}
@@ -485,6 +506,8 @@ func (r *SourceSet) RegisterMetrics(mp metric.MeterProvider) error {
 			o.ObserveInt64(dropped, a.dropped, attrs.opt)
 			o.ObserveInt64(reconnects, a.reconnects, attrs.opt)
 			o.ObserveInt64(gaps, a.gaps, attrs.opt)
+			o.ObserveInt64(resets, a.resets, attrs.opt)
+			o.ObserveInt64(resetsLimited, a.resetsLimited, attrs.opt)
 			var up int64
 			if a.worst == StateConnected {
 				up = 1
@@ -499,7 +522,7 @@ func (r *SourceSet) RegisterMetrics(mp metric.MeterProvider) error {
 			}
 		}
 		return nil
-	}, received, processed, dropped, reconnects, gaps, connected, status)
+	}, received, processed, dropped, reconnects, gaps, resets, resetsLimited, connected, status)
 	if err != nil {
 		return fmt.Errorf("events: metric callback: %w", err)
 	}
@@ -514,4 +537,39 @@ func (r *SourceSet) RegisterMetrics(mp metric.MeterProvider) error {
 	}
 	r.reg = reg
 	return nil
+}
+
+// ListenerStatus is a snapshot of an address a transport binds and that receives messages for
+// several backends (ZMQ bind mode: zmqevents.Consumer.Listeners): whether it is bound, and what
+// it received before a message was placed on a backend. A placed message is then counted, event
+// by event, on its backend's source (SourceStatus); an unplaced or malformed one belongs to no
+// backend and is counted only here, so that events dropped for want of a backend show where an
+// operator looks.
+type ListenerStatus struct {
+	Transport string `json:"transport"`
+	// Endpoint is the address as configured; Bound the address bound (the port resolved, the
+	// host a default bind chose), absent while unbound.
+	Endpoint   string           `json:"endpoint"`
+	Bound      string           `json:"bound,omitempty"`
+	Connection ConnectionStatus `json:"connection"` // connected while bound
+	Messages   ListenerMessages `json:"messages"`
+	// LastError is the last error met: a failed bind or handshake, a message that could not be
+	// placed; "" for none.
+	LastError   string    `json:"last_error,omitempty"`
+	LastErrorAt time.Time `json:"last_error_at,omitzero"`
+}
+
+// ListenerMessages counts the messages a bound address received (within the subscription's topic
+// prefix): Received = Placed + Unplaced + Malformed.
+type ListenerMessages struct {
+	Received uint64 `json:"received"`
+	// Placed counts the messages given to a backend (its source counts their events, and what
+	// was dropped of them).
+	Placed uint64 `json:"placed"`
+	// Unplaced counts the messages dropped because no backend could be found for them: a topic
+	// that the address's rules map to no backend, or a new topic beyond the transport's cap.
+	Unplaced uint64 `json:"unplaced"`
+	// Malformed counts the messages dropped because their framing was bad (not [topic, 8-byte
+	// sequence, payload]): their topic, and so their backend, is unknown.
+	Malformed uint64 `json:"malformed"`
 }

@@ -102,6 +102,24 @@ const (
 	MetricEventSourceStatus  = "kvroute.kv_index.event_source_status"
 )
 
+// What the KV event sources dropped or refused, beyond the counts above (package events and
+// events/zmqevents), so that an alert on lost events fires where the events were lost.
+const (
+	// MetricConsumerResets counts the clears of a backend's index entries that its event sources
+	// caused (a gap that could not be replayed, a publisher restart, a lost connection), by
+	// "backend".
+	MetricConsumerResets = "kvroute.kv_consumer.resets"
+	// MetricConsumerResetsLimited counts the resets a backend's publishers asked for beyond its
+	// reset budget (zmqevents.Config.MaxResetsPerMinute), not made, by "backend".
+	MetricConsumerResetsLimited = "kvroute.kv_consumer.resets_limited"
+	// MetricConsumerListenerMessages counts the messages a bound address (ZMQ bind mode)
+	// received, by "endpoint" (the bound address as configured) and "outcome": placed (on a
+	// backend: its source counts the events), unplaced (the topic maps to no backend, or
+	// MaxTopics was reached: dropped) or malformed (bad framing, the topic unknown: dropped).
+	// Their sum is the address's received messages.
+	MetricConsumerListenerMessages = "kvroute.kv_consumer.listener_messages"
+)
+
 // Engine metrics scraping (package enginemetrics).
 const (
 	// MetricEngineScrapes counts scrapes by backend and result: ok, error (connection, timeout,

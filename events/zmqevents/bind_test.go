@@ -28,7 +28,7 @@ func TestNewListeners(t *testing.T) {
 		{"free ports twice", Config{Sink: sink, Listeners: []Listener{
 			{Bind: "tcp://127.0.0.1:0"}, {Bind: "tcp://127.0.0.1:0"}}}, true},
 		{"same address twice", Config{Sink: sink, Listeners: []Listener{
-			{Bind: "tcp://*:5557", DefaultBackend: "a"}, {Bind: "tcp://:5557", DefaultBackend: "b"}}}, false},
+			{Bind: "tcp://:5557", DefaultBackend: "a"}, {Bind: "tcp://127.0.0.1:5557", DefaultBackend: "b"}}}, false},
 		{"bind's address again", Config{Sink: sink, Bind: "tcp://127.0.0.1:5557",
 			Listeners: []Listener{{Bind: "tcp://127.0.0.1:5557"}}}, false},
 		{"same ipc path twice", Config{Sink: sink, Listeners: []Listener{
@@ -113,7 +113,7 @@ func TestZMQBindOneAddressPerEngine(t *testing.T) {
 	require.Len(t, ls, 2)
 	for i, l := range ls {
 		assert.True(t, l.Connection.Connected, "listener %d", i)
-		assert.Zero(t, l.Events.Malformed, "listener %d", i)
+		assert.Zero(t, l.Messages.Unplaced+l.Messages.Malformed, "listener %d", i)
 	}
 
 	// Engine b goes away: its backend alone is disconnected and cleared.
@@ -208,11 +208,11 @@ func TestZMQBindRulesPerAddress(t *testing.T) {
 	require.Eventually(t, func() bool {
 		return len(sink.Applied("vllm-x")) == 1 && len(sink.Applied("pod-a")) == 1 && len(sink.Applied("vllm-y")) == 2
 	}, waitFor, tick)
-	require.Eventually(t, func() bool { return c.Listeners()[0].Events.Malformed == 1 }, waitFor, tick)
+	require.Eventually(t, func() bool { return c.Listeners()[0].Messages.Unplaced == 1 }, waitFor, tick)
 	assert.Empty(t, sink.Applied("pod-z"), "a pod the address does not accept became a backend")
 	ls := c.Listeners()
 	assert.Contains(t, ls[0].LastError, "maps to no backend")
-	assert.Zero(t, ls[1].Events.Malformed)
+	assert.Zero(t, ls[1].Messages.Unplaced)
 	for _, s := range c.Status() {
 		want := first
 		if s.Backend == "vllm-y" {
@@ -236,7 +236,7 @@ func TestZMQBindMaxTopicsAcrossAddresses(t *testing.T) {
 	pb := NewFakePublisher(t, FakePublisherConfig{Topic: "t", Connect: "tcp://" + addrs[1].String()})
 	pb.WaitSubscribed()
 	pb.Publish(stored(1))
-	require.Eventually(t, func() bool { return c.Listeners()[1].Events.Malformed == 1 }, waitFor, tick)
+	require.Eventually(t, func() bool { return c.Listeners()[1].Messages.Unplaced == 1 }, waitFor, tick)
 	assert.Empty(t, sink.Applied("b"))
 }
 

@@ -18,10 +18,12 @@ import (
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/go-zeromq/zmq4/security/null"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/events/internal/run"
+	"github.com/kvroute/kvroute/telemetry"
 )
 
 // Defaults of Config.
@@ -42,6 +44,10 @@ const (
 	// DefaultMaxFrameBytes is the default Config.MaxFrameBytes: the largest batch payload
 	// decoded. vLLM's batches are a few KiB to a few MiB (one engine step).
 	DefaultMaxFrameBytes = 16 << 20
+
+	// DefaultMaxResetsPerMinute is the default Config.MaxResetsPerMinute: a healthy engine's
+	// stream breaks a few times an hour (a restart, a dropped connection), far below it.
+	DefaultMaxResetsPerMinute = 10
 )
 
 // ReplayEndSeq is the sequence number of the message that ends a replay (all ones, -1 as a
@@ -77,12 +83,17 @@ type Endpoint struct {
 // Listener is one address a consumer binds in centralized mode, and the rules that place the
 // messages arriving on it on backends. The backend of a message comes from its topic:
 // TopicBackend[topic], else DefaultBackend, else <pod> of "kv@<pod>@<model>" when Backends names
-// it (or Backends is empty). Messages of any other topic are counted on the listener's status
+// it (or Backends is empty). Messages of any other topic are counted as unplaced on the listener
 // (Consumer.Listeners), logged (at most once per 5 s) and dropped, never indexed under an
 // invented name.
 type Listener struct {
-	// Bind is the address the SUB socket binds, e.g. "tcp://0.0.0.0:5557" ("tcp://127.0.0.1:0"
-	// picks a free port; see Consumer.Addrs) or "ipc:///path". Required.
+	// Bind is the address the SUB socket binds, e.g. "tcp://10.0.0.5:5557" (the pod's own
+	// address), "tcp://127.0.0.1:0" (a free port; see Consumer.Addrs) or "ipc:///path".
+	// Required. Without a host ("tcp://:5557") it binds loopback (127.0.0.1) only; every
+	// interface takes an explicit "tcp://*:5557" or "tcp://0.0.0.0:5557", which Start logs at
+	// Warn with the trust model: whoever can reach a bound address can feed, reset and poison the
+	// index entries of every backend its rules can name (ZMTP's NULL mechanism authenticates no
+	// one). See the package doc's Trust.
 	Bind string
 	// TopicBackend maps exact topics to backends. vLLM's topic is configurable and "" by
 	// default: {"": "vllm-1"} names the backend of every engine that keeps the default.
@@ -181,6 +192,18 @@ type Config struct {
 	// events.DecodeMsgpackBatch), and a decoded batch waits in the backend's queue until applied,
 	// so QueueSize × MaxFrameBytes × 4 bounds what one backend's queue can hold.
 	MaxFrameBytes int
+	// MaxResetsPerMinute is each backend's reset budget: the clears of its index entries that its
+	// publishers may cause (a gap that cannot be replayed, a sequence that went back, a lost
+	// connection), as a bucket of MaxResetsPerMinute resets refilled at that rate. A reset asked
+	// for while the bucket is empty is not made: the batch is applied on the entries as they
+	// are, and the reset is counted in the source's SequenceStats.ResetsLimited (and logged at
+	// Warn, at most once per source every few seconds). It bounds what a publisher that breaks
+	// its sequence at every batch, or anyone who can reach a bound address (random sequence
+	// numbers, connections opened and closed), can wipe; the cost is an index that may keep
+	// stale entries of that backend until they are evicted or the next reset. Clears that the
+	// sink's own failures or losses require are not limited. 0 means DefaultMaxResetsPerMinute
+	// (10); negative disables the budget.
+	MaxResetsPerMinute int
 
 	// MeterProvider supplies the instruments ("github.com/kvroute/kvroute/events"); nil means no metrics.
 	MeterProvider metric.MeterProvider
@@ -253,6 +276,7 @@ type Consumer struct {
 	connIDs  atomic.Uint64
 	routesMu sync.RWMutex // guards every listener's routes and srcs, and nroutes
 	nroutes  int          // routes of all listeners, capped at MaxTopics
+	lnReg    metric.Registration
 
 	backendsMu sync.Mutex
 	backends   map[string]*backendQueue
@@ -273,8 +297,10 @@ type publisher struct {
 type listener struct {
 	cfg           Listener
 	network, addr string
-	src           *events.Source // the listener's own status: not reported as metrics (no backend)
+	src           *events.Source // the listener's state and last error (it has no backend)
 	ln            atomic.Pointer[net.Listener]
+	// Messages received, by outcome (events.ListenerMessages).
+	placed, unplaced, malformed atomic.Uint64
 	// bound is the bound endpoint (Bind with the port resolved), set by Start before any
 	// connection is served.
 	bound string
@@ -323,6 +349,9 @@ type backendQueue struct {
 	// healOwed: the sink stopped heal's catch-up (it refused a batch) after the backend was
 	// cleared; the next check heals again, though the sink no longer reports the loss.
 	healOwed bool
+	// resetTokens is the backend's reset budget (Config.MaxResetsPerMinute) as of resetAt.
+	resetTokens float64
+	resetAt     time.Time
 }
 
 // lostKey is the chain of a lost batch; anyRank when the batch could not be decoded (its
@@ -448,6 +477,7 @@ func New(cfg Config) (*Consumer, error) {
 	setDefault(&cfg.MaxTopics, DefaultMaxTopics)
 	setDefault(&cfg.MaxFrameBytes, DefaultMaxFrameBytes)
 	setDefault(&cfg.LossCheckInterval, DefaultLossCheckInterval)
+	setDefault(&cfg.MaxResetsPerMinute, DefaultMaxResetsPerMinute)
 	if cfg.MaxBackoff < cfg.InitialBackoff {
 		return nil, fmt.Errorf("%w: MaxBackoff %v < InitialBackoff %v", events.ErrInvalidConfig, cfg.MaxBackoff, cfg.InitialBackoff)
 	}
@@ -530,6 +560,10 @@ func New(cfg Config) (*Consumer, error) {
 	if err := c.srcs.RegisterMetrics(cfg.MeterProvider); err != nil {
 		return nil, err
 	}
+	if err := c.registerListenerMetrics(); err != nil {
+		_ = c.srcs.Close()
+		return nil, err
+	}
 	c.life.Init()
 	return c, nil
 }
@@ -549,8 +583,8 @@ func discardLogger(l *slog.Logger) *slog.Logger {
 }
 
 // parseEndpoint maps "tcp://host:port" to ("tcp", "host:port") and "ipc://path" to
-// ("unix", "path"). A bind address may use "*" or an empty host for every interface and port 0
-// for a free port; a connect address needs a host and a port.
+// ("unix", "path"). A bind address may use "*" for every interface, an empty host for loopback
+// (127.0.0.1) and port 0 for a free port; a connect address needs a host and a port.
 func parseEndpoint(ep string, bind bool) (network, addr string, err error) {
 	scheme, rest, ok := strings.Cut(ep, "://")
 	if !ok {
@@ -577,6 +611,8 @@ func parseEndpoint(ep string, bind bool) (network, addr string, err error) {
 		switch {
 		case host == "*" && bind:
 			host = ""
+		case host == "" && bind:
+			host = "127.0.0.1" // every interface only when asked for
 		case host == "*" || (host == "" && !bind):
 			return "", "", fmt.Errorf("%q: a connect endpoint needs a host (a * endpoint is bound by the engine: connect to its address)", ep)
 		case n == 0 && !bind:
@@ -652,6 +688,12 @@ func (c *Consumer) Start(ctx context.Context) error {
 				}
 				l.ln.Store(&ln)
 				l.src.SetState(events.StateConnected)
+				if a, ok := ln.Addr().(*net.TCPAddr); ok && a.IP.IsUnspecified() {
+					c.log.Warn("kvroute events: zmq endpoint bound on every interface: anyone who can reach it can feed, reset "+
+						"and poison the KV index of the backends its messages may name (ZMQ's NULL mechanism authenticates no one); "+
+						"bind the pod's own address or loopback, and let only the engines reach the port (a NetworkPolicy, a firewall)",
+						"bind", l.cfg.Bind, "bound", l.bound)
+				}
 			}
 			for i, l := range c.lns {
 				ln := lns[i]
@@ -680,6 +722,9 @@ func (c *Consumer) Close() error {
 		return nil
 	}
 	err := c.srcs.Close()
+	if c.lnReg != nil {
+		err = errors.Join(err, c.lnReg.Unregister())
+	}
 	for _, l := range c.lns {
 		l.src.SetState(events.StateClosed)
 	}
@@ -694,27 +739,83 @@ func (c *Consumer) Status() []events.SourceStatus { return c.srcs.Status() }
 
 // Listener returns the status of the first bound socket in bind mode (ok false in connect mode);
 // see Listeners.
-func (c *Consumer) Listener() (st events.SourceStatus, ok bool) {
+func (c *Consumer) Listener() (st events.ListenerStatus, ok bool) {
 	if len(c.lns) == 0 {
-		return events.SourceStatus{}, false
+		return events.ListenerStatus{}, false
 	}
-	return c.lns[0].src.Status(), true
+	return c.lns[0].status(), true
 }
 
 // Listeners returns the status of each bound socket in bind mode, Bind's first and then those of
 // Listeners in order (nil in connect mode): its connection state (connected while it is bound),
-// and the messages that could not be placed on a backend (bad framing before the topic is
-// known, topics that map to no backend, over MaxTopics), counted as Malformed. Safe for
-// concurrent use.
-func (c *Consumer) Listeners() []events.SourceStatus {
+// and its messages by outcome: placed on a backend, unplaced (a topic that maps to no backend,
+// or over MaxTopics) and malformed (bad framing, before the topic is known). The last two are
+// dropped, and belong to no backend's source. Safe for concurrent use.
+func (c *Consumer) Listeners() []events.ListenerStatus {
 	if len(c.lns) == 0 {
 		return nil
 	}
-	out := make([]events.SourceStatus, len(c.lns))
+	out := make([]events.ListenerStatus, len(c.lns))
 	for i, l := range c.lns {
-		out[i] = l.src.Status()
+		out[i] = l.status()
 	}
 	return out
+}
+
+// status returns the listener's events.ListenerStatus.
+func (l *listener) status() events.ListenerStatus {
+	st := l.src.Status()
+	out := events.ListenerStatus{Transport: "zmq", Endpoint: l.cfg.Bind, Connection: st.Connection,
+		LastError: st.LastError, LastErrorAt: st.LastErrorAt}
+	if a := l.addrOf(); a != nil {
+		out.Bound = l.network + "://" + a.String()
+		if l.network == "unix" {
+			out.Bound = "ipc://" + a.String()
+		}
+	}
+	m := &out.Messages
+	m.Placed, m.Unplaced, m.Malformed = l.placed.Load(), l.unplaced.Load(), l.malformed.Load()
+	m.Received = m.Placed + m.Unplaced + m.Malformed
+	return out
+}
+
+// registerListenerMetrics registers telemetry.MetricConsumerListenerMessages, observed from the
+// listeners' counts, in bind mode.
+func (c *Consumer) registerListenerMetrics() error {
+	if len(c.lns) == 0 || c.cfg.MeterProvider == nil {
+		return nil
+	}
+	meter := c.cfg.MeterProvider.Meter("github.com/kvroute/kvroute/events")
+	ctr, err := meter.Int64ObservableCounter(telemetry.MetricConsumerListenerMessages,
+		metric.WithDescription("Messages a bound address received, by outcome: placed on a backend, unplaced (no backend for the topic: dropped), malformed (bad framing: dropped)."),
+		metric.WithUnit("{message}"))
+	if err != nil {
+		return fmt.Errorf("events: metric %s: %w", telemetry.MetricConsumerListenerMessages, err)
+	}
+	type obs struct {
+		n   *atomic.Uint64
+		opt metric.ObserveOption
+	}
+	var all []obs
+	for _, l := range c.lns {
+		for _, o := range []struct {
+			outcome string
+			n       *atomic.Uint64
+		}{{"placed", &l.placed}, {"unplaced", &l.unplaced}, {"malformed", &l.malformed}} {
+			all = append(all, obs{o.n, metric.WithAttributeSet(attribute.NewSet(
+				attribute.String("endpoint", l.cfg.Bind), attribute.String("outcome", o.outcome)))})
+		}
+	}
+	c.lnReg, err = meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		for _, a := range all {
+			o.ObserveInt64(ctr, int64(a.n.Load()), a.opt)
+		}
+		return nil
+	}, ctr)
+	if err != nil {
+		return fmt.Errorf("events: metric callback: %w", err)
+	}
+	return nil
 }
 
 // Addr returns the first bound address in bind mode once Start succeeded, nil otherwise; see
@@ -910,7 +1011,7 @@ func (c *Consumer) serveBound(ctx context.Context, l *listener, raw net.Conn) {
 		}
 		f := msg.Frames
 		if len(f) != 3 || len(f[1]) != 8 {
-			l.src.Malformed.Add(1)
+			l.malformed.Add(1)
 			l.src.SetError(fmt.Errorf("%w: zmq message of %d frames from %s (want [topic, 8-byte seq, payload])", events.ErrMalformed, len(f), raw.RemoteAddr()))
 			continue
 		}
@@ -920,7 +1021,7 @@ func (c *Consumer) serveBound(ctx context.Context, l *listener, raw net.Conn) {
 		r := last
 		if r == nil || string(f[0]) != r.topic {
 			if r = c.route(l, f[0]); r == nil {
-				l.src.Malformed.Add(1)
+				l.unplaced.Add(1)
 				l.src.SetError(fmt.Errorf("topic %q maps to no backend", f[0]))
 				continue
 			}
@@ -939,6 +1040,7 @@ func (c *Consumer) serveBound(ctx context.Context, l *listener, raw net.Conn) {
 				}
 			}
 		}
+		l.placed.Add(1)
 		c.ingest(r.src.Source, r.be, &lastFeed.sent, nil, conn, r.topic, r.model, f[1], f[2])
 	}
 }
@@ -1129,7 +1231,7 @@ func (c *Consumer) handle(ctx context.Context, be *backendQueue, it *item) {
 			be.nlost.Store(int32(len(be.lost)))
 			be.lostMu.Unlock()
 		}
-		be.w.RequestReset()
+		c.requestReset(be, src)
 		var empty events.Batch
 		be.w.Apply(ctx, src, &empty)
 		return
@@ -1175,11 +1277,43 @@ func (c *Consumer) handle(ctx context.Context, be *backendQueue, it *item) {
 		}
 	default: // seq ≤ last: the publisher restarted, and its engine's cache with it
 		c.log.Debug("kvroute events: sequence went back, resetting backend", "backend", be.w.Backend(), "last", ch.last, "seq", seq)
-		be.w.RequestReset()
+		c.requestReset(be, src)
 	}
 	ch.last, ch.src, ch.pub, ch.model = seq, src, it.pub, it.b.Model
 	be.w.Apply(ctx, src, &it.b)
 	ch.clears = be.w.Clears() // a reset this batch's own handling caused is no cause to catch up
+}
+
+// requestReset asks the backend's writer to clear it before its next batch, on src's behalf
+// (a gap, a sequence that went back, a lost connection), within the backend's reset budget
+// (Config.MaxResetsPerMinute): a bucket of MaxResetsPerMinute tokens refilled at that rate. A
+// reset already pending takes the request in, at no cost; one over the budget is not made, and
+// is counted on src (ResetsLimited). Called by the backend's worker.
+func (c *Consumer) requestReset(be *backendQueue, src *events.Source) {
+	if be.w.ResetPending() {
+		return
+	}
+	if n := float64(c.cfg.MaxResetsPerMinute); n > 0 {
+		now := c.now()
+		switch {
+		case be.resetAt.IsZero():
+			be.resetTokens = n
+		case now.After(be.resetAt):
+			be.resetTokens = min(n, be.resetTokens+now.Sub(be.resetAt).Minutes()*n)
+		}
+		be.resetAt = now
+		if be.resetTokens < 1 {
+			src.ResetsLimited.Add(1)
+			if src.WarnDue() {
+				c.log.Warn("kvroute events: reset refused, the backend's reset budget is spent; its index entries are kept as they are",
+					"backend", be.w.Backend(), "endpoint", src.Info().Endpoint, "max_resets_per_minute", c.cfg.MaxResetsPerMinute,
+					"resets_limited", src.ResetsLimited.Load())
+			}
+			return
+		}
+		be.resetTokens--
+	}
+	be.w.RequestReset()
 }
 
 // checkLost heals the backend when the sink reports it lost (events.LossReporter), or when a clear is
@@ -1277,7 +1411,7 @@ func (c *Consumer) repairLost(ctx context.Context, be *backendQueue, k lostKey, 
 		if n > 1 {
 			l.src.Gaps.Add(1)
 			c.log.Debug("kvroute events: undecodable batch of an unknown rank, resetting backend", "backend", be.w.Backend(), "seq", l.seq)
-			be.w.RequestReset()
+			c.requestReset(be, l.src)
 			be.w.Apply(ctx, l.src, &empty)
 			return
 		}
@@ -1311,7 +1445,7 @@ func (c *Consumer) fillGap(ctx context.Context, be *backendQueue, src *events.So
 	src.Gaps.Add(1)
 	if p == nil || p.replayAddr == "" {
 		c.log.Debug("kvroute events: sequence gap, resetting backend", "backend", be.w.Backend(), "from", r.from, "to", r.until)
-		be.w.RequestReset()
+		c.requestReset(be, src)
 		return true
 	}
 	if _, err := c.replay(ctx, be, src, p, r); err != nil {
@@ -1324,7 +1458,7 @@ func (c *Consumer) fillGap(ctx context.Context, be *backendQueue, src *events.So
 		src.ReplayFailures.Add(1)
 		src.SetError(fmt.Errorf("replay %d..%d: %w", r.from, r.until-1, err))
 		c.log.Warn("kvroute events: replay failed, resetting backend", "backend", be.w.Backend(), "err", err)
-		be.w.RequestReset()
+		c.requestReset(be, src)
 		return true
 	}
 	src.Replays.Add(1)
@@ -1368,7 +1502,7 @@ func (c *Consumer) catchUp(ctx context.Context, be *backendQueue, src *events.So
 		src.SetError(fmt.Errorf("catch-up %d..%d: %w", r.from, r.until-1, err))
 		if n > 0 {
 			c.log.Warn("kvroute events: catch-up failed, resetting backend", "backend", be.w.Backend(), "applied", n, "err", err)
-			be.w.RequestReset()
+			c.requestReset(be, src)
 		} else {
 			c.log.Warn("kvroute events: catch-up failed, starting from the live batch", "backend", be.w.Backend(), "seq", seq, "err", err)
 		}

@@ -211,7 +211,7 @@ func TestZMQBindMode(t *testing.T) {
 	// "unknown" maps to no backend: counted on the listener, never applied.
 	require.Eventually(t, func() bool {
 		ls, ok := c.Listener()
-		return ok && ls.Events.Malformed == 3
+		return ok && ls.Messages.Unplaced == 3 && ls.Messages.Received == 3+9
 	}, waitFor, tick)
 	ls, _ := c.Listener()
 	assert.True(t, ls.Connection.Connected)
@@ -1118,7 +1118,7 @@ func TestZMQBindTopicsNeverInventBackends(t *testing.T) {
 	require.Eventually(t, func() bool { return len(sink2.Applied("pod-a")) == 1 }, waitFor, tick)
 	require.Eventually(t, func() bool {
 		ls, ok := c2.Listener()
-		return ok && ls.Events.Malformed == 1
+		return ok && ls.Messages.Unplaced == 1
 	}, waitFor, tick)
 	assert.Empty(t, sink2.Applied("10.0.0.9:8000"))
 	assert.Len(t, c2.Status(), 1, "no status for an invented backend")

@@ -40,6 +40,27 @@
 // but without waiting for the engine's next batch: it clears the backend and catches each of its
 // chains up on the batches through the last one applied.
 //
+// # Trust
+//
+// ZMTP's NULL mechanism authenticates no one, and a consumer believes every message it receives.
+// Whoever can reach a bound address (bind mode) can therefore feed the index false blocks of any
+// backend that address's rules can name, and break a sequence to reset a backend (a random
+// sequence number at every message, or connections opened and closed). Three bounds:
+//
+//   - A bound address without a host ("tcp://:5557") binds loopback; every interface takes an
+//     explicit "tcp://*:5557" or "tcp://0.0.0.0:5557", which Start logs at Warn. Bind the pod's
+//     own address (Kubernetes' downward API: status.podIP) and let only the engines reach the
+//     port (a NetworkPolicy, a firewall).
+//   - Each backend has a reset budget, Config.MaxResetsPerMinute (10): the resets beyond it are
+//     not made, and are counted (events.SequenceStats.ResetsLimited,
+//     telemetry.MetricConsumerResetsLimited).
+//   - Messages whose topic names no backend the address accepts are dropped and counted on the
+//     address (Consumer.Listeners, telemetry.MetricConsumerListenerMessages), as are new topics
+//     beyond Config.MaxTopics and open connections beyond 4 × MaxTopics.
+//
+// In connect mode the consumer dials the engines it is given; the same holds of whoever can
+// impersonate them on the network.
+//
 // The consumer keeps its sources' status and metrics with events.SourceSet and writes to the
 // sink through events.BackendWriter, as any transport built on package events does: Status
 // reports events.SourceStatus values, and the metrics carry the names and scope of package

@@ -212,6 +212,20 @@ func (s *server) statuses() []events.SourceStatus {
 	return out
 }
 
+// listeners returns the status of every address the event consumers bind (ZMQ bind mode), nil
+// when none binds.
+func (s *server) listeners() []events.ListenerStatus {
+	var out []events.ListenerStatus
+	for _, c := range s.cons {
+		if lc, ok := c.(interface {
+			Listeners() []events.ListenerStatus
+		}); ok {
+			out = append(out, lc.Listeners()...)
+		}
+	}
+	return out
+}
+
 // GET /admin/kv-index/stats: the Router's tier-4 stats, the index's, the configuration and the event
 // sources.
 func (s *server) kvIndexStats(w http.ResponseWriter, r *http.Request) {
@@ -232,6 +246,7 @@ func (s *server) kvIndexStats(w http.ResponseWriter, r *http.Request) {
 			MinOverlapThreshold: sc.MinOverlapThreshold, LoadFactorEpsilon: sc.LoadFactorEpsilon,
 			GPUTierWeight: *sc.GPUTierWeight, CPUTierWeight: *sc.CPUTierWeight, StorageTierWeight: *sc.StorageTierWeight},
 	}, s.statuses())
+	body.EventListeners = s.listeners()
 	if et, ok := s.tok.(*engineTokenizer); ok {
 		ts := et.stats()
 		body.Tokenizer = &ts
@@ -240,7 +255,8 @@ func (s *server) kvIndexStats(w http.ResponseWriter, r *http.Request) {
 }
 
 // GET /admin/kv-index/backends: per backend, its event sources' connection and event counts and
-// the index mutations its events caused.
+// the index mutations its events caused; then the bound addresses' messages, those dropped for
+// want of a backend included ("listeners", absent without bound addresses).
 func (s *server) kvIndexBackends(w http.ResponseWriter, r *http.Request) {
 	if s.index == nil {
 		writeJSON(w, http.StatusOK, map[string]any{"enabled": false, "backends": []admin.BackendSummary{}})
@@ -253,8 +269,12 @@ func (s *server) kvIndexBackends(w http.ResponseWriter, r *http.Request) {
 	for _, b := range s.cfg.Backends {
 		names = append(names, b.Name)
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"enabled": true,
-		"backends": admin.SummarizeBackends(names, s.statuses(), s.sink.Counts(), ist.PerBackend)})
+	body := map[string]any{"enabled": true,
+		"backends": admin.SummarizeBackends(names, s.statuses(), s.sink.Counts(), ist.PerBackend)}
+	if ls := s.listeners(); ls != nil {
+		body["listeners"] = ls
+	}
+	writeJSON(w, http.StatusOK, body)
 }
 
 // POST /admin/kv-index/clear.

@@ -205,3 +205,99 @@ func TestE2EEngineRestartForgetsItsCache(t *testing.T) {
 	}
 	awaitEvents(t, p, eng.URL(), holder, 10*time.Second)
 }
+
+// The reproduction of issue 28: an engine whose topic names a pod (kv@10.0.0.7:8000@m) that is
+// no configured backend publishes to a bound endpoint without backend_name. Every event is
+// dropped; the bound endpoint's counts show it in /admin/kv-index/stats, /admin/kv-index/backends
+// and /metrics (they showed 0 everywhere, with one WARN line).
+func TestE2EZMQBindUnplacedEventsCounted(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	bind := "tcp://" + ln.Addr().String()
+	ln.Close()
+	eng, err := enginesim.New(enginesim.Config{Name: "10.0.0.7:8000", BlockSize: 16, CapacityBlocks: 2048,
+		Events: enginesim.EventsConfig{ZMQEndpoint: bind, Topic: "kv@10.0.0.7:8000@m"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = eng.Close() })
+	eln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := eng.Serve(eln); err != nil {
+		t.Fatal(err)
+	}
+	if err := eng.Start(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	cfg := fakeConfig(t, []config.BackendConfig{{Name: "vllm-1", URL: eng.URL()}}, func(c *config.Config) {
+		c.KVCacheIndex.Enabled = true
+		c.KVCacheIndex.EventSources = []config.EventSourceConfig{{Endpoint: bind, Bind: true}}
+	})
+	p := startProxy(t, cfg)
+	var unplaced uint64
+	waitFor(t, 10*time.Second, "the engine's messages counted as unplaced", func() bool {
+		for i := range 3 {
+			r, b := post(t, p.URL+"/v1/chat/completions", chatBody(fmt.Sprint("unplaced ", i, " ", time.Now().UnixNano()), strings.Repeat("word ", 20), `"max_tokens":1`))
+			if r.StatusCode != 200 {
+				t.Fatalf("%d %s", r.StatusCode, b)
+			}
+		}
+		var st admin.KVIndexStats
+		getJSON(t, p.URL+"/admin/kv-index/stats", &st)
+		if len(st.EventListeners) != 1 {
+			t.Fatalf("event listeners %+v, want the bound endpoint", st.EventListeners)
+		}
+		m := st.EventListeners[0].Messages
+		if m.Placed != 0 || m.Malformed != 0 || m.Received != m.Unplaced {
+			t.Fatalf("listener messages %+v, want every one unplaced", m)
+		}
+		unplaced = m.Unplaced
+		return unplaced >= 3
+	})
+
+	var backends struct {
+		Backends  []admin.BackendSummary
+		Listeners []struct {
+			Endpoint string
+			Messages struct{ Unplaced uint64 }
+		}
+	}
+	getJSON(t, p.URL+"/admin/kv-index/backends", &backends)
+	if len(backends.Listeners) != 1 || backends.Listeners[0].Endpoint != bind || backends.Listeners[0].Messages.Unplaced < unplaced {
+		t.Errorf("/admin/kv-index/backends listeners %+v, want %s with ≥ %d unplaced", backends.Listeners, bind, unplaced)
+	}
+	if len(backends.Backends) != 1 || backends.Backends[0].Events.Received != 0 {
+		t.Errorf("backends %+v: vllm-1 received none of the engine's events", backends.Backends)
+	}
+
+	_, body := adminDo(t, "GET", p.URL+"/metrics", "", "")
+	want := fmt.Sprintf(`kvroute_kv_consumer_listener_messages_total{endpoint=%q,`, bind)
+	found := false
+	for line := range strings.Lines(string(body)) {
+		if strings.HasPrefix(line, want) && strings.Contains(line, `outcome="unplaced"`) {
+			var n uint64
+			if _, err := fmt.Sscan(line[strings.LastIndexByte(line, ' ')+1:], &n); err != nil || n < unplaced {
+				t.Errorf("metric line %q: want ≥ %d", line, unplaced)
+			}
+			found = true
+		}
+	}
+	if !found {
+		t.Errorf("/metrics has no %s…outcome=\"unplaced\" line:\n%s", want, grepLines(string(body), "listener_messages"))
+	}
+}
+
+// grepLines returns the lines of s that contain sub.
+func grepLines(s, sub string) string {
+	var b strings.Builder
+	for line := range strings.Lines(s) {
+		if strings.Contains(line, sub) {
+			b.WriteString(line)
+		}
+	}
+	return b.String()
+}

@@ -30,6 +30,9 @@ const (
 	metricCircuitOpen     = "kvroute.proxy.circuit_open"     // gauge {backend}: 1 while open
 	metricRequestDuration = "kvroute.proxy.request_duration" // histogram s {endpoint}
 	metricIndexMutations  = "kvroute.kv_index.events"        // counter {backend, type}
+	// metricOutageDuplicates counts the event log's batches this replica had indexed during a NATS
+	// outage, skipped when the stream brought them again (replayGuard).
+	metricOutageDuplicates = "kvroute.proxy.event_log_outage_duplicates" // counter
 )
 
 // otelSDK is the OpenTelemetry SDK MeterProvider the library packages and the proxy record
@@ -150,6 +153,21 @@ func (t *otelSDK) observeIndexMutations(sink *admin.CountingSink) (metric.Regist
 			o.ObserveInt64(ctr, int64(c.Created), metric.WithAttributes(attribute.String("backend", b), attribute.String("type", "created")))
 			o.ObserveInt64(ctr, int64(c.Evicted), metric.WithAttributes(attribute.String("backend", b), attribute.String("type", "evicted")))
 		}
+		return nil
+	}, ctr)
+}
+
+// observeOutageReplay registers metricOutageDuplicates, read from g.
+func (t *otelSDK) observeOutageReplay(g *replayGuard) (metric.Registration, error) {
+	m := t.provider.Meter(proxyScope)
+	ctr, err := m.Int64ObservableCounter(metricOutageDuplicates,
+		metric.WithDescription("Event-log batches this replica had indexed during a NATS outage, skipped when the stream brought them again."),
+		metric.WithUnit("{batch}"))
+	if err != nil {
+		return nil, err
+	}
+	return m.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		o.ObserveInt64(ctr, int64(g.batches.Load()))
 		return nil
 	}, ctr)
 }

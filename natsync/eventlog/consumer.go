@@ -51,10 +51,18 @@ type ConsumerStats struct {
 	// LastSeq is the stream sequence of the last message handled (applied or skipped).
 	LastSeq uint64 `json:"last_seq"`
 	// Subscriptions counts the subscriptions made (1 + resubscriptions after failures).
-	Subscriptions uint64    `json:"subscriptions"`
-	Running       bool      `json:"running"`
-	LastError     string    `json:"last_error,omitempty"`
-	LastErrorAt   time.Time `json:"last_error_at,omitzero"`
+	Subscriptions uint64 `json:"subscriptions"`
+	Running       bool   `json:"running"`
+	// Subscribed is true while the consumer holds a subscription to the stream (the ordered
+	// consumer recreates itself through a server restart or a lost connection meanwhile), since
+	// SubscribedAt. A LastError older than SubscribedAt is history: the failure it names (a
+	// stream not created yet, a server that was down) was recovered from.
+	Subscribed   bool      `json:"subscribed"`
+	SubscribedAt time.Time `json:"subscribed_at,omitzero"`
+	// LastError is the last error met, LastErrorAt when; they stay after a recovery (see
+	// Subscribed).
+	LastError   string    `json:"last_error,omitempty"`
+	LastErrorAt time.Time `json:"last_error_at,omitzero"`
 }
 
 // Consumer applies the fleet's stream to one replica's index: an ordered JetStream consumer
@@ -74,6 +82,7 @@ type Consumer struct {
 	lastSeq                                                                   atomic.Uint64
 	messages, applied, evs, decodeErrs, applyErrs, clears, gaps, missed, subs atomic.Uint64
 	running                                                                   atomic.Bool
+	subscribedAt                                                              atomic.Int64 // unix nanoseconds, 0 while unsubscribed
 
 	mu      sync.Mutex
 	started bool
@@ -227,7 +236,9 @@ func (c *Consumer) consume(ctx context.Context) error {
 	c.iter = it
 	c.mu.Unlock()
 	c.subs.Add(1)
+	c.subscribedAt.Store(c.cfg.Now().UnixNano())
 	defer func() {
+		c.subscribedAt.Store(0)
 		c.mu.Lock()
 		c.iter = nil
 		c.mu.Unlock()
@@ -327,6 +338,9 @@ func (c *Consumer) Stats() ConsumerStats {
 		LastSeq:       c.lastSeq.Load(),
 		Subscriptions: c.subs.Load(),
 		Running:       c.running.Load(),
+	}
+	if at := c.subscribedAt.Load(); at != 0 {
+		s.Subscribed, s.SubscribedAt = true, time.Unix(0, at).UTC()
 	}
 	c.mu.Lock()
 	s.LastError, s.LastErrorAt = c.lastErr, c.errAt

@@ -554,3 +554,28 @@ func ExampleConsumer() {
 	defer snap.Close()
 	fmt.Println(res.StartSeq)
 }
+
+// A consumer started before the stream exists reports "stream not found"; once the stream is
+// there and it subscribed, its stats say so (Subscribed, SubscribedAt after LastErrorAt), so that
+// the start-up error reads as history. A server restart leaves it subscribed again.
+func TestConsumerStatsRecovery(t *testing.T) {
+	srv := natstest.Start(t)
+	js := connect(t, srv)
+	cfg := testConfig(t, js)
+	c := startConsumer(t, cfg, newIndex(t), 0)
+	require.Eventually(t, func() bool { return c.Stats().LastError != "" }, 10*time.Second, 10*time.Millisecond)
+	st := c.Stats()
+	assert.Contains(t, st.LastError, "stream not found")
+	assert.False(t, st.Subscribed)
+	assert.True(t, st.SubscribedAt.IsZero())
+
+	pub := startPublisher(t, cfg, eventlog.PublisherOptions{})
+	e := &engine{name: "vllm-0", base: 1000}
+	require.NoError(t, pub.Apply(context.Background(), e.name, e.stored(requests[0], 0, 8)))
+	flush(t, pub)
+	waitSeq(t, c, 1)
+	st = c.Stats()
+	require.True(t, st.Subscribed, "%+v", st)
+	assert.True(t, st.SubscribedAt.After(st.LastErrorAt), "subscribed at %v, last error at %v", st.SubscribedAt, st.LastErrorAt)
+	assert.Contains(t, st.LastError, "stream not found", "the error stays, as history")
+}
