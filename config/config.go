@@ -86,6 +86,13 @@ type ServerConfig struct {
 	// ReadTimeout bounds reading a whole request, headers and body (default 60s): a client that
 	// trickles its body is cut off.
 	ReadTimeout Duration `yaml:"read_timeout"`
+	// BodyIdleTimeout bounds the time a request body may go without a byte arriving (default
+	// 10s), however much of read_timeout is left: a stalled body gets 408 and a closed connection.
+	BodyIdleTimeout Duration `yaml:"body_idle_timeout"`
+	// MaxClientBodyBytes caps the request bodies one client address holds at once within
+	// max_inflight_body_bytes (default half of it; at least max_body_bytes; -1: no bound). Behind
+	// a load balancer every client has the balancer's address: set -1 there.
+	MaxClientBodyBytes int64 `yaml:"max_client_body_bytes"`
 	// UpstreamDialTimeout bounds connecting to a backend (default 5s).
 	UpstreamDialTimeout Duration `yaml:"upstream_dial_timeout"`
 }
@@ -605,6 +612,7 @@ const (
 	DefaultShutdownTimeout     = 30 * time.Second
 	DefaultReadHeaderTimeout   = 10 * time.Second
 	DefaultReadTimeout         = 60 * time.Second
+	DefaultBodyIdleTimeout     = 10 * time.Second
 	DefaultUpstreamDialTimeout = 5 * time.Second
 	DefaultTokenizeTimeout     = 100 * time.Millisecond
 	DefaultHealthInterval      = 10 * time.Second

@@ -44,6 +44,12 @@ func (c *Config) ApplyDefaults() {
 	if s.ReadTimeout == 0 {
 		s.ReadTimeout = Duration(DefaultReadTimeout)
 	}
+	if s.BodyIdleTimeout == 0 {
+		s.BodyIdleTimeout = Duration(DefaultBodyIdleTimeout)
+	}
+	if s.MaxClientBodyBytes == 0 {
+		s.MaxClientBodyBytes = max(s.MaxInflightBodyBytes/2, s.MaxBodyBytes)
+	}
 	if s.UpstreamDialTimeout == 0 {
 		s.UpstreamDialTimeout = Duration(DefaultUpstreamDialTimeout)
 	}

@@ -17,8 +17,10 @@
 //
 // For each request Handler
 //
-//  1. reads the body (ReadRequest): at most MaxBodyBytes (413 beyond), within ReadTimeout (408),
-//     optionally held against a Budget shared by the requests in flight (503 when none is left),
+//  1. reads the body (ReadRequest): at most MaxBodyBytes (413 beyond), within ReadTimeout and
+//     without a pause of BodyIdleTimeout (408), its bytes, as they arrive, optionally held
+//     against a Budget shared by the requests in flight, which keeps a reserve for small bodies
+//     and bounds what one client holds (503 when none is left),
 //     and parses it by the endpoint's format (400 for a malformed body, in the style of the API:
 //     package apierror);
 //  2. routes it (Forward): Router.Route, or Handler.Route for a flow of one's own; ErrNoBackend is

@@ -158,9 +158,24 @@ type Handler struct {
 	// Retries is the most attempts a request may make after its first, each on another backend
 	// and only before anything reached the client; 0 means DefaultRetries (1), negative none.
 	Retries int
+	// BodyIdleTimeout bounds the time a request body may go without a byte arriving, however much
+	// of ReadTimeout is left: the client then gets 408 and the connection is closed. 0 means
+	// DefaultBodyIdleTimeout, negative none. Like ReadTimeout it needs a ResponseWriter that sets
+	// read deadlines (http.ResponseController).
+	BodyIdleTimeout time.Duration
 	// BodyBudget, when set, bounds the body bytes held by the requests in flight (see
-	// ReadRequest); nil means no bound beyond MaxBodyBytes per request.
+	// ReadRequest and Budget); nil means no bound beyond MaxBodyBytes per request.
 	BodyBudget *Budget
+	// MaxClientBodyBytes bounds the bytes that the bodies of one client (ClientKey) hold in
+	// BodyBudget at once; a body that would go over waits up to a second for room, then gets 503.
+	// 0 means half the budget's size, negative no bound; it is never below one body of
+	// MaxBodyBytes (or the budget's size, when smaller). Behind a load balancer or another proxy
+	// all clients share its address: set ClientKey to read the client's own from the header it
+	// sets, or lift the bound (negative).
+	MaxClientBodyBytes int64
+	// ClientKey names the client of a request for MaxClientBodyBytes; nil means the host of its
+	// RemoteAddr (the peer's IP address).
+	ClientKey func(r *http.Request) string
 	// ErrorLog receives the ReverseProxy's errors and Route's unexpected ones; nil means the log
 	// package's standard logger.
 	ErrorLog *log.Logger
@@ -196,6 +211,13 @@ func (h *Handler) readTimeout() time.Duration {
 		return DefaultReadTimeout
 	}
 	return h.ReadTimeout
+}
+
+func (h *Handler) bodyIdleTimeout() time.Duration {
+	if h.BodyIdleTimeout == 0 {
+		return DefaultBodyIdleTimeout
+	}
+	return h.BodyIdleTimeout
 }
 
 func (h *Handler) retries() int {

@@ -4,6 +4,9 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"os"
 	"strconv"
@@ -26,9 +29,11 @@ type Request struct {
 	// Body is the body as the client sent it.
 	Body []byte
 
-	budget *Budget
-	held   int64
-	body   restoredBody // the http.Request's Body once read
+	budget  *Budget
+	held    int64        // bytes held in budget
+	client  string       // the client the body's bytes count to (Handler.ClientKey)
+	charged int64        // bytes of held counted to client
+	body    restoredBody // the http.Request's Body once read
 }
 
 // Release gives back the bytes the request holds against Handler.BodyBudget. Call it once the
@@ -36,7 +41,7 @@ type Request struct {
 // budget. Not safe for concurrent use.
 func (r *Request) Release() {
 	if r.budget != nil {
-		r.budget.Release(r.held)
+		r.budget.release(r.held, r.client, r.charged)
 		r.budget = nil
 	}
 }
@@ -56,6 +61,8 @@ const (
 	// DefaultRetries is Handler.Retries's default: an attempt that failed before anything reached
 	// the client is tried once more, on another backend.
 	DefaultRetries = 1
+	// DefaultBodyIdleTimeout is Handler.BodyIdleTimeout's default.
+	DefaultBodyIdleTimeout = 10 * time.Second
 )
 
 // budgetWait bounds the wait of a request for room in its Budget.
@@ -69,24 +76,35 @@ const (
 	parseCostPerObject = 384
 )
 
-// errBudget is readBody's error when the Budget left no room within budgetWait.
-var errBudget = errors.New("kvhttp: too many request bytes in flight")
+// errBodyIdle is readBody's error when no byte of the body came within Handler.BodyIdleTimeout.
+var errBodyIdle = fmt.Errorf("kvhttp: the request body made no progress: %w", os.ErrDeadlineExceeded)
+
+// A body's buffer, and what it holds against the Budget, grows as its bytes arrive: bodyChunk
+// first (or the whole body when it announces less), then doubling, up to its length. A body that
+// announces at most smallBody bytes is small: it may use the Budget's reserve.
+const (
+	bodyChunk = 16 << 10
+	smallBody = 64 << 10
+)
 
 // ReadRequest reads r's body and parses it by the format of r's path (prefixkey.FormatOfPath;
 // a path of no LLM endpoint is read, not parsed). It reads at most h.MaxBodyBytes: a body that
 // announces more is refused before any of it is read, and one that sends more is cut there. The
-// whole body must arrive within h.ReadTimeout of the call, a read deadline set through
-// http.ResponseController (when the ResponseWriter supports one). With h.BodyBudget, the body's
-// bytes (its Content-Length, or MaxBodyBytes without one), and for a large body what parsing it
-// costs, are held against the budget until Request.Release; a request that finds no room within
-// a second is refused.
+// whole body must arrive within h.ReadTimeout of the call, and no more than h.BodyIdleTimeout may
+// pass without a byte of it: read deadlines set through http.ResponseController (when the
+// ResponseWriter supports them). The body's buffer grows as its bytes arrive (16 KiB first, then
+// doubling), so that a body announced and never sent costs little. With h.BodyBudget, each growth
+// is held against the budget before it is made (see Budget for the reserve of small bodies and
+// the bound of one client, h.MaxClientBodyBytes), and so, for a large body, is what parsing it
+// costs, until Request.Release; a growth that finds no room within a second refuses the request
+// and gives back what it held.
 //
 // It returns the request, with r.Body set to read the body again from memory, or an error after
 // it has answered the client in the style of the endpoint's API (package apierror): 413
 // request_too_large, 408 request_timeout (both closing the connection, whose unread bytes would
-// otherwise be drained), 503 overloaded with Retry-After: 1 (the budget), 400
-// invalid_request_error (a malformed body, with the field at fault as param, or a body that could
-// not be read). Safe for concurrent use.
+// otherwise be drained), 503 overloaded with Retry-After: 1 and the connection closed (the
+// budget, or the client's bound), 400 invalid_request_error (a malformed body, with the field at
+// fault as param, or a body that could not be read). Safe for concurrent use.
 func (h *Handler) ReadRequest(w http.ResponseWriter, r *http.Request) (*Request, error) {
 	format := prefixkey.FormatOfPath(r.URL.Path)
 	req := &Request{Format: format, budget: h.BodyBudget}
@@ -122,29 +140,30 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, req *Request)
 	if r.ContentLength > limit {
 		return &http.MaxBytesError{Limit: limit}
 	}
-	n := r.ContentLength
-	if n < 0 { // no Content-Length (HTTP/2, chunked): room for the largest body
-		n = limit
-	}
 	if r.Body == nil { // a client's request, not a server's
 		r.Body = http.NoBody
 	}
-	if b := req.budget; b != nil {
-		if !b.TryAcquire(n) && !b.acquireWithin(r.Context(), n) {
-			req.budget = nil
-			return errBudget
-		}
-		req.held = n
-	}
+	rc := http.NewResponseController(w)
+	var deadline time.Time
 	if t := h.readTimeout(); t > 0 {
-		_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(t))
+		deadline = time.Now().Add(t)
+		_ = rc.SetReadDeadline(deadline)
 	}
-	buf := bytes.NewBuffer(make([]byte, 0, n+bytes.MinRead))
-	if _, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, limit)); err != nil {
+	hb := h.heldBody(r, req, limit)
+	watch := h.watchIdle(rc, deadline)
+	body, err := hb.read(r.Context(), http.MaxBytesReader(w, r.Body, limit), watch)
+	if watch.stop(err == nil) && errors.Is(err, os.ErrDeadlineExceeded) {
+		err = errBodyIdle
+	}
+	if err != nil {
 		req.Release()
+		if errors.Is(err, errBudget) || errors.Is(err, errClientBudget) {
+			w.Header().Set("Connection", "close") // the rest of the body is not read
+		}
 		return err
 	}
-	req.Body = buf.Bytes()
+	req.Body = body
+	n := req.held
 	// Parsing costs memory per JSON object as well as per byte: a body of many tiny messages
 	// takes about ten times its size once parsed. Hold that too before parsing a large body.
 	if b := req.budget; b != nil && req.Format != 0 && len(req.Body) > parseEstimateFrom {
@@ -175,6 +194,14 @@ func readError(w http.ResponseWriter, format prefixkey.Format, err error) {
 		w.Header().Set("Retry-After", "1")
 		apierror.Error{Status: http.StatusServiceUnavailable, Code: "overloaded",
 			Message: "the gateway is holding too many request bodies; retry shortly"}.Write(w, format)
+	case errors.Is(err, errClientBudget):
+		w.Header().Set("Retry-After", "1")
+		apierror.Error{Status: http.StatusServiceUnavailable, Code: "overloaded",
+			Message: "the gateway is holding too many request bodies from this client; retry shortly"}.Write(w, format)
+	case errors.Is(err, errBodyIdle):
+		w.Header().Set("Connection", "close")
+		apierror.Error{Status: http.StatusRequestTimeout, Code: "request_timeout",
+			Message: "the request body stalled: no bytes of it arrived within the body idle timeout"}.Write(w, format)
 	case errors.Is(err, os.ErrDeadlineExceeded):
 		w.Header().Set("Connection", "close")
 		apierror.Error{Status: http.StatusRequestTimeout, Code: "request_timeout",
@@ -185,102 +212,198 @@ func readError(w http.ResponseWriter, format prefixkey.Format, err error) {
 	}
 }
 
-// Budget bounds the bytes of the request bodies that Handlers hold at once, read or being
-// parsed: a weighted semaphore, first come first served. Share one among the Handlers it should
-// bound together (those of a gateway's generations across a configuration reload, say). Safe for
-// concurrent use.
-type Budget struct {
-	size    int64
-	mu      sync.Mutex
-	used    int64
-	waiters []*budgetWaiter // in arrival order
+// heldBody is a body being read: its size, and the bounds on what it may hold of a Budget.
+type heldBody struct {
+	req   *Request
+	size  int64 // the bytes it announces, or -1
+	total int64 // the most it may have: size, or the limit
+	ceil  int64 // how high the Budget's use may go for it: its size, or less for a large body
+	limit int64 // the most its client may hold, 0 for no bound
+	most  int64 // the most it holds: total, ceil or limit, whichever is least
 }
 
-// budgetWaiter is one Acquire waiting for room.
-type budgetWaiter struct {
-	n     int64
-	ready chan struct{} // closed once its bytes are held
+// heldBody returns the heldBody of r, of at most limit bytes, for req, whose bytes it counts to
+// the client of r.
+func (h *Handler) heldBody(r *http.Request, req *Request, limit int64) *heldBody {
+	hb := &heldBody{req: req, size: r.ContentLength, total: r.ContentLength}
+	if hb.total < 0 { // no Content-Length (HTTP/2, chunked): as large as allowed
+		hb.total = limit
+	}
+	b := req.budget
+	if b == nil {
+		return hb
+	}
+	req.client = h.clientKey(r)
+	one := min(limit, b.size) // a body of MaxBodyBytes always fits, alone
+	hb.ceil = b.size
+	if hb.size < 0 || hb.size > smallBody {
+		hb.ceil = max(b.size-b.size/4, one)
+	}
+	hb.most = min(hb.total, hb.ceil)
+	switch {
+	case h.MaxClientBodyBytes == 0:
+		hb.limit = max(b.size/2, one)
+	case h.MaxClientBodyBytes > 0:
+		hb.limit = max(h.MaxClientBodyBytes, one)
+	}
+	if hb.limit > 0 {
+		hb.most = min(hb.most, hb.limit)
+	}
+	return hb
 }
 
-// NewBudget returns a Budget of size bytes (at least 1).
-func NewBudget(size int64) *Budget { return &Budget{size: max(size, 1)} }
-
-// TryAcquire holds n bytes and reports true when they are free now and nobody waits before it;
-// otherwise it holds nothing and reports false. n above the budget's size counts as its size.
-func (b *Budget) TryAcquire(n int64) bool {
-	n = min(max(n, 0), b.size)
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if len(b.waiters) == 0 && b.used+n <= b.size {
-		b.used += n
-		return true
+// clientKey is r's client: ClientKey's, or the host of r.RemoteAddr.
+func (h *Handler) clientKey(r *http.Request) string {
+	if h.ClientKey != nil {
+		return h.ClientKey(r)
 	}
-	return false
+	if host, _, err := net.SplitHostPort(r.RemoteAddr); err == nil {
+		return host
+	}
+	return r.RemoteAddr
 }
 
-// Acquire holds n bytes, waiting for them after the requests that came first, until ctx ends:
-// then it holds nothing and returns ctx.Err(). n above the budget's size counts as its size.
-func (b *Budget) Acquire(ctx context.Context, n int64) error {
-	n = min(max(n, 0), b.size)
-	b.mu.Lock()
-	if len(b.waiters) == 0 && b.used+n <= b.size {
-		b.used += n
-		b.mu.Unlock()
-		return nil
-	}
-	wt := &budgetWaiter{n: n, ready: make(chan struct{})}
-	b.waiters = append(b.waiters, wt)
-	b.mu.Unlock()
-	select {
-	case <-wt.ready:
-		return nil
-	case <-ctx.Done():
-	}
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	select {
-	case <-wt.ready: // served meanwhile: give it back
-		b.used -= n
-	default:
-		for i, x := range b.waiters {
-			if x == wt {
-				b.waiters = append(b.waiters[:i], b.waiters[i+1:]...)
-				break
+// read reads body into a buffer that grows as the bytes arrive, each growth held first, telling
+// watch of every progress.
+func (hb *heldBody) read(ctx context.Context, body io.Reader, watch *idleWatch) ([]byte, error) {
+	buf := []byte{}
+	for {
+		if len(buf) == cap(buf) {
+			switch {
+			case int64(len(buf)) == hb.size:
+				return buf, nil
+			case int64(len(buf)) == hb.total: // no Content-Length, and at the limit: is there more?
+				var one [1]byte
+				if n, err := body.Read(one[:]); n > 0 || err != io.EOF {
+					if err == nil || err == io.EOF {
+						err = &http.MaxBytesError{Limit: hb.total}
+					}
+					return nil, err
+				}
+				return buf, nil
 			}
+			next := min(max(2*int64(cap(buf)), bodyChunk), hb.total)
+			if err := hb.hold(ctx, next, watch); err != nil {
+				return nil, err
+			}
+			nb := make([]byte, len(buf), next)
+			copy(nb, buf)
+			buf = nb
+		}
+		n, err := body.Read(buf[len(buf):cap(buf)])
+		buf = buf[:len(buf)+n]
+		if n > 0 {
+			watch.progress()
+		}
+		switch {
+		case err == io.EOF:
+			return buf, nil
+		case err != nil:
+			return nil, err
 		}
 	}
-	b.wake()
-	return ctx.Err()
 }
 
-// acquireWithin is Acquire bounded by budgetWait, reporting success.
-func (b *Budget) acquireWithin(ctx context.Context, n int64) bool {
-	ctx, cancel := context.WithTimeout(ctx, budgetWait)
-	defer cancel()
-	return b.Acquire(ctx, n) == nil
-}
-
-// Release gives back n bytes held by TryAcquire or Acquire (n above the budget's size counts as
-// its size). Releasing more than is held is a programmer error: it panics.
-func (b *Budget) Release(n int64) {
-	n = min(max(n, 0), b.size)
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.used -= n; b.used < 0 {
-		panic("kvhttp: Budget released more than held")
+// hold holds what a buffer of size bytes needs beyond what the body holds, up to its most. The
+// wait for room does not count against the body's idle timeout.
+func (hb *heldBody) hold(ctx context.Context, size int64, watch *idleWatch) error {
+	req := hb.req
+	b := req.budget
+	if b == nil || min(size, hb.most) <= req.charged {
+		return nil
 	}
-	b.wake()
+	g := grant{n: min(size, hb.most) - req.charged, ceil: hb.ceil, client: req.client, limit: hb.limit, counted: true}
+	watch.pause()
+	err := b.grantWithin(ctx, g)
+	watch.resume()
+	if err != nil {
+		return err
+	}
+	req.held += g.n
+	req.charged += g.n
+	return nil
 }
 
-// wake serves the waiters in order while their bytes fit. b.mu is held.
-func (b *Budget) wake() {
-	for len(b.waiters) > 0 {
-		wt := b.waiters[0]
-		if b.used+wt.n > b.size {
-			return
-		}
-		b.used += wt.n
-		b.waiters = b.waiters[1:]
-		close(wt.ready)
+// idleWatch cuts a body that makes no progress for idle: it sets the connection's read deadline
+// in the past, which fails the pending Read. Its methods do nothing on a nil idleWatch.
+type idleWatch struct {
+	idle    time.Duration
+	rc      *http.ResponseController
+	restore time.Time // the read deadline to set again when the cut came after the body's end
+	timer   *time.Timer
+
+	mu                   sync.Mutex
+	last                 time.Time // the last progress
+	paused, stopped, cut bool
+}
+
+// watchIdle starts the idleWatch of a body read through rc whose read deadline is deadline; nil
+// when h.BodyIdleTimeout is negative.
+func (h *Handler) watchIdle(rc *http.ResponseController, deadline time.Time) *idleWatch {
+	d := h.bodyIdleTimeout()
+	if d <= 0 {
+		return nil
 	}
+	wt := &idleWatch{idle: d, rc: rc, restore: deadline, last: time.Now()}
+	wt.mu.Lock()
+	defer wt.mu.Unlock()
+	wt.timer = time.AfterFunc(d, wt.check)
+	return wt
+}
+
+// check, on the timer, cuts the body when it made no progress for idle, or sets the timer again.
+func (wt *idleWatch) check() {
+	wt.mu.Lock()
+	defer wt.mu.Unlock()
+	if wt.stopped || wt.paused {
+		return
+	}
+	if left := wt.idle - time.Since(wt.last); left > 0 {
+		wt.timer.Reset(left)
+		return
+	}
+	wt.cut = true
+	_ = wt.rc.SetReadDeadline(time.Unix(1, 0))
+}
+
+func (wt *idleWatch) progress() {
+	if wt != nil {
+		wt.mu.Lock()
+		wt.last = time.Now()
+		wt.mu.Unlock()
+	}
+}
+
+func (wt *idleWatch) pause() {
+	if wt != nil {
+		wt.mu.Lock()
+		wt.paused = true
+		wt.mu.Unlock()
+	}
+}
+
+// resume counts the idle time from now again, after a pause.
+func (wt *idleWatch) resume() {
+	if wt != nil {
+		wt.mu.Lock()
+		wt.paused, wt.last = false, time.Now()
+		wt.timer.Reset(wt.idle)
+		wt.mu.Unlock()
+	}
+}
+
+// stop stops the watch and reports whether it cut the body. When the body was read whole (ok)
+// after all, the read deadline is set back.
+func (wt *idleWatch) stop(ok bool) bool {
+	if wt == nil {
+		return false
+	}
+	wt.mu.Lock()
+	defer wt.mu.Unlock()
+	wt.stopped = true
+	wt.timer.Stop()
+	if wt.cut && ok {
+		_ = wt.rc.SetReadDeadline(wt.restore)
+	}
+	return wt.cut
 }

@@ -62,7 +62,7 @@ func (s *server) routes() http.Handler {
 	mux.Handle("/admin/", s.admin(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusNotFound, map[string]any{"error": "no such admin endpoint"})
 	})))
-	return framingGuard(mux)
+	return framingGuard(pathGuard(mux))
 }
 
 // admin puts h behind the admin access check (package admin): admin.auth_token, or without it a

@@ -6,7 +6,9 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"path"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -49,6 +51,26 @@ func framingGuard(next http.Handler) http.Handler {
 		w.Header().Set("Connection", "close")
 		apierror.Error{Status: http.StatusBadRequest, Code: "invalid_request_error", Message: "request bodies must be sent with Content-Length: Transfer-Encoding is not accepted"}.Write(w, prefixkey.FormatOfPath(r.URL.Path))
 
+	})
+}
+
+// pathGuard refuses a request whose path has dot or empty segments, encoded or not
+// ("/v1/%2e%2e/…", "/v1/../admin", "/v1//x"), with 400 invalid_path in the endpoint's API style,
+// before the mux would redirect it to its cleaned form or a handler would see it: nothing is
+// forwarded for such a path, and every form of it gets the same answer.
+func pathGuard(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		p := r.URL.Path
+		clean := path.Clean(p)
+		if strings.HasSuffix(p, "/") && clean != "/" {
+			clean += "/"
+		}
+		if p == "" || p[0] != '/' || clean != p {
+			apierror.Error{Status: http.StatusBadRequest, Code: "invalid_path",
+				Message: "the request path has dot or empty segments"}.Write(w, prefixkey.FormatOfPath(p))
+			return
+		}
+		next.ServeHTTP(w, r)
 	})
 }
 

@@ -42,11 +42,13 @@ const parsedKey ctxKey = iota
 
 // newKVHTTP returns a kvhttp.Handler over the proxy's transport, body limits and budget, its
 // routing by route, and s.attempt on every attempt. The http.Server's read_timeout bounds the
-// bodies.
+// bodies, server.body_idle_timeout their pauses, server.max_client_body_bytes what one client
+// address holds of the budget (-1: no bound).
 func (s *server) newKVHTTP(route func(http.ResponseWriter, *http.Request, *kvhttp.Request) (*kvhttp.Target, error)) *kvhttp.Handler {
 	return &kvhttp.Handler{Backends: s.backends, Transport: s.transport, MaxBodyBytes: s.cfg.Server.MaxBodyBytes,
-		ReadTimeout: -1, BodyBudget: s.bodies, ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
-		Route: route, Attempt: s.attempt}
+		ReadTimeout: -1, BodyIdleTimeout: time.Duration(s.cfg.Server.BodyIdleTimeout),
+		BodyBudget: s.bodies, MaxClientBodyBytes: s.cfg.Server.MaxClientBodyBytes,
+		ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelDebug), Route: route, Attempt: s.attempt}
 }
 
 // llmHandler serves one LLM API endpoint: body checks (413, 400), then the response cache, then
