@@ -42,6 +42,18 @@ func StatusOf(t testing.TB, c interface{ Status() []events.SourceStatus }, backe
 	return events.SourceStatus{}
 }
 
+// FindStatus is StatusOf without failing: ok is false while c has no status for backend. Use it
+// in conditions polled by another goroutine (require.Eventually), where StatusOf's t.Fatalf would
+// end the poller, not the test.
+func FindStatus(c interface{ Status() []events.SourceStatus }, backend string) (events.SourceStatus, bool) {
+	for _, s := range c.Status() {
+		if s.Backend == backend {
+			return s, true
+		}
+	}
+	return events.SourceStatus{}, false
+}
+
 // RecordingSink is a Sink that records what it receives. Block makes Apply wait until Unblock;
 // Fail makes Apply and ClearBackend fail, FailApplies only the next Applies. Safe for concurrent
 // use.
