@@ -32,7 +32,7 @@ func fuzzParse(t *testing.T, parse func([]byte) (*Request, error), body []byte) 
 		t.Fatalf("accepted invalid JSON %q", body)
 	}
 	checkMedia(t, r)
-	// Parsing is deterministic, and the Request does not alias body.
+	// Parsing is deterministic, whether or not the Request shares body's bytes.
 	again, err := parse(append([]byte(nil), body...))
 	if err != nil {
 		t.Fatalf("second parse failed: %v", err)
