@@ -45,6 +45,9 @@ func (c *Config) Validate() error {
 	if s.MaxInflightBodyBytes < s.MaxBodyBytes {
 		fe.add("server.max_inflight_body_bytes", "%d is below server.max_body_bytes (%d)", s.MaxInflightBodyBytes, s.MaxBodyBytes)
 	}
+	if _, _, err := ParseMemoryLimit(s.MemoryLimit); err != nil {
+		fe.add("server.memory_limit", "%v", err)
+	}
 	for path, d := range map[string]Duration{"server.shutdown_timeout": s.ShutdownTimeout,
 		"server.read_header_timeout": s.ReadHeaderTimeout, "server.read_timeout": s.ReadTimeout, "server.upstream_dial_timeout": s.UpstreamDialTimeout} {
 		if d < 0 {
