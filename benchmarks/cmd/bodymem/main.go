@@ -43,6 +43,7 @@ type config struct {
 	timeout     time.Duration // bound on the whole run
 	heapProfile string        // where to write the child's heap profile taken at its largest heap in use; "": none
 	goMemLimit  string        // the child's GOMEMLIMIT environment variable; "": not set
+	plain       bool          // prose without JSON escapes (no newlines, quotes or tabs)
 }
 
 // result is what one run saw.
@@ -70,6 +71,8 @@ func main() {
 	flag.StringVar(&c.heapProfile, "heap-profile", "", "sample the proxy's heap (net/http/pprof, -pprof) during the burst and write "+
 		"a heap profile taken at its largest heap in use to this file (read it with go tool pprof -sample_index=inuse_space); "+
 		"each profile forces a collection, so the peak RSS of such a run is lower than without it")
+	flag.BoolVar(&c.plain, "plain", false, "bodies of prose written without JSON escapes (no newlines, quotes or tabs), "+
+		"which the proxy's parser keeps as views into the body rather than decoding into a copy")
 	flag.StringVar(&c.goMemLimit, "gomemlimit", "", "the proxy's GOMEMLIMIT environment variable (e.g. off, 300MiB); unset when empty")
 	flag.Parse()
 	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
@@ -126,7 +129,7 @@ func run(ctx context.Context, c config) (*result, error) {
 
 	bodies := make([][]byte, c.n)
 	for i := range bodies {
-		bodies[i] = chatBody(i, c.size)
+		bodies[i] = chatBody(i, c.size, c.plain)
 	}
 	r.bodyBytes = len(bodies[0])
 	if r.idleHWM, err = peakRSS(child.pid()); err != nil {
@@ -237,15 +240,23 @@ func proxyConfig(c config, url string) string {
 }
 
 // chatBody returns an OpenAI chat body of about size bytes: a system prompt naming request i
-// (so that the bodies differ) and user turns of prose.
-func chatBody(i, size int) []byte {
-	const para = "The proxy reads each request body, parses it and routes it by its prompt's prefix. " +
+// (so that the bodies differ) and user turns of prose, with quotes, tabs and newlines (JSON
+// escapes) unless plain.
+func chatBody(i, size int, plain bool) []byte {
+	para := "The proxy reads each request body, parses it and routes it by its prompt's prefix. " +
 		"This paragraph stands for a long pasted document, with \"quotes\", tabs\tand newlines.\n"
+	if plain {
+		para = "The proxy reads each request body, parses it and routes it by its prompt's prefix. " +
+			"This paragraph stands for a long pasted document written on one line. "
+	}
 	var b bytes.Buffer
 	b.Grow(size + 1024)
 	fmt.Fprintf(&b, `{"model":"m","max_tokens":16,"messages":[{"role":"system","content":"You are assistant %d."}`, i)
 	for turn := 0; ; turn++ {
 		prefix := fmt.Sprintf(`,{"role":"user","content":"Document %d:\n`, turn)
+		if plain {
+			prefix = fmt.Sprintf(`,{"role":"user","content":"Document %d: `, turn)
+		}
 		room := size - b.Len() - len(prefix) - len(`"}]}`)
 		if room <= 0 {
 			break
@@ -319,8 +330,12 @@ func report(w io.Writer, c config, r *result) {
 	if c.maxInflight > 0 {
 		inflight = strconv.FormatInt(c.maxInflight, 10) + " bytes"
 	}
-	fmt.Fprintf(w, "- %d concurrent chat requests of %d bytes (%.2f MiB) each; server.max_inflight_body_bytes: %s\n",
-		c.n, r.bodyBytes, float64(r.bodyBytes)/(1<<20), inflight)
+	prose := "prose with JSON escapes (newlines, quotes, tabs)"
+	if c.plain {
+		prose = "prose without JSON escapes"
+	}
+	fmt.Fprintf(w, "- %d concurrent chat requests of %d bytes (%.2f MiB) each, %s; server.max_inflight_body_bytes: %s\n",
+		c.n, r.bodyBytes, float64(r.bodyBytes)/(1<<20), prose, inflight)
 	if c.goMemLimit != "" {
 		fmt.Fprintf(w, "- the proxy's GOMEMLIMIT: %s\n", c.goMemLimit)
 	}

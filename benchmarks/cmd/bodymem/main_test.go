@@ -44,10 +44,10 @@ func TestRunTiny(t *testing.T) {
 	}
 }
 
-// The bodies are valid chat requests of about the size asked for.
+// The bodies are valid chat requests of about the size asked for; plain ones hold no escape.
 func TestChatBody(t *testing.T) {
 	for _, size := range []int{300, 4 << 10, 200 << 10} {
-		b := chatBody(1, size)
+		b := chatBody(1, size, size == 4<<10)
 		var v struct {
 			Model    string
 			Messages []struct{ Role, Content string }
@@ -57,6 +57,9 @@ func TestChatBody(t *testing.T) {
 		}
 		if len(b) > size || len(b) < size-256 || len(v.Messages) < 2 {
 			t.Errorf("size %d: got %d bytes, %d messages", size, len(b), len(v.Messages))
+		}
+		if plain := size == 4<<10; plain == bytes.Contains(b, []byte{'\\'}) {
+			t.Errorf("size %d: plain %v, body holds a backslash: %v", size, plain, !plain)
 		}
 	}
 }
