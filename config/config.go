@@ -95,6 +95,14 @@ type ServerConfig struct {
 	MaxClientBodyBytes int64 `yaml:"max_client_body_bytes"`
 	// UpstreamDialTimeout bounds connecting to a backend (default 5s).
 	UpstreamDialTimeout Duration `yaml:"upstream_dial_timeout"`
+	// MemoryLimit is the soft memory limit of the gateway's Go runtime (runtime/debug's
+	// SetMemoryLimit, what GOMEMLIMIT sets): the garbage collector works harder as the heap nears
+	// it, rather than letting it grow to twice what is live. A byte count (536870912) or a size
+	// with a binary unit (512MiB, 1.5GiB; B, KiB, MiB, GiB, TiB), "off" or 0 for none, or "auto"
+	// (the default): 90 % of the memory limit of the process's cgroup when it has one, else twice
+	// max_inflight_body_bytes plus 256 MiB. See ParseMemoryLimit. A GOMEMLIMIT environment
+	// variable takes precedence over it.
+	MemoryLimit string `yaml:"memory_limit"`
 }
 
 // AdminConfig is the admin section.

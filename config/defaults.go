@@ -53,6 +53,9 @@ func (c *Config) ApplyDefaults() {
 	if s.UpstreamDialTimeout == 0 {
 		s.UpstreamDialTimeout = Duration(DefaultUpstreamDialTimeout)
 	}
+	if s.MemoryLimit == "" {
+		s.MemoryLimit = MemoryLimitAuto
+	}
 	if c.PrefixRouting.Enabled == nil {
 		c.PrefixRouting.Enabled = ptr(true)
 	}

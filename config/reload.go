@@ -14,6 +14,7 @@ import (
 func LiveSettings() []string {
 	return []string{
 		"admin",
+		"server.memory_limit",
 		"selection_strategy",
 		"prefix_routing",
 		"response_cache.ttl",

@@ -48,6 +48,9 @@ func (c *Config) Validate() error {
 	if m := s.MaxClientBodyBytes; m != -1 && m < s.MaxBodyBytes {
 		fe.add("server.max_client_body_bytes", "%d is below server.max_body_bytes (%d); -1 lifts the bound", m, s.MaxBodyBytes)
 	}
+	if _, _, err := ParseMemoryLimit(s.MemoryLimit); err != nil {
+		fe.add("server.memory_limit", "%v", err)
+	}
 	for path, d := range map[string]Duration{"server.shutdown_timeout": s.ShutdownTimeout,
 		"server.read_header_timeout": s.ReadHeaderTimeout, "server.read_timeout": s.ReadTimeout, "server.upstream_dial_timeout": s.UpstreamDialTimeout,
 		"server.body_idle_timeout": s.BodyIdleTimeout} {

@@ -68,13 +68,10 @@ const (
 // budgetWait bounds the wait of a request for room in its Budget.
 const budgetWait = time.Second
 
-// A body over parseEstimateFrom bytes is charged parseCostPerObject bytes per JSON object against
-// the Budget before it is parsed (when that is more than its size): what prefixkey.Parse
-// allocates for a message or content part of a few bytes, about ten times its size.
-const (
-	parseEstimateFrom  = 64 << 10
-	parseCostPerObject = 384
-)
+// A body over parseEstimateFrom bytes is also charged what its parsed Request will hold against
+// the Budget before it is parsed (prefixkey.EstimateParseCost: the decoded copy of its escaped
+// text, a few hundred bytes per JSON object).
+const parseEstimateFrom = 64 << 10
 
 // errBodyIdle is readBody's error when no byte of the body came within Handler.BodyIdleTimeout.
 var errBodyIdle = fmt.Errorf("kvhttp: the request body made no progress: %w", os.ErrDeadlineExceeded)
@@ -164,10 +161,10 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, req *Request)
 	}
 	req.Body = body
 	n := req.held
-	// Parsing costs memory per JSON object as well as per byte: a body of many tiny messages
-	// takes about ten times its size once parsed. Hold that too before parsing a large body.
+	// The parsed Request is held beside the body: its escaped text decoded, a Message or Part
+	// per JSON object. Hold that too before parsing a large body.
 	if b := req.budget; b != nil && req.Format != 0 && len(req.Body) > parseEstimateFrom {
-		if extra := int64(bytes.Count(req.Body, []byte{'{'}))*parseCostPerObject - n; extra > 0 {
+		if extra := prefixkey.EstimateParseCost(req.Body); extra > 0 {
 			extra = min(extra, b.size-n)
 			if !b.TryAcquire(extra) && !b.acquireWithin(r.Context(), extra) {
 				req.Release()

@@ -34,7 +34,8 @@ var ErrUnknownFormat = errors.New("prefixkey: unknown request format")
 
 // Parse parses body as a request of format f, dispatching to ParseOpenAIChat,
 // ParseOpenAICompletion or ParseAnthropicMessages. It is safe for concurrent use; body is only
-// read, and the returned Request does not alias it.
+// read, but the returned Request may share its bytes: body must not be modified while the
+// Request is in use (copy it first to reuse its buffer).
 //
 // A body is not valid when a string that reaches the Request is not valid UTF-8 (or holds an
 // unpaired surrogate escape), or when temperature (OpenAI [0, 2], Anthropic [0, 1]), top_p
@@ -44,10 +45,14 @@ var ErrUnknownFormat = errors.New("prefixkey: unknown request format")
 // wrapping ErrMalformed when the body is not a valid request of the format, or an error wrapping
 // ErrUnknownFormat when f is not one of the Format constants.
 //
-// The message, part and prompt text of a parsed Request share one allocation of the size of
-// body, its system prompt another and its Part.Data values a third, and its Message.Extra values
-// share a fourth (each slice capped at its length, so appending to one copies it): keeping any of
-// them alive keeps that allocation alive. Bodies longer than 1 GiB are refused.
+// A message's text (and its text part's), the system prompt or a completions prompt that is one
+// JSON string of at least 64 bytes written without escapes is not copied: the Request's string
+// refers to body, so that a large prompt is held once, not twice. The other message, part and
+// prompt text of a parsed Request share one allocation of at most the size of body (the decoded
+// text: its size when most text is copied), its system prompt another and its Part.Data values a
+// third, and its Message.Extra values share a fourth (each slice capped at its length, so
+// appending to one copies it): keeping any of them alive keeps that allocation, or body, alive.
+// Bodies longer than 1 GiB are refused.
 func Parse(f Format, body []byte) (*Request, error) {
 	switch f {
 	case FormatOpenAIChat:
@@ -109,24 +114,62 @@ type sortEnt struct {
 // partRef is a Part whose strings are offsets into the decoder's arenas.
 type partRef struct {
 	typ        partKind
+	view       bool  // the text is d.buf[tlo:thi], not in d.text
 	tylo, tyhi int32 // the type name in d.data, when typ == kindOther
-	tlo, thi   int32 // in d.text
+	tlo, thi   int32 // in d.text (or d.buf: view)
 	dlo, dhi   int32 // in d.data
 }
 
 // msgRef is a Message whose strings are offsets into the decoder's arenas.
 type msgRef struct {
 	role     msgRole
-	tlo, thi int32 // in d.text
+	view     bool  // the text is d.buf[tlo:thi], not in d.text
+	tlo, thi int32 // in d.text (or d.buf: view)
 	plo, phi int32 // in d.parts
 	xlo, xhi int32 // in d.raw
 }
 
 // addMsg appends a message whose text is d.text[tlo:], parts d.parts[plo:] and extra d.raw[xlo:xhi].
+// When that text is a string of the body as written (no escapes: noteText), the message and its
+// text part refer to the body instead, and d.text gives the bytes back.
 func (d *decoder) addMsg(role string, tlo, plo, xlo, xhi int) {
-	d.msgs = grow(d.msgs)
-	d.msgs = append(d.msgs, msgRef{role: roleOf(role), tlo: int32(tlo), thi: int32(len(d.text)),
-		plo: int32(plo), phi: int32(len(d.parts)), xlo: int32(xlo), xhi: int32(xhi)})
+	m := msgRef{role: roleOf(role), tlo: int32(tlo), thi: int32(len(d.text)),
+		plo: int32(plo), phi: int32(len(d.parts)), xlo: int32(xlo), xhi: int32(xhi)}
+	if lo, hi, ok := d.textView(tlo); ok {
+		m.view, m.tlo, m.thi = true, int32(lo), int32(hi)
+		for i := range d.parts[plo:] {
+			p := &d.parts[plo+i]
+			if int(p.tlo) == tlo && int(p.thi) == len(d.text) {
+				p.view, p.tlo, p.thi = true, int32(lo), int32(hi)
+			} else { // empty (the message's text is this one string): keep it in range
+				p.tlo, p.thi = int32(tlo), int32(tlo)
+			}
+		}
+		d.text = d.text[:tlo]
+	}
+	d.textEnd = len(d.text)
+	d.msgs = append(grow(d.msgs), m)
+}
+
+// viewMin is the shortest text kept as a view into the body rather than copied: a view keeps
+// the whole body alive, which a short copy need not.
+const viewMin = 64
+
+// noteText records that d.text[at:] was just appended from the string s of the body.
+func (d *decoder) noteText(s jstr, at int) {
+	if s.plain && s.hi-s.lo >= viewMin {
+		d.src, d.srcAt = s, at
+	}
+}
+
+// textView reports whether d.text[tlo:] is exactly the last string noteText recorded, written in
+// the body without escapes, and returns its span in the body.
+func (d *decoder) textView(tlo int) (lo, hi int, ok bool) {
+	s := d.src
+	if d.srcAt != tlo || s.hi-s.lo != len(d.text)-tlo || s.hi <= s.lo || !bytes.Equal(d.text[tlo:], d.buf[s.lo:s.hi]) {
+		return 0, 0, false
+	}
+	return s.lo, s.hi, true
 }
 
 // grow makes room for one more element in s, doubling its capacity when it is full: the
@@ -146,12 +189,21 @@ type decoder struct {
 
 	text []byte // arena: message, part and prompt text
 	sys  []byte // arena: the system prompt
-	data []byte // arena: Part.Data
-	raw  []byte // arena: Message.Extra
+
+	// Views: a text that is one string of the body without escapes refers to the body rather
+	// than to a copy. src is the last plain string appended to d.text, at d.text[srcAt:];
+	// textEnd is where the last message added ends in d.text; sysView, when hi > lo, is the
+	// system prompt's span in the body (d.sys then unused).
+	src     jstr
+	srcAt   int
+	textEnd int
+	sysView jstr
+	data    []byte // arena: Part.Data
+	raw     []byte // arena: Message.Extra
 
 	parts   []partRef
 	msgs    []msgRef
-	prompts []jstr // completions: spans in d.text (plain is unused)
+	prompts []jstr // completions: spans in d.text, or in d.buf when plain
 	members []member
 	tape    []tapeEnt
 	sorted  []sortEnt
@@ -1321,6 +1373,7 @@ func (d *decoder) keyString(k jstr) string {
 func (d *decoder) resetMessages() {
 	d.text, d.data, d.raw = d.text[:0], d.data[:0], d.raw[:0]
 	d.parts, d.msgs, d.media = d.parts[:0], d.msgs[:0], d.media[:0]
+	d.textEnd = 0
 }
 
 // addExtra canonicalises d.members[base:] (null members dropped) into d.raw and returns its span.
@@ -1358,10 +1411,18 @@ const maxBodyLen = 1<<30 - 1
 func (d *decoder) finish(r *Request) {
 	r.Params.Other = d.otherJSON()
 	r.Media = d.mediaOf()
+	if cap(d.text)-len(d.text) > 64<<10 && len(d.text) < cap(d.text)/2 {
+		// Most text stayed in the body: keep only what was copied, not the whole arena.
+		d.text = bytes.Clone(d.text)
+	}
 	text, sys, data := arenaString(d.text), arenaString(d.sys), arenaString(d.data)
+	body := arenaString(d.buf)
 	d.text, d.sys, d.data = nil, nil, nil
 	if len(sys) > 0 {
 		r.System = sys
+	}
+	if v := d.sysView; v.hi > v.lo {
+		r.System = body[v.lo:v.hi]
 	}
 	var parts []Part
 	if len(d.parts) > 0 {
@@ -1371,7 +1432,11 @@ func (d *decoder) finish(r *Request) {
 			if p.typ == kindOther {
 				typ = data[p.tylo:p.tyhi]
 			}
-			parts[i] = Part{Type: typ, Text: text[p.tlo:p.thi], Data: data[p.dlo:p.dhi]}
+			src := text
+			if p.view {
+				src = body
+			}
+			parts[i] = Part{Type: typ, Text: src[p.tlo:p.thi], Data: data[p.dlo:p.dhi]}
 		}
 	}
 	if len(d.msgs) > 0 {
@@ -1379,7 +1444,11 @@ func (d *decoder) finish(r *Request) {
 		for i, m := range d.msgs {
 			msg := &r.Messages[i]
 			msg.Role = m.role.String()
-			msg.Text = text[m.tlo:m.thi]
+			if m.view {
+				msg.Text = body[m.tlo:m.thi]
+			} else {
+				msg.Text = text[m.tlo:m.thi]
+			}
 			if m.phi > m.plo {
 				msg.Parts = parts[m.plo:m.phi:m.phi]
 			}
@@ -1391,7 +1460,11 @@ func (d *decoder) finish(r *Request) {
 	if len(d.prompts) > 0 {
 		r.Prompt = make([]string, len(d.prompts))
 		for i, s := range d.prompts {
-			r.Prompt[i] = text[s.lo:s.hi]
+			if s.plain {
+				r.Prompt[i] = body[s.lo:s.hi]
+			} else {
+				r.Prompt[i] = text[s.lo:s.hi]
+			}
 		}
 	}
 }
@@ -1568,5 +1641,6 @@ func (d *decoder) textMember(ms []member, name string) (lo, hi int, err error) {
 	}
 	lo = len(d.text)
 	d.text = d.appendStr(d.text, m.s)
+	d.noteText(m.s, lo)
 	return lo, len(d.text), nil
 }

@@ -1,7 +1,8 @@
 package prefixkey
 
 // ParseAnthropicMessages parses an Anthropic messages body (POST /v1/messages).
-// It is safe for concurrent use; body is only read, and the returned Request does not alias it.
+// It is safe for concurrent use; body is only read, and the returned Request may share its bytes
+// (see Parse): do not modify body while the Request is in use.
 //
 // "model" (a non-empty string) and "messages" (an array) are required. The top-level "system" is
 // a string or an array of text blocks; it fills Request.System (block texts joined by "\n") and
@@ -51,7 +52,7 @@ func ParseAnthropicMessages(body []byte) (*Request, error) {
 				return nil, err
 			}
 		case "system":
-			d.sys = d.sys[:0]
+			d.sys, d.sysView = d.sys[:0], jstr{}
 			if r.HasSystem, err = d.anthropicSystem(); err != nil {
 				return nil, atField(err, "system")
 			}
@@ -102,6 +103,10 @@ func (d *decoder) anthropicSystem() (bool, error) {
 		s, err := d.scanString()
 		if err != nil {
 			return false, err
+		}
+		if s.plain && s.hi-s.lo >= viewMin { // as written in the body: System refers to it
+			d.sysView = s
+			return true, nil
 		}
 		d.sys = d.appendStr(d.sys, s)
 		return true, nil
@@ -261,6 +266,7 @@ func (d *decoder) anthropicContent(depth int) (null bool, err error) {
 		}
 		lo := len(d.text)
 		d.text = d.appendStr(d.text, s)
+		d.noteText(s, lo)
 		d.addPart("text", lo, len(d.text), 0, 0)
 		return false, nil
 	case '[':

@@ -3,6 +3,7 @@ package prefixkey
 import (
 	"encoding/json"
 	"errors"
+	"strings"
 	"testing"
 )
 
@@ -32,7 +33,17 @@ func fuzzParse(t *testing.T, parse func([]byte) (*Request, error), body []byte) 
 		t.Fatalf("accepted invalid JSON %q", body)
 	}
 	checkMedia(t, r)
-	// Parsing is deterministic, and the Request does not alias body.
+	// A message's text is its parts' texts in order, whether it is a view into body or a copy.
+	for i, m := range r.Messages {
+		var cat strings.Builder
+		for _, p := range m.Parts {
+			cat.WriteString(p.Text)
+		}
+		if cat.String() != m.Text {
+			t.Fatalf("message %d: text %q, parts' text %q", i, m.Text, cat.String())
+		}
+	}
+	// Parsing is deterministic, whether or not the Request shares body's bytes.
 	again, err := parse(append([]byte(nil), body...))
 	if err != nil {
 		t.Fatalf("second parse failed: %v", err)
@@ -97,17 +108,29 @@ func FuzzParseOpenAIChat(f *testing.F) {
 	fuzzSeeds(f, openAIChatCases, commonErrCases, openAIChatErrCases)
 	f.Add([]byte(`{"model":"m","cache_salt":"s","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"input_audio","input_audio":{"data":"x"}},{"type":"image_url","image_url":{"url":"data:;base64,"}}]}]}`))
 	f.Add(parseBenchChatBody(1 << 10))
+	// Texts long enough to stay views into the body, beside copies, media and duplicate keys.
+	long := strings.Repeat("plain words without escapes ", 4)
+	f.Add([]byte(`{"model":"m","messages":[{"role":"system","content":"` + long + `"},{"role":"developer","content":"` + long + `"},` +
+		`{"role":"user","content":"` + long + `"},{"role":"user","content":"esc\n` + long + `"},{"role":"assistant","content":[{"type":"text","text":"` + long + `"}]},` +
+		`{"role":"user","content":[{"type":"text","text":"` + long + `"},{"type":"image_url","image_url":{"url":"https://x/y.png"}},{"type":"text","text":""}]},` +
+		`{"role":"user","content":"` + long + `","content":"short"}]}`))
 	f.Fuzz(func(t *testing.T, body []byte) { fuzzParse(t, ParseOpenAIChat, body) })
 }
 
 func FuzzParseOpenAICompletion(f *testing.F) {
 	fuzzSeeds(f, openAICompletionCases, commonErrCases, openAICompletionErrCases)
+	long := strings.Repeat("plain words without escapes ", 4)
+	f.Add([]byte(`{"model":"m","prompt":["` + long + `","esc\t` + long + `","short"]}`))
 	f.Fuzz(func(t *testing.T, body []byte) { fuzzParse(t, ParseOpenAICompletion, body) })
 }
 
 func FuzzParseAnthropicMessages(f *testing.F) {
 	fuzzSeeds(f, anthropicCases, commonErrCases, anthropicErrCases)
 	f.Add(parseBenchAnthropicBody(1 << 10))
+	long := strings.Repeat("plain words without escapes ", 4)
+	f.Add([]byte(`{"model":"m","max_tokens":1,"system":"` + long + `","messages":[{"role":"user","content":"` + long + `"},` +
+		`{"role":"assistant","content":[{"type":"text","text":"` + long + `"},{"type":"tool_use","id":"t","name":"n","input":{}}]},` +
+		`{"role":"user","content":[{"type":"image","source":{"type":"url","url":"https://x/y.png"}},{"type":"text","text":"` + long + `"}]}]}`))
 	f.Fuzz(func(t *testing.T, body []byte) { fuzzParse(t, ParseAnthropicMessages, body) })
 }
 

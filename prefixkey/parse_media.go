@@ -81,7 +81,7 @@ func mediaKindOfCode(c uint8) string {
 func (d *decoder) addMedia(kind string, h uint64) {
 	textLo, partLo := 0, 0
 	if n := len(d.msgs); n > 0 {
-		textLo, partLo = int(d.msgs[n-1].thi), int(d.msgs[n-1].phi)
+		textLo, partLo = d.textEnd, int(d.msgs[n-1].phi)
 	}
 	d.media = append(grow(d.media), mediaRef{kind: mediaCode(kind), msg: int32(len(d.msgs)),
 		part: int32(len(d.parts) - partLo), off: int32(len(d.text) - textLo), hash: h})

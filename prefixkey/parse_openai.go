@@ -3,7 +3,8 @@ package prefixkey
 import "strconv"
 
 // ParseOpenAIChat parses an OpenAI chat completions body (POST /v1/chat/completions).
-// It is safe for concurrent use; body is only read, and the returned Request does not alias it.
+// It is safe for concurrent use; body is only read, and the returned Request may share its bytes
+// (see Parse): do not modify body while the Request is in use.
 //
 // "model" (a non-empty string) and "messages" (an array) are required. A message's content is a
 // string, an array of content parts, or null/absent (assistant messages only, e.g. with
@@ -57,7 +58,7 @@ func ParseOpenAIChat(body []byte) (*Request, error) {
 			}
 		case "messages":
 			d.resetMessages()
-			d.sys = d.sys[:0]
+			d.sys, d.sysView = d.sys[:0], jstr{}
 			r.HasSystem = false
 			var null bool
 			if null, err = d.readNull(); err == nil && !null {
@@ -211,10 +212,17 @@ func (d *decoder) openAIMessage(r *Request) error {
 				return fieldErr("content["+strconv.Itoa(i)+"]", "system and developer messages may hold text parts only")
 			}
 		}
-		if r.HasSystem {
-			d.sys = append(d.sys, '\n')
+		if lo, hi, ok := d.textView(textLo); ok && !r.HasSystem {
+			d.sysView = jstr{lo: lo, hi: hi} // one system message so far: its text stays in the body
+		} else {
+			if v := d.sysView; v.hi > v.lo { // a second one: the first is copied after all
+				d.sys, d.sysView = append(d.sys[:0], d.buf[v.lo:v.hi]...), jstr{}
+			}
+			if r.HasSystem {
+				d.sys = append(d.sys, '\n')
+			}
+			d.sys = append(d.sys, d.text[textLo:]...)
 		}
-		d.sys = append(d.sys, d.text[textLo:]...)
 		r.HasSystem = true
 		d.text, d.parts = d.text[:textLo], d.parts[:partLo]
 		return nil
@@ -240,6 +248,7 @@ func (d *decoder) openAIContent(depth int) (null bool, err error) {
 		}
 		lo := len(d.text)
 		d.text = d.appendStr(d.text, s)
+		d.noteText(s, lo)
 		d.addPart("text", lo, len(d.text), 0, 0)
 		return false, nil
 	case '[':
@@ -317,7 +326,8 @@ func (d *decoder) onlyMembers(ms []member, name string) bool {
 }
 
 // ParseOpenAICompletion parses an OpenAI completions body (POST /v1/completions).
-// It is safe for concurrent use; body is only read, and the returned Request does not alias it.
+// It is safe for concurrent use; body is only read, and the returned Request may share its bytes
+// (see Parse): do not modify body while the Request is in use.
 //
 // "model" (a non-empty string) and "prompt" are required. A prompt is a string (Prompt holds
 // it), a non-empty array of strings (Prompt holds them in order), an array of token IDs, or an
@@ -461,6 +471,10 @@ func (d *decoder) promptString() error {
 	s, err := d.scanString()
 	if err != nil {
 		return err
+	}
+	if s.plain && s.hi-s.lo >= viewMin { // as written in the body: Prompt refers to it
+		d.prompts = append(grow(d.prompts), jstr{lo: s.lo, hi: s.hi, plain: true})
+		return nil
 	}
 	lo := len(d.text)
 	d.text = d.appendStr(d.text, s)

@@ -224,19 +224,43 @@ func (t *EngineTokenizer) Tokenize(ctx context.Context, r *Request) ([]uint32, e
 	return tok, nil
 }
 
-type tokenizeMessage struct {
-	Role    string `json:"role"`
-	Content string `json:"content"`
-}
-
-type tokenizeChatBody struct {
-	Model    string            `json:"model,omitempty"`
-	Messages []tokenizeMessage `json:"messages"`
-}
-
-type tokenizePromptBody struct {
-	Model  string `json:"model,omitempty"`
-	Prompt string `json:"prompt"`
+// tokenizeBody returns the /tokenize body of r as a stream, and its length: {"model", "messages":
+// [{"role", "content"}, ...]} for chat (model left out when empty), {"model", "prompt"} for a
+// completions prompt. The prompt's text is escaped as it is read, not copied into a buffer.
+func tokenizeBody(r *Request, mode tokenizeMode) (io.Reader, int64) {
+	pieces := make([]jsonPiece, 0, 4+4*len(r.Messages)+4)
+	raw := func(s string) { pieces = append(pieces, jsonPiece{s: s}) }
+	str := func(s string) { pieces = append(pieces, jsonPiece{s: s, quoted: true}) }
+	raw("{")
+	if r.Model != "" {
+		raw(`"model":`)
+		str(r.Model)
+		raw(",")
+	}
+	if mode == modeChat {
+		raw(`"messages":[`)
+		sep := ""
+		if r.HasSystem {
+			raw(`{"role":"system","content":`)
+			str(r.System)
+			raw("}")
+			sep = ","
+		}
+		for i := range r.Messages {
+			raw(sep + `{"role":`)
+			str(r.Messages[i].Role)
+			raw(`,"content":`)
+			str(r.Messages[i].Text)
+			raw("}")
+			sep = ","
+		}
+		raw("]}")
+	} else {
+		raw(`"prompt":`)
+		str(r.Prompt[0])
+		raw("}")
+	}
+	return newJSONStream(pieces)
 }
 
 type tokenizeAnswer struct {
@@ -246,29 +270,17 @@ type tokenizeAnswer struct {
 
 // post sends one /tokenize request.
 func (t *EngineTokenizer) post(ctx context.Context, r *Request, mode tokenizeMode) ([]uint32, error) {
-	var body []byte
-	var err error
-	if mode == modeChat {
-		msgs := make([]tokenizeMessage, 0, len(r.Messages)+1)
-		if r.HasSystem {
-			msgs = append(msgs, tokenizeMessage{Role: "system", Content: r.System})
-		}
-		for i := range r.Messages {
-			msgs = append(msgs, tokenizeMessage{Role: r.Messages[i].Role, Content: r.Messages[i].Text})
-		}
-		body, err = json.Marshal(tokenizeChatBody{Model: r.Model, Messages: msgs})
-	} else {
-		body, err = json.Marshal(tokenizePromptBody{Model: r.Model, Prompt: r.Prompt[0]})
-	}
-	if err != nil { // strings always encode; kept for safety
-		return nil, fmt.Errorf("%w: encoding the request: %w", ErrTokenize, err)
-	}
-
+	body, size := tokenizeBody(r, mode)
 	cctx, cancel := context.WithTimeout(ctx, t.timeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(cctx, http.MethodPost, t.endpoint, bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(cctx, http.MethodPost, t.endpoint, body)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrTokenize, err)
+	}
+	req.ContentLength = size
+	req.GetBody = func() (io.ReadCloser, error) { // for the transport to send it again
+		b, _ := tokenizeBody(r, mode)
+		return io.NopCloser(b), nil
 	}
 	for k, vs := range t.header {
 		for _, v := range vs {

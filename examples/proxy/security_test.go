@@ -200,8 +200,9 @@ func TestAdminRefusesBrowserRequestsWithoutToken(t *testing.T) {
 	}
 }
 
-// A large body of many tiny JSON objects is charged what parsing it will cost, not only its
-// bytes, against server.max_inflight_body_bytes.
+// A large body of many tiny JSON objects, or of text written with escapes (decoded into a
+// copy), is charged what parsing it will hold, not only its bytes, against
+// server.max_inflight_body_bytes; one of plain text little more than its bytes.
 func TestBodyBudgetChargesParseCost(t *testing.T) {
 	up := newFakeUpstream(t, "a")
 	p := startProxy(t, fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, func(c *config.Config) {
@@ -210,17 +211,18 @@ func TestBodyBudgetChargesParseCost(t *testing.T) {
 	}))
 	tiny := `{"model":"m","messages":[` + strings.Repeat(`{"role":"user","content":"a"},`, 30000) + `{"role":"user","content":"b"}]}`
 	prose := chatBody("s", strings.Repeat("plain words ", 80000), "")
+	lines := chatBody("s", strings.Repeat("a line\n", 120000), "")
 	for _, tc := range []struct {
 		name     string
 		body     string
-		heldMore bool // holds more than its bytes
-	}{{"tiny objects", tiny, true}, {"prose", prose, false}} {
+		heldMore bool // holds more than its bytes and 3 %
+	}{{"tiny objects", tiny, true}, {"prose", prose, false}, {"escaped lines", lines, true}} {
 		r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(tc.body))
 		req, err := p.server.llm.ReadRequest(httptest.NewRecorder(), r)
 		if err != nil || len(req.Body) != len(tc.body) {
 			t.Fatalf("%s: %v", tc.name, err)
 		}
-		free := int64(4<<20) - int64(len(tc.body))
+		free := int64(4<<20) - int64(len(tc.body)) - int64(len(tc.body))/32
 		if got := !p.server.bodies.TryAcquire(free); got != tc.heldMore {
 			t.Errorf("%s: holds more than its %d bytes: %v, want %v", tc.name, len(tc.body), got, tc.heldMore)
 		} else if !got {

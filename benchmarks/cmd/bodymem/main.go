@@ -41,6 +41,9 @@ type config struct {
 	maxInflight int64         // server.max_inflight_body_bytes; 0: the proxy's default
 	repo        string        // the kvroute module's root; "": the current module
 	timeout     time.Duration // bound on the whole run
+	heapProfile string        // where to write the child's heap profile taken at its largest heap in use; "": none
+	goMemLimit  string        // the child's GOMEMLIMIT environment variable; "": not set
+	plain       bool          // prose without JSON escapes (no newlines, quotes or tabs)
 }
 
 // result is what one run saw.
@@ -54,6 +57,8 @@ type result struct {
 	goVersion   string
 	cpuModel    string
 	commandLine string
+	heapInuse   uint64 // the largest HeapInuse seen while sampling the child (with -heap-profile)
+	heapSamples int    // how many times it was sampled
 }
 
 func main() {
@@ -63,6 +68,12 @@ func main() {
 	flag.Int64Var(&c.maxInflight, "max-inflight", 0, "server.max_inflight_body_bytes for the proxy (0: its default, 128 MiB)")
 	flag.StringVar(&c.repo, "repo", "", "root of the kvroute module (default: the module of the working directory)")
 	flag.DurationVar(&c.timeout, "timeout", 3*time.Minute, "bound on the whole run, build included")
+	flag.StringVar(&c.heapProfile, "heap-profile", "", "sample the proxy's heap (net/http/pprof, -pprof) during the burst and write "+
+		"a heap profile taken at its largest heap in use to this file (read it with go tool pprof -sample_index=inuse_space); "+
+		"each profile forces a collection, so the peak RSS of such a run is lower than without it")
+	flag.BoolVar(&c.plain, "plain", false, "bodies of prose written without JSON escapes (no newlines, quotes or tabs), "+
+		"which the proxy's parser keeps as views into the body rather than decoding into a copy")
+	flag.StringVar(&c.goMemLimit, "gomemlimit", "", "the proxy's GOMEMLIMIT environment variable (e.g. off, 300MiB); unset when empty")
 	flag.Parse()
 	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
 	defer cancel()
@@ -106,7 +117,11 @@ func run(ctx context.Context, c config) (*result, error) {
 	if err := os.WriteFile(cfgPath, []byte(proxyConfig(c, backend.URL)), 0o600); err != nil {
 		return nil, err
 	}
-	child, err := startChild(ctx, bin, cfgPath)
+	var env []string
+	if c.goMemLimit != "" {
+		env = append(env, "GOMEMLIMIT="+c.goMemLimit)
+	}
+	child, err := startChild(ctx, bin, cfgPath, c.heapProfile != "", env)
 	if err != nil {
 		return nil, err
 	}
@@ -114,19 +129,90 @@ func run(ctx context.Context, c config) (*result, error) {
 
 	bodies := make([][]byte, c.n)
 	for i := range bodies {
-		bodies[i] = chatBody(i, c.size)
+		bodies[i] = chatBody(i, c.size, c.plain)
 	}
 	r.bodyBytes = len(bodies[0])
 	if r.idleHWM, err = peakRSS(child.pid()); err != nil {
 		return nil, err
 	}
 	start := time.Now()
+	var sampled chan error
+	stopSampling := make(chan struct{})
+	if c.heapProfile != "" {
+		sampled = make(chan error, 1)
+		go func() { sampled <- sampleHeap(ctx, child.pprofAddr, c.heapProfile, stopSampling, r) }()
+	}
 	burst(ctx, "http://"+child.addr+"/v1/chat/completions", bodies, r)
 	r.elapsed = time.Since(start)
+	close(stopSampling)
+	if sampled != nil {
+		if err := <-sampled; err != nil {
+			return nil, err
+		}
+	}
 	if r.peakHWM, err = peakRSS(child.pid()); err != nil {
 		return nil, err
 	}
 	return r, nil
+}
+
+// sampleHeap reads the child's heap statistics from its pprof listener at addr until stop is
+// closed, and writes to path the heap profile taken when HeapInuse was at its largest. It records
+// that largest HeapInuse and the number of samples in r. Sampling costs the child a little CPU:
+// a run with it is not the same run as one without.
+func sampleHeap(ctx context.Context, addr, path string, stop <-chan struct{}, r *result) error {
+	client := &http.Client{Timeout: 10 * time.Second}
+	get := func(query string) ([]byte, error) {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/debug/pprof/heap"+query, nil)
+		if err != nil {
+			return nil, err
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			return nil, err
+		}
+		defer resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			return nil, fmt.Errorf("GET /debug/pprof/heap%s: status %d", query, resp.StatusCode)
+		}
+		return io.ReadAll(resp.Body)
+	}
+	var best []byte
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		text, err := get("?debug=1")
+		if err != nil {
+			return fmt.Errorf("sampling the heap: %w", err)
+		}
+		r.heapSamples++
+		if inuse := heapInuse(text); inuse > r.heapInuse || best == nil {
+			// gc=1: a collection first, so that the profile shows what is live now rather
+			// than at the last collection (which perturbs the run: see the flag).
+			if best, err = get("?gc=1"); err != nil {
+				return fmt.Errorf("sampling the heap: %w", err)
+			}
+			r.heapInuse = max(r.heapInuse, inuse)
+		}
+		select {
+		case <-stop:
+			return os.WriteFile(path, best, 0o644)
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-tick.C:
+		}
+	}
+}
+
+// heapInuse returns the "# HeapInuse = N" line's N of a heap profile in its debug=1 text form.
+func heapInuse(text []byte) uint64 {
+	for line := range strings.Lines(string(text)) {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "# HeapInuse = "); ok {
+			n, _ := strconv.ParseUint(v, 10, 64)
+			return n
+		}
+	}
+	return 0
 }
 
 // answer is the backend: it reads the whole body and answers a small chat completion.
@@ -154,15 +240,23 @@ func proxyConfig(c config, url string) string {
 }
 
 // chatBody returns an OpenAI chat body of about size bytes: a system prompt naming request i
-// (so that the bodies differ) and user turns of prose.
-func chatBody(i, size int) []byte {
-	const para = "The proxy reads each request body, parses it and routes it by its prompt's prefix. " +
+// (so that the bodies differ) and user turns of prose, with quotes, tabs and newlines (JSON
+// escapes) unless plain.
+func chatBody(i, size int, plain bool) []byte {
+	para := "The proxy reads each request body, parses it and routes it by its prompt's prefix. " +
 		"This paragraph stands for a long pasted document, with \"quotes\", tabs\tand newlines.\n"
+	if plain {
+		para = "The proxy reads each request body, parses it and routes it by its prompt's prefix. " +
+			"This paragraph stands for a long pasted document written on one line. "
+	}
 	var b bytes.Buffer
 	b.Grow(size + 1024)
 	fmt.Fprintf(&b, `{"model":"m","max_tokens":16,"messages":[{"role":"system","content":"You are assistant %d."}`, i)
 	for turn := 0; ; turn++ {
 		prefix := fmt.Sprintf(`,{"role":"user","content":"Document %d:\n`, turn)
+		if plain {
+			prefix = fmt.Sprintf(`,{"role":"user","content":"Document %d: `, turn)
+		}
 		room := size - b.Len() - len(prefix) - len(`"}]}`)
 		if room <= 0 {
 			break
@@ -236,11 +330,22 @@ func report(w io.Writer, c config, r *result) {
 	if c.maxInflight > 0 {
 		inflight = strconv.FormatInt(c.maxInflight, 10) + " bytes"
 	}
-	fmt.Fprintf(w, "- %d concurrent chat requests of %d bytes (%.2f MiB) each; server.max_inflight_body_bytes: %s\n",
-		c.n, r.bodyBytes, float64(r.bodyBytes)/(1<<20), inflight)
+	prose := "prose with JSON escapes (newlines, quotes, tabs)"
+	if c.plain {
+		prose = "prose without JSON escapes"
+	}
+	fmt.Fprintf(w, "- %d concurrent chat requests of %d bytes (%.2f MiB) each, %s; server.max_inflight_body_bytes: %s\n",
+		c.n, r.bodyBytes, float64(r.bodyBytes)/(1<<20), prose, inflight)
+	if c.goMemLimit != "" {
+		fmt.Fprintf(w, "- the proxy's GOMEMLIMIT: %s\n", c.goMemLimit)
+	}
 	fmt.Fprintf(w, "- burst took %v\n\n", r.elapsed.Round(time.Millisecond))
 	fmt.Fprintf(w, "| proxy VmHWM | MB |\n|---|---:|\n| before the burst | %.1f |\n| after the burst (peak) | %.1f |\n\n",
 		float64(r.idleHWM)/1e6, float64(r.peakHWM)/1e6)
+	if r.heapSamples > 0 {
+		fmt.Fprintf(w, "Largest HeapInuse of %d samples (net/http/pprof, every 50 ms): %.1f MB; its heap profile: %s\n\n",
+			r.heapSamples, float64(r.heapInuse)/1e6, c.heapProfile)
+	}
 	codes := make([]int, 0, len(r.statuses))
 	for code := range r.statuses {
 		codes = append(codes, code)

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"os"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"testing"
@@ -23,7 +25,7 @@ func TestRunTiny(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	c := config{n: 3, size: 64 << 10}
+	c := config{n: 3, size: 64 << 10, heapProfile: filepath.Join(t.TempDir(), "heap.pb.gz"), goMemLimit: "256MiB"}
 	r, err := run(ctx, c)
 	if err != nil {
 		t.Fatal(err)
@@ -34,20 +36,23 @@ func TestRunTiny(t *testing.T) {
 	if r.idleHWM <= 0 || r.peakHWM < r.idleHWM {
 		t.Fatalf("VmHWM %d before, %d after", r.idleHWM, r.peakHWM)
 	}
+	if fi, err := os.Stat(c.heapProfile); err != nil || fi.Size() == 0 || r.heapSamples == 0 || r.heapInuse == 0 {
+		t.Fatalf("heap profile %v (%v), %d samples, HeapInuse %d", fi, err, r.heapSamples, r.heapInuse)
+	}
 	var out bytes.Buffer
 	r.commandLine = "go run ./benchmarks/cmd/bodymem -n 3 -size 65536"
 	report(&out, c, r)
-	for _, want := range []string{"go version", "| 200 | 3 |", "after the burst (peak)", "CPU:"} {
+	for _, want := range []string{"go version", "| 200 | 3 |", "after the burst (peak)", "CPU:", "Largest HeapInuse", "GOMEMLIMIT: 256MiB"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("report lacks %q:\n%s", want, out.String())
 		}
 	}
 }
 
-// The bodies are valid chat requests of about the size asked for.
+// The bodies are valid chat requests of about the size asked for; plain ones hold no escape.
 func TestChatBody(t *testing.T) {
 	for _, size := range []int{300, 4 << 10, 200 << 10} {
-		b := chatBody(1, size)
+		b := chatBody(1, size, size == 4<<10)
 		var v struct {
 			Model    string
 			Messages []struct{ Role, Content string }
@@ -57,6 +62,9 @@ func TestChatBody(t *testing.T) {
 		}
 		if len(b) > size || len(b) < size-256 || len(v.Messages) < 2 {
 			t.Errorf("size %d: got %d bytes, %d messages", size, len(b), len(v.Messages))
+		}
+		if plain := size == 4<<10; plain == bytes.Contains(b, []byte{'\\'}) {
+			t.Errorf("size %d: plain %v, body holds a backslash: %v", size, plain, !plain)
 		}
 	}
 }

@@ -1,0 +1,106 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"math"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime/debug"
+	"testing"
+	"time"
+
+	"github.com/kvroute/kvroute/config"
+)
+
+// The proxy applies server.memory_limit to the Go runtime at start and on reload ("off" lifts
+// it), and leaves a GOMEMLIMIT environment variable in force. Not parallel: the limit is the
+// process's.
+func TestMemoryLimitApplied(t *testing.T) {
+	orig := debug.SetMemoryLimit(-1)
+	t.Cleanup(func() { debug.SetMemoryLimit(orig) })
+	t.Setenv("GOMEMLIMIT", "") // unset for the runtime's purposes: applyMemoryLimit reads "" as absent
+	up := newFakeUpstream(t, "a")
+	path := filepath.Join(t.TempDir(), "proxy.yaml")
+	write := func(limit string) {
+		t.Helper()
+		yaml := fmt.Sprintf("server: {memory_limit: %q}\nhealth_checks: {enabled: false}\nbackends:\n  - {name: a, url: %q}\n", limit, up.URL)
+		if err := os.WriteFile(path, []byte(yaml), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("300MiB")
+	l := &live{load: func() (*config.Config, error) { return config.Load(path) }, level: new(slog.LevelVar), log: slog.New(slog.DiscardHandler)}
+	cfg, err := l.load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	runErr := make(chan error, 1)
+	go func() { runErr <- l.run(ctx, cfg, ln) }()
+	defer func() {
+		cancel()
+		if err := <-runErr; err != nil {
+			t.Errorf("run: %v", err)
+		}
+	}()
+	waitFor(t, 10*time.Second, "the proxy to serve", func() bool {
+		r, err := httpClient.Get("http://" + ln.Addr().String() + "/healthz")
+		if err == nil {
+			r.Body.Close()
+		}
+		return err == nil && r.StatusCode == 200
+	})
+	if got := debug.SetMemoryLimit(-1); got != 300<<20 {
+		t.Fatalf("memory limit at start %d, want %d", got, 300<<20)
+	}
+	for _, c := range []struct {
+		yaml string
+		want int64
+	}{{"200MiB", 200 << 20}, {"off", math.MaxInt64}, {"262144000", 262144000}} {
+		write(c.yaml)
+		if err := l.reload(); err != nil {
+			t.Fatalf("reload to %s: %v", c.yaml, err)
+		}
+		if got := debug.SetMemoryLimit(-1); got != c.want {
+			t.Errorf("memory limit after reload to %s: %d, want %d", c.yaml, got, c.want)
+		}
+	}
+	t.Setenv("GOMEMLIMIT", "123MiB")
+	debug.SetMemoryLimit(123 << 20) // what the runtime did at start
+	write("100MiB")
+	if err := l.reload(); err != nil {
+		t.Fatal(err)
+	}
+	if got := debug.SetMemoryLimit(-1); got != 123<<20 {
+		t.Errorf("with GOMEMLIMIT set: memory limit %d after a reload to 100MiB, want GOMEMLIMIT's %d", got, 123<<20)
+	}
+}
+
+// "auto": 90 % of the cgroup's limit when there is one, else twice the body budget plus 256 MiB.
+func TestMemoryLimitAuto(t *testing.T) {
+	cfg := &config.Config{}
+	cfg.ApplyDefaults()
+	noCgroup := func() int64 { return 0 }
+	if got, _ := memoryLimit(cfg, noCgroup); got != 2*128<<20+256<<20 {
+		t.Errorf("auto without a cgroup limit: %d, want %d", got, 2*128<<20+256<<20)
+	}
+	if got, _ := memoryLimit(cfg, func() int64 { return 1000 << 20 }); got != 900<<20 {
+		t.Errorf("auto under a 1000 MiB cgroup: %d, want %d", got, 900<<20)
+	}
+	cfg.Server.MemoryLimit = "64MiB"
+	if got, from := memoryLimit(cfg, func() int64 { return 1000 << 20 }); got != 64<<20 || from != "server.memory_limit" {
+		t.Errorf("explicit: %d from %s", got, from)
+	}
+	for in, want := range map[string]int64{"max\n": 0, "9223372036854771712\n": 0, "1073741824\n": 1 << 30, "": 0, "x": 0} {
+		if got := parseCgroupLimit([]byte(in)); got != want {
+			t.Errorf("parseCgroupLimit(%q) = %d, want %d", in, got, want)
+		}
+	}
+}
