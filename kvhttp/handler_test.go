@@ -2,6 +2,7 @@ package kvhttp_test
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -16,6 +17,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/iotest"
 	"time"
 
 	"github.com/stretchr/testify/assert"
@@ -667,4 +669,44 @@ func TestDotSegmentsRefused(t *testing.T) {
 	require.NoError(t, err)
 	res.Body.Close()
 	assert.Equal(t, http.StatusOK, res.StatusCode)
+}
+
+// ReadRequest returns the body byte for byte at every size around its buffers' edges, with and
+// without a Content-Length, and read a byte at a time; a body over MaxBodyBytes without a
+// Content-Length is 413; and every byte held is given back.
+func TestReadRequestBodySizes(t *testing.T) {
+	budget := kvhttp.NewBudget(8 << 20)
+	const limit = 1 << 20
+	h := &kvhttp.Handler{BodyBudget: budget, MaxBodyBytes: limit}
+	for _, size := range []int{0, 1, 16<<10 - 1, 16 << 10, 16<<10 + 1, 64<<10 - 1, 64 << 10, 64<<10 + 1,
+		3*64<<10 + 7, 300_001, limit} {
+		body := make([]byte, size)
+		for i := range body {
+			body[i] = byte('a' + i%26 + i/4099%3)
+		}
+		for _, mode := range []string{"length", "chunked", "one byte a read"} {
+			var r io.Reader = bytes.NewReader(body)
+			if mode == "one byte a read" {
+				r = iotest.OneByteReader(r)
+			}
+			hr := httptest.NewRequest("POST", "/v1/files", r)
+			if mode != "length" {
+				hr.ContentLength = -1
+			}
+			rec := httptest.NewRecorder()
+			req, err := h.ReadRequest(rec, hr)
+			require.NoError(t, err, "%d bytes, %s: %d %s", size, mode, rec.Code, rec.Body)
+			require.True(t, bytes.Equal(body, req.Body), "%d bytes, %s: the body read differs", size, mode)
+			req.Release()
+			require.True(t, budget.TryAcquire(8<<20), "%d bytes, %s: the budget was not given back", size, mode)
+			budget.Release(8 << 20)
+		}
+	}
+	hr := httptest.NewRequest("POST", "/v1/files", bytes.NewReader(make([]byte, limit+1)))
+	hr.ContentLength = -1
+	rec := httptest.NewRecorder()
+	_, err := h.ReadRequest(rec, hr)
+	require.Error(t, err)
+	assert.Equal(t, 413, rec.Code)
+	require.True(t, budget.TryAcquire(8<<20), "the budget was not given back")
 }
