@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -293,7 +294,7 @@ func (r *DefaultRouter) disaggKeys(ctx context.Context, req *prefixkey.Request, 
 
 // disaggCandidates fills s.cands with every backend: the unified ones from the Router's ring,
 // the prefill and decode ones from their pools' rings, each (with lookup) with its cached prefix
-// from the index.
+// from the index. The backends ctx avoids (WithAvoid) are candidates marked unhealthy.
 func (r *DefaultRouter) disaggCandidates(ctx context.Context, d *DisaggDecision, s *scratchD, lookup bool) {
 	set := r.set.Load()
 	s.loads = r.ring.Loads(s.loads[:0])
@@ -302,8 +303,9 @@ func (r *DefaultRouter) disaggCandidates(ctx context.Context, d *DisaggDecision,
 	nPrefill := len(s.loads) - nUnified
 	s.loads = r.dis.decode.Loads(s.loads)
 	s.cands, s.names = s.cands[:0], s.names[:0]
+	avoid := Avoided(ctx)
 	for i, l := range s.loads {
-		c := disagg.Candidate{Name: l.Name, Weight: l.Weight, Healthy: l.Healthy, Health: 1}
+		c := disagg.Candidate{Name: l.Name, Weight: l.Weight, Healthy: l.Healthy && !slices.Contains(avoid, l.Name), Health: 1}
 		switch {
 		case i < nUnified:
 			c.Role, c.DecodeLoad = disagg.RoleUnified, l.InFlight

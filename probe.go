@@ -347,11 +347,11 @@ func (r *DefaultRouter) probeTier1(pk prefixkey.Key, hasKey bool, set *backendSe
 			res.Why = left + "no prefix key: the random strategy draws a healthy backend"
 			return
 		case StrategyLeastLoaded:
-			pick = r.leastLoaded(set, start, nil)
+			pick = r.leastLoaded(set, start, nil, nil)
 		case StrategyLeastLatency:
-			pick = r.leastLatency(set, start)
+			pick = r.leastLatency(set, start, nil)
 		default:
-			pick = nthHealthy(set.list, start)
+			pick = nthHealthy(set.list, start, nil)
 		}
 	}
 	if pick == nil {

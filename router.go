@@ -37,6 +37,10 @@ import (
 // The default Router has a safety net (Config.MaxDecisionAge, 30 minutes by default): a decision
 // whose Done has not come by then is reclaimed, counted and logged; it is a net for bugs, not a
 // way to end requests.
+//
+// A retry that must not land on the backends that already failed the request passes
+// WithAvoid(ctx, failed...) to Route; the default Router honours it, and a Router of your own
+// should (Avoided reads the list).
 type Router interface {
 	Route(ctx context.Context, req *prefixkey.Request) (*Decision, error)
 }
@@ -508,7 +512,9 @@ func (r *DefaultRouter) SetHealthy(name string, healthy bool) error {
 // strategy with prefix routing off). Tier 1 does no I/O and blocks on other requests no longer
 // than the ring's bound check; tier 4 calls the KV index (a remote one does I/O) and, for a
 // request without token IDs, KVConfig.Tokenizer, both bounded by ctx. With Config.TracerProvider,
-// each call is a telemetry.SpanRoute span, child of ctx's.
+// each call is a telemetry.SpanRoute span, child of ctx's. The backends ctx avoids (WithAvoid)
+// are passed over in every tier as unhealthy ones are; the error is ErrNoBackend when every
+// healthy backend is avoided.
 func (r *DefaultRouter) Route(ctx context.Context, req *prefixkey.Request) (*Decision, error) {
 	if r.tracer != nil {
 		return r.routeTraced(ctx, req)
@@ -533,10 +539,12 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 	if d.HasPrefixKey {
 		r.prefix.add(d.PrefixKey.Uint64())
 	}
+	avoid := Avoided(ctx)
 	var s4 *scratch4
 	if r.kv != nil {
 		s4 = r.kv.scratch.Get().(*scratch4)
 		defer r.kv.scratch.Put(s4)
+		s4.avoid = avoid
 		if r.routeKV(ctx, req, d, s4) {
 			d = r.finish(ctx, d)
 			r.addBacklog(d, s4)
@@ -550,7 +558,7 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 	if d.HasPrefixKey {
 		h := d.PrefixKey.Uint64()
 		var why chwbl.Reason
-		why, err = r.ring.Acquire(&d.handle, h)
+		why, err = r.ring.AcquireAvoiding(&d.handle, h, avoid)
 		if why == chwbl.ReasonOverflow {
 			d.Reason = ReasonOverflow
 		} else {
@@ -561,7 +569,7 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 		if r.cfg.DisablePrefixRouting {
 			d.Reason = ReasonStrategy
 		}
-		err = r.acquireByStrategy(&d.handle)
+		err = r.acquireByStrategy(&d.handle, avoid)
 	}
 	if err != nil {
 		if errors.Is(err, chwbl.ErrNoBackend) {

@@ -2,6 +2,7 @@ package kvroute
 
 import (
 	"math/rand/v2"
+	"slices"
 
 	"github.com/kvroute/kvroute/chwbl"
 )
@@ -41,9 +42,9 @@ func (s Strategy) valid() bool {
 // loadsBuf is the stack buffer size for ring snapshots; fleets beyond it allocate one slice.
 const loadsBuf = 64
 
-// acquireByStrategy takes a slot on the backend the configured strategy chooses. It returns
-// chwbl.ErrNoBackend when no backend is healthy.
-func (r *DefaultRouter) acquireByStrategy(h *chwbl.Handle) error {
+// acquireByStrategy takes a slot on the backend the configured strategy chooses among the healthy
+// backends not named in avoid. It returns chwbl.ErrNoBackend when there is none.
+func (r *DefaultRouter) acquireByStrategy(h *chwbl.Handle, avoid []string) error {
 	set := r.set.Load()
 	n := len(set.list)
 	if n == 0 {
@@ -54,29 +55,30 @@ func (r *DefaultRouter) acquireByStrategy(h *chwbl.Handle) error {
 	var pick *backendState
 	switch r.cfg.Strategy {
 	case StrategyRandom:
-		pick = nthHealthy(set.list, rand.IntN(n))
+		pick = nthHealthy(set.list, rand.IntN(n), avoid)
 	case StrategyLeastLoaded:
-		pick = r.leastLoaded(set, start, nil)
+		pick = r.leastLoaded(set, start, avoid, nil)
 	case StrategyLeastLatency:
-		pick = r.leastLatency(set, start)
+		pick = r.leastLatency(set, start, avoid)
 	default: // round robin, and prefix_aware_hash without a prefix key
-		pick = nthHealthy(set.list, start)
+		pick = nthHealthy(set.list, start, avoid)
 	}
 	if pick == nil {
 		return chwbl.ErrNoBackend
 	}
 	err := r.ring.AcquireBackend(h, pick.name)
 	if err == chwbl.ErrUnknownBackend { // removed between the snapshot and now
-		return r.acquireByStrategy(h)
+		return r.acquireByStrategy(h, avoid)
 	}
 	return err
 }
 
-// nthHealthy returns the first healthy backend at or after index i (wrapping), or nil.
-func nthHealthy(list []*backendState, i int) *backendState {
+// nthHealthy returns the first healthy backend not named in avoid at or after index i (wrapping),
+// or nil.
+func nthHealthy(list []*backendState, i int, avoid []string) *backendState {
 	for k := range list {
 		st := list[(i+k)%len(list)]
-		if st.healthy.Load() {
+		if st.healthy.Load() && !slices.Contains(avoid, st.name) {
 			return st
 		}
 	}
@@ -84,15 +86,16 @@ func nthHealthy(list []*backendState, i int) *backendState {
 }
 
 // leastLoaded returns the healthy backend with the lowest in-flight/weight ratio, scanning the
-// ring's snapshot from start; when only is non-nil it considers only backends it accepts.
-func (r *DefaultRouter) leastLoaded(set *backendSet, start int, only func(*backendState) bool) *backendState {
+// ring's snapshot from start, passing over those named in avoid; when only is non-nil it
+// considers only backends it accepts.
+func (r *DefaultRouter) leastLoaded(set *backendSet, start int, avoid []string, only func(*backendState) bool) *backendState {
 	var buf [loadsBuf]chwbl.Load
 	loads := r.ring.Loads(buf[:0])
 	var best *backendState
 	bestLoad := 0.0
 	for k := range loads {
 		l := &loads[(start+k)%len(loads)]
-		if !l.Healthy {
+		if !l.Healthy || slices.Contains(avoid, l.Name) {
 			continue
 		}
 		st := set.byName[l.Name]
@@ -107,12 +110,12 @@ func (r *DefaultRouter) leastLoaded(set *backendSet, start int, only func(*backe
 	return best
 }
 
-// leastLatency returns the healthy backend with the lowest latency average; unobserved backends
-// come first, and ties go to the least loaded of the tied.
-func (r *DefaultRouter) leastLatency(set *backendSet, start int) *backendState {
+// leastLatency returns the healthy backend, not named in avoid, with the lowest latency average;
+// unobserved backends come first, and ties go to the least loaded of the tied.
+func (r *DefaultRouter) leastLatency(set *backendSet, start int, avoid []string) *backendState {
 	best := -1.0
 	for _, st := range set.list {
-		if !st.healthy.Load() {
+		if !st.healthy.Load() || slices.Contains(avoid, st.name) {
 			continue
 		}
 		v := 0.0
@@ -126,7 +129,7 @@ func (r *DefaultRouter) leastLatency(set *backendSet, start int) *backendState {
 	if best < 0 {
 		return nil
 	}
-	return r.leastLoaded(set, start, func(st *backendState) bool {
+	return r.leastLoaded(set, start, avoid, func(st *backendState) bool {
 		v := 0.0
 		if st.observed.Load() > 0 {
 			v = st.latencyNs.load()

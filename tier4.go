@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -156,8 +157,9 @@ type scratch4 struct {
 	scores  []float64
 	loads   []chwbl.Load
 	work    []float64
-	ntok    int  // the request's prompt tokens (0: not tokenized)
-	looked  bool // matches holds an index answer for names
+	avoid   []string // the backends Route must not choose (WithAvoid), nil for none
+	ntok    int      // the request's prompt tokens (0: not tokenized)
+	looked  bool     // matches holds an index answer for names
 }
 
 func newTier4(cfg KVConfig) (*tier4, error) {
@@ -329,7 +331,7 @@ func (r *DefaultRouter) requestTokens(ctx context.Context, req *prefixkey.Reques
 	return tokens, nil
 }
 
-// lookup fills s.loads, s.names (the healthy backends) and s.matches (what the index holds of the
+// lookup fills s.loads, s.names (the healthy backends not in s.avoid) and s.matches (what the index holds of the
 // request on each: by block keys, by prefix entry with usePrefix, nothing for a short prompt). It
 // returns false when no backend is healthy or the index failed (counted).
 func (r *DefaultRouter) lookup(ctx context.Context, d *Decision, s *scratch4, usePrefix, short bool) bool {
@@ -337,7 +339,7 @@ func (r *DefaultRouter) lookup(ctx context.Context, d *Decision, s *scratch4, us
 	s.loads = r.ring.Loads(s.loads[:0])
 	s.names = s.names[:0]
 	for i := range s.loads {
-		if s.loads[i].Healthy {
+		if s.loads[i].Healthy && !slices.Contains(s.avoid, s.loads[i].Name) {
 			s.names = append(s.names, s.loads[i].Name)
 		}
 	}

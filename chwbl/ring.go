@@ -31,7 +31,8 @@ const (
 // ErrNoBackend, ErrUnknownBackend and ErrDuplicate are returned unwrapped (compare with == or
 // errors.Is); ErrInvalidConfig is wrapped with the offending value (use errors.Is).
 var (
-	// ErrNoBackend is returned by Acquire and Candidate when the ring has no healthy backend.
+	// ErrNoBackend is returned by Acquire and Candidate when the ring has no healthy backend, and
+	// by AcquireAvoiding when it has none outside the avoided ones.
 	ErrNoBackend = errors.New("chwbl: no healthy backend")
 	// ErrUnknownBackend is returned when a named backend is not a member of the ring.
 	ErrUnknownBackend = errors.New("chwbl: unknown backend")
@@ -439,6 +440,23 @@ func (r *Ring) TotalInFlight() int {
 // sequential keys spread as well. Acquire does not allocate. Safe for concurrent use, but a given
 // h must not be acquired concurrently from two goroutines.
 func (r *Ring) Acquire(h *Handle, key uint64) (Reason, error) {
+	return r.AcquireAvoiding(h, key, nil)
+}
+
+// AcquireAvoiding is Acquire for a caller that must not use the members named in avoid (a
+// gateway's retry after those backends failed the request): the walk passes over them as it
+// passes over unhealthy members, so the first healthy member clockwise that is not avoided and is
+// under its bound takes the slot (ReasonPrefixHash when it is the first healthy, not avoided
+// member met, ReasonOverflow otherwise). The bounds are the ring's own, T and W still counting the
+// avoided members, so the walk can find every member it may use at its bound; it then takes a slot
+// on the least loaded of them (in-flight plus external load per unit of weight), with
+// ReasonOverflow, rather than fail a request some backend can serve. The only error is
+// ErrNoBackend (with ReasonNone, h left empty), when no healthy member is outside avoid. Names in
+// avoid that are not members are ignored; a nil or empty avoid makes it Acquire. It does not
+// allocate, and it scans avoid once per member met, so keep avoid short (the backends that failed
+// one request). Safe for concurrent use, but a given h must not be acquired concurrently from two
+// goroutines.
+func (r *Ring) AcquireAvoiding(h *Handle, key uint64, avoid []string) (Reason, error) {
 	h.reset()
 	pos := mix64(key)
 	for {
@@ -453,8 +471,11 @@ func (r *Ring) Acquire(h *Handle, key uint64) (Reason, error) {
 			r.mu.Unlock()
 			return ReasonNone, ErrNoBackend
 		}
-		m, reason := r.pick(s, i)
-		if m == nil { // unreachable (see pick); never hand out a slot beyond the bound
+		m, reason := r.pick(s, i, avoid)
+		if m == nil && len(avoid) > 0 {
+			m, reason = r.leastLoadedAvoiding(avoid), ReasonOverflow
+		}
+		if m == nil { // no healthy member outside avoid (without avoid, unreachable: see pick)
 			r.mu.Unlock()
 			return ReasonNone, ErrNoBackend
 		}
@@ -486,7 +507,7 @@ func (r *Ring) Candidate(key uint64) (name string, reason Reason, err error) {
 			r.mu.Unlock()
 			return "", ReasonNone, ErrNoBackend
 		}
-		m, reason := r.pick(s, i)
+		m, reason := r.pick(s, i, nil)
 		r.mu.Unlock()
 		if m == nil {
 			return "", ReasonNone, ErrNoBackend
@@ -601,8 +622,10 @@ func (r *Ring) tryAcquire(h *Handle, name string, eps1 float64) (bool, error) {
 	return true, nil
 }
 
-// pick walks the ring clockwise from vnode index start and returns the first healthy backend under
-// its bound, with the reason. Requires mu, s == r.snap and r.healthy > 0.
+// pick walks the ring clockwise from vnode index start and returns the first healthy backend,
+// not named in avoid, under its bound, with the reason. Requires mu, s == r.snap and
+// r.healthy > 0. With members avoided the walk can fail (the proof below needs every healthy
+// member); AcquireAvoiding then falls back on leastLoadedAvoiding.
 //
 // Each distinct backend is considered at most once: member.visit records the walk's epoch, so no
 // map or allocation is needed. The walk stops after considering every member.
@@ -615,7 +638,7 @@ func (r *Ring) tryAcquire(h *Handle, name string, eps1 float64) (bool, error) {
 // contradiction. In floating point the bound is ceil(x(1−δ)) with δ = boundTolerance plus rounding
 // error of order 1e-15, so the sum gives T ≥ (1+ε)(1−δ')(T+1), still > T because ε ≥ MinLoadFactorEpsilon =
 // 0.01 ≫ δ'. Hence some healthy backend accepts, and Acquire fails only with no healthy backend.
-func (r *Ring) pick(s *snapshot, start int) (*member, Reason) {
+func (r *Ring) pick(s *snapshot, start int, avoid []string) (*member, Reason) {
 	r.epoch++
 	if r.epoch == 0 { // wrapped: forget old marks
 		for _, m := range s.members {
@@ -635,7 +658,7 @@ func (r *Ring) pick(s *snapshot, start int) (*member, Reason) {
 			if r.testVisit != nil {
 				r.testVisit(m)
 			}
-			if m.healthy {
+			if m.healthy && !named(avoid, m.name) {
 				if m.inflight+m.external < boundOf(factor, m.weight) { // load+1 ≤ bound
 					return m, reason
 				}
@@ -649,4 +672,31 @@ func (r *Ring) pick(s *snapshot, start int) (*member, Reason) {
 			i = 0
 		}
 	}
+}
+
+// leastLoadedAvoiding returns the healthy member not named in avoid with the least in-flight
+// plus external load per unit of weight (the first added among equals), or nil. Requires mu.
+func (r *Ring) leastLoadedAvoiding(avoid []string) *member {
+	var best *member
+	bestLoad := 0.0
+	for _, m := range r.order {
+		if !m.healthy || m.removed || named(avoid, m.name) {
+			continue
+		}
+		load := float64(m.inflight+m.external) / m.weight
+		if best == nil || load < bestLoad {
+			best, bestLoad = m, load
+		}
+	}
+	return best
+}
+
+// named reports whether names holds name.
+func named(names []string, name string) bool {
+	for _, n := range names {
+		if n == name {
+			return true
+		}
+	}
+	return false
 }

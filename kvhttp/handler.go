@@ -327,28 +327,41 @@ func (h *Handler) withRetry(req *Request, t *Target) *Target {
 	return t
 }
 
-// RouteAvoiding routes req with router to any backend but failed: it calls Route up to tries
-// times (at least once), holding the decisions that land on failed (their in-flight slots raise
-// its load, so that a bounded-load ring overflows and the selection strategies move on) and
-// releasing them, as never sent, when it returns. It returns the first decision on another
-// backend, or Route's error, or an error wrapping kvroute.ErrNoBackend when every try chose
-// failed. Safe for concurrent use when router is.
+// RouteAvoiding routes req with router to any backend but failed and those ctx already avoids
+// (kvroute.WithAvoid: a retry after several failures lists them all): it calls Route once with
+// kvroute.WithAvoid(ctx, failed), which the default Router honours in every tier, so the retry
+// lands elsewhere even when the failed backend holds the request's KV cache. For a Router that
+// ignores the avoidance (one of your own), it keeps a fallback: it calls Route up to tries times
+// in all (at least once), holding the decisions that land on an avoided backend (their in-flight
+// slots raise its load, so that a bounded-load ring overflows and the selection strategies move
+// on) and releasing them, as never sent, when it returns. It returns the first decision on a
+// backend not avoided, or Route's error, or an error wrapping kvroute.ErrNoBackend when every
+// healthy backend is avoided or every try chose an avoided one. Safe for concurrent use when
+// router is.
 func RouteAvoiding(ctx context.Context, router kvroute.Router, req *prefixkey.Request, failed string, tries int) (*kvroute.Decision, error) {
+	if failed != "" {
+		ctx = kvroute.WithAvoid(ctx, failed)
+	}
+	avoid := kvroute.Avoided(ctx)
 	var held []*kvroute.Decision
 	defer func() {
 		for _, d := range held {
 			d.Done(kvroute.Outcome{NotSent: true})
 		}
 	}()
+tries:
 	for range max(tries, 1) {
 		d, err := router.Route(ctx, req)
 		if err != nil {
 			return nil, err
 		}
-		if d.Backend != failed {
-			return d, nil
+		for _, name := range avoid {
+			if d.Backend == name {
+				held = append(held, d)
+				continue tries
+			}
 		}
-		held = append(held, d)
+		return d, nil
 	}
 	return nil, kvroute.ErrNoBackend
 }

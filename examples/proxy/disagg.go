@@ -141,7 +141,10 @@ func (s *server) routeDisagg(w http.ResponseWriter, r *http.Request, req *kvhttp
 				}
 				return s.target(req, nd.Unified, &nd.Plan), nil
 			}
-			d2, err := kvhttp.RouteAvoiding(ctx, s.router, req.Parsed, t.Backend, 2*len(s.cfg.Backends)+2)
+			// Another unified backend, not the one that failed, whose circuit breaker admits it.
+			d2, tk, err := s.routeAdmitted(ctx, func(ctx context.Context) (*kvroute.Decision, error) {
+				return kvhttp.RouteAvoiding(ctx, s.router, req.Parsed, t.Backend, 2*len(s.cfg.Backends)+2)
+			})
 			if err != nil {
 				return nil, err
 			}
@@ -149,7 +152,7 @@ func (s *server) routeDisagg(w http.ResponseWriter, r *http.Request, req *kvhttp
 			if d.Plan.Path == disagg.PathUnified { // no pools to fall back from: another unified backend
 				path = disagg.PathUnified
 			}
-			return s.target(req, d2, &disagg.Plan{Path: path}), nil
+			return admitted(s.target(req, d2, &disagg.Plan{Path: path}), tk), nil
 		}
 	}
 	return t, nil

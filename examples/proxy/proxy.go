@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/http"
 	"time"
@@ -15,6 +16,7 @@ import (
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/apierror"
 	"github.com/kvroute/kvroute/disagg"
+	"github.com/kvroute/kvroute/health"
 	"github.com/kvroute/kvroute/kvhttp"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
@@ -105,13 +107,66 @@ func (s *server) route(w http.ResponseWriter, r *http.Request, req *kvhttp.Reque
 	if s.disaggregated() {
 		return s.routeDisagg(w, r, req)
 	}
-	d, err := s.router.Route(r.Context(), req.Parsed)
+	d, tk, err := s.routeAdmitted(r.Context(), func(ctx context.Context) (*kvroute.Decision, error) {
+		return s.router.Route(ctx, req.Parsed)
+	})
 	if err != nil {
 		return nil, s.routeError(w, req.Format, err)
 	}
-	// Only a first attempt is retried, and only when another backend could take it: with one
-	// backend in rotation its own answer (a 503, say) is more useful to the client than ours.
-	return s.retryElsewhere(req, s.target(req, d, nil), s.health.HealthyCount() > 1), nil
+	// A failed attempt is retried only when another backend could take it: with one backend in
+	// rotation its own answer (a 503, say) is more useful to the client than ours.
+	return s.retryElsewhere(req, admitted(s.target(req, d, nil), tk), s.health.HealthyCount() > 1, nil), nil
+}
+
+// routeAdmitted routes with route and asks the chosen backend's circuit breaker to admit the
+// request. When the breaker refuses (open, or half-open with its trial slots taken), the decision
+// is released as never sent and the Router asked again with that backend avoided
+// (kvroute.WithAvoid), so that a refusal, which sends nothing, costs the request none of its
+// attempts. It returns the decision and the breaker's ticket for attempt (see admitted), route's
+// error, or an error wrapping kvroute.ErrNoBackend when every backend the Router offers refuses.
+func (s *server) routeAdmitted(ctx context.Context, route func(context.Context) (*kvroute.Decision, error)) (*kvroute.Decision, health.Ticket, error) {
+	for range len(s.cfg.Backends) + 1 {
+		d, err := route(ctx)
+		if err != nil {
+			return nil, health.Ticket{}, err
+		}
+		if tk, ok := s.health.Admit(d.Backend); ok {
+			return d, tk, nil
+		}
+		d.Done(kvroute.Outcome{NotSent: true})
+		ctx = kvroute.WithAvoid(ctx, d.Backend)
+	}
+	return nil, health.Ticket{}, fmt.Errorf("%w: every circuit breaker refused the request", kvroute.ErrNoBackend)
+}
+
+// admitted gives t the circuit-breaker ticket its routing took (routeAdmitted): attempt uses it
+// rather than asking the breaker again. The ticket rides on t's Lease, which cancels it should t
+// never be attempted.
+func admitted(t *kvhttp.Target, tk health.Ticket) *kvhttp.Target {
+	t.Lease = &ticketLease{Lease: t.Lease, tk: tk, held: true}
+	return t
+}
+
+// ticketLease is a Target's Lease carrying its breaker ticket until attempt takes it.
+type ticketLease struct {
+	kvhttp.Lease
+	tk   health.Ticket
+	held bool // tk not yet taken
+}
+
+// take returns the ticket, once.
+func (l *ticketLease) take() (health.Ticket, bool) {
+	tk, ok := l.tk, l.held
+	l.tk, l.held = health.Ticket{}, false
+	return tk, ok
+}
+
+// Done implements kvhttp.Lease: a ticket attempt never took is cancelled.
+func (l *ticketLease) Done(o kvroute.Outcome) {
+	if tk, ok := l.take(); ok {
+		tk.Cancel()
+	}
+	l.Lease.Done(o)
 }
 
 // target is the Target of d for req; plan, when set, adds the routing-path headers.
@@ -125,17 +180,20 @@ func (s *server) target(req *kvhttp.Request, d *kvroute.Decision, plan *disagg.P
 	return t
 }
 
-// retryElsewhere lets t, when ok, be retried once on the Router's next choice that is not its
-// backend.
-func (s *server) retryElsewhere(req *kvhttp.Request, t *kvhttp.Target, ok bool) *kvhttp.Target {
+// retryElsewhere lets t, when ok, be retried on the Router's choice avoiding t's backend and
+// failed, the backends that already failed the request (kvhttp.Handler.Retries bounds the
+// attempts), and whose circuit breaker admits it (routeAdmitted).
+func (s *server) retryElsewhere(req *kvhttp.Request, t *kvhttp.Target, ok bool, failed []string) *kvhttp.Target {
 	if ok {
 		t.Retry = func(ctx context.Context, cause error) (*kvhttp.Target, error) {
 			s.retrying(ctx, t.Backend, cause)
-			d, err := kvhttp.RouteAvoiding(ctx, s.router, req.Parsed, t.Backend, 2*len(s.cfg.Backends)+2)
+			d, tk, err := s.routeAdmitted(kvroute.WithAvoid(ctx, failed...), func(ctx context.Context) (*kvroute.Decision, error) {
+				return kvhttp.RouteAvoiding(ctx, s.router, req.Parsed, t.Backend, 2*len(s.cfg.Backends)+2)
+			})
 			if err != nil {
 				return nil, err
 			}
-			return s.target(req, d, nil), nil
+			return s.retryElsewhere(req, admitted(s.target(req, d, nil), tk), true, append(failed[:len(failed):len(failed)], t.Backend)), nil
 		}
 	}
 	return t
@@ -184,13 +242,21 @@ func (s *server) routeError(w http.ResponseWriter, format prefixkey.Format, err 
 	return err
 }
 
-// attempt admits one attempt on t's backend through its circuit breaker (an open one refuses
-// it: 503 with Retry-After, or another backend), starts its upstream span, whose trace context
+// attempt admits one attempt on t's backend through its circuit breaker, or takes the admission
+// its routing already obtained (routeAdmitted; an open breaker refuses it: 503 with Retry-After,
+// or another backend), starts its upstream span, whose trace context
 // the backend gets, and on its end records the outcome in the breaker (refusals and clients that
 // left count for nothing), the upstream error metrics and the span.
 func (s *server) attempt(r *http.Request, t *kvhttp.Target) (func(kvhttp.Result), error) {
-	tk, admitted := s.health.Admit(t.Backend)
-	if !admitted {
+	var tk health.Ticket
+	ok := false
+	if l, has := t.Lease.(*ticketLease); has {
+		tk, ok = l.take()
+	}
+	if !ok {
+		tk, ok = s.health.Admit(t.Backend)
+	}
+	if !ok {
 		if t.Header == nil {
 			t.Header = http.Header{}
 		}

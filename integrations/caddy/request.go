@@ -254,11 +254,20 @@ func (st *request) untried(pool reverseproxy.UpstreamPool) reverseproxy.Upstream
 	return out
 }
 
-// routeAvoiding routes the request again until a decision names an upstream of pool that is
-// available and untried: decisions that land elsewhere are held meanwhile (raising their
-// backend's load, so that the ring overflows and the strategies move on), then released as never
-// sent. It returns nil, nil when no decision fits within 2·len(pool)+2 tries, or Route fails.
+// routeAvoiding routes the request to an upstream of pool that is available and untried: Route
+// is asked with those that are not (every backend an attempt failed on, every upstream Caddy
+// holds down or full) avoided (kvroute.WithAvoid), and, for a decision that still lands on one
+// that does not fit (a backend outside pool, or a Router that ignores the avoidance), again with
+// that backend avoided too, the decision held meanwhile (raising its backend's load, so that a
+// Router ignoring avoidance overflows its ring) and released as never sent. It returns nil, nil
+// when no decision fits within 2·len(pool)+2 tries, or Route fails.
 func (st *request) routeAvoiding(ctx context.Context, pool reverseproxy.UpstreamPool) (*kvroute.Decision, *reverseproxy.Upstream) {
+	avoid := slices.Clone(st.tried)
+	for _, u := range pool {
+		if !u.Available() && !slices.Contains(avoid, u.Dial) {
+			avoid = append(avoid, u.Dial)
+		}
+	}
 	var held []*kvroute.Decision
 	defer func() {
 		for _, h := range held {
@@ -266,7 +275,7 @@ func (st *request) routeAvoiding(ctx context.Context, pool reverseproxy.Upstream
 		}
 	}()
 	for range 2*len(pool) + 2 {
-		d, err := st.entry.router.Route(ctx, st.req)
+		d, err := st.entry.router.Route(kvroute.WithAvoid(ctx, avoid...), st.req)
 		if err != nil {
 			return nil, nil
 		}
@@ -274,6 +283,9 @@ func (st *request) routeAvoiding(ctx context.Context, pool reverseproxy.Upstream
 			return d, u
 		}
 		held = append(held, d)
+		if !slices.Contains(avoid, d.Backend) {
+			avoid = append(avoid, d.Backend)
+		}
 	}
 	return nil, nil
 }
