@@ -313,15 +313,18 @@ func (h *Handler) route(ctx context.Context, req *Request) (*Target, error) {
 }
 
 // withRetry sets t.Retry, when there is another backend, to route req again with Router to any
-// backend but t's.
-func (h *Handler) withRetry(req *Request, t *Target) *Target {
+// backend but t's and those that failed it before (failed).
+func (h *Handler) withRetry(req *Request, t *Target, failed ...string) *Target {
 	if len(h.Backends) > 1 {
 		t.Retry = func(ctx context.Context, _ error) (*Target, error) {
+			if len(failed) > 0 {
+				ctx = kvroute.WithAvoid(ctx, failed...)
+			}
 			d, err := RouteAvoiding(ctx, h.Router, req.Parsed, t.Backend, 2*len(h.Backends)+2)
 			if err != nil {
 				return nil, err
 			}
-			return h.withRetry(req, NewTarget(d)), nil
+			return h.withRetry(req, NewTarget(d), append(failed[:len(failed):len(failed)], t.Backend)...), nil
 		}
 	}
 	return t

@@ -12,6 +12,7 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -709,4 +710,46 @@ func TestReadRequestBodySizes(t *testing.T) {
 	require.Error(t, err)
 	assert.Equal(t, 413, rec.Code)
 	require.True(t, budget.TryAcquire(8<<20), "the budget was not given back")
+}
+
+// orderRouter routes to the first of its backends that ctx does not avoid.
+type orderRouter struct{ order []string }
+
+func (o orderRouter) Route(ctx context.Context, _ *prefixkey.Request) (*kvroute.Decision, error) {
+	avoid := kvroute.Avoided(ctx)
+	for _, b := range o.order {
+		if !slices.Contains(avoid, b) {
+			return kvroute.NewDecision(b, kvroute.ReasonCustom, nil), nil
+		}
+	}
+	return nil, kvroute.ErrNoBackend
+}
+
+// Each retry avoids every backend that failed the request, not only the last: with two dead
+// backends first in the Router's order, the second retry reaches the live one (it went back to
+// the first dead one).
+func TestRetriesAvoidEveryFailedBackend(t *testing.T) {
+	live := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"choices":[]}`)
+	}))
+	defer live.Close()
+	dead := func() *url.URL {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(t, err)
+		addr := l.Addr().String()
+		require.NoError(t, l.Close()) // nothing listens: connection refused
+		return &url.URL{Scheme: "http", Host: addr}
+	}
+	liveURL, err := url.Parse(live.URL)
+	require.NoError(t, err)
+	h := &kvhttp.Handler{
+		Router:   orderRouter{order: []string{"a", "b", "c"}},
+		Backends: map[string]*url.URL{"a": dead(), "b": dead(), "c": liveURL},
+		Retries:  2,
+	}
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, httptest.NewRequest("POST", "/v1/chat/completions",
+		strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)))
+	require.Equal(t, http.StatusOK, rec.Code, "%s", rec.Body)
 }
