@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -84,6 +85,9 @@ const (
 	DefaultTokenizeTimeout = 50 * time.Millisecond
 	// DefaultTokenizeCacheSize is the number of recent results an EngineTokenizer keeps.
 	DefaultTokenizeCacheSize = 4096
+	// DefaultTokenizeCacheBytes bounds the token IDs an EngineTokenizer keeps (4 bytes each):
+	// 64 MiB, 16M tokens. Long prompts fill it before DefaultTokenizeCacheSize entries.
+	DefaultTokenizeCacheBytes = 64 << 20
 )
 
 // maxTokenizeResponse caps the body read from /tokenize (a 128k-token prompt answers ~1 MiB).
@@ -102,6 +106,9 @@ type EngineTokenizerConfig struct {
 	// CacheSize is the number of recent results kept, keyed by model and content; 0 means
 	// DefaultTokenizeCacheSize (4096); negative disables the cache.
 	CacheSize int
+	// CacheBytes bounds the bytes of the token IDs kept (4 per token); 0 means
+	// DefaultTokenizeCacheBytes (64 MiB); negative means no bound beyond CacheSize.
+	CacheBytes int64
 	// Header is added to every request (e.g. Authorization for an engine started with --api-key);
 	// nil for none. It is not modified.
 	Header http.Header
@@ -167,11 +174,15 @@ func NewEngineTokenizer(cfg EngineTokenizerConfig) (*EngineTokenizer, error) {
 	if t.timeout == 0 {
 		t.timeout = DefaultTokenizeTimeout
 	}
+	maxBytes := cfg.CacheBytes
+	if maxBytes == 0 {
+		maxBytes = DefaultTokenizeCacheBytes
+	}
 	switch {
 	case cfg.CacheSize == 0:
-		t.cache = newTokenCache(DefaultTokenizeCacheSize)
+		t.cache = newTokenCache(DefaultTokenizeCacheSize, maxBytes)
 	case cfg.CacheSize > 0:
-		t.cache = newTokenCache(cfg.CacheSize)
+		t.cache = newTokenCache(cfg.CacheSize, maxBytes)
 	}
 	return t, nil
 }
@@ -205,7 +216,7 @@ func (t *EngineTokenizer) Tokenize(ctx context.Context, r *Request) ([]uint32, e
 	t.calls.Add(1)
 	key := tokenCacheKey{model: r.Model, h: contentHash(r, mode)}
 	if t.cache != nil {
-		if tok, ok := t.cache.Get(key); ok {
+		if tok, ok := t.cache.c.Get(key); ok {
 			t.hits.Add(1)
 			return tok, nil
 		}
@@ -219,7 +230,7 @@ func (t *EngineTokenizer) Tokenize(ctx context.Context, r *Request) ([]uint32, e
 		return nil, err
 	}
 	if t.cache != nil {
-		t.cache.Add(key, tok)
+		tok = t.cache.add(key, tok)
 	}
 	return tok, nil
 }
@@ -370,13 +381,47 @@ type tokenCacheKey struct {
 	h     xxh3.Uint128
 }
 
-// tokenCache is the LRU of tokenize results (golang-lru/v2's Cache: locked, safe for
-// concurrent use).
-type tokenCache = lru.Cache[tokenCacheKey, []uint32]
+// tokenCache is the LRU of tokenize results (golang-lru/v2's Cache: locked), bounded by entries
+// and by the bytes of their token IDs. Safe for concurrent use.
+type tokenCache struct {
+	c        *lru.Cache[tokenCacheKey, []uint32]
+	maxBytes int64        // negative: no bound
+	bytes    atomic.Int64 // of the token IDs held
+	mu       sync.Mutex   // serialises add, so that a key is counted once
+}
 
-func newTokenCache(size int) *tokenCache {
-	c, _ := lru.New[tokenCacheKey, []uint32](size) // size > 0 is checked by the caller
-	return c
+// newTokenCache returns a cache of size entries (size > 0) and maxBytes bytes of token IDs
+// (negative: no bound).
+func newTokenCache(size int, maxBytes int64) *tokenCache {
+	tc := &tokenCache{maxBytes: maxBytes}
+	tc.c, _ = lru.NewWithEvict(size, func(_ tokenCacheKey, tok []uint32) { tc.bytes.Add(-4 * int64(len(tok))) })
+	return tc
+}
+
+// add keeps tok for key, in a slice of its own length (a decoded JSON array has up to twice the
+// room), evicting the least recent results while the bytes are over the bound. A result larger
+// than the bound is not kept. It returns the slice kept (tok when none).
+func (tc *tokenCache) add(key tokenCacheKey, tok []uint32) []uint32 {
+	n := 4 * int64(len(tok))
+	if tc.maxBytes >= 0 && n > tc.maxBytes {
+		return tok
+	}
+	if cap(tok) > len(tok) {
+		tok = append(make([]uint32, 0, len(tok)), tok...)
+	}
+	tc.mu.Lock()
+	defer tc.mu.Unlock()
+	if tc.c.Contains(key) {
+		return tok
+	}
+	tc.bytes.Add(n)
+	tc.c.Add(key, tok)
+	for tc.maxBytes >= 0 && tc.bytes.Load() > tc.maxBytes {
+		if _, _, ok := tc.c.RemoveOldest(); !ok {
+			break
+		}
+	}
+	return tok
 }
 
 // DefaultBytesPerToken is EstimateTokenizer.BytesPerToken when left 0: about the bytes per token

@@ -584,3 +584,41 @@ func BenchmarkEstimateTokenizer(b *testing.B) {
 		})
 	}
 }
+
+// The cache is bounded by the bytes of its token IDs too: prompts of 100 tokens (400 B) under a
+// 1,000-byte bound keep two results, so a, b, c, a asks the engine four times (three without
+// the bound); what it counts is what it holds, in slices of their own length.
+func TestEngineTokenizerCacheBytes(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		bytes int64
+		calls int64
+	}{{"bound", 1000, 4}, {"no bound", -1, 3}, {"a result over the bound is not kept", 100, 4}} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := &fakeEngine{}
+			tok := newEngine(t, f, EngineTokenizerConfig{CacheSize: 16, CacheBytes: tc.bytes, Timeout: 5 * time.Second})
+			for _, p := range []string{"a", "b", "c", "a"} {
+				if _, err := tok.Tokenize(context.Background(), &Request{Prompt: []string{strings.Repeat(p, 100)}}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if got := f.calls.Load(); got != tc.calls {
+				t.Errorf("engine calls = %d, want %d", got, tc.calls)
+			}
+			var held int64
+			for _, k := range tok.cache.c.Keys() {
+				v, _ := tok.cache.c.Peek(k)
+				if cap(v) != len(v) {
+					t.Errorf("a cached result has room for %d tokens, holds %d", cap(v), len(v))
+				}
+				held += 4 * int64(len(v))
+			}
+			if got := tok.cache.bytes.Load(); got != held {
+				t.Errorf("cache counts %d bytes, holds %d", got, held)
+			}
+			if tc.bytes >= 0 && held > tc.bytes {
+				t.Errorf("cache holds %d bytes, over its bound %d", held, tc.bytes)
+			}
+		})
+	}
+}
