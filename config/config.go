@@ -260,6 +260,10 @@ type KVCacheIndexConfig struct {
 	Tokenizer string `yaml:"tokenizer"`
 	// TokenizeTimeout bounds one /tokenize call (default 100ms).
 	TokenizeTimeout Duration `yaml:"tokenize_timeout"`
+	// TokenizeCacheBytes bounds the token IDs each backend's tokenizer keeps of recent prompts
+	// (4 bytes a token; 0: 64 MiB, prefixkey.DefaultTokenizeCacheBytes; -1: no bound beyond
+	// its 4,096 entries).
+	TokenizeCacheBytes int64 `yaml:"tokenize_cache_bytes"`
 	// Speculation records predicted entries after each decision: speculate (default with event
 	// sources), approximate (default without: routing decisions are the only source) or off.
 	Speculation string `yaml:"speculation"`

@@ -75,6 +75,11 @@ kv_cache_index:
   enabled: true
   scoring: {overlap_weight: 0.8}
 `, nil, []string{"kv_cache_index.scoring: weights sum to 1.2, must be 1.0"}},
+		{"tokenize cache bytes", minimalBackends + `
+kv_cache_index:
+  enabled: true
+  tokenize_cache_bytes: -2
+`, nil, []string{"kv_cache_index.tokenize_cache_bytes: -2: want a size in bytes"}},
 		{"unknown field", minimalBackends + `
 server:
   bind_adress: 0.0.0.0

@@ -20,6 +20,7 @@ func LiveSettings() []string {
 		"response_cache.ttl",
 		"kv_cache_index.tokenizer",
 		"kv_cache_index.tokenize_timeout",
+		"kv_cache_index.tokenize_cache_bytes",
 		"kv_cache_index.speculation",
 		"kv_cache_index.scoring.scorer",
 		"kv_cache_index.scoring.overlap_weight",

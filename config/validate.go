@@ -430,6 +430,9 @@ func (c *Config) validateKV(fe *fieldErrors) {
 	default:
 		fe.add("kv_cache_index.tokenizer", "%q is not one of auto, engine, estimate, none", kv.Tokenizer)
 	}
+	if kv.TokenizeCacheBytes < -1 {
+		fe.add("kv_cache_index.tokenize_cache_bytes", "%d: want a size in bytes, 0 for the default or -1 for no bound", kv.TokenizeCacheBytes)
+	}
 	if kv.TokenizeTimeout < 0 {
 		fe.add("kv_cache_index.tokenize_timeout", "must not be negative")
 	}

@@ -29,7 +29,7 @@ func newEngineTokenizer(cfg *config.Config, s *server, timeout time.Duration) (*
 	t := &engineTokenizer{byName: map[string]*prefixkey.EngineTokenizer{}, cfg: cfg}
 	for _, b := range cfg.Backends {
 		et, err := prefixkey.NewEngineTokenizer(prefixkey.EngineTokenizerConfig{BaseURL: b.URL, Timeout: timeout,
-			Client: s.httpClient()})
+			Client: s.httpClient(), CacheBytes: cfg.KVCacheIndex.TokenizeCacheBytes})
 		if err != nil {
 			return nil, fmt.Errorf("tokenizer for backend %s: %w", b.Name, err)
 		}

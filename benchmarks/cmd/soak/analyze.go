@@ -45,6 +45,7 @@ type faultResult struct {
 	before, after [3][]float64  // RSS, goroutines, fds per proxy over slot.window() before it and at its slot's end
 	kvBack        time.Duration // from its end to the KV-aware share's return; -1: not seen
 	resourcesPass bool
+	judged        bool // the after-state's window starts -conn-idle or more after the fault's end
 }
 
 // analysis is a run's result: the series, the faults and the verdicts.
@@ -186,7 +187,11 @@ func analyze(o options, sched []slot, recs []faultRecord, outs []outcome, sample
 		}
 		fr.before = a.medians(r.at-r.window(), r.at)
 		fr.after = a.medians(r.slotEnd-r.window(), r.slotEnd)
+		fr.judged = r.slotEnd-r.window()-r.end >= o.connIdle
 		for k := range fr.after {
+			if !fr.judged {
+				break
+			}
 			for p := range fr.after[k] {
 				if !(fr.after[k][p] <= fr.before[k][p]*(1+resourceSlack)) {
 					fr.resourcesPass = false

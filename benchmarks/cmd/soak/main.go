@@ -114,6 +114,7 @@ type options struct {
 	faults     []string
 	stallConns int
 	stallFor   time.Duration
+	connIdle   time.Duration // resources are judged only this long after a fault's end
 	out        string
 	repo       string
 	seed       int64
@@ -146,6 +147,8 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.index, "index", "memory", "KV index: memory (fed by a JetStream event log with 2 replicas) or redis")
 	fs.StringVar(&faults, "faults", strings.Join(allFaults, ","), "faults to inject, comma-separated: "+strings.Join(allFaults, ", ")+" (none: \"\")")
 	fs.IntVar(&o.stallConns, "stall-conns", 16, "stall fault: connections announcing an 8 MiB body")
+	fs.DurationVar(&o.connIdle, "conn-idle", 90*time.Second, "the proxies' idle-connection timeout (kvhttp's transport): RSS, goroutines and open files are judged "+
+		"only over a window this long after a fault's end, when the connections opened for the fault's retries have closed (0: always)")
 	fs.DurationVar(&o.stallFor, "stall-for", 15*time.Second, "stall fault: how long each stalled connection holds on unless the proxy closes it")
 	fs.StringVar(&o.out, "out", "", "directory for soak.csv, soak.svg and soak.md (default: none, the report on stdout only)")
 	fs.StringVar(&o.repo, "repo", "", "the kvroute module's root (default: the module of the working directory)")

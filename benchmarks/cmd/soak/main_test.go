@@ -195,6 +195,22 @@ func TestAnalyze(t *testing.T) {
 			t.Errorf("resources %v %v, failures %q", a.faults[0].resourcesPass, a.faults[1].resourcesPass, a.failures())
 		}
 	})
+	t.Run("resources not judged within the idle-connection timeout", func(t *testing.T) {
+		o, sched, recs, outs, samples := synthetic()
+		for i := range samples[15:] {
+			samples[15+i].proxies[0].goroutines = 89
+		}
+		o.connIdle = time.Hour
+		a := analyze(o, sched, recs, outs, samples, 1)
+		if a.faults[0].judged || !a.faults[0].resourcesPass || !a.pass() {
+			t.Errorf("judged %v, resources %v, failures %q", a.faults[0].judged, a.faults[0].resourcesPass, a.failures())
+		}
+		var b strings.Builder
+		a.markdown(&b)
+		if !strings.Contains(b.String(), "resources not judged") {
+			t.Errorf("the report does not say the resources were not judged:\n%s", b.String())
+		}
+	})
 	t.Run("KV-aware share late", func(t *testing.T) {
 		o, sched, recs, outs, samples := synthetic()
 		kv := samples[9].proxies[0].kvAware

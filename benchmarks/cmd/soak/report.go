@@ -36,17 +36,22 @@ func (a *analysis) markdown(w io.Writer) {
 		fmt.Fprintf(w, "| at | fault | over after | recovered after | failed before first byte | cut by engine death / otherwise | RSS MB after (vs before) | goroutines after (vs before) | open files after (vs before) | KV-aware share back after | note |\n")
 		fmt.Fprintf(w, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
 		for _, f := range a.faults {
+			note := f.note
+			if !f.judged {
+				note = strings.TrimPrefix(note+"; resources not judged: the slot ends within -conn-idle of the fault's end", "; ")
+			}
 			fmt.Fprintf(w, "| %.0f s | %s | %.1f s | %s | %d | %d / %d | %s | %s | %s | %s | %s |\n",
 				f.start.Seconds(), f.label, (f.end - f.start).Seconds(), dur(f.recovered), f.failPre, f.failMidDead, f.failMid,
 				vsBase(f.after[0], f.before[0], "%.0f"), vsBase(f.after[1], f.before[1], "%.0f"), vsBase(f.after[2], f.before[2], "%.0f"),
-				dur(f.kvBack), f.note)
+				dur(f.kvBack), note)
 		}
 		fmt.Fprintf(w, "\n\"Over after\": from the fault to its end (the process back, the stream restored, the stalled connections gone). "+
 			"\"Recovered after\": from its end to its own sign of recovery (the engine answers again, Redis holds a key, the replicas see each other over NATS, "+
 			"the events flow again) followed by %d seconds without a failed request. Failures count from the fault to the next one. "+
-			"RSS (median), goroutines and open files (least) over the last half of the fault's slot (at least %v), per replica, against the same over as long before it. "+
+			"RSS (median), goroutines and open files (least) over the end of the fault's slot (half of it, %v to %v), per replica, against the same over as long before it; "+
+			"judged only when that window starts %v or more after the fault's end (-conn-idle: the proxies' idle connections opened for the fault's retries close by then). "+
 			"Latency: the chats and deterministic requests (not the slow clients, huge bodies or malformed ones), send to the end of the answer.\n\n",
-			stableSeconds, settleWindow)
+			stableSeconds, settleWindow, resourceWindow, o.connIdle)
 	}
 	fmt.Fprintf(w, "Response cache across Redis restarts: %d of %d answers stored while Redis was up and asked for again were lost.\n\n", a.cacheLost, a.cacheCheck)
 	for _, l := range a.cacheLog {

@@ -6,13 +6,17 @@ import (
 )
 
 // settleWindow is the shortest span whose readings are compared: a fault's after-state is read
-// over the last half of its slot (at least settleWindow, and no more than fits after its
-// downtime), its before-state over as long a span before it (the previous slot's last half).
-const settleWindow = 5 * time.Second
+// over the end of its slot (half of it, at least settleWindow and at most resourceWindow), its
+// before-state over as long a span before it (the end of the previous slot).
+const (
+	settleWindow   = 5 * time.Second
+	resourceWindow = 10 * time.Second
+)
 
-// window is how long s's before- and after-states are read over: half its slot, at least
-// settleWindow.
-func (s slot) window() time.Duration { return max(settleWindow, (s.slotEnd-s.at)/2) }
+// window is how long s's before- and after-states are read over.
+func (s slot) window() time.Duration {
+	return max(settleWindow, min(resourceWindow, (s.slotEnd-s.at)/2))
+}
 
 // slot is one fault of the schedule: it starts at at (from the start of the load) and its
 // after-state is measured at the end of its slot, just before the next fault starts.
