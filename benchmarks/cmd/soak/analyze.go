@@ -187,6 +187,8 @@ func analyze(o options, sched []slot, recs []faultRecord, outs []outcome, sample
 		}
 		fr.before = a.medians(r.at-r.window(), r.at)
 		fr.after = a.medians(r.slotEnd-r.window(), r.slotEnd)
+		fr.before[0] = a.medians(r.at-r.rssWindow(), r.at)[0]
+		fr.after[0] = a.medians(r.slotEnd-r.rssWindow(), r.slotEnd)[0]
 		fr.judged = r.slotEnd-r.window()-r.end >= o.connIdle
 		for k := range fr.after {
 			if !fr.judged {

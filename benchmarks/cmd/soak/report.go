@@ -48,7 +48,7 @@ func (a *analysis) markdown(w io.Writer) {
 		fmt.Fprintf(w, "\n\"Over after\": from the fault to its end (the process back, the stream restored, the stalled connections gone). "+
 			"\"Recovered after\": from its end to its own sign of recovery (the engine answers again, Redis holds a key, the replicas see each other over NATS, "+
 			"the events flow again) followed by %d seconds without a failed request. Failures count from the fault to the next one. "+
-			"RSS (median), goroutines and open files (least) over the end of the fault's slot (half of it, %v to %v), per replica, against the same over as long before it; "+
+			"RSS (median) over the last half of the fault's slot, goroutines and open files (least) over its last %v to %v, per replica, against the same over as long before it; "+
 			"judged only when that window starts %v or more after the fault's end (-conn-idle: the proxies' idle connections opened for the fault's retries close by then). "+
 			"Latency: the chats and deterministic requests (not the slow clients, huge bodies or malformed ones), send to the end of the answer.\n\n",
 			stableSeconds, settleWindow, resourceWindow, o.connIdle)

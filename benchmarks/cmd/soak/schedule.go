@@ -6,17 +6,22 @@ import (
 )
 
 // settleWindow is the shortest span whose readings are compared: a fault's after-state is read
-// over the end of its slot (half of it, at least settleWindow and at most resourceWindow), its
-// before-state over as long a span before it (the end of the previous slot).
+// over the end of its slot, its before-state over as long a span before it (the end of the
+// previous slot): RSS over half the slot (the collector's saw-tooth spans tens of seconds), the
+// goroutines and open files over its last resourceWindow at most (the connections opened for a
+// fault's retries close -conn-idle after it).
 const (
 	settleWindow   = 5 * time.Second
 	resourceWindow = 10 * time.Second
 )
 
-// window is how long s's before- and after-states are read over.
+// window is how long s's goroutines and open files are read over, before and after it.
 func (s slot) window() time.Duration {
 	return max(settleWindow, min(resourceWindow, (s.slotEnd-s.at)/2))
 }
+
+// rssWindow is how long s's RSS is read over, before and after it.
+func (s slot) rssWindow() time.Duration { return max(settleWindow, (s.slotEnd-s.at)/2) }
 
 // slot is one fault of the schedule: it starts at at (from the start of the load) and its
 // after-state is measured at the end of its slot, just before the next fault starts.
