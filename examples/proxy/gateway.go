@@ -70,6 +70,13 @@ func pathGuard(next http.Handler) http.Handler {
 				Message: "the request path has dot or empty segments"}.Write(w, prefixkey.FormatOfPath(p))
 			return
 		}
+		if strings.ContainsFunc(p, func(c rune) bool { return c < 0x20 || c == 0x7f }) {
+			// A control character, sent encoded (%00, %0a): no API path has one, and an engine
+			// or a log behind the proxy should never be handed one.
+			apierror.Error{Status: http.StatusBadRequest, Code: "invalid_path",
+				Message: "the request path has a control character"}.Write(w, prefixkey.FormatOfPath(p))
+			return
+		}
 		next.ServeHTTP(w, r)
 	})
 }

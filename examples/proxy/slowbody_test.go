@@ -174,7 +174,7 @@ func TestPassThroughDotSegments(t *testing.T) {
 	addr := strings.TrimPrefix(p.URL, "http://")
 	for _, path := range []string{"/v1/%2e%2e/reset_prefix_cache", "/v1/..%2fx", "/v1/%2E%2E", "/v1/.%2e", "/v1/%2e%2E%2fadmin",
 		"/v1/%2e%2e/%2e%2e/admin/kv-index/clear", "/v1/embeddings%2f..%2f..%2f..%2fadmin", "/v1/../reset_prefix_cache",
-		"/v1/./embeddings", "/v1//embeddings", "/v1/%2fembeddings"} {
+		"/v1/./embeddings", "/v1//embeddings", "/v1/%2fembeddings", "/v1/%00", "/v1/embeddings%0aX-Injected:%201", "/v1/a%7f"} {
 		for _, method := range []string{http.MethodGet, http.MethodPost} {
 			c, br := dialRaw(t, addr)
 			fmt.Fprintf(c, "%s %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 13\r\n\r\n{\"model\":\"m\"}", method, path)
