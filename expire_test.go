@@ -1,7 +1,6 @@
 package kvroute
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -19,26 +18,9 @@ import (
 
 	"github.com/kvroute/kvroute/disagg"
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/internal/testenv"
 	"github.com/kvroute/kvroute/telemetry"
 )
-
-// syncBuffer is a bytes.Buffer safe for a logger written from several goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // slotsInFlight returns the slots in flight per backend, from Stats, and their sum.
 func slotsInFlight(t testing.TB, r *DefaultRouter) (map[string]int, int) {
@@ -76,7 +58,7 @@ func expiredMetric(t *testing.T, reader *sdkmetric.ManualReader) int64 {
 // leaves a younger decision alone, and a late Done changes nothing.
 func TestForgottenDecisionsExpire(t *testing.T) {
 	clock := newStepClock()
-	var logs syncBuffer
+	var logs testenv.LogBuffer
 	reader := sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	defer func() { _ = mp.Shutdown(context.Background()) }()

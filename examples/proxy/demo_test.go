@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute/disagg"
+	"github.com/kvroute/kvroute/internal/testenv"
 )
 
 // demoLongSystem is the README's long system prompt for -demo disagg: the shell's
@@ -38,7 +39,7 @@ func TestDemoDisagg(t *testing.T) {
 	}
 	t.Setenv("S3_ENDPOINT", "") // the in-process S3, whatever the environment says
 	pr, pw := io.Pipe()
-	var stderr syncBuffer
+	var stderr testenv.LogBuffer
 	errc := make(chan error, 1)
 	go func() {
 		errc <- mainErr([]string{"-demo", "disagg", "-addr", "127.0.0.1:0", "-engine-speed", "0"}, pw, &stderr)

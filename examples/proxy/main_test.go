@@ -13,11 +13,11 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvroute/kvroute/config"
+	"github.com/kvroute/kvroute/internal/testenv"
 )
 
 // The real entry point with no configuration: the demo fleet starts, the banner shows where to
@@ -28,7 +28,7 @@ func TestMainDemoMode(t *testing.T) {
 		t.Skip("the test stops the proxy with SIGTERM, which this system cannot send to itself")
 	}
 	pr, pw := io.Pipe()
-	var stderr syncBuffer
+	var stderr testenv.LogBuffer
 	errc := make(chan error, 1)
 	go func() {
 		errc <- mainErr([]string{"-addr", "127.0.0.1:0", "-engines", "2", "-engine-speed", "0", "-pprof", "127.0.0.1:0"}, pw, &stderr)
@@ -112,23 +112,6 @@ func getStatus(t *testing.T, url string) int {
 	_, _ = io.Copy(io.Discard, res.Body)
 	res.Body.Close()
 	return res.StatusCode
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // run drains the requests in flight when its context ends.

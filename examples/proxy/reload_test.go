@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute/config"
+	"github.com/kvroute/kvroute/internal/testenv"
 	"github.com/kvroute/kvroute/prefixkey"
 )
 
@@ -50,7 +51,7 @@ func TestReload(t *testing.T) {
 		}
 	}
 	write(reloadConfig(0, "old-token", 0.3, "5m", a, b))
-	var logs syncBuffer
+	var logs testenv.LogBuffer
 	level := new(slog.LevelVar)
 	l := &live{load: func() (*config.Config, error) { return config.Load(path) }, level: level,
 		log: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo}))}
@@ -202,7 +203,7 @@ func TestReload(t *testing.T) {
 // and the proxy keeps serving.
 func TestSIGHUPInDemoMode(t *testing.T) {
 	up := newFakeUpstream(t, "a")
-	var logs syncBuffer
+	var logs testenv.LogBuffer
 	l := &live{log: slog.New(slog.NewTextHandler(&logs, nil)), level: new(slog.LevelVar)} // no load: the demo's
 	cfg := fakeConfig(t, []config.BackendConfig{{Name: "a", URL: up.URL}}, nil)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")

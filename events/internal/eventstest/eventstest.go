@@ -13,7 +13,6 @@
 package eventstest
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -28,6 +27,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/kvroute/kvroute/events"
+	"github.com/kvroute/kvroute/internal/testenv"
 )
 
 // StatusOf returns c's status of backend, or fails t when c has none.
@@ -323,21 +323,4 @@ func CollectInt64(t testing.TB, reader sdkmetric.Reader) map[string]int64 {
 }
 
 // LockedBuffer is a log destination safe for concurrent writers.
-type LockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-// Write appends p.
-func (b *LockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-// Count returns how many times s occurs in what was written.
-func (b *LockedBuffer) Count(s string) int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return strings.Count(b.buf.String(), s)
-}
+type LockedBuffer = testenv.LogBuffer
