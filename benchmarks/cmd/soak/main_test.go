@@ -411,7 +411,7 @@ func TestSoakShort(t *testing.T) {
 		t.Skip("RSS and open files are read from /proc")
 	}
 	if _, err := exec.LookPath("redis-server"); err != nil {
-		t.Skip("redis-server is not on PATH")
+		testenv.SkipOrFail(t, "redis-server is not on PATH")
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
