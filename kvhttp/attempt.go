@@ -228,7 +228,7 @@ func (h *Handler) attempt(w http.ResponseWriter, r *http.Request, req *Request, 
 	if len(failed) > 0 {
 		a.retried = strings.Join(failed, ", ")
 	}
-	a.w = writer{ResponseWriter: w, a: a, cached: -1}
+	a.w = writer{ResponseWriter: w, a: a}
 	aw := &a.w
 	// The upstream call follows the client's cancellation, except that a stream whose terminal
 	// event has already gone out is let finish: SDK clients close the connection as soon as they
@@ -271,7 +271,7 @@ func (h *Handler) attempt(w http.ResponseWriter, r *http.Request, req *Request, 
 		}
 		// ReverseProxy aborts (panics with http.ErrAbortHandler) when the copy of the body fails:
 		// the backend died mid-answer, or the client left. The panic goes on to net/http.
-		res := Result{Status: a.status, Err: ErrAborted, Outcome: kvroute.Outcome{Err: ErrAborted}, CachedTokens: aw.cached}
+		res := Result{Status: a.status, Err: ErrAborted, Outcome: kvroute.Outcome{Err: ErrAborted}, CachedTokens: aw.scan.CachedTokens()}
 		if aw.writeErr != nil || r.Context().Err() != nil {
 			res.Err, res.Outcome = clientErr(r.Context(), aw.writeErr), kvroute.Outcome{NotSent: true}
 		}
@@ -286,7 +286,7 @@ func (h *Handler) attempt(w http.ResponseWriter, r *http.Request, req *Request, 
 		a.err = ErrHeaderTimeout
 	}
 
-	res := Result{Status: a.status, Err: a.err, CachedTokens: aw.cached}
+	res := Result{Status: a.status, Err: a.err, CachedTokens: aw.scan.CachedTokens()}
 	if a.err != nil && !aw.wroteHeader {
 		switch {
 		case r.Context().Err() != nil: // the client left before the answer

@@ -17,10 +17,8 @@ type writer struct {
 	status      int // the status written, 0 before WriteHeader (an implicit 200)
 	firstByte   bool
 	writeErr    error
-	cached      int           // the last cached-token count seen in a 2xx answer, -1 before
-	tail        [tailLen]byte // the last bytes written (ntail of them), for matches across writes
-	ntail       int
-	ended       atomic.Bool // a stream's terminal event was written
+	scan        AnswerScanner // the 2xx answer's bytes: cached tokens, a stream's terminal event
+	ended       atomic.Bool   // a stream's terminal event was written
 }
 
 // tailLen is how many of a write's last bytes are kept to find a terminal event or a cached-token
@@ -64,29 +62,57 @@ func (w *writer) Write(p []byte) (int, error) {
 	return n, err
 }
 
-// note reads p, the next bytes of a 2xx answer: the cached-token counts it holds (or that begin
-// in the previous writes' last bytes and end in it), and for a stream its terminal event.
+// note reads p, the next bytes of a 2xx answer.
 func (w *writer) note(p []byte) {
-	var buf [2 * tailLen]byte
-	seam := append(append(buf[:0], w.tail[:w.ntail]...), p[:min(len(p), tailLen)]...)
-	stream := w.a.stream && !w.ended.Load()
-	if stream && (terminal(p) || terminal(seam)) {
+	w.scan.Write(p)
+	if w.a.stream && w.scan.Terminal() {
 		w.ended.Store(true)
 	}
+}
+
+// AnswerScanner reads an LLM answer's body as it passes, a write at a time, without holding it:
+// the cached-token count of its usage (OpenAI's and vLLM's prompt_tokens_details.cached_tokens,
+// Anthropic's cache_read_input_tokens), and whether a stream's terminal event (OpenAI's
+// "data: [DONE]", Anthropic's "event: message_stop") went by. A key or event split across two
+// writes is found. It keeps a few dozen bytes, whatever the answer's length. The zero value is
+// ready; an AnswerScanner is not safe for concurrent use. The Handler scans every 2xx answer
+// with one; a gateway that relays answers itself (an Envoy external processor, a Caddy module)
+// feeds it the body it sees and reports Result-like outcomes from it.
+type AnswerScanner struct {
+	cached   int           // the last cached-token count seen, plus one: 0 means none yet
+	tail     [tailLen]byte // the last bytes written (ntail of them), for matches across writes
+	ntail    int
+	terminal bool
+}
+
+// Write reads p, the answer's next bytes. It never fails.
+func (s *AnswerScanner) Write(p []byte) (int, error) {
+	var buf [2 * tailLen]byte
+	seam := append(append(buf[:0], s.tail[:s.ntail]...), p[:min(len(p), tailLen)]...)
+	if !s.terminal && (terminal(p) || terminal(seam)) {
+		s.terminal = true
+	}
 	if c := lastCachedTokens(seam); c >= 0 {
-		w.cached = c
+		s.cached = c + 1
 	}
 	if c := lastCachedTokens(p); c >= 0 {
-		w.cached = c
+		s.cached = c + 1
 	}
 	if len(p) >= tailLen {
-		w.ntail = copy(w.tail[:], p[len(p)-tailLen:])
-		return
+		s.ntail = copy(s.tail[:], p[len(p)-tailLen:])
+		return len(p), nil
 	}
-	keep := min(w.ntail, tailLen-len(p))
-	copy(w.tail[:], w.tail[w.ntail-keep:w.ntail])
-	w.ntail = keep + copy(w.tail[keep:], p)
+	keep := min(s.ntail, tailLen-len(p))
+	copy(s.tail[:], s.tail[s.ntail-keep:s.ntail])
+	s.ntail = keep + copy(s.tail[keep:], p)
+	return len(p), nil
 }
+
+// CachedTokens returns the last cached-token count read, or -1 when none was.
+func (s *AnswerScanner) CachedTokens() int { return s.cached - 1 }
+
+// Terminal reports whether a stream's terminal event was read.
+func (s *AnswerScanner) Terminal() bool { return s.terminal }
 
 // terminal reports whether b holds a terminal event.
 func terminal(b []byte) bool {

@@ -106,3 +106,35 @@ func FuzzLastCachedTokens(f *testing.F) {
 		}
 	})
 }
+
+// TestAnswerScannerAcrossWrites feeds an answer a byte at a time and in one write: the usage's
+// cached tokens and a stream's terminal event are found however the writes cut them.
+func TestAnswerScannerAcrossWrites(t *testing.T) {
+	answers := map[string]struct {
+		body     string
+		cached   int
+		terminal bool
+	}{
+		"openai stream": {"data: {\"choices\":[]}\n\ndata: {\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\": 48}}}\n\ndata: [DONE]\n\n", 48, true},
+		"anthropic":     {"event: message_start\ndata: {\"usage\":{\"cache_read_input_tokens\":7}}\n\nevent: message_stop\ndata: {}\n\n", 7, true},
+		"json answer":   {`{"usage":{"prompt_tokens_details":{"cached_tokens":16}}}`, 16, false},
+		"prompt quotes": {`{"content":"say \"cached_tokens\": 99"}`, -1, false},
+	}
+	for name, a := range answers {
+		t.Run(name, func(t *testing.T) {
+			var whole, bytewise AnswerScanner
+			if whole.CachedTokens() != -1 || whole.Terminal() {
+				t.Fatal("a new scanner has seen something")
+			}
+			whole.Write([]byte(a.body))
+			for i := range len(a.body) {
+				bytewise.Write([]byte{a.body[i]})
+			}
+			for _, s := range []*AnswerScanner{&whole, &bytewise} {
+				if s.CachedTokens() != a.cached || s.Terminal() != a.terminal {
+					t.Errorf("cached %d terminal %v, want %d %v", s.CachedTokens(), s.Terminal(), a.cached, a.terminal)
+				}
+			}
+		})
+	}
+}
