@@ -44,7 +44,8 @@ type Config struct {
 	ResponseCache ResponseCacheConfig `yaml:"response_cache"`
 	// KVCacheIndex is tier 4: KV-cache-aware routing from the engines' KV events.
 	KVCacheIndex KVCacheIndexConfig `yaml:"kv_cache_index"`
-	// Backends are the model servers. At least one is required.
+	// Backends are the model servers. At least one is required, unless
+	// endpoint_picker.discovery.dns_name is set: the endpoint picker then finds them in DNS.
 	Backends []BackendConfig `yaml:"backends"`
 	// HealthChecks probe every backend's health endpoint.
 	HealthChecks HealthCheckConfig `yaml:"health_checks"`
@@ -60,6 +61,10 @@ type Config struct {
 	// Replicas shares load and KV-cache knowledge with the gateway's other replicas over NATS
 	// (default off: this gateway routes alone).
 	Replicas ReplicasConfig `yaml:"replicas"`
+	// EndpointPicker configures kvroute-epp, the endpoint picker for Envoy's external processing
+	// (Gateway API Inference Extension): its listeners, failure mode and DNS endpoint discovery.
+	// The reference proxy ignores it.
+	EndpointPicker EndpointPickerConfig `yaml:"endpoint_picker"`
 	// LogLevel is the least level logged: debug, info (default), warn or error. The proxy's -v
 	// flag forces debug.
 	LogLevel string `yaml:"log_level"`

@@ -263,6 +263,7 @@ func (c *Config) ApplyDefaults() {
 	if el.SnapshotInterval == 0 {
 		el.SnapshotInterval = Duration(DefaultSnapshotInterval)
 	}
+	c.EndpointPicker.applyDefaults()
 }
 
 // defaultTokenizer picks the tokenizer for a set of event sources: block events (ZMQ) need the
@@ -311,6 +312,7 @@ func (c *Config) undefaulted() string {
 		{"disaggregated_serving.conditional.enabled", cd.Enabled != nil},
 		{"disaggregated_serving.conditional.max_uncached_tokens", cd.MaxUncachedTokens != nil},
 		{"disaggregated_serving.conditional.max_uncached_ratio", cd.MaxUncachedRatio != nil},
+		{"endpoint_picker.metrics_address", c.EndpointPicker.MetricsAddress != nil},
 	} {
 		if !f.set {
 			return f.path

@@ -84,6 +84,10 @@ func (c *Config) LogAttrs() []slog.Attr {
 		attrs = append(attrs, slog.Bool("replicas", true), slog.String("replicas.nats_url", redactURLs(string(rp.NATSURL))),
 			slog.String("replicas.group", rp.Group), slog.Bool("replicas.event_log", rp.EventLog.Enabled))
 	}
+	if d := c.EndpointPicker.Discovery; d.Enabled() {
+		attrs = append(attrs, slog.String("endpoint_picker.discovery.dns_name", d.DNSName),
+			slog.Int("endpoint_picker.discovery.port", d.Port), slog.String("endpoint_picker.discovery.interval", d.Interval.String()))
+	}
 	return attrs
 }
 

@@ -131,6 +131,7 @@ func (c *Config) Validate() error {
 		}
 	}
 	c.validateReplicas(&fe)
+	c.validateEndpointPicker(&fe)
 	return errors.Join(fe...)
 }
 
@@ -219,8 +220,8 @@ func natsToken(s string) bool {
 }
 
 func (c *Config) validateBackends(fe *fieldErrors) {
-	if len(c.Backends) == 0 {
-		fe.add("backends", "at least one backend is required")
+	if len(c.Backends) == 0 && !c.EndpointPicker.Discovery.Enabled() {
+		fe.add("backends", "at least one backend is required (or endpoint_picker.discovery.dns_name, to find them in DNS)")
 	}
 	seen := map[string]int{}
 	for i, b := range c.Backends {
