@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
@@ -460,6 +461,7 @@ func TestKubernetesChecksCatchMistakes(t *testing.T) {
 		{"readiness service", "Deployment", "kvroute-epp", "spec.template.spec.containers.0.readinessProbe.grpc.service", "liveness", "readinessProbe"},
 		{"config path", "Deployment", "kvroute-epp", "spec.template.spec.containers.0.args.1", "/etc/kvroute.yaml", "-config"},
 		{"root", "Deployment", "kvroute-epp", "spec.template.spec.securityContext.runAsNonRoot", false, "runAsNonRoot"},
+		{"grace period", "Deployment", "kvroute-epp", "spec.template.spec.terminationGracePeriodSeconds", 60, "terminationGracePeriodSeconds"},
 		{"writable root", "Deployment", "kvroute-epp", "spec.template.spec.containers.0.securityContext.readOnlyRootFilesystem", false, "readOnlyRootFilesystem"},
 		{"route backend", "HTTPRoute", "vllm-llama", "spec.rules.0.backendRefs.0.kind", "Service", "InferencePool"},
 		{"config package refuses", "ConfigMap", "kvroute-epp", "", [2]string{"kv_cache_index:", "kv_cache_indx:"}, "config.Parse"},
@@ -661,6 +663,20 @@ func checkManifests(docs []object) []error {
 	}
 
 	checkDeployment(dep, cm, grpcPort, healthPort, metricsPort, fail)
+
+	// Kubernetes kills the pod terminationGracePeriodSeconds after SIGTERM: kvroute-epp's drain
+	// (server.shutdown_timeout) must end before.
+	drain := config.DefaultShutdownTimeout
+	if s := str(cfg, "server.shutdown_timeout"); s != "" {
+		d, err := time.ParseDuration(s)
+		if err != nil {
+			fail("config.yaml: server.shutdown_timeout %q: %v", s, err)
+		}
+		drain = d
+	}
+	if grace := num(dep, "spec.template.spec.terminationGracePeriodSeconds"); time.Duration(grace)*time.Second <= drain {
+		fail("Deployment kvroute-epp: terminationGracePeriodSeconds %d does not outlast server.shutdown_timeout %v", grace, drain)
+	}
 	checkEPPService(eppSvc, dep, pool, grpcPort, fail)
 
 	// The headless Service kvroute-epp resolves, and the InferencePool, select the same pods.
