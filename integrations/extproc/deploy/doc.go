@@ -16,5 +16,5 @@
 // validation rules Envoy's API carries (protoc-gen-validate), including those of every typed
 // extension config; it parses the ConfigMap's configuration with package config, and checks that
 // the ports, names and selectors the files share agree and that the InferencePool uses only fields
-// of the InferencePool v1 schema.
+// of the InferencePool v1 schema. It also parses the configuration blocks of the module's README.
 package deploy

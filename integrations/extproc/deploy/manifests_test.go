@@ -932,3 +932,39 @@ func subset(sel, labels any) bool {
 func sameStrings(a, b any) bool {
 	return subset(a, b) && subset(b, a)
 }
+
+// TestREADMEConfigs parses every YAML block of the module's README with package config, so that
+// the configuration the README shows is one kvroute-epp accepts.
+func TestREADMEConfigs(t *testing.T) {
+	data, err := os.ReadFile("../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	blocks := yamlBlocks(string(data))
+	if len(blocks) == 0 {
+		t.Fatal("the README has no yaml block")
+	}
+	for i, b := range blocks {
+		if _, err := config.Parse([]byte(b), nil); err != nil {
+			t.Errorf("README yaml block %d: %v\n%s", i+1, err, b)
+		}
+	}
+}
+
+// yamlBlocks returns the contents of the ```yaml fenced blocks of a Markdown text.
+func yamlBlocks(md string) []string {
+	var out []string
+	for {
+		start := strings.Index(md, "```yaml\n")
+		if start < 0 {
+			return out
+		}
+		md = md[start+len("```yaml\n"):]
+		end := strings.Index(md, "```")
+		if end < 0 {
+			return out
+		}
+		out = append(out, md[:end])
+		md = md[end:]
+	}
+}
