@@ -37,7 +37,10 @@ import (
 )
 
 func main() {
-	if err := run(os.Args[1:], os.Stdout, os.Stderr); err != nil {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	if err != nil {
 		if !errors.Is(err, flag.ErrHelp) {
 			fmt.Fprintln(os.Stderr, "kvroute-epp:", err)
 		}
@@ -45,8 +48,8 @@ func main() {
 	}
 }
 
-// run is main without the exit.
-func run(args []string, stdout, stderr io.Writer) error {
+// run is main without the signals and the exit: it serves until ctx ends, then drains.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("kvroute-epp", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var (
@@ -54,6 +57,8 @@ func run(args []string, stdout, stderr io.Writer) error {
 		demo      = fs.Bool("demo", false, "run with simulated engines and a Go stand-in for Envoy on -addr")
 		addr      = fs.String("addr", "127.0.0.1:8080", "demo: where the stand-in for Envoy listens")
 		grpcAddr  = fs.String("grpc-addr", "", "ext_proc listen address (overrides endpoint_picker.grpc_address)")
+		hlthAddr  = fs.String("health-addr", "", "gRPC health listen address (overrides endpoint_picker.health_address)")
+		metrAddr  = fs.String("metrics-addr", "", "metrics listen address (overrides endpoint_picker.metrics_address; \"off\" turns it off)")
 		engines   = fs.Int("engines", 3, "demo: number of simulated engines")
 		speed     = fs.Float64("engine-speed", 1, "demo: wall-clock seconds the engines sleep per simulated second (0: no latency)")
 		verbose   = fs.Bool("v", false, "debug logging")
@@ -85,9 +90,6 @@ func run(args []string, stdout, stderr io.Writer) error {
 	}
 	log := slog.New(h)
 
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-
 	var cfg *config.Config
 	var fleet *enginesim.Demo
 	if *demo {
@@ -97,6 +99,9 @@ func run(args []string, stdout, stderr io.Writer) error {
 		}
 		defer fleet.Close()
 		cfg = demoConfig(fleet.Info())
+		if err := cfg.Validate(); err != nil {
+			return fmt.Errorf("demo configuration: %w", err)
+		}
 	} else {
 		var err error
 		if cfg, err = config.Load(*cfgPath); err != nil {
@@ -108,6 +113,16 @@ func run(args []string, stdout, stderr io.Writer) error {
 	}
 	if *grpcAddr != "" {
 		cfg.EndpointPicker.GRPCAddress = *grpcAddr
+	}
+	if *hlthAddr != "" {
+		cfg.EndpointPicker.HealthAddress = *hlthAddr
+	}
+	switch *metrAddr {
+	case "":
+	case "off":
+		cfg.EndpointPicker.MetricsAddress = new(string)
+	default:
+		cfg.EndpointPicker.MetricsAddress = metrAddr
 	}
 
 	tel, err := newTelemetry()
