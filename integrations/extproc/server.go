@@ -210,12 +210,12 @@ type Stats struct {
 
 // counters are the atomics behind Stats.
 type counters struct {
-	streams                          atomic.Int64
-	picked, failedOpen               atomic.Uint64
-	answered400, answered413         atomic.Uint64
-	answered503                      atomic.Uint64
+	streams                           atomic.Int64
+	picked, failedOpen                atomic.Uint64
+	answered400, answered413          atomic.Uint64
+	answered503                       atomic.Uint64
 	success, failure, refused, unsent atomic.Uint64
-	servedElsewhere, protocolErrors  atomic.Uint64
+	servedElsewhere, protocolErrors   atomic.Uint64
 }
 
 // Stats returns the Server's counts.

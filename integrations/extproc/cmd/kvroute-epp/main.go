@@ -217,8 +217,8 @@ func newTelemetry() (*telemetry, error) {
 // fallback endpoints.
 func demoConfig(engines []enginesim.EngineInfo) *config.Config {
 	cfg := &config.Config{
-		KVCacheIndex: config.KVCacheIndexConfig{Enabled: true, Backend: "memory", Tokenizer: config.TokenizerEngine, BlockSize: 16},
-		HealthChecks: config.HealthCheckConfig{Interval: config.Duration(2 * time.Second), Timeout: config.Duration(time.Second)},
+		KVCacheIndex:   config.KVCacheIndexConfig{Enabled: true, Backend: "memory", Tokenizer: config.TokenizerEngine, BlockSize: 16},
+		HealthChecks:   config.HealthCheckConfig{Interval: config.Duration(2 * time.Second), Timeout: config.Duration(time.Second)},
 		EndpointPicker: config.EndpointPickerConfig{FallbackEndpoints: 2},
 	}
 	for _, e := range engines {
