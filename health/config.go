@@ -129,9 +129,8 @@ func (c Config) withDefaults() (Config, error) {
 		if p.Disabled {
 			continue
 		}
-		u, err := url.Parse(be.URL)
-		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-			bad("backend %q: URL %q is not an absolute http(s) URL", be.Name, be.URL)
+		if err := checkURL(be.URL); err != nil {
+			bad("backend %q: %w", be.Name, err)
 		}
 	}
 	if len(errs) > 0 {
@@ -150,6 +149,15 @@ func (c Config) withDefaults() (Config, error) {
 		c.Client = &http.Client{Timeout: p.Timeout}
 	}
 	return c, nil
+}
+
+// checkURL checks that u is an absolute http(s) URL, as a backend's URL must be when it is probed.
+func checkURL(u string) error {
+	pu, err := url.Parse(u)
+	if err != nil || (pu.Scheme != "http" && pu.Scheme != "https") || pu.Host == "" {
+		return fmt.Errorf("URL %q is not an absolute http(s) URL", u)
+	}
+	return nil
 }
 
 // orDefault returns def for a zero v, v for a positive one, and reports a negative one.

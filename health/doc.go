@@ -31,7 +31,10 @@
 // # Concurrency
 //
 // A Monitor is safe for concurrent use. Start runs one probing goroutine and the recovery timers
-// run on the Clock; Close stops them. The Target and the Logger are never called with a lock
+// run on the Clock; Close stops them. The set of backends may change while it runs:
+// Monitor.AddBackend and Monitor.RemoveBackend add a backend (probed at once, then every round)
+// and remove one (its probes, timer and breaker state go with it), for a pool whose endpoints come
+// and go, such as the pods found by DNS discovery. The Target and the Logger are never called with a lock
 // held. The package has no global state.
 //
 // # Use

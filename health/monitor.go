@@ -2,6 +2,8 @@ package health
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"log/slog"
 	"net/http"
 	"sync"
@@ -53,9 +55,18 @@ func (systemClock) AfterFunc(d time.Duration, f func()) func() bool { return tim
 
 var _ Clock = systemClock{}
 
-// Monitor keeps track of the health of a fixed set of backends and tells its Target which ones
-// are in rotation. Its methods are safe for concurrent use. Start runs one goroutine that probes
-// the backends; the circuit breakers' recovery timers run on the Clock; Close stops both.
+// Errors of AddBackend and RemoveBackend.
+var (
+	// ErrUnknownBackend is wrapped by RemoveBackend's error for a name the Monitor does not watch.
+	ErrUnknownBackend = errors.New("health: unknown backend")
+	// ErrDuplicateBackend is wrapped by AddBackend's error for a name the Monitor already watches.
+	ErrDuplicateBackend = errors.New("health: backend already present")
+)
+
+// Monitor keeps track of the health of a set of backends and tells its Target which ones are in
+// rotation. Its methods are safe for concurrent use. Start runs one goroutine that probes the
+// backends; the circuit breakers' recovery timers run on the Clock; Close stops both. The set
+// starts as Config.Backends and changes with AddBackend and RemoveBackend, while the probes run.
 //
 // A backend is in rotation when its probes say healthy and its circuit breaker is not open. Every
 // backend starts in rotation, as a new Router has it, with a closed circuit; the Target is told
@@ -70,19 +81,25 @@ type Monitor struct {
 	probe   ProbeConfig
 	breaker BreakerConfig
 
-	backends []*backend
-	byName   map[string]*backend
+	set   atomic.Pointer[backendSet] // replaced, never modified, under setMu
+	setMu sync.Mutex
 
 	ctx    context.Context // ended by Close: aborts the probes in flight
 	cancel context.CancelFunc
 
 	mu        sync.Mutex // guards started and running, and orders timer callbacks against Close
 	started   bool
-	running   bool          // the probing goroutine was started
-	done      chan struct{} // closed when the probing goroutine has returned, or at Close if none ran
-	closed    atomic.Bool   // set under mu
-	callbacks sync.WaitGroup
+	running   bool           // the probing goroutine was started
+	done      chan struct{}  // closed when the probing goroutine has returned, or at Close if none ran
+	closed    atomic.Bool    // set under mu
+	callbacks sync.WaitGroup // recovery timers and first probes of added backends in progress
 	closeOnce sync.Once
+}
+
+// backendSet is an immutable snapshot of the watched backends: readers load it without a lock.
+type backendSet struct {
+	list   []*backend // in configuration order, then the order of AddBackend
+	byName map[string]*backend
 }
 
 // backend is the state of one backend; mu guards every field below it.
@@ -98,8 +115,10 @@ type backend struct {
 	brk       breaker
 	stopTimer func() bool // stops the pending recovery timer, if any
 
-	told     bool // the verdict the Target last accepted (initially true)
-	applying bool // a goroutine is bringing the Target in line with inRotation()
+	told      bool          // the verdict the Target last accepted (initially true)
+	applying  bool          // a goroutine is bringing the Target in line with inRotation()
+	applyDone chan struct{} // closed when the goroutine applying is done; nil when none is
+	removed   bool          // RemoveBackend took it out: its probes, outcomes and timers count for nothing
 }
 
 // inRotation is the current verdict. Under b.mu.
@@ -113,23 +132,127 @@ func New(cfg Config) (*Monitor, error) {
 		return nil, err
 	}
 	m := &Monitor{
-		target:   cfg.Target,
-		log:      cfg.Logger,
-		clock:    cfg.Clock,
-		client:   cfg.Client,
-		probe:    cfg.Probe,
-		breaker:  cfg.Breaker,
-		byName:   make(map[string]*backend, len(cfg.Backends)),
-		done:     make(chan struct{}),
-		backends: make([]*backend, 0, len(cfg.Backends)),
+		target:  cfg.Target,
+		log:     cfg.Logger,
+		clock:   cfg.Clock,
+		client:  cfg.Client,
+		probe:   cfg.Probe,
+		breaker: cfg.Breaker,
+		done:    make(chan struct{}),
 	}
 	m.ctx, m.cancel = context.WithCancel(context.Background())
+	set := &backendSet{list: make([]*backend, 0, len(cfg.Backends)), byName: make(map[string]*backend, len(cfg.Backends))}
 	for _, be := range cfg.Backends {
-		b := &backend{name: be.Name, url: be.URL, probeOK: true, told: true, brk: newBreaker(cfg.Breaker)}
-		m.backends = append(m.backends, b)
-		m.byName[be.Name] = b
+		b := m.newBackend(be)
+		set.list = append(set.list, b)
+		set.byName[be.Name] = b
 	}
+	m.set.Store(set)
 	return m, nil
+}
+
+// newBackend returns the state of a new backend: in rotation, with a closed circuit.
+func (m *Monitor) newBackend(be Backend) *backend {
+	return &backend{name: be.Name, url: be.URL, probeOK: true, told: true, brk: newBreaker(m.breaker)}
+}
+
+// backends returns the current set's backends, in order. The slice must not be modified.
+func (m *Monitor) backends() []*backend { return m.set.Load().list }
+
+// lookup returns the backend named name, or nil.
+func (m *Monitor) lookup(name string) *backend { return m.set.Load().byName[name] }
+
+// AddBackend starts watching backend be: it enters the set in rotation, with a closed circuit,
+// as a backend of Config.Backends does, and Statuses lists it last. The Target is not called: the
+// caller adds the backend to the Target (a Router's AddBackend puts it in rotation) and then to the
+// Monitor. While the probing goroutine runs, be gets its first probe at once, in a goroutine Close
+// waits for, and then one every round.
+//
+// It returns an error wrapping ErrDuplicateBackend when the name is already watched, or
+// ErrInvalidConfig for an empty name or, with probes enabled, a URL that is not an absolute
+// http(s) URL; the set is then unchanged. Safe for concurrent use, also with the probes and
+// requests in progress; after Close the backend is added but never probed.
+func (m *Monitor) AddBackend(be Backend) error {
+	if be.Name == "" {
+		return fmt.Errorf("%w: backend has no name", ErrInvalidConfig)
+	}
+	if !m.probe.Disabled {
+		if err := checkURL(be.URL); err != nil {
+			return fmt.Errorf("%w: backend %q: %w", ErrInvalidConfig, be.Name, err)
+		}
+	}
+	m.setMu.Lock()
+	old := m.set.Load()
+	if _, ok := old.byName[be.Name]; ok {
+		m.setMu.Unlock()
+		return fmt.Errorf("%w: %q", ErrDuplicateBackend, be.Name)
+	}
+	b := m.newBackend(be)
+	next := &backendSet{list: append(append(make([]*backend, 0, len(old.list)+1), old.list...), b),
+		byName: make(map[string]*backend, len(old.byName)+1)}
+	for k, v := range old.byName {
+		next.byName[k] = v
+	}
+	next.byName[be.Name] = b
+	m.set.Store(next)
+	m.setMu.Unlock()
+
+	m.mu.Lock()
+	probeNow := m.running && !m.closed.Load()
+	if probeNow {
+		m.callbacks.Add(1)
+	}
+	m.mu.Unlock()
+	if probeNow {
+		go func() {
+			defer m.callbacks.Done()
+			m.probeOne(m.ctx, b)
+		}()
+	}
+	return nil
+}
+
+// RemoveBackend stops watching the backend named name: it leaves the set, its probes in flight
+// and its requests' outcomes (Ticket.Done) then count for nothing, its recovery timer is stopped,
+// and its circuit breaker's state is dropped (a backend added again under the name starts afresh,
+// in rotation with a closed circuit). The Target is not called: the caller removes the backend from
+// the Target too. RemoveBackend waits for a Target.SetHealthy call in progress for the backend to
+// return, so that none is made for it once RemoveBackend has returned (a Target must therefore not
+// call RemoveBackend itself). Admit then treats the name as unknown.
+//
+// It returns an error wrapping ErrUnknownBackend when no backend of that name is watched. Safe
+// for concurrent use, also with the probes and requests in progress.
+func (m *Monitor) RemoveBackend(name string) error {
+	m.setMu.Lock()
+	old := m.set.Load()
+	gone, ok := old.byName[name]
+	if !ok {
+		m.setMu.Unlock()
+		return fmt.Errorf("%w: %q", ErrUnknownBackend, name)
+	}
+	next := &backendSet{list: make([]*backend, 0, len(old.list)-1), byName: make(map[string]*backend, len(old.byName)-1)}
+	for _, b := range old.list {
+		if b != gone {
+			next.list = append(next.list, b)
+			next.byName[b.name] = b
+		}
+	}
+	m.set.Store(next)
+	m.setMu.Unlock()
+
+	gone.mu.Lock()
+	gone.removed = true
+	stop := gone.stopTimer
+	gone.stopTimer = nil
+	applying := gone.applyDone
+	gone.mu.Unlock()
+	if stop != nil {
+		stop()
+	}
+	if applying != nil {
+		<-applying
+	}
+	return nil
 }
 
 // Start starts the probing goroutine: it probes every backend at once (Start does not wait for
@@ -161,7 +284,7 @@ func (m *Monitor) Close() {
 		}
 		m.mu.Unlock()
 		m.cancel()
-		for _, b := range m.backends {
+		for _, b := range m.backends() {
 			b.mu.Lock()
 			stop := b.stopTimer
 			b.stopTimer = nil
@@ -181,7 +304,7 @@ func (m *Monitor) Close() {
 // backend. For an unknown backend, or with breakers disabled, Admit returns a Ticket that counts
 // nothing and true. Safe for concurrent use; Admit does no I/O.
 func (m *Monitor) Admit(name string) (t Ticket, ok bool) {
-	b := m.byName[name]
+	b := m.lookup(name)
 	if b == nil || m.breaker.Disabled {
 		return Ticket{}, true
 	}
@@ -233,7 +356,7 @@ func (t Ticket) Cancel() {
 // InRotation reports whether the named backend is in rotation, as the Target was last told:
 // false for an unknown backend. Safe for concurrent use.
 func (m *Monitor) InRotation(name string) bool {
-	b := m.byName[name]
+	b := m.lookup(name)
 	if b == nil {
 		return false
 	}
@@ -245,7 +368,7 @@ func (m *Monitor) InRotation(name string) bool {
 // HealthyCount returns how many backends are in rotation. Safe for concurrent use.
 func (m *Monitor) HealthyCount() int {
 	n := 0
-	for _, b := range m.backends {
+	for _, b := range m.backends() {
 		b.mu.Lock()
 		if b.told {
 			n++
@@ -268,10 +391,12 @@ type Status struct {
 	Failures   int          `json:"consecutive_failures"` // closed circuit: failures in a row so far
 }
 
-// Statuses returns every backend's health, in configuration order. Safe for concurrent use.
+// Statuses returns every backend's health, in configuration order (backends added by AddBackend
+// last, in the order they were added). Safe for concurrent use.
 func (m *Monitor) Statuses() []Status {
-	out := make([]Status, 0, len(m.backends))
-	for _, b := range m.backends {
+	list := m.backends()
+	out := make([]Status, 0, len(list))
+	for _, b := range list {
 		b.mu.Lock()
 		out = append(out, Status{Name: b.name, URL: b.url, InRotation: b.told, ProbeOK: b.probeOK,
 			Circuit: b.brk.state, LastProbe: b.lastProbe, LastError: b.lastErr, Opens: b.brk.opens,
@@ -291,6 +416,10 @@ type logLine struct {
 // outcome folds a request outcome of generation gen into b's breaker.
 func (m *Monitor) outcome(b *backend, gen uint64, err error) {
 	b.mu.Lock()
+	if b.removed {
+		b.mu.Unlock()
+		return
+	}
 	from := b.brk.done(gen, err != nil)
 	var line logLine
 	arm := false
@@ -327,7 +456,7 @@ func (m *Monitor) armRecovery(b *backend, gen uint64) {
 	}
 	stop := m.clock.AfterFunc(m.breaker.RecoveryTimeout, func() { m.recover(b, gen) })
 	b.mu.Lock()
-	if m.closed.Load() || b.brk.gen != gen { // Close ran, or the circuit has moved on
+	if m.closed.Load() || b.brk.gen != gen || b.removed { // Close ran, the circuit has moved on, or b is gone
 		b.mu.Unlock()
 		stop()
 		return
@@ -352,7 +481,7 @@ func (m *Monitor) recover(b *backend, gen uint64) {
 	defer m.callbacks.Done()
 
 	b.mu.Lock()
-	ok := b.brk.halfOpen(gen)
+	ok := !b.removed && b.brk.halfOpen(gen)
 	if ok {
 		b.stopTimer = nil
 	}
@@ -366,15 +495,19 @@ func (m *Monitor) recover(b *backend, gen uint64) {
 
 // sync brings the Target in line with b's verdict. One goroutine at a time does it for a
 // backend, without holding b.mu while the Target runs; it repeats until the verdict it last gave
-// is current, so concurrent changes end with the latest verdict.
+// is current, so concurrent changes end with the latest verdict. A removed backend's Target is not
+// called.
 func (m *Monitor) sync(b *backend) {
 	b.mu.Lock()
-	if b.applying {
+	if b.applying || b.removed {
 		b.mu.Unlock()
 		return // the goroutine applying will see the new verdict
 	}
 	b.applying = true
-	for {
+	b.applyDone = make(chan struct{})
+	var failed error
+	var failedWant bool
+	for !b.removed {
 		want := b.inRotation()
 		if want == b.told {
 			break
@@ -383,13 +516,16 @@ func (m *Monitor) sync(b *backend) {
 		err := m.target.SetHealthy(b.name, want)
 		b.mu.Lock()
 		if err != nil {
-			b.applying = false
-			b.mu.Unlock()
-			m.log.Error("cannot update backend health", "backend", b.name, "in_rotation", want, "err", err)
-			return
+			failed, failedWant = err, want
+			break
 		}
 		b.told = want
 	}
 	b.applying = false
+	close(b.applyDone)
+	b.applyDone = nil
 	b.mu.Unlock()
+	if failed != nil {
+		m.log.Error("cannot update backend health", "backend", b.name, "in_rotation", failedWant, "err", failed)
+	}
 }

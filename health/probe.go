@@ -42,7 +42,7 @@ func (m *Monitor) Probe(ctx context.Context) {
 		return
 	}
 	var wg sync.WaitGroup
-	for _, b := range m.backends {
+	for _, b := range m.backends() {
 		wg.Go(func() { m.probeOne(ctx, b) })
 	}
 	wg.Wait()
@@ -83,6 +83,10 @@ func (m *Monitor) get(ctx context.Context, u string) error {
 func (m *Monitor) observeProbe(b *backend, err error) {
 	var lines []logLine
 	b.mu.Lock()
+	if b.removed {
+		b.mu.Unlock()
+		return
+	}
 	b.lastProbe = m.clock.Now()
 	if err == nil {
 		b.okRun++
