@@ -25,8 +25,10 @@ import (
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/config"
+	"github.com/kvroute/kvroute/events"
 	kvhealth "github.com/kvroute/kvroute/health"
 	"github.com/kvroute/kvroute/integrations/extproc"
+	"github.com/kvroute/kvroute/integrations/extproc/discovery"
 	"github.com/kvroute/kvroute/kvhttp"
 	"github.com/kvroute/kvroute/kvindex"
 )
@@ -47,6 +49,8 @@ type Options struct {
 	MeterProvider metric.MeterProvider
 	// Metrics, when set, is served at /metrics on the metrics listener.
 	Metrics http.Handler
+	// Resolver resolves endpoint_picker.discovery.dns_name; nil is net.DefaultResolver.
+	Resolver discovery.Resolver
 }
 
 // App is one kvroute-epp.
@@ -61,7 +65,14 @@ type App struct {
 	Index     kvindex.KvCacheIndex // nil when kv_cache_index is off
 
 	cons      []config.EventConsumer
-	transport *http.Transport
+	sink      events.Sink      // what the KV events feed: the index
+	tok       *engineTokenizer // nil unless kv_cache_index.tokenizer is engine
+	watcher   *discovery.Watcher
+	// metricsTargets sets the engine-metrics scraper's targets; nil when engine_metrics is off.
+	metricsTargets func(map[string]string) error
+	ctx            context.Context // the App's life: what it starts later (discovered engines' consumers) stops with it
+	cancel         context.CancelFunc
+	transport      *http.Transport
 	grpc      *grpc.Server
 	probes    *grpc.Server
 	status    *health.Server
@@ -82,6 +93,8 @@ func New(cfg *config.Config, o Options) (a *App, err error) {
 	}
 	a = &App{cfg: cfg, log: log, Endpoints: extproc.NewEndpoints(), metrics: o.Metrics,
 		opts: config.Options{MeterProvider: o.MeterProvider, Logger: log}}
+	a.ctx, a.cancel = context.WithCancel(context.Background())
+	a.closers = append(a.closers, func() error { a.cancel(); return nil })
 	defer func() {
 		if err != nil {
 			_ = a.Close()
@@ -97,18 +110,19 @@ func New(cfg *config.Config, o Options) (a *App, err error) {
 		if err != nil {
 			return nil, err
 		}
-		a.Index = index
+		a.Index, a.sink = index, index
 		a.closers = append(a.closers, closeIndex)
-		if a.cons, err = cfg.NewEventConsumers(index, a.opts); err != nil {
+		if a.cons, err = cfg.NewEventConsumers(a.sink, a.opts); err != nil {
 			return nil, err
 		}
 		for _, c := range a.cons {
 			a.closers = append(a.closers, c.Close)
 		}
 		if cfg.KVCacheIndex.Tokenizer == config.TokenizerEngine {
-			if tok, err = newEngineTokenizer(cfg, &http.Client{Transport: a.transport}, a); err != nil {
+			if a.tok, err = newEngineTokenizer(cfg, &http.Client{Transport: a.transport}, a); err != nil {
 				return nil, err
 			}
+			tok = a.tok
 		}
 	}
 
@@ -117,11 +131,7 @@ func New(cfg *config.Config, o Options) (a *App, err error) {
 	if err != nil {
 		return nil, err
 	}
-	if tok != nil {
-		rcfg.KV = cfg.KVConfig(a.Index, tok)
-	} else {
-		rcfg.KV = cfg.KVConfig(a.Index, nil)
-	}
+	rcfg.KV = cfg.KVConfig(a.Index, tok)
 	if a.Router, err = kvroute.New(rcfg); err != nil {
 		return nil, fmt.Errorf("router: %w", err)
 	}
@@ -158,6 +168,11 @@ func New(cfg *config.Config, o Options) (a *App, err error) {
 		return nil, err
 	}
 	a.closers = append(a.closers, a.Server.Close)
+	if ep.Discovery.Enabled() {
+		if err := a.newDiscovery(o); err != nil {
+			return nil, err
+		}
+	}
 
 	// gRPC: ext_proc on its listener, health on its own (Kubernetes probes it). A buffered body
 	// comes in one message: the message limit follows max_body_bytes.
@@ -196,6 +211,7 @@ func (a *App) Start(ctx context.Context) error {
 		}
 	}
 	a.Health.Start()
+	a.syncDiscovery(ctx)
 	a.setReady(true)
 	return nil
 }
