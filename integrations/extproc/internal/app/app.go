@@ -64,19 +64,19 @@ type App struct {
 	Health    *kvhealth.Monitor
 	Index     kvindex.KvCacheIndex // nil when kv_cache_index is off
 
-	cons      []config.EventConsumer
-	sink      events.Sink      // what the KV events feed: the index
-	tok       *engineTokenizer // nil unless kv_cache_index.tokenizer is engine
-	watcher   *discovery.Watcher
+	cons    []config.EventConsumer
+	sink    events.Sink      // what the KV events feed: the index
+	tok     *engineTokenizer // nil unless kv_cache_index.tokenizer is engine
+	watcher *discovery.Watcher
 	// metricsTargets sets the engine-metrics scraper's targets; nil when engine_metrics is off.
 	metricsTargets func(map[string]string) error
 	ctx            context.Context // the App's life: what it starts later (discovered engines' consumers) stops with it
 	cancel         context.CancelFunc
 	transport      *http.Transport
-	grpc      *grpc.Server
-	probes    *grpc.Server
-	status    *health.Server
-	metrics   http.Handler
+	grpc           *grpc.Server
+	probes         *grpc.Server
+	status         *health.Server
+	metrics        http.Handler
 
 	mu      sync.Mutex
 	closers []func() error
