@@ -126,8 +126,10 @@ func startFakeEngine(t *testing.T, name string) *fakeEngine {
 			Model  string `json:"model"`
 			Stream bool   `json:"stream"`
 		}
-		_ = json.NewDecoder(r.Body).Decode(&body)
+		raw, _ := io.ReadAll(r.Body)
+		_ = json.Unmarshal(raw, &body)
 		w.Header().Set("X-Engine", name)
+		w.Header().Set("X-Body-Bytes", fmt.Sprint(len(raw)))
 		switch {
 		case body.Model == "fail":
 			http.Error(w, `{"error":{"message":"engine failure"}}`, http.StatusInternalServerError)

@@ -554,3 +554,21 @@ func TestThousandConcurrentStreams(t *testing.T) {
 		}
 	}
 }
+
+// TestLargeBodyRoundTrip: a prompt of several hundred KiB goes through the picker in every body
+// mode (in full duplex it comes back in chunks) and reaches the engine byte for byte.
+func TestLargeBodyRoundTrip(t *testing.T) {
+	_, r, eps := staticPool(t, 2)
+	h := newHarness(t, extproc.Config{Router: r, Endpoints: eps})
+	body := chat("m", strings.Repeat("a long system prompt ", 20000), "u", false)
+	for _, mode := range bodyModes {
+		mode.cfg.ChunkSize = 0 // envoysim's default chunks
+		gw := h.gateway(mode.cfg)
+		res, answer := post(t, gw.URL, body)
+		if res.StatusCode != 200 || res.Header.Get("X-Body-Bytes") != fmt.Sprint(len(body)) {
+			t.Errorf("%s: status %d, the engine read %s bytes of %d: %.200s", mode.name, res.StatusCode,
+				res.Header.Get("X-Body-Bytes"), len(body), answer)
+		}
+	}
+	h.router.waitAllDone(t)
+}

@@ -65,6 +65,9 @@ func newStream(s *Server, srv extprocv3.ExternalProcessor_ProcessServer) *stream
 	return &stream{s: s, srv: srv, ctx: srv.Context(), reqMode: s.cfg.BodyMode, respMode: s.cfg.BodyMode}
 }
 
+// bodyChunk is the largest request-body chunk the picker hands back to Envoy in full duplex.
+const bodyChunk = 64 << 10
+
 // errServedElsewhere is the failure of a picked endpoint that Envoy passed over for a fallback.
 var errServedElsewhere = errors.New("extproc: the picked endpoint failed the request")
 
@@ -292,13 +295,18 @@ func (st *stream) pickBody(eos bool) error {
 	return st.pick(req, func(c *extprocv3.CommonResponse, md *structpb.Struct) []*extprocv3.ProcessingResponse {
 		headers := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
 			RequestHeaders: &extprocv3.HeadersResponse{Response: c}}, DynamicMetadata: md}
-		// Full duplex: the body goes back as it came, whole, now that the endpoint is known.
-		resp := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
-			RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{
-				BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
-					StreamedResponse: &extprocv3.StreamedBodyResponse{Body: body, EndOfStream: eos}}}}}}}
-		st.release() // the message holds the body; the budget no longer does
-		return []*extprocv3.ProcessingResponse{headers, resp}
+		// Full duplex: the body goes back unchanged now that the endpoint is known, in chunks no
+		// larger than those Envoy streams (no message of the answer holds a whole large prompt).
+		out := []*extprocv3.ProcessingResponse{headers}
+		for i := 0; i == 0 || i < len(body); i += bodyChunk {
+			end := min(i+bodyChunk, len(body))
+			out = append(out, &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
+				RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{
+					BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
+						StreamedResponse: &extprocv3.StreamedBodyResponse{Body: body[i:end], EndOfStream: eos && end == len(body)}}}}}}})
+		}
+		st.release() // the messages hold the body; the budget no longer does
+		return out
 	})
 }
 
