@@ -9,16 +9,17 @@
 //
 // A front end composes them around its Router in this order:
 //
-//	cache, index, closeStores, _ := cfg.NewStores(opts)      // package config
+//	cache, index, closeStores, _ := cfg.NewStores(opts) // package config
 //	fleet, _ := stack.NewFleet(cfg, opts, stack.FleetOptions{Index: index})
 //	consumers, _ := cfg.NewEventConsumers(fleet.EventsSink(), opts)
+//	var mon *health.Monitor // built after the Router, which needs the tokenizer
 //	tok, _ := stack.NewEngineTokenizer(cfg, client, func(b string) bool { return mon == nil || mon.InRotation(b) })
 //	rcfg, _ := cfg.RouterConfig(opts)
 //	rcfg.KV, rcfg.Peers = cfg.KVConfig(index, tok), fleet.Peers()
 //	router, _ := kvroute.New(rcfg)
 //	mon, _ = stack.NewHealth(cfg, router, transport, logger)
 //	fleet.SetRouter(router) // the peers' decisions and the engines' load go to it
-//	_ = fleet.Start(ctx)    // then the consumers' Start and mon.Start()
+//	_ = fleet.Start(ctx)    // then each consumer's Start, and mon.Start()
 //
 // and closes them in the reverse order. The tokenizer is only built when
 // kv_cache_index.tokenizer is engine and tier 4 is on. On a reload, the Fleet outlives the

@@ -2,7 +2,9 @@
 // shows how to compose the library into a net/http server. main.go reads top to bottom as the
 // composition: configuration (package config, YAML) → response cache and store → KV index and
 // the consumers of the engines' KV events → Router → health → handler (http.Server in front,
-// httputil.ReverseProxy to the backends).
+// httputil.ReverseProxy to the backends). What every kvroute front end builds the same way —
+// the replicas and engine_metrics sections, the health probes, the engines' tokenizer — comes
+// from package stack, which the Envoy endpoint picker (integrations/extproc) uses too.
 //
 //	go run ./examples/proxy                        # demo: simulated vLLM engines in-process
 //	go run ./examples/proxy -demo disagg           # demo: prefill and decode engines, KV through an in-process S3
