@@ -238,3 +238,27 @@ func TestNewFleetBadInput(t *testing.T) {
 		t.Error("a nil configuration: no error")
 	}
 }
+
+// While NATS is down, the events a replica with event sources receives still reach its own
+// index through EventsSink (they cannot reach the stream).
+func TestFleetEventLogNATSDown(t *testing.T) {
+	ns := natstest.Start(t)
+	r := startReplica(t, parse(t, replicaYAML(ns.URL(), "bridge", "  event_log: {enabled: true}\n")+
+		"kv_cache_index:\n  enabled: true\n  event_sources: [{backend_name: b0, endpoint: \"tcp://127.0.0.1:1\"}]\n"))
+	ns.Stop()
+	waitFor(t, 10*time.Second, "the replica to see NATS gone", func() bool { return !r.fleet.Stats().Sync.Connected })
+	toks := make([]uint32, 16)
+	b := &events.Batch{Model: "m", Seq: 1, Events: []events.Event{{Kind: events.KindBlockStored,
+		BlockHashes: []uint64{7}, TokenIDs: toks, BlockSize: 16}}}
+	ctx := context.Background()
+	if err := r.fleet.EventsSink().Apply(ctx, "b0", b); err != nil {
+		t.Fatal(err)
+	}
+	st, err := r.index.Stats(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.PerBackend["b0"] != 1 {
+		t.Errorf("b0 holds %d entries in the index during the outage, want the batch's 1", st.PerBackend["b0"])
+	}
+}
