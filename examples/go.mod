@@ -7,7 +7,7 @@ require (
 	github.com/kvroute/kvroute v0.0.0
 	github.com/kvroute/kvroute/config v0.0.0
 	github.com/kvroute/kvroute/natsync v0.0.0
-	github.com/nats-io/nats.go v1.55.0
+	github.com/kvroute/kvroute/stack v0.0.0
 	github.com/openai/openai-go/v3 v3.95.0
 	github.com/prometheus/client_golang v1.25.0
 	github.com/stretchr/testify v1.12.1
@@ -53,6 +53,7 @@ require (
 	github.com/munnerz/goautoneg v0.0.0-20191010083416-a7dc8b61c822 // indirect
 	github.com/nats-io/jwt/v2 v2.8.2 // indirect
 	github.com/nats-io/nats-server/v2 v2.15.2 // indirect
+	github.com/nats-io/nats.go v1.55.0 // indirect
 	github.com/nats-io/nkeys v0.4.16 // indirect
 	github.com/nats-io/nuid v1.0.1 // indirect
 	github.com/pandatix/go-abnf v0.5.3 // indirect
@@ -91,3 +92,5 @@ replace github.com/kvroute/kvroute => ../
 replace github.com/kvroute/kvroute/config => ../config
 
 replace github.com/kvroute/kvroute/natsync => ../natsync
+
+replace github.com/kvroute/kvroute/stack => ../stack

@@ -20,6 +20,7 @@ import (
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
+	"github.com/kvroute/kvroute/stack"
 )
 
 // adminTimeout bounds the store and index calls of one admin request.
@@ -127,7 +128,7 @@ func (s *server) routerCounters() kvroute.Stats {
 // GET /admin/replicas/stats: the replica sync, the event log, the engines' scraped load and what
 // the Router knows of its peers.
 func (s *server) replicasStats(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, http.StatusOK, s.fleet.stats(s.routerCounters().Peers))
+	writeJSON(w, http.StatusOK, s.fleet.Stats())
 }
 
 // GET /admin/prefix-routing/stats: tier 1's configuration (the Router's defaults filled in) and
@@ -247,8 +248,8 @@ func (s *server) kvIndexStats(w http.ResponseWriter, r *http.Request) {
 			GPUTierWeight: *sc.GPUTierWeight, CPUTierWeight: *sc.CPUTierWeight, StorageTierWeight: *sc.StorageTierWeight},
 	}, s.statuses())
 	body.EventListeners = s.listeners()
-	if et, ok := s.tok.(*engineTokenizer); ok {
-		ts := et.stats()
+	if et, ok := s.tok.(*stack.EngineTokenizer); ok {
+		ts := et.Stats()
 		body.Tokenizer = &ts
 	}
 	writeJSON(w, http.StatusOK, body)

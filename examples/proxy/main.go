@@ -2,7 +2,9 @@
 // shows how to compose the library into a net/http server. main.go reads top to bottom as the
 // composition: configuration (package config, YAML) → response cache and store → KV index and
 // the consumers of the engines' KV events → Router → health → handler (http.Server in front,
-// httputil.ReverseProxy to the backends).
+// httputil.ReverseProxy to the backends). What every kvroute front end builds the same way —
+// the replicas and engine_metrics sections, the health probes, the engines' tokenizer — comes
+// from package stack, which the Envoy endpoint picker (integrations/extproc) uses too.
 //
 //	go run ./examples/proxy                        # demo: simulated vLLM engines in-process
 //	go run ./examples/proxy -demo disagg           # demo: prefill and decode engines, KV through an in-process S3
@@ -36,6 +38,7 @@ import (
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/internal/enginesim"
 	"github.com/kvroute/kvroute/kvhttp"
+	"github.com/kvroute/kvroute/stack"
 )
 
 func main() {
@@ -201,11 +204,23 @@ func newGeneration(cfg *config.Config, log *slog.Logger, prev *server) (s *serve
 		}
 		// Replicas and the engines' own load; with the event log, the event sources feed the
 		// stream, and the stream the index.
-		if s.fleet, err = s.newFleet(cfg); err != nil {
+		fo := stack.FleetOptions{Index: s.index, ClientName: "kvroute-proxy"}
+		if s.sink != nil {
+			fo.Sink = s.sink
+		}
+		if s.fleet, err = stack.NewFleet(cfg, s.opts, fo); err != nil {
 			return nil, err
 		}
+		s.closers = append(s.closers, s.fleet.Close)
+		if _, ok := s.fleet.OutageReplay(); ok {
+			reg, err := s.tel.observeOutageReplay(s.fleet)
+			if err != nil {
+				return nil, err
+			}
+			s.closers = append(s.closers, reg.Unregister)
+		}
 		if s.index != nil {
-			if s.cons, err = cfg.NewEventConsumers(s.fleet.eventsSink(s.sink), s.opts); err != nil {
+			if s.cons, err = cfg.NewEventConsumers(s.fleet.EventsSink(), s.opts); err != nil {
 				return nil, err
 			}
 			for _, c := range s.cons {
@@ -214,7 +229,10 @@ func newGeneration(cfg *config.Config, log *slog.Logger, prev *server) (s *serve
 		}
 	}
 	if s.index != nil && cfg.KVCacheIndex.Tokenizer == config.TokenizerEngine {
-		if s.tok, err = newEngineTokenizer(cfg, s, time.Duration(cfg.KVCacheIndex.TokenizeTimeout)); err != nil {
+		// The health monitor is built after the Router, which needs the tokenizer: it is read
+		// at each call.
+		inRotation := func(name string) bool { return s.health == nil || s.health.InRotation(name) }
+		if s.tok, err = stack.NewEngineTokenizer(cfg, s.httpClient(), inRotation); err != nil {
 			return nil, err
 		}
 	}
@@ -225,16 +243,14 @@ func newGeneration(cfg *config.Config, log *slog.Logger, prev *server) (s *serve
 		return nil, err
 	}
 	rcfg.KV = cfg.KVConfig(s.index, s.tok)
-	if s.fleet.sync != nil {
-		rcfg.Peers = s.fleet.sync
-	}
+	rcfg.Peers = s.fleet.Peers()
 	if s.router, err = kvroute.New(rcfg); err != nil {
 		return nil, fmt.Errorf("router: %w", err)
 	}
 	s.own = append(s.own, s.router.Close)
 
 	// Health probes and circuit breakers take backends in and out of the Router's rotation.
-	if s.health, err = newHealth(cfg, s.router, s.transport, log.With("component", "health")); err != nil {
+	if s.health, err = stack.NewHealth(cfg, s.router, s.transport, log.With("component", "health")); err != nil {
 		return nil, err
 	}
 	s.own = append(s.own, func() error { s.health.Close(); return nil })
@@ -242,12 +258,12 @@ func newGeneration(cfg *config.Config, log *slog.Logger, prev *server) (s *serve
 		return nil, err
 	}
 	s.handler = s.routes()
-	if prev != nil && s.fleet.scraper != nil {
-		if err := s.fleet.scraper.SetTargets(metricsTargets(cfg)); err != nil {
-			return nil, fmt.Errorf("engine_metrics: %w", err)
+	if prev != nil {
+		if err := s.fleet.SetMetricsTargets(stack.MetricsTargets(cfg)); err != nil {
+			return nil, err
 		}
 	}
-	s.fleet.ref.cur.Store(s.router) // the peers' decisions and the engines' load go to it from now on
+	s.fleet.SetRouter(s.router) // the peers' decisions and the engines' load go to it from now on
 	return s, nil
 }
 

@@ -18,6 +18,7 @@ import (
 
 	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/health"
+	"github.com/kvroute/kvroute/stack"
 )
 
 // Metric names of the proxy itself (the library packages register their own).
@@ -31,7 +32,7 @@ const (
 	metricRequestDuration = "kvroute.proxy.request_duration" // histogram s {endpoint}
 	metricIndexMutations  = "kvroute.kv_index.events"        // counter {backend, type}
 	// metricOutageDuplicates counts the event log's batches this replica had indexed during a NATS
-	// outage, skipped when the stream brought them again (replayGuard).
+	// outage, skipped when the stream brought them again (stack.OutageReplayStats).
 	metricOutageDuplicates = "kvroute.proxy.event_log_outage_duplicates" // counter
 )
 
@@ -157,8 +158,8 @@ func (t *otelSDK) observeIndexMutations(sink *admin.CountingSink) (metric.Regist
 	}, ctr)
 }
 
-// observeOutageReplay registers metricOutageDuplicates, read from g.
-func (t *otelSDK) observeOutageReplay(g *replayGuard) (metric.Registration, error) {
+// observeOutageReplay registers metricOutageDuplicates, read from f's event log.
+func (t *otelSDK) observeOutageReplay(f *stack.Fleet) (metric.Registration, error) {
 	m := t.provider.Meter(proxyScope)
 	ctr, err := m.Int64ObservableCounter(metricOutageDuplicates,
 		metric.WithDescription("Event-log batches this replica had indexed during a NATS outage, skipped when the stream brought them again."),
@@ -167,7 +168,8 @@ func (t *otelSDK) observeOutageReplay(g *replayGuard) (metric.Registration, erro
 		return nil, err
 	}
 	return m.RegisterCallback(func(_ context.Context, o metric.Observer) error {
-		o.ObserveInt64(ctr, int64(g.batches.Load()))
+		st, _ := f.OutageReplay()
+		o.ObserveInt64(ctr, int64(st.DuplicateBatches))
 		return nil
 	}, ctr)
 }

@@ -26,6 +26,7 @@ import (
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/respcache"
+	"github.com/kvroute/kvroute/stack"
 )
 
 // server is the proxy: the Router and everything around it. newServer builds it without
@@ -44,7 +45,7 @@ type server struct {
 	health *health.Monitor
 	tok    prefixkey.Tokenizer // the engines' /tokenize, when kv_cache_index.tokenizer is engine
 	tracer trace.Tracer        // the proxy's spans; nil when tracing is off
-	fleet  *fleet              // replicas and engine_metrics (replicas.go); shared by reloads
+	fleet  *stack.Fleet        // replicas and engine_metrics (package stack); shared by reloads
 
 	backends  map[string]*url.URL
 	transport *http.Transport // carries every request to the backends
@@ -61,35 +62,12 @@ type server struct {
 	closed  atomic.Bool
 }
 
-// newHealth builds the health probes and circuit breakers of health_checks and circuit_breaker,
-// which take backends in and out of the Router's rotation.
-func newHealth(cfg *config.Config, router health.Target, tr http.RoundTripper, log *slog.Logger) (*health.Monitor, error) {
-	hc, cb := cfg.HealthChecks, cfg.CircuitBreaker
-	hcfg := health.Config{
-		Target: router,
-		Client: &http.Client{Transport: tr},
-		Probe: health.ProbeConfig{Disabled: !*hc.Enabled, Interval: time.Duration(hc.Interval), Timeout: time.Duration(hc.Timeout),
-			UnhealthyThreshold: hc.UnhealthyThreshold, HealthyThreshold: hc.HealthyThreshold, Path: hc.Path},
-		Breaker: health.BreakerConfig{Disabled: !*cb.Enabled, FailureThreshold: cb.FailureThreshold,
-			RecoveryTimeout: time.Duration(cb.RecoveryTimeout)},
-		Logger: log,
-	}
-	for _, b := range cfg.Backends {
-		hcfg.Backends = append(hcfg.Backends, health.Backend{Name: b.Name, URL: b.URL})
-	}
-	m, err := health.New(hcfg)
-	if err != nil {
-		return nil, fmt.Errorf("health_checks: %w", err)
-	}
-	return m, nil
-}
-
 // start starts the KV-event consumers and the health probes. ctx bounds the consumers' binds.
 func (s *server) start(ctx context.Context) error {
 	if !s.started.CompareAndSwap(false, true) {
 		return errors.New("proxy already started")
 	}
-	if err := s.fleet.start(ctx); err != nil {
+	if err := s.fleet.Start(ctx); err != nil {
 		return err
 	}
 	for _, c := range s.cons {
