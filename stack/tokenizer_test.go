@@ -5,6 +5,7 @@ import (
 	"errors"
 	"testing"
 
+	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/internal/enginesim"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/stack"
@@ -78,4 +79,45 @@ func equal(a, b []uint32) bool {
 		}
 	}
 	return true
+}
+
+// A pool's engines come and go: an added backend is asked after those already there, a removed
+// one no longer, and one discovered under an "ip:port" name (in no configuration) serves the
+// model its BackendConfig says.
+func TestEngineTokenizerAddRemove(t *testing.T) {
+	const model = "m"
+	e0, e1 := startEngine(t, "e0", model), startEngine(t, "e1", model)
+	cfg := parse(t, "kv_cache_index: {enabled: true, tokenizer: engine, tokenize_timeout: 5s}\n"+backendsYAML(model, e0.URL))
+	tok, err := stack.NewEngineTokenizer(cfg, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	req := &prefixkey.Request{Format: prefixkey.FormatOpenAIChat, Model: model,
+		Messages: []prefixkey.Message{{Role: "user", Text: "Hello there."}}}
+	if err := tok.AddBackend(config.BackendConfig{Name: "127.0.0.9:8000", URL: e1.URL, Model: model}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tok.Tokenize(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	if n0, n1 := e0.calls["/tokenize"].Load(), e1.calls["/tokenize"].Load(); n0 != 1 || n1 != 0 {
+		t.Errorf("calls %d, %d: want the configured backend first", n0, n1)
+	}
+	if !tok.RemoveBackend("b0") || tok.RemoveBackend("b0") {
+		t.Error("RemoveBackend must report the backend there once")
+	}
+	if _, err := tok.Tokenize(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	if n1 := e1.calls["/tokenize"].Load(); n1 != 1 {
+		t.Errorf("the added backend got %d calls after the first left, want 1", n1)
+	}
+	if err := tok.AddBackend(config.BackendConfig{Name: "bad", URL: "::nope"}); err == nil {
+		t.Error("a bad URL was accepted")
+	}
+	tok.RemoveBackend("127.0.0.9:8000")
+	if _, err := tok.Tokenize(ctx, req); !errors.Is(err, stack.ErrNoTokenizer) {
+		t.Errorf("no backend left: %v", err)
+	}
 }

@@ -31,6 +31,8 @@ import (
 	"github.com/kvroute/kvroute/integrations/extproc/discovery"
 	"github.com/kvroute/kvroute/kvhttp"
 	"github.com/kvroute/kvroute/kvindex"
+	"github.com/kvroute/kvroute/prefixkey"
+	"github.com/kvroute/kvroute/stack"
 )
 
 // The gRPC health services the Endpoint Picker Protocol names: liveness (the process answers),
@@ -65,8 +67,9 @@ type App struct {
 	Index     kvindex.KvCacheIndex // nil when kv_cache_index is off
 
 	cons    []config.EventConsumer
-	sink    events.Sink      // what the KV events feed: the index
-	tok     *engineTokenizer // nil unless kv_cache_index.tokenizer is engine
+	fleet   *stack.Fleet           // replicas and engine_metrics; its parts are nil when off
+	sink    events.Sink            // what the KV events feed: the event log, else the index
+	tok     *stack.EngineTokenizer // nil unless kv_cache_index.tokenizer is engine
 	watcher *discovery.Watcher
 	// metricsTargets sets the engine-metrics scraper's targets; nil when engine_metrics is off.
 	metricsTargets func(map[string]string) error
@@ -103,15 +106,28 @@ func New(cfg *config.Config, o Options) (a *App, err error) {
 	a.transport = kvhttp.NewTransport(time.Duration(cfg.Server.UpstreamDialTimeout))
 	a.closers = append(a.closers, func() error { a.transport.CloseIdleConnections(); return nil })
 
-	// Tier 4: the KV index and the consumers of the engines' KV events.
-	var tok prefixTokenizer
+	// Tier 4: the KV index; the replicas (decisions over NATS, the engines' KV events through
+	// the JetStream event log) and the engines' own load, built as the reference proxy builds
+	// them (package stack); then the consumers of the engines' KV events, into the event log
+	// when it is on, else into the index.
 	if cfg.KVCacheIndex.Enabled {
 		index, closeIndex, err := cfg.NewKVIndex()
 		if err != nil {
 			return nil, err
 		}
-		a.Index, a.sink = index, index
+		a.Index = index
 		a.closers = append(a.closers, closeIndex)
+	}
+	if a.fleet, err = stack.NewFleet(cfg, a.opts, stack.FleetOptions{Index: a.Index, ClientName: "kvroute-epp"}); err != nil {
+		return nil, err
+	}
+	a.closers = append(a.closers, a.fleet.Close)
+	if cfg.EngineMetrics.Enabled {
+		a.metricsTargets = a.fleet.SetMetricsTargets
+	}
+	var tok prefixkey.Tokenizer
+	if a.Index != nil {
+		a.sink = a.fleet.EventsSink()
 		if a.cons, err = cfg.NewEventConsumers(a.sink, a.opts); err != nil {
 			return nil, err
 		}
@@ -119,26 +135,30 @@ func New(cfg *config.Config, o Options) (a *App, err error) {
 			a.closers = append(a.closers, c.Close)
 		}
 		if cfg.KVCacheIndex.Tokenizer == config.TokenizerEngine {
-			if a.tok, err = newEngineTokenizer(cfg, &http.Client{Transport: a.transport}, a); err != nil {
+			if a.tok, err = stack.NewEngineTokenizer(cfg, &http.Client{Transport: a.transport}, a.InRotation); err != nil {
 				return nil, err
 			}
 			tok = a.tok
 		}
 	}
 
-	// The Router, tiers 1 and 4.
+	// The Router, tiers 1 and 4, with the peers' decisions when replicas are on.
 	rcfg, err := cfg.RouterConfig(a.opts)
 	if err != nil {
 		return nil, err
 	}
 	rcfg.KV = cfg.KVConfig(a.Index, tok)
+	if p := a.fleet.Peers(); p != nil {
+		rcfg.Peers = p
+	}
 	if a.Router, err = kvroute.New(rcfg); err != nil {
 		return nil, fmt.Errorf("router: %w", err)
 	}
 	a.closers = append(a.closers, a.Router.Close)
+	a.fleet.SetRouter(a.Router)
 
 	// Health probes and circuit breakers take backends in and out of the Router's rotation.
-	if a.Health, err = newHealth(cfg, a.Router, a.transport, log.With("component", "health")); err != nil {
+	if a.Health, err = stack.NewHealth(cfg, a.Router, a.transport, log.With("component", "health")); err != nil {
 		return nil, err
 	}
 	a.closers = append(a.closers, func() error { a.Health.Close(); return nil })
@@ -205,6 +225,9 @@ func (a *App) Start(ctx context.Context) error {
 		return errors.New("kvroute-epp already started")
 	}
 	a.started = true
+	if err := a.fleet.Start(ctx); err != nil {
+		return err
+	}
 	for _, c := range a.cons {
 		if err := c.Start(ctx); err != nil {
 			return fmt.Errorf("kv events: %w", err)
@@ -301,26 +324,4 @@ func (a *App) Close() error {
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// newHealth builds the health probes and circuit breakers of health_checks and circuit_breaker.
-func newHealth(cfg *config.Config, router kvhealth.Target, tr http.RoundTripper, log *slog.Logger) (*kvhealth.Monitor, error) {
-	hc, cb := cfg.HealthChecks, cfg.CircuitBreaker
-	hcfg := kvhealth.Config{
-		Target: router,
-		Client: &http.Client{Transport: tr},
-		Probe: kvhealth.ProbeConfig{Disabled: !*hc.Enabled, Interval: time.Duration(hc.Interval), Timeout: time.Duration(hc.Timeout),
-			UnhealthyThreshold: hc.UnhealthyThreshold, HealthyThreshold: hc.HealthyThreshold, Path: hc.Path},
-		Breaker: kvhealth.BreakerConfig{Disabled: !*cb.Enabled, FailureThreshold: cb.FailureThreshold,
-			RecoveryTimeout: time.Duration(cb.RecoveryTimeout)},
-		Logger: log,
-	}
-	for _, b := range cfg.Backends {
-		hcfg.Backends = append(hcfg.Backends, kvhealth.Backend{Name: b.Name, URL: b.URL})
-	}
-	m, err := kvhealth.New(hcfg)
-	if err != nil {
-		return nil, fmt.Errorf("health_checks: %w", err)
-	}
-	return m, nil
 }

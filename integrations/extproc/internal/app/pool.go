@@ -36,7 +36,7 @@ func (p *pool) AddBackend(b config.BackendConfig, sources []config.EventSourceCo
 		return errors.Join(err, p.members.RemoveBackend(b.Name))
 	}
 	if p.a.tok != nil {
-		if err := p.a.tok.add(b); err != nil {
+		if err := p.a.tok.AddBackend(b); err != nil {
 			p.a.Endpoints.Remove(b.Name)
 			return errors.Join(err, p.members.RemoveBackend(b.Name))
 		}
@@ -51,7 +51,7 @@ func (p *pool) RemoveBackend(name string) error {
 	}
 	p.a.Endpoints.Remove(name)
 	if p.a.tok != nil {
-		p.a.tok.remove(name)
+		p.a.tok.RemoveBackend(name)
 	}
 	return nil
 }
