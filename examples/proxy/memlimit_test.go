@@ -21,7 +21,7 @@ import (
 func TestMemoryLimitApplied(t *testing.T) {
 	orig := debug.SetMemoryLimit(-1)
 	t.Cleanup(func() { debug.SetMemoryLimit(orig) })
-	t.Setenv("GOMEMLIMIT", "") // unset for the runtime's purposes: applyMemoryLimit reads "" as absent
+	t.Setenv("GOMEMLIMIT", "") // unset for the runtime's purposes: stack.ApplyMemoryLimit reads "" as absent
 	up := newFakeUpstream(t, "a")
 	path := filepath.Join(t.TempDir(), "proxy.yaml")
 	write := func(limit string) {
@@ -80,27 +80,5 @@ func TestMemoryLimitApplied(t *testing.T) {
 	}
 	if got := debug.SetMemoryLimit(-1); got != 123<<20 {
 		t.Errorf("with GOMEMLIMIT set: memory limit %d after a reload to 100MiB, want GOMEMLIMIT's %d", got, 123<<20)
-	}
-}
-
-// "auto": 90 % of the cgroup's limit when there is one, else twice the body budget plus 256 MiB.
-func TestMemoryLimitAuto(t *testing.T) {
-	cfg := &config.Config{}
-	cfg.ApplyDefaults()
-	noCgroup := func() int64 { return 0 }
-	if got, _ := memoryLimit(cfg, noCgroup); got != 2*128<<20+256<<20 {
-		t.Errorf("auto without a cgroup limit: %d, want %d", got, 2*128<<20+256<<20)
-	}
-	if got, _ := memoryLimit(cfg, func() int64 { return 1000 << 20 }); got != 900<<20 {
-		t.Errorf("auto under a 1000 MiB cgroup: %d, want %d", got, 900<<20)
-	}
-	cfg.Server.MemoryLimit = "64MiB"
-	if got, from := memoryLimit(cfg, func() int64 { return 1000 << 20 }); got != 64<<20 || from != "server.memory_limit" {
-		t.Errorf("explicit: %d from %s", got, from)
-	}
-	for in, want := range map[string]int64{"max\n": 0, "9223372036854771712\n": 0, "1073741824\n": 1 << 30, "": 0, "x": 0} {
-		if got := parseCgroupLimit([]byte(in)); got != want {
-			t.Errorf("parseCgroupLimit(%q) = %d, want %d", in, got, want)
-		}
 	}
 }

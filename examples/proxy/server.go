@@ -140,7 +140,7 @@ func (l *live) run(ctx context.Context, cfg *config.Config, ln net.Listener) err
 		l.level.Set(cfg.Level())
 	}
 	srv.logConfig()
-	applyMemoryLimit(cfg, l.log)
+	stack.ApplyMemoryLimit(cfg, l.log)
 	if err := srv.start(ctx); err != nil {
 		ln.Close()
 		return err
@@ -232,7 +232,7 @@ func (l *live) reload() (err error) {
 	s.health.Start()
 	l.cur.Store(s)
 	_ = old.stop(old.own) // its requests in flight still finish
-	applyMemoryLimit(plan.Next, l.log)
+	stack.ApplyMemoryLimit(plan.Next, l.log)
 	if !l.verbose {
 		l.level.Set(plan.Next.Level())
 	}

@@ -34,6 +34,7 @@ import (
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/integrations/extproc/internal/app"
 	"github.com/kvroute/kvroute/internal/enginesim"
+	"github.com/kvroute/kvroute/stack"
 )
 
 func main() {
@@ -124,6 +125,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	default:
 		cfg.EndpointPicker.MetricsAddress = metrAddr
 	}
+
+	stack.ApplyMemoryLimit(cfg, log) // server.memory_limit, as the reference proxy applies it
 
 	tel, err := newTelemetry()
 	if err != nil {

@@ -1,4 +1,4 @@
-package main
+package stack
 
 import (
 	"bytes"
@@ -11,11 +11,11 @@ import (
 	"github.com/kvroute/kvroute/config"
 )
 
-// memoryLimit is the soft memory limit server.memory_limit asks of cfg: 0 for none. "auto" is
-// 90 % of the cgroup's memory limit (cgroupLimit) when the process has one, else twice
-// server.max_inflight_body_bytes plus autoMemoryHeadroom: the request bodies, what parsing them
-// holds and the garbage they leave, and room for the rest of the gateway. from says which.
-func memoryLimit(cfg *config.Config, cgroupLimit func() int64) (limit int64, from string) {
+// MemoryLimit is the soft memory limit server.memory_limit asks of cfg: 0 for none. "auto" is
+// 90 % of the cgroup's memory limit (cgroupLimit, e.g. CgroupMemoryLimit) when the process has
+// one, else twice server.max_inflight_body_bytes plus 256 MiB: the request bodies, what parsing
+// them holds and the garbage they leave, and room for the rest of the gateway. from says which.
+func MemoryLimit(cfg *config.Config, cgroupLimit func() int64) (limit int64, from string) {
 	v, auto, err := config.ParseMemoryLimit(cfg.Server.MemoryLimit)
 	switch {
 	case err != nil: // Validate refused it already
@@ -32,15 +32,16 @@ func memoryLimit(cfg *config.Config, cgroupLimit func() int64) (limit int64, fro
 // autoMemoryHeadroom is what the automatic memory limit allows beyond the request bodies.
 const autoMemoryHeadroom = 256 << 20
 
-// applyMemoryLimit sets the Go runtime's soft memory limit (debug.SetMemoryLimit) from cfg, at
-// start and on each reload, unless the GOMEMLIMIT environment variable is set: the operator's
-// variable wins, as the runtime applied it at start.
-func applyMemoryLimit(cfg *config.Config, log *slog.Logger) {
+// ApplyMemoryLimit sets the Go runtime's soft memory limit (debug.SetMemoryLimit) from cfg's
+// server.memory_limit (call it at start and on each reload), unless the GOMEMLIMIT environment
+// variable is set: the operator's variable wins, as the runtime applied it at start. It logs the
+// limit and where it came from.
+func ApplyMemoryLimit(cfg *config.Config, log *slog.Logger) {
 	if env := os.Getenv("GOMEMLIMIT"); env != "" {
 		log.Info("memory limit from GOMEMLIMIT; server.memory_limit is not applied", "GOMEMLIMIT", env)
 		return
 	}
-	limit, from := memoryLimit(cfg, cgroupMemoryLimit)
+	limit, from := MemoryLimit(cfg, CgroupMemoryLimit)
 	if limit <= 0 {
 		debug.SetMemoryLimit(math.MaxInt64) // the runtime's "no limit"
 		log.Info("no soft memory limit", "server.memory_limit", cfg.Server.MemoryLimit)
@@ -50,10 +51,10 @@ func applyMemoryLimit(cfg *config.Config, log *slog.Logger) {
 	log.Info("soft memory limit", "bytes", limit, "from", from)
 }
 
-// cgroupMemoryLimit returns the memory limit of the process's cgroup in bytes (cgroup v2's
+// CgroupMemoryLimit returns the memory limit of the process's cgroup in bytes (cgroup v2's
 // memory.max, else v1's memory.limit_in_bytes, as mounted in a container), or 0 when there is
 // none or it cannot be read.
-func cgroupMemoryLimit() int64 {
+func CgroupMemoryLimit() int64 {
 	for _, path := range []string{"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"} {
 		b, err := os.ReadFile(path)
 		if err != nil {
