@@ -572,3 +572,48 @@ func TestLargeBodyRoundTrip(t *testing.T) {
 	}
 	h.router.waitAllDone(t)
 }
+
+// TestBodyIdleTimeout: a stream whose headers never come is ended, and one whose body stops
+// coming is answered 408, both after Config.BodyIdleTimeout, holding nothing afterwards; the wait
+// for the engine's answer, however long, is not cut.
+func TestBodyIdleTimeout(t *testing.T) {
+	_, r, eps := staticPool(t, 2)
+	h := newHarness(t, extproc.Config{Router: r, Endpoints: eps, BodyIdleTimeout: 200 * time.Millisecond})
+	ctx := context.Background()
+
+	s := h.open(ctx)
+	s.headers("/v1/chat/completions", false, filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, nil)
+	s.body(`{"model":"m","messages":[`, false)
+	im := s.recv().GetImmediateResponse()
+	if im == nil || im.GetStatus().GetCode() != 408 {
+		t.Fatalf("a stalled body: want an immediate 408, got %v", im)
+	}
+
+	idle, err := h.client.Process(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := idle.Recv(); status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("a stream without headers: %v, want DeadlineExceeded", err)
+	}
+
+	s = h.open(ctx)
+	s.headers("/v1/chat/completions", false, filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, nil)
+	s.body(chat("m", "s", "u", false), true)
+	s.recv()
+	s.recv()
+	time.Sleep(500 * time.Millisecond) // a long prefill: no timeout applies
+	for _, m := range responseMessages() {
+		s.send(m)
+		s.recv()
+	}
+	_ = s.s.CloseSend()
+	recs := h.router.waitAllDone(t)
+	if len(recs) != 1 || recs[0].Outcome() != (kvroute.Outcome{}) {
+		t.Fatalf("the slow answer's decision: %d decisions, %+v", len(recs), recs)
+	}
+	waitStreams(t, h.srv, 0)
+	if st := h.srv.Stats(); st.IdleTimeouts != 2 || st.Answered[408] != 1 {
+		t.Errorf("stats %+v: want 2 idle timeouts, one answered 408", st)
+	}
+}

@@ -71,6 +71,9 @@ const (
 // DefaultMaxBodyBytes is Config.MaxBodyBytes's default: the reference proxy's.
 const DefaultMaxBodyBytes = kvhttp.DefaultMaxBodyBytes
 
+// DefaultBodyIdleTimeout is Config.BodyIdleTimeout's default: the reference proxy's.
+const DefaultBodyIdleTimeout = kvhttp.DefaultBodyIdleTimeout
+
 // Config configures a Server. Router and Endpoints are required; every other field's zero value
 // is a documented default.
 type Config struct {
@@ -97,6 +100,10 @@ type Config struct {
 	// BodyBudget, when set, bounds the request-body bytes all streams hold at once (share one with
 	// the rest of the process): a body that finds no room within a second is answered 503.
 	BodyBudget *kvhttp.Budget
+	// BodyIdleTimeout bounds the wait for a request's headers, and then for each chunk of its
+	// body: a request whose body stops coming is answered 408 and its stream ended (default
+	// DefaultBodyIdleTimeout; negative: no bound). The wait for the engine's answer is not bounded.
+	BodyIdleTimeout time.Duration
 	// BodyMode is the request and response body mode assumed when Envoy does not name its own
 	// (default BodyFullDuplex).
 	BodyMode BodyMode
@@ -149,6 +156,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.MaxBodyBytes == 0 {
 		cfg.MaxBodyBytes = DefaultMaxBodyBytes
 	}
+	if cfg.BodyIdleTimeout == 0 {
+		cfg.BodyIdleTimeout = DefaultBodyIdleTimeout
+	}
 	if cfg.DestinationNamespace == "" {
 		cfg.DestinationNamespace = DefaultDestinationNamespace
 	}
@@ -196,7 +206,7 @@ type Stats struct {
 	Picked     uint64 `json:"picked"`
 	FailedOpen uint64 `json:"failed_open"`
 	// Answered counts the requests the picker answered itself, by status: 400 (a malformed body),
-	// 413 (too large), 503 (no eligible endpoint, or the Router failed with FailClosed; a body
+	// 408 (its body stopped coming), 413 (too large), 503 (no eligible endpoint, or the Router failed with FailClosed; a body
 	// that found no room in the budget).
 	Answered map[int]uint64 `json:"answered"`
 	// Outcomes counts the ends reported to the Router: success, failure, refused (the engine's
@@ -206,16 +216,20 @@ type Stats struct {
 	ServedElsewhere uint64 `json:"served_elsewhere"`
 	// ProtocolErrors is the streams that broke the protocol (a message out of order).
 	ProtocolErrors uint64 `json:"protocol_errors"`
+	// IdleTimeouts is the streams ended because their headers or body stopped coming
+	// (Config.BodyIdleTimeout); those with a body began were answered 408.
+	IdleTimeouts uint64 `json:"idle_timeouts"`
 }
 
 // counters are the atomics behind Stats.
 type counters struct {
 	streams                           atomic.Int64
 	picked, failedOpen                atomic.Uint64
-	answered400, answered413          atomic.Uint64
-	answered503                       atomic.Uint64
+	answered400, answered408          atomic.Uint64
+	answered413, answered503          atomic.Uint64
 	success, failure, refused, unsent atomic.Uint64
 	servedElsewhere, protocolErrors   atomic.Uint64
+	idleTimeouts                      atomic.Uint64
 }
 
 // Stats returns the Server's counts.
@@ -223,10 +237,12 @@ func (s *Server) Stats() Stats {
 	c := &s.stats
 	return Stats{
 		Streams: c.streams.Load(), Picked: c.picked.Load(), FailedOpen: c.failedOpen.Load(),
-		Answered: map[int]uint64{400: c.answered400.Load(), 413: c.answered413.Load(), 503: c.answered503.Load()},
+		Answered: map[int]uint64{400: c.answered400.Load(), 408: c.answered408.Load(), 413: c.answered413.Load(),
+			503: c.answered503.Load()},
 		Outcomes: map[string]uint64{"success": c.success.Load(), "failure": c.failure.Load(),
 			"refused": c.refused.Load(), "not_sent": c.unsent.Load()},
 		ServedElsewhere: c.servedElsewhere.Load(), ProtocolErrors: c.protocolErrors.Load(),
+		IdleTimeouts: c.idleTimeouts.Load(),
 	}
 }
 
@@ -235,6 +251,8 @@ func (s *Server) countAnswer(status int) {
 	switch status {
 	case 400:
 		s.stats.answered400.Add(1)
+	case 408:
+		s.stats.answered408.Add(1)
 	case 413:
 		s.stats.answered413.Add(1)
 	default:

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -74,16 +75,63 @@ var errServedElsewhere = errors.New("extproc: the picked endpoint failed the req
 // errProtocol marks a message the ext_proc protocol does not allow where it came.
 var errProtocol = errors.New("extproc: message out of order")
 
-// run reads the stream's messages until Envoy closes it.
+// received is one Recv's result.
+type received struct {
+	req *extprocv3.ProcessingRequest
+	err error
+}
+
+// run reads the stream's messages until Envoy closes it. A reader goroutine receives them, so
+// that a request whose headers or body stop coming for Config.BodyIdleTimeout is answered 408
+// and its stream ended, instead of holding its body and goroutines for ever; the wait for the
+// engine's answer and the answer itself have no such bound (a long prefill, a slow stream).
 func (st *stream) run() error {
+	msgs := make(chan received)
+	done := make(chan struct{})
+	defer close(done)
+	go func() {
+		for {
+			req, err := st.srv.Recv()
+			select {
+			case msgs <- received{req, err}:
+			case <-done:
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	idle := st.s.cfg.BodyIdleTimeout
+	var timer *time.Timer
+	if idle > 0 {
+		timer = time.NewTimer(idle)
+		defer timer.Stop()
+	}
 	for {
-		req, err := st.srv.Recv()
-		if err != nil {
-			if err == io.EOF || status.Code(err) == codes.Canceled || st.ctx.Err() != nil {
+		var timeout <-chan time.Time
+		if timer != nil && (st.phase == phaseHeaders || st.phase == phaseBody) {
+			timer.Reset(idle)
+			timeout = timer.C
+		}
+		var r received
+		select {
+		case r = <-msgs:
+		case <-timeout:
+			st.s.stats.idleTimeouts.Add(1)
+			if st.phase == phaseHeaders {
+				return status.Error(codes.DeadlineExceeded, "extproc: no request headers came")
+			}
+			return st.answer(http.StatusRequestTimeout, "request_timeout",
+				fmt.Sprintf("no byte of the request body came for %s", idle))
+		}
+		if r.err != nil {
+			if r.err == io.EOF || status.Code(r.err) == codes.Canceled || st.ctx.Err() != nil {
 				return nil
 			}
-			return err
+			return r.err
 		}
+		req := r.req
 		if pc := req.GetProtocolConfig(); pc != nil {
 			st.reqMode, st.respMode = bodyMode(pc.GetRequestBodyMode()), bodyMode(pc.GetResponseBodyMode())
 		}

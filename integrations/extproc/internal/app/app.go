@@ -181,6 +181,7 @@ func New(cfg *config.Config, o Options) (a *App, err error) {
 	if a.Server, err = extproc.New(extproc.Config{
 		Router: a.Router, Endpoints: a.Endpoints, InRotation: a.Health.InRotation,
 		FailureMode: mode, Fallbacks: ep.FallbackEndpoints, MaxBodyBytes: cfg.Server.MaxBodyBytes,
+		BodyIdleTimeout:      time.Duration(cfg.Server.BodyIdleTimeout),
 		BodyBudget:           kvhttp.NewBudget(cfg.Server.MaxInflightBodyBytes),
 		DestinationNamespace: ep.DestinationNamespace, SubsetNamespace: ep.SubsetNamespace,
 		Logger: log.With("component", "ext_proc"), MeterProvider: o.MeterProvider,
