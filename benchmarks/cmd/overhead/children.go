@@ -147,12 +147,28 @@ const proxyBanner = "kvroute proxy listening on "
 // or, with allTiers, also the in-memory response cache and the in-memory KV index fed by e's
 // ZMQ events. Health checks are off: the engine does not fail, and probes would be noise.
 func proxyConfig(e engineInfo, allTiers bool, tokenizer string) string {
+	return routerConfig(e, allTiers, allTiers, tokenizer)
+}
+
+// pickerConfig returns the YAML configuration of kvroute's picker in front of the engine e: that
+// of the proxy with tier 1 only, or, with kv, that of the proxy with all tiers but the response
+// cache, which an endpoint picker does not have.
+func pickerConfig(e engineInfo, kv bool, tokenizer string) string {
+	return routerConfig(e, false, kv, tokenizer)
+}
+
+// routerConfig returns kvroute's YAML configuration for the engine e: tier 1, with cache the
+// in-memory response cache, with kv the in-memory KV index fed by e's ZMQ events; health checks
+// off.
+func routerConfig(e engineInfo, cache, kv bool, tokenizer string) string {
 	q := strconv.Quote
 	var b strings.Builder
 	fmt.Fprintf(&b, "server:\n  bind_address: \"127.0.0.1\"\n  port: 0\n")
 	fmt.Fprintf(&b, "prefix_routing:\n  enabled: true\n")
-	if allTiers {
+	if cache {
 		fmt.Fprintf(&b, "response_cache:\n  enabled: true\n  backend: memory\n  capacity: 10000\n  ttl: \"10m\"\n")
+	}
+	if kv {
 		fmt.Fprintf(&b, "kv_cache_index:\n  enabled: true\n  backend: memory\n  block_size: %d\n  tokenizer: %s\n",
 			e.BlockSize, tokenizer)
 		fmt.Fprintf(&b, "  event_sources:\n    - backend_name: %s\n      endpoint: %s\n      replay_endpoint: %s\n      model: %s\n",

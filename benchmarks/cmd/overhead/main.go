@@ -1,6 +1,7 @@
 // Command overhead measures what the reference proxy (examples/proxy) adds to a request, against
-// the engine alone and against a bare relay, in one run, and prints the result as a markdown table
-// that BENCHMARKS.md shows verbatim with the command that made it.
+// the engine alone and against a bare relay, and what kvroute-epp, the endpoint picker behind an
+// Envoy ext_proc filter, adds, against a picker that does nothing, in one run, and prints the
+// result as a markdown table that BENCHMARKS.md shows verbatim with the command that made it.
 //
 //	go run ./benchmarks/cmd/overhead                       # defaults: 3 rounds, 3 s per target
 //	go run ./benchmarks/cmd/overhead -rounds 5 -rate 1500  # from the module root (or -repo DIR)
@@ -17,18 +18,32 @@
 //	(d) the proxy with the in-memory response cache and the tier-4 in-memory KV index fed by the
 //	    engine's ZMQ events (tokenizer "estimate" by default, -tokenizer engine for the
 //	    engine's /tokenize), every request a cache MISS;
-//	(e) the proxy of (d) answering a response-cache HIT (one request repeated).
+//	(e) the proxy of (d) answering a response-cache HIT (one request repeated);
+//	(f) a Go stand-in for Envoy (envoysim.Forwarder on http.Server, full-duplex bodies both ways)
+//	    asking a no-op picker over ext_proc: a gRPC server that names the engine in
+//	    x-gateway-destination-endpoint and hands the bodies back, nothing else (what any
+//	    picker's ext_proc round trips cost);
+//	(g) an identical stand-in asking kvroute's extproc.Server, tier 1 only (composed as
+//	    kvroute-epp composes it, from the configuration of (c));
+//	(h) an identical stand-in asking kvroute's extproc.Server with the tier-4 in-memory KV index
+//	    fed by the engine's ZMQ events (the configuration of (d) without the response cache,
+//	    which an endpoint picker does not have).
+//
+// (f) to (h) are on by default; -epp=false leaves them out. (f) − (a) is what the ext_proc hop
+// and the stand-in cost; (g) − (f) and (h) − (f) are what kvroute's picker adds to any picker.
 //
 // Each runs in a child process of this one, the load generator: the engine and the relay are
-// this program re-executed ("overhead engine", "overhead relay -upstream URL"), the proxy is
+// this program re-executed ("overhead engine", "overhead relay -upstream URL", "overhead picker",
+// "overhead gateway": one picker and one gateway per target of (f) to (h)), the proxy is
 // built once (go build ./examples/proxy) and started per configuration with a YAML file written
 // to a temporary directory, health checks off. So every target pays one process boundary and has
 // a scheduler and a garbage collector of its own, as a deployed engine, relay or proxy does, and
-// none shares them with the load generator.
+// none shares them with the load generator. A picker and its gateway are separate processes, as
+// kvroute-epp and Envoy are.
 //
 // Every request is a non-streamed POST /v1/chat/completions at temperature 0 with a 1 KiB system
-// prompt and max_tokens 16; (a) to (d) vary the user message per request, so that they ask the
-// engine for the same work and (d) misses the cache; (e) repeats one.
+// prompt and max_tokens 16; every target but (e) varies the user message per request, so that
+// they ask the engine for the same work and (d) misses the cache; (e) repeats one.
 //
 // # Load
 //
@@ -46,14 +61,16 @@
 // -duration under each load, the targets interleaved and their order rotated each round, so that
 // noise on the machine falls on all of them alike. The table gives, per target and load, the
 // medians across rounds of p50, p90 and p99, of p50 minus (b)'s and (a)'s of the same round and
-// of p50 over (b)'s, each with its min–max across rounds, and checks the targets:
+// of p50 over (b)'s, each with its min–max across rounds (and, for (f) to (h), a second table of
+// p50 and p99 differences to (a) and (f)), and checks the targets:
 //
 //   - 1 connection: (c) − (b) ≤ 25 µs p50; (d) − (b) ≤ 60 µs p50; (e) ≤ (a) p50;
 //   - -conns connections: (c) ≤ 1.25 × (b) p50.
 //
 // Each row also gives the CPU time per request of the process serving the target and of all the
-// processes (from /proc/PID/stat, where there is one). -cpuprofile DIR records CPU profiles of the
-// relay and the proxies while they serve (b) to (e) (see profile.go); profiling slows them, so
+// processes (from /proc/PID/stat, where there is one); the front process of (f) to (h) is the
+// picker. -cpuprofile DIR records CPU profiles of the relay, the proxies and the pickers while
+// they serve (b) to (h) (see profile.go); profiling slows them, so
 // such a run's table is not the one to publish.
 //
 // Everything listens and connects on 127.0.0.1. The children are killed when the program ends,
@@ -87,7 +104,8 @@ func main() {
 }
 
 // run is main without the exit and the signals: "relay" runs the relay (b) alone, "engine" the
-// engine; anything else is the measurement, which starts them as its children.
+// engine, "picker" and "gateway" a picker and its stand-in for Envoy; anything else is the
+// measurement, which starts them as its children.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) > 0 {
 		switch args[0] {
@@ -95,6 +113,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			return relayMain(ctx, args[1:], stdout, stderr)
 		case engineCommand:
 			return engineMain(ctx, args[1:], stdout, stderr)
+		case pickerCommand:
+			return pickerMain(ctx, args[1:], stdout, stderr)
+		case gatewayCommand:
+			return gatewayMain(ctx, args[1:], stdout, stderr)
 		}
 	}
 	opts, err := parseFlags(args, stderr)
@@ -116,6 +138,7 @@ type options struct {
 	repo      string
 	proxy     string
 	profDir   string
+	epp       bool
 	args      []string // as given, for the table's header
 }
 
@@ -142,10 +165,11 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.Float64Var(&o.rate, "rate", DefaultRate, "open-loop load: requests per second in total over -conns connections")
 	fs.IntVar(&o.conns, "conns", DefaultConns, "open-loop load: connections")
 	fs.IntVar(&o.maxTokens, "max-tokens", DefaultMaxTokens, "max_tokens of every request (the engine generates exactly that many)")
-	fs.StringVar(&o.tokenizer, "tokenizer", "estimate", "kv_cache_index.tokenizer of proxy (d): estimate or engine (a /tokenize call per request)")
+	fs.StringVar(&o.tokenizer, "tokenizer", "estimate", "kv_cache_index.tokenizer of proxy (d) and picker (h): estimate or engine (a /tokenize call per request)")
 	fs.StringVar(&o.repo, "repo", "", "the kvroute module's root (default: the module of the working directory, go env GOMOD)")
 	fs.StringVar(&o.proxy, "proxy", "", "a proxy binary built from ./examples/proxy to measure (default: build it from -repo)")
-	fs.StringVar(&o.profDir, "cpuprofile", "", "record CPU profiles of the relay and the proxies during targets (b) to (e) into this directory (costs them CPU)")
+	fs.StringVar(&o.profDir, "cpuprofile", "", "record CPU profiles of the relay, the proxies and the pickers during targets (b) to (h) into this directory (costs them CPU)")
+	fs.BoolVar(&o.epp, "epp", true, "also measure kvroute-epp: targets (f) to (h), envoysim in front of a no-op picker and of kvroute's")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: overhead [flags]\n\nMeasures the reference proxy's overhead; see go doc ./benchmarks/cmd/overhead.\n\n")
 		fs.PrintDefaults()

@@ -5,6 +5,7 @@ import (
 	"context"
 	"os"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -14,23 +15,24 @@ import (
 )
 
 // TestMain lets the test binary be the measurement's children: the measurement re-executes its
-// own program (here, this binary) as "engine" and "relay".
+// own program (here, this binary) as "engine", "relay", "picker" and "gateway".
 func TestMain(m *testing.M) {
-	if len(os.Args) > 1 && (os.Args[1] == engineCommand || os.Args[1] == relayCommand) {
+	if len(os.Args) > 1 && slices.Contains([]string{engineCommand, relayCommand, pickerCommand, gatewayCommand}, os.Args[1]) {
 		main()
 		return
 	}
 	os.Exit(m.Run())
 }
 
-// The whole tool in a tiny configuration: the proxy built, every child started, both loads run
-// on every target, and a table with every row, plausible numbers and no failed request. Nothing
-// is asserted on the values themselves: they depend on the machine.
+// The whole tool in a tiny configuration: the proxy built, every child started (the pickers and
+// their gateways too), both loads run on every target, and a table with every row, plausible
+// numbers and no failed request. Nothing is asserted on the values themselves: they depend on
+// the machine.
 func TestOverheadTiny(t *testing.T) {
 	if testing.Short() {
-		t.Skip("builds the proxy (over a minute from a cold build cache) and runs five targets")
+		t.Skip("builds the proxy (over a minute from a cold build cache) and runs eight targets")
 	}
-	testenv.SkipUnlessLong(t, "builds the proxy with a nested go build (over a minute from a cold build cache) and runs five targets")
+	testenv.SkipUnlessLong(t, "builds the proxy with a nested go build (over a minute from a cold build cache) and runs eight targets")
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	args := []string{"-rounds", "1", "-duration", "200ms", "-warmup", "100ms", "-conns", "4", "-rate", "200"}
@@ -43,17 +45,19 @@ func TestOverheadTiny(t *testing.T) {
 
 	for _, want := range []string{"## Reference proxy overhead", "Command: `", strings.Join(args, " ") + "`",
 		"Go: `go version go1.", "GOOS/GOARCH ", "CPU: ", "### 1 connection, closed loop",
-		"### 4 connections, open loop at 200 req/s", "### Targets"} {
+		"### 4 connections, open loop at 200 req/s", "### kvroute-epp: differences", "### Targets",
+		"(f) envoysim.Forwarder"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("the output lacks %q", want)
 		}
 	}
 
-	// Each load's table has the five targets, in order, with positive, ordered percentiles.
-	row := regexp.MustCompile(`(?m)^\| \(([a-e])\) [^|]+\|` + strings.Repeat(`([^|]*)\|`, 10) + `$`)
+	// Each load's table has the eight targets, in order, with positive, ordered percentiles.
+	const targets = 8
+	row := regexp.MustCompile(`(?m)^\| \(([a-h])\) [^|]+\|` + strings.Repeat(`([^|]*)\|`, 10) + `$`)
 	rows := row.FindAllStringSubmatch(out, -1)
-	if len(rows) != 10 {
-		t.Fatalf("%d target rows, want 10 (5 targets × 2 loads)", len(rows))
+	if len(rows) != 2*targets {
+		t.Fatalf("%d target rows, want %d (%d targets × 2 loads)", len(rows), 2*targets, targets)
 	}
 	num := func(cell string) float64 {
 		f, err := strconv.ParseFloat(strings.TrimSpace(cell), 64)
@@ -63,7 +67,7 @@ func TestOverheadTiny(t *testing.T) {
 		return f
 	}
 	for i, r := range rows {
-		if want := string(rune('a' + i%5)); r[1] != want {
+		if want := string(rune('a' + i%targets)); r[1] != want {
 			t.Errorf("row %d is (%s), want (%s)", i, r[1], want)
 		}
 		p50, p90, p99 := num(r[2]), num(r[3]), num(r[4])
@@ -81,6 +85,21 @@ func TestOverheadTiny(t *testing.T) {
 		}
 		if r[1] == "b" && strings.TrimSpace(r[5]) != "+0.0" {
 			t.Errorf("(b) − (b) = %q, want +0.0", r[5])
+		}
+	}
+
+	// kvroute-epp's differences: four per load, each with a p50 and a p99, and the pickers' CPU
+	// for the two over the no-op picker.
+	diff := regexp.MustCompile(`(?m)^\| [^|]+ \| \(([fgh])\) − \(([abf])\) \| [^|]+ \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$`)
+	diffs := diff.FindAllStringSubmatch(out, -1)
+	if len(diffs) != 8 {
+		t.Errorf("%d kvroute-epp differences, want 8 (4 × 2 loads)", len(diffs))
+	}
+	for _, d := range diffs {
+		num(d[3])
+		num(d[4])
+		if d[2] == "f" && strings.TrimSpace(d[5]) == "–" {
+			t.Errorf("(%s) − (f): no picker CPU difference", d[1])
 		}
 	}
 
@@ -106,6 +125,7 @@ func TestParseFlags(t *testing.T) {
 		{"no connections", []string{"-conns", "0"}, false},
 		{"unknown tokenizer", []string{"-tokenizer", "none"}, false},
 		{"stray argument", []string{"extra"}, false},
+		{"without kvroute-epp", []string{"-epp=false"}, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := parseFlags(tc.args, &bytes.Buffer{})

@@ -7,7 +7,9 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/kvroute/kvroute/benchmarks/internal/benchenv"
@@ -99,13 +101,46 @@ func measure(ctx context.Context, o options, stdout, stderr io.Writer) error {
 			return err
 		}
 	}
+	// kvroute-epp's targets: a picker and a gateway in front of it for each of (f) to (h).
+	var pickers, gateways []*child
+	if o.epp {
+		for i, name := range []string{"picker-noop", "picker-tier1", "picker-kv-index"} {
+			args := []string{pickerCommand, "-noop", hostPort(eng.URL)}
+			if i > 0 {
+				cfgPath := filepath.Join(dir, name+".yaml")
+				if err := os.WriteFile(cfgPath, []byte(pickerConfig(eng, i == 2, o.tokenizer)), 0o600); err != nil {
+					return err
+				}
+				args = []string{pickerCommand, "-config", cfgPath}
+			}
+			if o.profDir != "" {
+				args = append(args, "-pprof", "127.0.0.1:0")
+			}
+			p, err := start(name, self, args, pickerBanner, false)
+			if err != nil {
+				return err
+			}
+			g, err := start("gateway-"+strings.TrimPrefix(name, "picker-"), self, []string{gatewayCommand,
+				"-extproc", p.announce, "-max-idle", strconv.Itoa(2 * o.conns)}, gatewayBanner, true)
+			if err != nil {
+				return err
+			}
+			pickers, gateways = append(pickers, p), append(gateways, g)
+		}
+	}
+	// The processes whose CPU time the table gives: the load generator (0), the engine, the relay,
+	// the proxies, then the pickers and their gateways; targets[i].front indexes it.
+	pids := []int{0, engine.cmd.Process.Pid, relay.cmd.Process.Pid, proxies[0].cmd.Process.Pid, proxies[1].cmd.Process.Pid}
+	for _, c := range slices.Concat(pickers, gateways) {
+		pids = append(pids, c.cmd.Process.Pid)
+	}
 	var prof *profiler
 	if o.profDir != "" {
 		if err := os.MkdirAll(o.profDir, 0o755); err != nil {
 			return err
 		}
-		prof = &profiler{dir: o.profDir, addr: make([]string, 5)}
-		for i, c := range []*child{relay, proxies[0], proxies[1]} {
+		prof = &profiler{dir: o.profDir, addr: make([]string, len(pids))}
+		for i, c := range slices.Concat([]*child{relay, proxies[0], proxies[1]}, pickers) {
 			if prof.addr[2+i], err = pprofAddr(ctx, c); err != nil {
 				return err
 			}
@@ -120,9 +155,14 @@ func measure(ctx context.Context, o options, stdout, stderr io.Writer) error {
 		{id: "d", name: "proxy, cache + KV index, MISS", url: proxies[1].url + path, body: chatBody(eng.Model, "d", o.maxTokens, true), xcache: "MISS", front: 4},
 		{id: "e", name: "proxy, cache HIT", url: proxies[1].url + path, body: chatBody(eng.Model, "e", o.maxTokens, false), xcache: "HIT", front: 4},
 	}
-	// CPU time of the load generator (0), the engine, the relay and the proxies: targets[i].front
-	// indexes it.
-	cpu := newCPUMeter([]int{0, engine.cmd.Process.Pid, relay.cmd.Process.Pid, proxies[0].cmd.Process.Pid, proxies[1].cmd.Process.Pid})
+	if o.epp {
+		targets = append(targets,
+			&target{id: "f", name: "envoysim + no-op ext_proc", url: gateways[0].url + path, body: chatBody(eng.Model, "f", o.maxTokens, true), front: 5},
+			&target{id: "g", name: "envoysim + kvroute-epp, tier 1", url: gateways[1].url + path, body: chatBody(eng.Model, "g", o.maxTokens, true), front: 6},
+			&target{id: "h", name: "envoysim + kvroute-epp, KV index", url: gateways[2].url + path, body: chatBody(eng.Model, "h", o.maxTokens, true), front: 7},
+		)
+	}
+	cpu := newCPUMeter(pids)
 	for _, t := range targets {
 		t.clients = newClients(max(o.conns, 1))
 	}

@@ -81,18 +81,9 @@ func relayMain(ctx context.Context, args []string, stdout, stderr io.Writer) err
 // upstream, with nothing a proxy could skip — no routing, no body inspection, no X-Forwarded-*
 // headers — over a Transport that keeps maxIdle connections to the upstream.
 func newRelayServer(upstream *url.URL, maxIdle int, errLog io.Writer) *http.Server {
-	tr := &http.Transport{
-		Proxy:                 nil, // never an environment proxy: the upstream is on loopback
-		DialContext:           (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
-		MaxIdleConns:          maxIdle,
-		MaxIdleConnsPerHost:   maxIdle,
-		IdleConnTimeout:       2 * time.Minute,
-		DisableCompression:    true,
-		ResponseHeaderTimeout: time.Minute,
-	}
 	rp := &httputil.ReverseProxy{
 		Rewrite:    func(r *httputil.ProxyRequest) { r.SetURL(upstream) },
-		Transport:  tr,
+		Transport:  upstreamTransport(maxIdle),
 		BufferPool: &bufferPool{},
 		ErrorLog:   log.New(errLog, "relay: ", log.LstdFlags),
 	}
@@ -101,6 +92,20 @@ func newRelayServer(upstream *url.URL, maxIdle int, errLog io.Writer) *http.Serv
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          log.New(errLog, "relay: ", log.LstdFlags),
+	}
+}
+
+// upstreamTransport returns the Transport the relay and the gateways reach the engine with: no
+// environment proxy (the engine is on loopback), no compression, maxIdle idle connections kept.
+func upstreamTransport(maxIdle int) *http.Transport {
+	return &http.Transport{
+		Proxy:                 nil,
+		DialContext:           (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConns:          maxIdle,
+		MaxIdleConnsPerHost:   maxIdle,
+		IdleConnTimeout:       2 * time.Minute,
+		DisableCompression:    true,
+		ResponseHeaderTimeout: time.Minute,
 	}
 }
 

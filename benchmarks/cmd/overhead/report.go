@@ -101,8 +101,11 @@ func (r *results) index(id string) int {
 }
 
 // p50Diff is target ti's p50 minus target base's, in µs, per round.
-func (r *results) p50Diff(li, ti, base int) spread {
-	return r.perRound(li, func(s []*sample) float64 { return us(s[ti].percentile(50)) - us(s[base].percentile(50)) })
+func (r *results) p50Diff(li, ti, base int) spread { return r.pDiff(li, ti, base, 50) }
+
+// pDiff is target ti's p-th percentile minus target base's, in µs, per round.
+func (r *results) pDiff(li, ti, base int, p float64) spread {
+	return r.perRound(li, func(s []*sample) float64 { return us(s[ti].percentile(p)) - us(s[base].percentile(p)) })
 }
 
 // p50Ratio is target ti's p50 over target base's, per round.
@@ -120,7 +123,7 @@ func (r *results) write(w io.Writer, env []string, o options) {
 	}
 	fmt.Fprintf(bw, "\nEach cell: the median across %d round(s), (min–max) across rounds; latencies in µs. "+
 		"Differences and ratios are taken within each round, then summarised. CPU µs/req: CPU time (user + system, "+
-		"/proc/PID/stat, 10 ms ticks) per request of the process serving the target (front: engine, relay or proxy) and of "+
+		"/proc/PID/stat, 10 ms ticks) per request of the process serving the target (front: engine, relay, proxy or picker) and of "+
 		"all of them, load generator included.\n", o.rounds)
 	a, b := r.index("a"), r.index("b")
 	for li, l := range r.loads {
@@ -147,6 +150,7 @@ func (r *results) write(w io.Writer, env []string, o options) {
 				fmtSpread(r.p50Ratio(li, ti, b), "%.2f"), fmtSpread(tput, "%.0f"), cpuFront, cpuAll, errs)
 		}
 	}
+	r.writeEPP(bw)
 	fmt.Fprintf(bw, "\n### Targets\n\n| load | target | measured | limit | result |\n|---|---|--:|--:|---|\n")
 	for _, c := range r.checks() {
 		verdict := "**FAIL**"
@@ -154,6 +158,39 @@ func (r *results) write(w io.Writer, env []string, o options) {
 			verdict = "pass"
 		}
 		fmt.Fprintf(bw, "| %s | %s | %s | %s | %s |\n", r.loads[c.load].name, c.what, c.measured, c.limit, verdict)
+	}
+}
+
+// eppDiffs are the differences the kvroute-epp table gives: target, base, and what it measures.
+var eppDiffs = []struct{ ti, base, what string }{
+	{"f", "a", "the ext_proc hop and the stand-in for Envoy, over the engine direct"},
+	{"f", "b", "the same, over a bare relay"},
+	{"g", "f", "kvroute's picker, tier 1, over a no-op picker"},
+	{"h", "f", "kvroute's picker with the KV index, over a no-op picker"},
+}
+
+// writeEPP prints, when the run measured (f) to (h), their p50 and p99 differences within each
+// round, and the difference of the pickers' CPU time per request.
+func (r *results) writeEPP(w io.Writer) {
+	if r.index("f") < 0 || r.index("g") < 0 || r.index("h") < 0 {
+		return
+	}
+	fmt.Fprintf(w, "\n### kvroute-epp: differences\n\n")
+	fmt.Fprintf(w, "Within each round, then summarised as above; CPU: the picker processes' CPU µs per request.\n\n")
+	fmt.Fprintf(w, "| load | difference | what | p50 | p99 | CPU µs/req, picker |\n|---|---|---|--:|--:|--:|\n")
+	for li, l := range r.loads {
+		for _, d := range eppDiffs {
+			ti, base := r.index(d.ti), r.index(d.base)
+			cpu := "–"
+			if d.base == "f" && r.haveCPU(li, ti) && r.haveCPU(li, base) {
+				front, baseFront := r.targets[ti].front, r.targets[base].front
+				cpu = fmtSpread(r.perRound(li, func(s []*sample) float64 {
+					return s[ti].cpuPerRequest(front) - s[base].cpuPerRequest(baseFront)
+				}), "%+.0f")
+			}
+			fmt.Fprintf(w, "| %s | (%s) − (%s) | %s | %s | %s | %s |\n", l.name, d.ti, d.base, d.what,
+				fmtSpread(r.pDiff(li, ti, base, 50), "%+.1f"), fmtSpread(r.pDiff(li, ti, base, 99), "%+.1f"), cpu)
+		}
 	}
 }
 
@@ -236,8 +273,19 @@ func describeEnv(goVersion string, o options, proxy, loadBefore string) []string
 		"Targets, each a child process of the load generator: (a) one enginesim engine, direct (no simulated latency; " +
 			"behind every other target too); (b) httputil.ReverseProxy + http.Server; (c) examples/proxy, tier 1 only; " +
 			"(d) examples/proxy, in-memory response cache + memory KV index fed by the engine's ZMQ events, every request a MISS; " +
-			"(e) the proxy of (d), a response-cache HIT",
+			"(e) the proxy of (d), a response-cache HIT" + eppTargets(o),
 	}
+}
+
+// eppTargets describes targets (f) to (h) when the run has them.
+func eppTargets(o options) string {
+	if !o.epp {
+		return ""
+	}
+	return "; (f) envoysim.Forwarder (a Go stand-in for Envoy's ext_proc filter, full-duplex bodies both ways) + http.Server, " +
+		"asking a no-op ext_proc picker (gRPC, its own process) that names the engine and hands the bodies back; " +
+		"(g) an identical stand-in asking kvroute's extproc.Server, tier 1 only; (h) the same with the memory KV index fed by " +
+		"the engine's ZMQ events, tokenizer " + o.tokenizer
 }
 
 // loadAverage returns the first three fields of /proc/loadavg, or "unknown".
