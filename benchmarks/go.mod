@@ -65,3 +65,7 @@ replace github.com/kvroute/kvroute => ../
 replace github.com/kvroute/kvroute/config => ../config
 
 replace github.com/kvroute/kvroute/integrations/extproc => ../integrations/extproc
+
+replace github.com/kvroute/kvroute/stack => ../stack
+
+replace github.com/kvroute/kvroute/natsync => ../natsync
