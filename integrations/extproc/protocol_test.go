@@ -16,7 +16,6 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvroute/kvroute"
-	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/integrations/extproc"
 	"github.com/kvroute/kvroute/integrations/extproc/envoysim"
 	"github.com/kvroute/kvroute/integrations/extproc/internal/app"
@@ -47,17 +46,8 @@ func simPool(t *testing.T) (*app.App, []enginesim.EngineInfo) {
 	}
 	t.Cleanup(func() { _ = fleet.Close() })
 	info := fleet.Info()
-	cfg := &config.Config{
-		KVCacheIndex: config.KVCacheIndexConfig{Enabled: true, Backend: "memory", Tokenizer: config.TokenizerEngine,
-			BlockSize: info[0].BlockSize},
-		EndpointPicker: config.EndpointPickerConfig{FallbackEndpoints: 1},
-	}
-	for _, e := range info {
-		cfg.Backends = append(cfg.Backends, config.BackendConfig{Name: e.Name, URL: e.URL, Model: e.Model})
-		cfg.KVCacheIndex.EventSources = append(cfg.KVCacheIndex.EventSources, config.EventSourceConfig{
-			BackendName: e.Name, Endpoint: e.ZMQEndpoint, ReplayEndpoint: e.ReplayEndpoint, Model: e.Model})
-	}
-	cfg.ApplyDefaults()
+	cfg := app.DemoConfig(info)
+	cfg.EndpointPicker.FallbackEndpoints = 1
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}

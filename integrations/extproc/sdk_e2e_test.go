@@ -19,7 +19,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/integrations/extproc"
 	"github.com/kvroute/kvroute/integrations/extproc/envoysim"
 	"github.com/kvroute/kvroute/integrations/extproc/internal/app"
@@ -51,7 +50,7 @@ func startSDKPool(t *testing.T) *sdkPool {
 	}
 	t.Cleanup(func() { _ = fleet.Close() })
 
-	a, err := app.New(sdkConfig(fleet.Info()), app.Options{})
+	a, err := app.New(app.DemoConfig(fleet.Info()), app.Options{})
 	if err != nil {
 		t.Fatalf("app.New: %v", err)
 	}
@@ -85,24 +84,6 @@ func startSDKPool(t *testing.T) *sdkPool {
 	}
 	t.Cleanup(func() { _ = conn.Close() })
 	return &sdkPool{app: a, conn: conn}
-}
-
-// sdkConfig is the pool's configuration: every engine a backend with its KV events over ZMQ
-// (and its replay socket) into the in-memory index, token IDs from the engines' /tokenize so
-// that block keys match the engines' events, two fallback endpoints after each pick.
-func sdkConfig(engines []enginesim.EngineInfo) *config.Config {
-	cfg := &config.Config{
-		KVCacheIndex: config.KVCacheIndexConfig{Enabled: true, Backend: "memory",
-			Tokenizer: config.TokenizerEngine, BlockSize: engines[0].BlockSize},
-		EndpointPicker: config.EndpointPickerConfig{FallbackEndpoints: 2},
-	}
-	for _, e := range engines {
-		cfg.Backends = append(cfg.Backends, config.BackendConfig{Name: e.Name, URL: e.URL, Model: e.Model})
-		cfg.KVCacheIndex.EventSources = append(cfg.KVCacheIndex.EventSources, config.EventSourceConfig{
-			BackendName: e.Name, Endpoint: e.ZMQEndpoint, ReplayEndpoint: e.ReplayEndpoint, Model: e.Model})
-	}
-	cfg.ApplyDefaults()
-	return cfg
 }
 
 // gateway returns the OpenAI SDK's client of an envoysim gateway in front of the pool's picker,

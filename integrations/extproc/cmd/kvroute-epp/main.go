@@ -23,7 +23,6 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -99,7 +98,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			return fmt.Errorf("demo engines: %w", err)
 		}
 		defer fleet.Close()
-		cfg = demoConfig(fleet.Info())
+		cfg = app.DemoConfig(fleet.Info())
 		if err := cfg.Validate(); err != nil {
 			return fmt.Errorf("demo configuration: %w", err)
 		}
@@ -212,23 +211,4 @@ func newTelemetry() (*telemetry, error) {
 	}
 	return &telemetry{provider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(exp)),
 		handler: promhttp.HandlerFor(reg, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError})}, nil
-}
-
-// demoConfig is the demo's configuration for the simulated engines: every engine a backend with
-// its KV events over ZMQ (with replay) into an in-memory index, tokenization by the engines'
-// /tokenize, health checks every 2 s, and the picker on its default loopback addresses with two
-// fallback endpoints.
-func demoConfig(engines []enginesim.EngineInfo) *config.Config {
-	cfg := &config.Config{
-		KVCacheIndex:   config.KVCacheIndexConfig{Enabled: true, Backend: "memory", Tokenizer: config.TokenizerEngine, BlockSize: 16},
-		HealthChecks:   config.HealthCheckConfig{Interval: config.Duration(2 * time.Second), Timeout: config.Duration(time.Second)},
-		EndpointPicker: config.EndpointPickerConfig{FallbackEndpoints: 2},
-	}
-	for _, e := range engines {
-		cfg.Backends = append(cfg.Backends, config.BackendConfig{Name: e.Name, URL: e.URL, Model: e.Model})
-		cfg.KVCacheIndex.EventSources = append(cfg.KVCacheIndex.EventSources, config.EventSourceConfig{
-			BackendName: e.Name, Endpoint: e.ZMQEndpoint, ReplayEndpoint: e.ReplayEndpoint, Model: e.Model})
-	}
-	cfg.ApplyDefaults()
-	return cfg
 }
