@@ -74,17 +74,18 @@ func TestPicksTheKVHolder(t *testing.T) {
 			system := fmt.Sprintf("You are assistant %d. %s", i, strings.Repeat("Answer with care and cite your sources. ", 20))
 			// The engine serves the first turn directly: only its KV events can tell the picker.
 			// (A ZMQ subscription that is still being set up misses what the engine publishes;
-			// the engine's next batch shows the gap and the replay fills it, so the first turn is
-			// sent again until the index knows.)
+			// the engine's next batch shows the gap and the replay fills it, so turns with new
+			// blocks, hence new batches, are sent until the index knows.)
 			next := chat(holder.Model, system, "second question", false)
 			req, err := prefixkey.ParseOpenAIChat([]byte(next))
 			if err != nil {
 				t.Fatal(err)
 			}
 			deadline := time.Now().Add(10 * time.Second)
-			for {
+			for turn := 0; ; turn++ {
+				first := fmt.Sprintf("first question, asked in turn %d, with words enough to fill a block of its own", turn)
 				res, err := http.Post(holder.URL+"/v1/chat/completions", "application/json",
-					strings.NewReader(chat(holder.Model, system, "first question", false)))
+					strings.NewReader(chat(holder.Model, system, first, false)))
 				if err != nil {
 					t.Fatal(err)
 				}

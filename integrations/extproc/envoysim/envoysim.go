@@ -169,25 +169,18 @@ func (x *exchange) request(r *http.Request, body []byte) (*upstreamRequest, *ext
 		if err := x.sendChunks(body, true); err != nil {
 			return nil, nil, err
 		}
-		resp, err := x.stream.Recv()
-		if err != nil {
-			return nil, nil, err
-		}
-		if im := resp.GetImmediateResponse(); im != nil {
-			return nil, im, nil
+		resp, im, err := x.answer(out.header)
+		if im != nil || err != nil {
+			return nil, im, err
 		}
 		if resp.GetRequestHeaders() == nil {
 			return nil, nil, fmt.Errorf("want the request headers' answer, got %T", resp.Response)
 		}
-		applyHeaders(out.header, resp.GetRequestHeaders().GetResponse().GetHeaderMutation())
 		var back bytes.Buffer
 		for {
-			resp, err := x.stream.Recv()
-			if err != nil {
-				return nil, nil, err
-			}
-			if im := resp.GetImmediateResponse(); im != nil {
-				return nil, im, nil
+			resp, im, err := x.answer(out.header)
+			if im != nil || err != nil {
+				return nil, im, err
 			}
 			sb := resp.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse()
 			if sb == nil {
@@ -200,34 +193,21 @@ func (x *exchange) request(r *http.Request, body []byte) (*upstreamRequest, *ext
 		}
 		out.body = back.Bytes()
 	case extproc.BodyBuffered:
-		resp, err := x.stream.Recv()
-		if err != nil {
+		// Envoy waits for the headers' answer, sends the body whole, and holds the headers until
+		// the body's answer.
+		if _, im, err := x.answer(out.header); im != nil || err != nil {
+			return nil, im, err
+		}
+		if err := x.sendChunks(body, true); err != nil {
 			return nil, nil, err
 		}
-		if im := resp.GetImmediateResponse(); im != nil {
-			return nil, im, nil
+		if _, im, err := x.answer(out.header); im != nil || err != nil {
+			return nil, im, err
 		}
-		applyHeaders(out.header, resp.GetRequestHeaders().GetResponse().GetHeaderMutation())
-		if err := x.stream.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
-			RequestBody: &extprocv3.HttpBody{Body: body, EndOfStream: true}}}); err != nil {
-			return nil, nil, err
-		}
-		if resp, err = x.stream.Recv(); err != nil {
-			return nil, nil, err
-		}
-		if im := resp.GetImmediateResponse(); im != nil {
-			return nil, im, nil
-		}
-		applyHeaders(out.header, resp.GetRequestBody().GetResponse().GetHeaderMutation())
 	default: // none, streamed: the picker answers the headers alone
-		resp, err := x.stream.Recv()
-		if err != nil {
-			return nil, nil, err
+		if _, im, err := x.answer(out.header); im != nil || err != nil {
+			return nil, im, err
 		}
-		if im := resp.GetImmediateResponse(); im != nil {
-			return nil, im, nil
-		}
-		applyHeaders(out.header, resp.GetRequestHeaders().GetResponse().GetHeaderMutation())
 		if mode == extproc.BodyStreamed {
 			for i := 0; i < len(body); i += cfg.ChunkSize {
 				end := min(i+cfg.ChunkSize, len(body))
@@ -235,13 +215,31 @@ func (x *exchange) request(r *http.Request, body []byte) (*upstreamRequest, *ext
 					RequestBody: &extprocv3.HttpBody{Body: body[i:end], EndOfStream: end == len(body)}}}); err != nil {
 					return nil, nil, err
 				}
-				if _, err := x.stream.Recv(); err != nil {
-					return nil, nil, err
+				if _, im, err := x.answer(out.header); im != nil || err != nil {
+					return nil, im, err
 				}
 			}
 		}
 	}
 	return out, nil, nil
+}
+
+// answer receives the picker's next answer to a request phase: an immediate response, or one
+// whose header mutation (in the headers' or the body's common response) it applies to h.
+func (x *exchange) answer(h http.Header) (*extprocv3.ProcessingResponse, *extprocv3.ImmediateResponse, error) {
+	resp, err := x.stream.Recv()
+	if err != nil {
+		return nil, nil, err
+	}
+	if im := resp.GetImmediateResponse(); im != nil {
+		return nil, im, nil
+	}
+	common := resp.GetRequestHeaders().GetResponse()
+	if common == nil {
+		common = resp.GetRequestBody().GetResponse()
+	}
+	applyHeaders(h, common.GetHeaderMutation())
+	return resp, nil, nil
 }
 
 // sendChunks sends body in ChunkSize chunks, the last with end_of_stream when eos.
