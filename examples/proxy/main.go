@@ -79,16 +79,10 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 	if *verbose {
 		level.Set(slog.LevelDebug)
 	}
-	var h slog.Handler
-	switch *logFormat {
-	case "text":
-		h = slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level})
-	case "json":
-		h = slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level})
-	default:
-		return fmt.Errorf("-log-format %q: want text or json", *logFormat)
+	log, err := stack.NewLogger(stderr, *logFormat, level)
+	if err != nil {
+		return err
 	}
-	log := slog.New(h)
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -102,7 +96,7 @@ func mainErr(args []string, stdout, stderr io.Writer) error {
 		return c, err
 	}
 	cfg := &config.Config{}
-	err := setAddr(cfg, *addr)
+	err = setAddr(cfg, *addr)
 	if *cfgPath != "" {
 		cfg, err = load()
 	} else {

@@ -79,16 +79,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if *verbose {
 		level.Set(slog.LevelDebug)
 	}
-	var h slog.Handler
-	switch *logFormat {
-	case "text":
-		h = slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level})
-	case "json":
-		h = slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level})
-	default:
-		return fmt.Errorf("-log-format %q: want text or json", *logFormat)
+	log, err := stack.NewLogger(stderr, *logFormat, level)
+	if err != nil {
+		return err
 	}
-	log := slog.New(h)
 
 	var cfg *config.Config
 	var fleet *enginesim.Demo
