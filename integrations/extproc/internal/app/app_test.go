@@ -88,15 +88,7 @@ func TestHealthServices(t *testing.T) {
 		}
 	}
 	// A stream in progress holds the drain open; meanwhile readiness says NOT_SERVING.
-	conn, err := grpc.NewClient(ln.GRPC.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	s, err := extprocv3.NewExternalProcessorClient(conn).Process(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := openStream(t, ln.GRPC.Addr().String())
 	sendHeaders(t, s)
 	waitFor(t, func() bool { return a.Server.Stats().Streams == 1 })
 	cancel()
@@ -120,23 +112,7 @@ func TestDrainCutsStreamsAtTheTimeout(t *testing.T) {
 	if err := a.Start(ctx); err != nil {
 		t.Fatal(err)
 	}
-	conn, err := grpc.NewClient(ln.GRPC.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	s, err := extprocv3.NewExternalProcessorClient(conn).Process(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	sendHeaders(t, s)
-	if err := s.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{
-		Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`), EndOfStream: true}}}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.Recv(); err != nil { // picked: a decision is open
-		t.Fatal(err)
-	}
+	pickedStream(t, ln.GRPC.Addr().String()) // a decision is open
 	cancel()
 	select {
 	case err := <-served:
@@ -158,6 +134,37 @@ func TestDrainCutsStreamsAtTheTimeout(t *testing.T) {
 		}
 		return a.Server.Stats().Outcomes["not_sent"] == 1
 	})
+}
+
+// openStream opens an ext_proc stream to the picker at addr.
+func openStream(t *testing.T, addr string) extprocv3.ExternalProcessor_ProcessClient {
+	t.Helper()
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	s, err := extprocv3.NewExternalProcessorClient(conn).Process(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// pickedStream opens a stream and sends a chat request whole; it returns once the picker has
+// picked (a decision is open until the stream ends).
+func pickedStream(t *testing.T, addr string) extprocv3.ExternalProcessor_ProcessClient {
+	t.Helper()
+	s := openStream(t, addr)
+	sendHeaders(t, s)
+	if err := s.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{
+		Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`), EndOfStream: true}}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Recv(); err != nil {
+		t.Fatal(err)
+	}
+	return s
 }
 
 func sendHeaders(t *testing.T, s extprocv3.ExternalProcessor_ProcessClient) {

@@ -8,10 +8,6 @@ import (
 	"net/http/httptest"
 	"testing"
 
-	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
-
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/natsync/natstest"
 )
@@ -66,23 +62,7 @@ func TestReplicasShareDecisions(t *testing.T) {
 		}
 		return st.Peers.InFlight
 	}
-	conn, err := grpc.NewClient(grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	s, err := extprocv3.NewExternalProcessorClient(conn).Process(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	sendHeaders(t, s)
-	if err := s.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{
-		Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`), EndOfStream: true}}}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.Recv(); err != nil {
-		t.Fatal(err)
-	}
+	s := pickedStream(t, grpcAddr)
 	waitFor(t, func() bool { return peerInFlight() == 1 })
 	_ = s.CloseSend() // the stream ends: the decision too, at both replicas
 	waitFor(t, func() bool { return peerInFlight() == 0 })
