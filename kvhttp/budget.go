@@ -71,7 +71,22 @@ func (b *Budget) Acquire(ctx context.Context, n int64) error {
 	return b.acquire(ctx, grant{n: min(max(n, 0), b.size), ceil: b.size})
 }
 
-// Release gives back n bytes held by TryAcquire or Acquire (n above the budget's size counts as
+// AcquireBody holds n more bytes of a request body of which held bytes are already held, for a
+// gateway that holds bodies itself as they arrive (an Envoy external processor) and wants the
+// Handler's bound on large bodies: once the body is larger than 64 KiB, its bytes may not take
+// the budget's last quarter, the reserve kept for small bodies (unless a body of maxBody bytes,
+// the largest allowed, would not fit beside it). It waits for room after the requests that came
+// first, until ctx ends: then it holds nothing and returns ctx.Err(). Release gives the bytes
+// back. n above the budget's size counts as its size.
+func (b *Budget) AcquireBody(ctx context.Context, held, n, maxBody int64) error {
+	g := grant{n: min(max(n, 0), b.size), ceil: b.size}
+	if held+n > smallBody {
+		g.ceil = max(b.size-b.size/4, min(max(maxBody, 1), b.size))
+	}
+	return b.acquire(ctx, g)
+}
+
+// Release gives back n bytes held by TryAcquire, Acquire or AcquireBody (n above the budget's size counts as
 // its size). Releasing more than is held is a programmer error: it panics.
 func (b *Budget) Release(n int64) { b.release(min(max(n, 0), b.size), "", 0) }
 

@@ -83,3 +83,24 @@ func TestBudgetGrants(t *testing.T) {
 	require.True(t, b.TryAcquire(1))
 	assert.Panics(t, func() { b.release(1, "a", 1) }, "more than a client held")
 }
+
+// AcquireBody keeps the Handler's reserve: a body past 64 KiB cannot take the budget's last
+// quarter, a small one can.
+func TestAcquireBodyKeepsTheReserve(t *testing.T) {
+	b := NewBudget(1 << 20)
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if err := b.AcquireBody(ctx, 0, 700<<10, 1<<20); err != nil { // large: 700 KiB of 1 MiB
+		t.Fatal(err)
+	}
+	if err := b.AcquireBody(ctx, 700<<10, 100<<10, 256<<10); err == nil { // 800 KiB > 768 KiB
+		t.Fatal("a large body took the reserve")
+	}
+	if err := b.AcquireBody(context.Background(), 0, 32<<10, 256<<10); err != nil { // small: the reserve is its
+		t.Fatalf("a small body was refused: %v", err)
+	}
+	b.Release(700<<10 + 32<<10)
+	if !b.TryAcquire(1 << 20) {
+		t.Error("the bytes were not all given back")
+	}
+}

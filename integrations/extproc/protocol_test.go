@@ -167,8 +167,9 @@ func TestDestinationHeaderAndMetadata(t *testing.T) {
 
 	s = h.open(ctx)
 	s.headers("/v1/chat/completions", false, filterv3.ProcessingMode_BUFFERED, nil)
-	if m := s.recv(); m.GetRequestHeaders() == nil || m.GetRequestHeaders().GetResponse().GetHeaderMutation() != nil {
-		t.Fatalf("buffered: the headers' answer must come at once and set nothing: %v", m)
+	if m := s.recv(); m.GetRequestHeaders() == nil || len(m.GetRequestHeaders().GetResponse().GetHeaderMutation().GetSetHeaders()) != 0 ||
+		fmt.Sprint(m.GetRequestHeaders().GetResponse().GetHeaderMutation().GetRemoveHeaders()) != "["+extproc.HeaderDestination+"]" {
+		t.Fatalf("buffered: the headers' answer must come at once, set nothing and remove a client's destination: %v", m)
 	}
 	s.body(body, true)
 	if d := destination(t, s.recv()); d == "" {

@@ -5,11 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"sync/atomic"
 	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"go.opentelemetry.io/otel/metric"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/keepalive"
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/kvhttp"
@@ -71,14 +74,19 @@ const (
 // DefaultMaxBodyBytes is Config.MaxBodyBytes's default: the reference proxy's.
 const DefaultMaxBodyBytes = kvhttp.DefaultMaxBodyBytes
 
-// DefaultBodyIdleTimeout is Config.BodyIdleTimeout's default: the reference proxy's.
-const DefaultBodyIdleTimeout = kvhttp.DefaultBodyIdleTimeout
+// DefaultBodyIdleTimeout is Config.BodyIdleTimeout's default and DefaultReadTimeout
+// Config.ReadTimeout's: the reference proxy's.
+const (
+	DefaultBodyIdleTimeout = kvhttp.DefaultBodyIdleTimeout
+	DefaultReadTimeout     = kvhttp.DefaultReadTimeout
+)
 
 // Config configures a Server. Router and Endpoints are required; every other field's zero value
 // is a documented default.
 type Config struct {
 	// Router routes each request. Each backend it names must be in Endpoints; a decision on a
-	// backend that is not is released and answered 503. The default Router honours the subset
+	// backend that is not (or outside the subset hint) is released, and the request goes to an
+	// eligible endpoint in turn, counted in Stats.FailedOpen (503 when there is none). The default Router honours the subset
 	// hint through kvroute.WithAvoid; a Router of your own should read kvroute.Avoided too, or the
 	// Server sends the request to the first endpoint of the subset it may use.
 	Router kvroute.Router
@@ -98,12 +106,18 @@ type Config struct {
 	// MaxBodyBytes caps a request body; a longer one is answered 413 (default DefaultMaxBodyBytes).
 	MaxBodyBytes int64
 	// BodyBudget, when set, bounds the request-body bytes all streams hold at once (share one with
-	// the rest of the process): a body that finds no room within a second is answered 503.
+	// the rest of the process), as kvhttp.Handler does: a body past 64 KiB may not take its last
+	// quarter (kvhttp.Budget.AcquireBody), and a body that finds no room within a second is
+	// answered 503.
 	BodyBudget *kvhttp.Budget
-	// BodyIdleTimeout bounds the wait for a request's headers, and then for each chunk of its
-	// body: a request whose body stops coming is answered 408 and its stream ended (default
-	// DefaultBodyIdleTimeout; negative: no bound). The wait for the engine's answer is not bounded.
+	// BodyIdleTimeout bounds the wait for a request's headers, and then between two chunks of
+	// its body that carry bytes (but in buffered mode, where Envoy gathers the body first): a
+	// request whose body stops coming is answered 408 and its stream ended (default
+	// DefaultBodyIdleTimeout; negative: no bound). ReadTimeout bounds the whole request phase,
+	// from the stream's start to the body's end, the same way, whatever the body mode (default
+	// DefaultReadTimeout; negative: no bound). The wait for the engine's answer is not bounded.
 	BodyIdleTimeout time.Duration
+	ReadTimeout     time.Duration
 	// BodyMode is the request and response body mode assumed when Envoy does not name its own
 	// (default BodyFullDuplex).
 	BodyMode BodyMode
@@ -158,6 +172,9 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.BodyIdleTimeout == 0 {
 		cfg.BodyIdleTimeout = DefaultBodyIdleTimeout
+	}
+	if cfg.ReadTimeout == 0 {
+		cfg.ReadTimeout = DefaultReadTimeout
 	}
 	if cfg.DestinationNamespace == "" {
 		cfg.DestinationNamespace = DefaultDestinationNamespace
@@ -216,8 +233,8 @@ type Stats struct {
 	ServedElsewhere uint64 `json:"served_elsewhere"`
 	// ProtocolErrors is the streams that broke the protocol (a message out of order).
 	ProtocolErrors uint64 `json:"protocol_errors"`
-	// IdleTimeouts is the streams ended because their headers or body stopped coming
-	// (Config.BodyIdleTimeout); those with a body began were answered 408.
+	// IdleTimeouts is the streams ended because their request phase ran out of time
+	// (Config.BodyIdleTimeout or ReadTimeout); those whose headers had come were answered 408.
 	IdleTimeouts uint64 `json:"idle_timeouts"`
 }
 
@@ -312,6 +329,31 @@ func newInstruments(mp metric.MeterProvider, s *Server) (*instruments, error) {
 		return nil, err
 	}
 	return &instruments{reg: reg}, nil
+}
+
+// The gRPC health services the Endpoint Picker Protocol names: liveness (the process answers),
+// readiness (it has its endpoints and routes), and the ext_proc service itself (as readiness).
+// Register them with google.golang.org/grpc/health's server (see the package example).
+const (
+	HealthLiveness  = "liveness"
+	HealthReadiness = "readiness"
+	HealthExtProc   = "envoy.service.ext_proc.v3.ExternalProcessor"
+)
+
+// ServerOptions are the grpc.Server options a picker serving bodies of up to maxBodyBytes needs:
+// a message size limit above it (Envoy sends a buffered body in one message, so a body above the
+// limit still reaches the Server, which answers it 413, instead of failing the stream), and
+// keepalives that end the connections of a gateway gone without a word.
+func ServerOptions(maxBodyBytes int64) []grpc.ServerOption {
+	if maxBodyBytes <= 0 {
+		maxBodyBytes = DefaultMaxBodyBytes
+	}
+	limit := min(max(2*maxBodyBytes, 32<<20), math.MaxInt32)
+	return []grpc.ServerOption{
+		grpc.MaxRecvMsgSize(int(limit)),
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
+	}
 }
 
 // budgetWait bounds the wait of a body's growth for room in Config.BodyBudget.

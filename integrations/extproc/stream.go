@@ -82,9 +82,12 @@ type received struct {
 }
 
 // run reads the stream's messages until Envoy closes it. A reader goroutine receives them, so
-// that a request whose headers or body stop coming for Config.BodyIdleTimeout is answered 408
-// and its stream ended, instead of holding its body and goroutines for ever; the wait for the
-// engine's answer and the answer itself have no such bound (a long prefill, a slow stream).
+// that the request phase is bounded in time instead of holding its body and goroutines for ever:
+// the request's headers and body must arrive within Config.ReadTimeout of the stream's start,
+// and, but in buffered mode (where Envoy gathers the body before it sends it), no gap between two
+// of its messages that carry something may exceed Config.BodyIdleTimeout; either failing is
+// answered 408 (a stream without headers is just ended). The wait for the engine's answer and
+// the answer itself have no such bound (a long prefill, a slow stream).
 func (st *stream) run() error {
 	msgs := make(chan received)
 	done := make(chan struct{})
@@ -102,17 +105,29 @@ func (st *stream) run() error {
 			}
 		}
 	}()
-	idle := st.s.cfg.BodyIdleTimeout
-	var timer *time.Timer
-	if idle > 0 {
-		timer = time.NewTimer(idle)
-		defer timer.Stop()
-	}
+	cfg := &st.s.cfg
+	start := time.Now()
+	progress := start
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	defer timer.Stop()
 	for {
 		var timeout <-chan time.Time
-		if timer != nil && (st.phase == phaseHeaders || st.phase == phaseBody) {
-			timer.Reset(idle)
-			timeout = timer.C
+		var why string
+		if st.phase == phaseHeaders || st.phase == phaseBody {
+			var wake time.Time
+			if cfg.ReadTimeout > 0 {
+				wake, why = start.Add(cfg.ReadTimeout), fmt.Sprintf("the request did not arrive within %s", cfg.ReadTimeout)
+			}
+			if cfg.BodyIdleTimeout > 0 && (st.phase == phaseHeaders || st.reqMode != BodyBuffered) {
+				if w := progress.Add(cfg.BodyIdleTimeout); wake.IsZero() || w.Before(wake) {
+					wake, why = w, fmt.Sprintf("no byte of the request came for %s", cfg.BodyIdleTimeout)
+				}
+			}
+			if !wake.IsZero() {
+				timer.Reset(time.Until(wake))
+				timeout = timer.C
+			}
 		}
 		var r received
 		select {
@@ -120,10 +135,9 @@ func (st *stream) run() error {
 		case <-timeout:
 			st.s.stats.idleTimeouts.Add(1)
 			if st.phase == phaseHeaders {
-				return status.Error(codes.DeadlineExceeded, "extproc: no request headers came")
+				return status.Error(codes.DeadlineExceeded, "extproc: "+why)
 			}
-			return st.answer(http.StatusRequestTimeout, "request_timeout",
-				fmt.Sprintf("no byte of the request body came for %s", idle))
+			return st.answer(http.StatusRequestTimeout, "request_timeout", why)
 		}
 		if r.err != nil {
 			if r.err == io.EOF || status.Code(r.err) == codes.Canceled || st.ctx.Err() != nil {
@@ -132,6 +146,9 @@ func (st *stream) run() error {
 			return r.err
 		}
 		req := r.req
+		if b := req.GetRequestBody(); b == nil || len(b.GetBody()) > 0 || b.GetEndOfStream() {
+			progress = time.Now() // an empty chunk that does not end the body is no progress
+		}
 		if pc := req.GetProtocolConfig(); pc != nil {
 			st.reqMode, st.respMode = bodyMode(pc.GetRequestBodyMode()), bodyMode(pc.GetResponseBodyMode())
 		}
@@ -206,9 +223,11 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, h *extprocv3.
 		})
 	case st.reqMode == BodyBuffered:
 		// Envoy waits for this answer before it sends the body, and holds the headers until the
-		// body's answer, which carries the endpoint.
+		// body's answer, which carries the endpoint. A destination the client sent is removed
+		// now, so that it never survives, whatever ends the request.
 		return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
-			RequestHeaders: &extprocv3.HeadersResponse{}}})
+			RequestHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{
+				HeaderMutation: &extprocv3.HeaderMutation{RemoveHeaders: []string{HeaderDestination}}}}}})
 	}
 	return nil // full duplex: the headers' answer waits for the body
 }
@@ -274,10 +293,12 @@ func (st *stream) requestBody(b *extprocv3.HttpBody) error {
 		return st.answer(http.StatusServiceUnavailable, "server_busy", "the gateway holds too many request bodies; retry")
 	}
 	st.body = append(st.body, chunk...)
-	if !b.GetEndOfStream() {
+	if !b.GetEndOfStream() && st.reqMode != BodyBuffered {
 		return nil
 	}
-	return st.pickBody(true)
+	// In buffered mode the one body message is the body (BUFFERED_PARTIAL: as much of it as
+	// Envoy buffers), whether trailers follow or not, and Envoy waits for its answer.
+	return st.pickBody(b.GetEndOfStream() || st.reqMode == BodyBuffered)
 }
 
 // requestTrailers: trailers end a body whose last chunk did not say so.
@@ -285,7 +306,13 @@ func (st *stream) requestTrailers() error {
 	if st.phase == phaseHeaders {
 		return fmt.Errorf("%w: request trailers before its headers", errProtocol)
 	}
-	if st.phase == phaseBody && st.reqMode != BodyBuffered {
+	if st.phase == phaseBody {
+		if st.reqMode == BodyBuffered {
+			// Headers, then trailers, and no body: the headers' answer is gone, and a trailers'
+			// answer cannot name the endpoint.
+			return st.answer(http.StatusBadRequest, "invalid_request_error",
+				"a request with trailers must have a body for the endpoint picker to read in buffered mode")
+		}
 		if err := st.pickBody(false); err != nil || st.phase == phaseEnded {
 			return err
 		}
@@ -303,12 +330,10 @@ func (st *stream) hold(n int64) error {
 	if b == nil || n == 0 {
 		return nil
 	}
-	if !b.TryAcquire(n) {
-		ctx, cancel := context.WithTimeout(st.ctx, budgetWait)
-		defer cancel()
-		if err := b.Acquire(ctx, n); err != nil {
-			return err
-		}
+	ctx, cancel := context.WithTimeout(st.ctx, budgetWait)
+	defer cancel()
+	if err := b.AcquireBody(ctx, st.held, n, st.s.cfg.MaxBodyBytes); err != nil {
+		return err
 	}
 	st.held += n
 	return nil
@@ -606,12 +631,22 @@ func (st *stream) responseHeaders(req *extprocv3.ProcessingRequest, h *extprocv3
 	// goes on as a response.
 	for _, hv := range h.GetHeaders().GetHeaders() {
 		if hv.GetKey() == ":status" {
-			st.status, _ = strconv.Atoi(headerValue(hv))
+			code, err := strconv.Atoi(headerValue(hv))
+			if err != nil || code < 100 || code > 999 {
+				code = -1 // an answer came, but no status: a failure
+			}
+			st.status = code
 		}
 	}
 	st.phase = phaseResponse
 	if served, ok := servedEndpoint(req.GetMetadataContext(), st.s.cfg.DestinationNamespace); ok && st.d != nil && served != st.endpoint {
-		st.movedTo(served)
+		// Only an endpoint of the pool moves the decision: a served endpoint the pool does not
+		// know (a misconfigured gateway) is no sign that the picked engine failed.
+		if _, known := st.s.cfg.Endpoints.Backend(served); known {
+			st.movedTo(served)
+		} else {
+			st.s.log.Debug("the gateway reports a served endpoint outside the pool; ignored", "served", served, "picked", st.endpoint)
+		}
 	}
 	resp := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{
 		ResponseHeaders: &extprocv3.HeadersResponse{}}}
@@ -733,6 +768,8 @@ func (st *stream) end(cut bool) {
 	case st.status == 0:
 		// No response came: the client left, or Envoy gave up before the engine answered.
 		o.NotSent = true
+	case st.status < 0:
+		o.Err = errors.New("extproc: the answer's status could not be read")
 	case st.status == http.StatusTooManyRequests || st.status == http.StatusServiceUnavailable:
 		o.Refused = true
 	case st.status >= 500:

@@ -47,6 +47,9 @@ type Config struct {
 	Subset func(r *http.Request) []string
 	// Transport carries the requests to the endpoints (default http.DefaultTransport).
 	Transport http.RoundTripper
+	// MaxBodyBytes caps the request bodies it reads from clients (default 64 MiB; a longer one
+	// is answered 413 without asking the picker), as Envoy's buffer limits do.
+	MaxBodyBytes int64
 }
 
 // Forwarder is the stand-in's http.Handler. Safe for concurrent use.
@@ -64,6 +67,9 @@ func New(cfg Config) (*Forwarder, error) {
 	}
 	if cfg.Transport == nil {
 		cfg.Transport = http.DefaultTransport
+	}
+	if cfg.MaxBodyBytes <= 0 {
+		cfg.MaxBodyBytes = 64 << 20
 	}
 	return &Forwarder{cfg: cfg}, nil
 }
@@ -89,6 +95,13 @@ type exchange struct {
 
 // ServeHTTP implements http.Handler.
 func (f *Forwarder) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, f.cfg.MaxBodyBytes))
+	if err != nil {
+		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
+			http.Error(w, "request body too large", http.StatusRequestEntityTooLarge)
+		}
+		return
+	}
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel() // ends the ext_proc stream as Envoy does when the request ends
 	stream, err := f.cfg.Client.Process(ctx)
@@ -97,10 +110,6 @@ func (f *Forwarder) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	x := &exchange{f: f, stream: stream}
-	body, err := io.ReadAll(r.Body)
-	if err != nil {
-		return
-	}
 	out, immediate, err := x.request(r, body)
 	if err != nil {
 		http.Error(w, "ext_proc: "+err.Error(), http.StatusInternalServerError)
@@ -198,7 +207,8 @@ func (x *exchange) request(r *http.Request, body []byte) (*upstreamRequest, *ext
 		if _, im, err := x.answer(out.header); im != nil || err != nil {
 			return nil, im, err
 		}
-		if err := x.sendChunks(body, true); err != nil {
+		if err := x.stream.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
+			RequestBody: &extprocv3.HttpBody{Body: body, EndOfStream: true}}}); err != nil {
 			return nil, nil, err
 		}
 		if _, im, err := x.answer(out.header); im != nil || err != nil {

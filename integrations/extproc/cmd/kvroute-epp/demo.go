@@ -70,8 +70,11 @@ func printBanner(w io.Writer, cfg *config.Config, gw net.Addr, ln app.Listeners)
 	if len(cfg.Backends) > 0 && cfg.Backends[0].ModelName() != "" {
 		model = cfg.Backends[0].ModelName()
 	}
-	fmt.Fprintf(&b, "\nkvroute-epp: ext_proc on %s, gRPC health on %s, metrics on http://%s/metrics\n",
-		ln.GRPC.Addr(), ln.Health.Addr(), addrOf(ln.Metrics))
+	metrics := "off"
+	if ln.Metrics != nil {
+		metrics = "http://" + ln.Metrics.Addr().String() + "/metrics"
+	}
+	fmt.Fprintf(&b, "\nkvroute-epp: ext_proc on %s, gRPC health on %s, metrics on %s\n", ln.GRPC.Addr(), ln.Health.Addr(), metrics)
 	fmt.Fprintf(&b, "  pool: %d simulated vLLM engines in this process (KV events over ZMQ):", len(cfg.Backends))
 	for _, be := range cfg.Backends {
 		fmt.Fprintf(&b, " %s=%s", be.Name, strings.TrimPrefix(be.URL, "http://"))

@@ -86,9 +86,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 
 	var cfg *config.Config
 	var fleet *enginesim.Demo
+	// The demo's engines and gateway outlive ctx (a signal): they stop once the picker has
+	// drained, so that the streams in flight end whole.
+	demoCtx, stopDemo := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopDemo()
 	if *demo {
 		var err error
-		if fleet, err = enginesim.StartDemo(ctx, enginesim.DemoConfig{Engines: *engines, SpeedFactor: *speed}); err != nil {
+		if fleet, err = enginesim.StartDemo(demoCtx, enginesim.DemoConfig{Engines: *engines, SpeedFactor: *speed}); err != nil {
 			return fmt.Errorf("demo engines: %w", err)
 		}
 		defer fleet.Close()
@@ -139,11 +143,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		closeListeners(ln)
 		return err
 	}
-	log.Info("kvroute-epp serving", "grpc", ln.GRPC.Addr().String(), "health", ln.Health.Addr().String(),
-		"metrics", addrOf(ln.Metrics), "endpoints", a.Endpoints.Len(), "failure_mode", cfg.EndpointPicker.FailureMode)
-
 	if *demo {
-		gw, err := startDemoGateway(ctx, *addr, ln.GRPC.Addr().String(), log)
+		gw, err := startDemoGateway(demoCtx, *addr, ln.GRPC.Addr().String(), log)
 		if err != nil {
 			closeListeners(ln)
 			return err
@@ -151,6 +152,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		defer gw.Close()
 		printBanner(stdout, cfg, gw.Addr(), ln)
 	}
+	log.Info("kvroute-epp serving", "grpc", ln.GRPC.Addr().String(), "health", ln.Health.Addr().String(),
+		"metrics", addrOf(ln.Metrics), "endpoints", a.Endpoints.Len(), "failure_mode", cfg.EndpointPicker.FailureMode)
+
 	return a.Serve(ctx, ln)
 }
 

@@ -17,29 +17,7 @@ import (
 func TestDemo(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	out, w := io.Pipe()
-	done := make(chan error, 1)
-	go func() {
-		done <- run(ctx, []string{"-demo", "-addr", "127.0.0.1:0", "-grpc-addr", "127.0.0.1:0", "-health-addr", "127.0.0.1:0",
-			"-metrics-addr", "127.0.0.1:0", "-engine-speed", "0"}, w, io.Discard)
-		w.Close()
-	}()
-	var gateway, metrics string
-	gwRE := regexp.MustCompile(`Envoy \(ext_proc filter \+ ORIGINAL_DST\) on (http://\S+)`)
-	mRE := regexp.MustCompile(`metrics on (http://\S+/metrics)`)
-	sc := bufio.NewScanner(out)
-	for sc.Scan() && (gateway == "" || metrics == "") {
-		if m := gwRE.FindStringSubmatch(sc.Text()); m != nil {
-			gateway = m[1]
-		}
-		if m := mRE.FindStringSubmatch(sc.Text()); m != nil {
-			metrics = m[1]
-		}
-	}
-	go func() { _, _ = io.Copy(io.Discard, out) }()
-	if gateway == "" || metrics == "" {
-		t.Fatalf("the banner named no gateway (%q) or metrics (%q)", gateway, metrics)
-	}
+	gateway, metrics, done := startDemo(t, ctx, "0")
 	body := `{"model":"meta-llama/Llama-3.1-8B-Instruct","max_tokens":4,"messages":[{"role":"system","content":"` +
 		strings.Repeat("You are a careful assistant. ", 12) + `"},{"role":"user","content":"Hello!"}]}`
 	var first, route string
@@ -95,5 +73,65 @@ func TestFlags(t *testing.T) {
 	if err := run(context.Background(), []string{"-config", "/nonexistent/epp.yaml"}, io.Discard, io.Discard); err == nil ||
 		!strings.Contains(err.Error(), "epp.yaml") {
 		t.Errorf("a missing file: %v", err)
+	}
+}
+
+// startDemo runs kvroute-epp -demo on free ports with the engines at speed, and returns the
+// gateway's and the metrics' URLs from the banner, and run's result to come.
+func startDemo(t *testing.T, ctx context.Context, speed string) (gateway, metrics string, done chan error) {
+	t.Helper()
+	out, w := io.Pipe()
+	done = make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"-demo", "-addr", "127.0.0.1:0", "-grpc-addr", "127.0.0.1:0", "-health-addr", "127.0.0.1:0",
+			"-metrics-addr", "127.0.0.1:0", "-engine-speed", speed}, w, io.Discard)
+		w.Close()
+	}()
+	gwRE := regexp.MustCompile(`Envoy \(ext_proc filter \+ ORIGINAL_DST\) on (http://\S+)`)
+	mRE := regexp.MustCompile(`metrics on (http://\S+/metrics)`)
+	sc := bufio.NewScanner(out)
+	for sc.Scan() && (gateway == "" || metrics == "") {
+		if m := gwRE.FindStringSubmatch(sc.Text()); m != nil {
+			gateway = m[1]
+		}
+		if m := mRE.FindStringSubmatch(sc.Text()); m != nil {
+			metrics = m[1]
+		}
+	}
+	go func() { _, _ = io.Copy(io.Discard, out) }()
+	if gateway == "" || metrics == "" {
+		t.Fatalf("the banner named no gateway (%q) or metrics (%q)", gateway, metrics)
+	}
+	return gateway, metrics, done
+}
+
+// TestDemoDrains: a signal while an answer streams lets the answer end whole (the picker drains,
+// the demo's engines and gateway stop after it), then run returns.
+func TestDemoDrains(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	gateway, _, done := startDemo(t, ctx, "1")
+	body := `{"model":"meta-llama/Llama-3.1-8B-Instruct","max_tokens":24,"stream":true,"messages":[{"role":"user","content":"Count slowly."}]}`
+	res, err := http.Post(gateway+"/v1/chat/completions", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Body.Close()
+	first := make([]byte, 1)
+	if _, err := io.ReadFull(res.Body, first); err != nil {
+		t.Fatal(err)
+	}
+	cancel() // SIGTERM
+	rest, err := io.ReadAll(res.Body)
+	if err != nil || !strings.Contains(string(rest), "[DONE]") {
+		t.Fatalf("the stream in flight was cut by the signal (%v): %q", err, rest)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("run: %v", err)
+		}
+	case <-time.After(40 * time.Second):
+		t.Fatal("run did not return after draining")
 	}
 }

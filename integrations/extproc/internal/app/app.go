@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
 	"net"
 	"net/http"
 	"slices"
@@ -21,7 +20,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
-	"google.golang.org/grpc/keepalive"
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/config"
@@ -35,12 +33,11 @@ import (
 	"github.com/kvroute/kvroute/stack"
 )
 
-// The gRPC health services the Endpoint Picker Protocol names: liveness (the process answers),
-// readiness (it has its endpoints and routes), and the ext_proc service itself (as readiness).
+// The gRPC health services (extproc's names).
 const (
-	ServiceLiveness  = "liveness"
-	ServiceReadiness = "readiness"
-	ServiceExtProc   = "envoy.service.ext_proc.v3.ExternalProcessor"
+	ServiceLiveness  = extproc.HealthLiveness
+	ServiceReadiness = extproc.HealthReadiness
+	ServiceExtProc   = extproc.HealthExtProc
 )
 
 // Options are what the command passes besides the configuration.
@@ -89,12 +86,12 @@ type App struct {
 
 // New builds an App from cfg (defaults applied, validated). Nothing talks to the network yet but
 // the stores' own clients; Start starts the rest.
-func New(cfg *config.Config, o Options) (a *App, err error) {
+func New(cfg *config.Config, o Options) (_ *App, err error) {
 	log := o.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	a = &App{cfg: cfg, log: log, Endpoints: extproc.NewEndpoints(), metrics: o.Metrics,
+	a := &App{cfg: cfg, log: log, Endpoints: extproc.NewEndpoints(), metrics: o.Metrics,
 		opts: config.Options{MeterProvider: o.MeterProvider, Logger: log}}
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	a.closers = append(a.closers, func() error { a.cancel(); return nil })
@@ -168,6 +165,10 @@ func New(cfg *config.Config, o Options) (a *App, err error) {
 		if err != nil {
 			return nil, fmt.Errorf("backend %s: %w", b.Name, err)
 		}
+		if host, _, _ := net.SplitHostPort(ep); net.ParseIP(host) == nil {
+			return nil, fmt.Errorf("backend %s: url %s: the endpoint picker names endpoints as ip:port, which Envoy connects to as they are: "+
+				"give the engine's IP address, or find the engines by their DNS name with endpoint_picker.discovery", b.Name, b.URL)
+		}
 		if err := a.Endpoints.Set(b.Name, ep); err != nil {
 			return nil, err
 		}
@@ -182,6 +183,7 @@ func New(cfg *config.Config, o Options) (a *App, err error) {
 		Router: a.Router, Endpoints: a.Endpoints, InRotation: a.Health.InRotation,
 		FailureMode: mode, Fallbacks: ep.FallbackEndpoints, MaxBodyBytes: cfg.Server.MaxBodyBytes,
 		BodyIdleTimeout:      time.Duration(cfg.Server.BodyIdleTimeout),
+		ReadTimeout:          time.Duration(cfg.Server.ReadTimeout),
 		BodyBudget:           kvhttp.NewBudget(cfg.Server.MaxInflightBodyBytes),
 		DestinationNamespace: ep.DestinationNamespace, SubsetNamespace: ep.SubsetNamespace,
 		Logger: log.With("component", "ext_proc"), MeterProvider: o.MeterProvider,
@@ -197,10 +199,7 @@ func New(cfg *config.Config, o Options) (a *App, err error) {
 
 	// gRPC: ext_proc on its listener, health on its own (Kubernetes probes it). A buffered body
 	// comes in one message: the message limit follows max_body_bytes.
-	maxMsg := int(min(cfg.Server.MaxBodyBytes+1<<20, math.MaxInt32))
-	a.grpc = grpc.NewServer(grpc.MaxRecvMsgSize(maxMsg),
-		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}),
-		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}))
+	a.grpc = grpc.NewServer(extproc.ServerOptions(cfg.Server.MaxBodyBytes)...)
 	extprocv3.RegisterExternalProcessorServer(a.grpc, a.Server)
 	a.status = health.NewServer()
 	a.status.SetServingStatus(ServiceLiveness, healthpb.HealthCheckResponse_SERVING)
@@ -283,6 +282,8 @@ func (a *App) Serve(ctx context.Context, ln Listeners) error {
 	case err = <-errc:
 	}
 	a.setReady(false)
+	a.log.Info("draining: readiness NOT_SERVING; the streams in flight get server.shutdown_timeout to end",
+		"streams", a.Server.Stats().Streams, "shutdown_timeout", time.Duration(a.cfg.Server.ShutdownTimeout))
 	drained := make(chan struct{})
 	go func() { a.grpc.GracefulStop(); close(drained) }()
 	timer := time.NewTimer(time.Duration(a.cfg.Server.ShutdownTimeout))
@@ -299,6 +300,7 @@ func (a *App) Serve(ctx context.Context, ln Listeners) error {
 	if hs != nil {
 		_ = hs.Close()
 	}
+	a.log.Info("stopped")
 	return err
 }
 

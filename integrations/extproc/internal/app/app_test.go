@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
 
@@ -187,5 +188,24 @@ func waitFor(t *testing.T, cond func() bool) {
 			t.Fatal("condition not met within 5 s")
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestNewRefusesCleanly: a configuration New cannot serve is an error that names the problem,
+// with what New had built closed (no panic): two backends on one endpoint, a backend named by a
+// host name (the protocol's endpoints are ip:port).
+func TestNewRefusesCleanly(t *testing.T) {
+	for name, c := range map[string]struct{ yaml, want string }{
+		"shared endpoint": {"backends:\n  - {name: a, url: http://127.0.0.1:18001}\n  - {name: b, url: http://127.0.0.1:18001/v2}\n", "already belongs"},
+		"host name":       {"backends:\n  - {name: a, url: http://localhost:18001}\n", "IP address"},
+	} {
+		cfg, err := config.Parse([]byte(c.yaml), func(string) (string, bool) { return "", false })
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		a, err := New(cfg, Options{})
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: New = %v, %v; want an error saying %q", name, a, err, c.want)
+		}
 	}
 }
