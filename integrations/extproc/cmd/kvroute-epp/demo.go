@@ -64,7 +64,7 @@ func (g *demoGateway) Close() error {
 }
 
 // printBanner tells a newcomer what runs and how to try it.
-func printBanner(w io.Writer, cfg *config.Config, gw net.Addr, ln app.Listeners) {
+func printBanner(w io.Writer, cfg *config.Config, gw net.Addr, ln app.Listeners, demo bool) {
 	var b strings.Builder
 	model := "<model>"
 	if len(cfg.Backends) > 0 && cfg.Backends[0].ModelName() != "" {
@@ -75,12 +75,16 @@ func printBanner(w io.Writer, cfg *config.Config, gw net.Addr, ln app.Listeners)
 		metrics = "http://" + ln.Metrics.Addr().String() + "/metrics"
 	}
 	fmt.Fprintf(&b, "\nkvroute-epp: ext_proc on %s, gRPC health on %s, metrics on %s\n", ln.GRPC.Addr(), ln.Health.Addr(), metrics)
-	fmt.Fprintf(&b, "  pool: %d simulated vLLM engines in this process (KV events over ZMQ):", len(cfg.Backends))
+	if demo {
+		fmt.Fprintf(&b, "  pool: %d simulated vLLM engines in this process (KV events over ZMQ):", len(cfg.Backends))
+	} else {
+		fmt.Fprintf(&b, "  pool: %d backends from the configuration (and those discovery finds):", len(cfg.Backends))
+	}
 	for _, be := range cfg.Backends {
 		fmt.Fprintf(&b, " %s=%s", be.Name, strings.TrimPrefix(be.URL, "http://"))
 	}
 	fmt.Fprintf(&b, "\n  a Go stand-in for Envoy (ext_proc filter + ORIGINAL_DST) on http://%s\n\n", gw)
-	fmt.Fprintf(&b, "Try it (run it twice: the second answer comes from the engine that cached the prompt, X-Kvroute-Route: kv_aware):\n\n")
+	fmt.Fprintf(&b, "Try it (run it twice: the second answer comes from the engine that cached the prompt, X-Kvroute-Route: kv_aware, once its KV events came):\n\n")
 	fmt.Fprintf(&b, "  curl -s -D - http://%s/v1/chat/completions -H 'Content-Type: application/json' \\\n", gw)
 	fmt.Fprintf(&b, "    -d '{\"model\":\"%s\",\"max_tokens\":16,\"messages\":[{\"role\":\"system\",\"content\":\"You are a helpful assistant who answers in one short paragraph, citing the facts you rely on.\"},{\"role\":\"user\",\"content\":\"Hello!\"}]}'\n\n", model)
 	fmt.Fprintf(&b, "Ctrl-C stops it.\n")

@@ -55,7 +55,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var (
 		cfgPath   = fs.String("config", "", "YAML configuration file (kvroute's schema, with its endpoint_picker section)")
 		demo      = fs.Bool("demo", false, "run with simulated engines and a Go stand-in for Envoy on -addr")
-		addr      = fs.String("addr", "127.0.0.1:8080", "demo: where the stand-in for Envoy listens")
+		addr      = fs.String("addr", "127.0.0.1:8080", "where a Go stand-in for Envoy listens: always with -demo; with -config only when given (to try a pool without Envoy; not for production)")
 		grpcAddr  = fs.String("grpc-addr", "", "ext_proc listen address (overrides endpoint_picker.grpc_address)")
 		hlthAddr  = fs.String("health-addr", "", "gRPC health listen address (overrides endpoint_picker.health_address)")
 		metrAddr  = fs.String("metrics-addr", "", "metrics listen address (overrides endpoint_picker.metrics_address; \"off\" turns it off)")
@@ -75,6 +75,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		fs.Usage()
 		return errors.New("give -config FILE, or -demo")
 	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if !*demo && (set["engines"] || set["engine-speed"]) {
+		return errors.New("-engines and -engine-speed size the demo's simulated engines: use them with -demo")
+	}
+	gateway := *demo || set["addr"] // the stand-in for Envoy
 	level := new(slog.LevelVar)
 	if *verbose {
 		level.Set(slog.LevelDebug)
@@ -143,14 +149,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		closeListeners(ln)
 		return err
 	}
-	if *demo {
+	if gateway {
 		gw, err := startDemoGateway(demoCtx, *addr, ln.GRPC.Addr().String(), log)
 		if err != nil {
 			closeListeners(ln)
 			return err
 		}
 		defer gw.Close()
-		printBanner(stdout, cfg, gw.Addr(), ln)
+		printBanner(stdout, cfg, gw.Addr(), ln, *demo)
 	}
 	log.Info("kvroute-epp serving", "grpc", ln.GRPC.Addr().String(), "health", ln.Health.Addr().String(),
 		"metrics", addrOf(ln.Metrics), "endpoints", a.Endpoints.Len(), "failure_mode", cfg.EndpointPicker.FailureMode)

@@ -5,6 +5,9 @@ import (
 	"context"
 	"io"
 	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -65,7 +68,7 @@ func TestDemo(t *testing.T) {
 
 // TestFlags: kvroute-epp needs exactly one of -config and -demo.
 func TestFlags(t *testing.T) {
-	for _, args := range [][]string{{}, {"-demo", "-config", "x.yaml"}, {"-demo", "-log-format", "xml"}} {
+	for _, args := range [][]string{{}, {"-demo", "-config", "x.yaml"}, {"-demo", "-log-format", "xml"}, {"-config", "x.yaml", "-engines", "4"}} {
 		if err := run(context.Background(), args, io.Discard, io.Discard); err == nil {
 			t.Errorf("%v: no error", args)
 		}
@@ -80,11 +83,18 @@ func TestFlags(t *testing.T) {
 // gateway's and the metrics' URLs from the banner, and run's result to come.
 func startDemo(t *testing.T, ctx context.Context, speed string) (gateway, metrics string, done chan error) {
 	t.Helper()
+	return startWith(t, ctx, "-demo", "-addr", "127.0.0.1:0", "-grpc-addr", "127.0.0.1:0", "-health-addr", "127.0.0.1:0",
+		"-metrics-addr", "127.0.0.1:0", "-engine-speed", speed)
+}
+
+// startWith runs kvroute-epp with args and reads the gateway's and the metrics' URLs from its
+// banner.
+func startWith(t *testing.T, ctx context.Context, args ...string) (gateway, metrics string, done chan error) {
+	t.Helper()
 	out, w := io.Pipe()
 	done = make(chan error, 1)
 	go func() {
-		done <- run(ctx, []string{"-demo", "-addr", "127.0.0.1:0", "-grpc-addr", "127.0.0.1:0", "-health-addr", "127.0.0.1:0",
-			"-metrics-addr", "127.0.0.1:0", "-engine-speed", speed}, w, io.Discard)
+		done <- run(ctx, args, w, io.Discard)
 		w.Close()
 	}()
 	gwRE := regexp.MustCompile(`Envoy \(ext_proc filter \+ ORIGINAL_DST\) on (http://\S+)`)
@@ -133,5 +143,36 @@ func TestDemoDrains(t *testing.T) {
 		}
 	case <-time.After(40 * time.Second):
 		t.Fatal("run did not return after draining")
+	}
+}
+
+// TestConfigWithGateway: with -config, -addr starts the stand-in for Envoy too, in front of the
+// configured pool, to try it without an Envoy.
+func TestConfigWithGateway(t *testing.T) {
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte(`{"choices":[{"message":{"content":"hi"}}]}`))
+	}))
+	defer engine.Close()
+	path := filepath.Join(t.TempDir(), "epp.yaml")
+	yaml := "health_checks: {enabled: false}\nbackends:\n  - {name: a, url: \"" + engine.URL + "\"}\n"
+	if err := os.WriteFile(path, []byte(yaml), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	gateway, _, done := startWith(t, ctx, "-config", path, "-addr", "127.0.0.1:0", "-grpc-addr", "127.0.0.1:0",
+		"-health-addr", "127.0.0.1:0", "-metrics-addr", "127.0.0.1:0")
+	res, err := http.Post(gateway+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	res.Body.Close()
+	if res.StatusCode != 200 || res.Header.Get("X-Kvroute-Backend") != "a" {
+		t.Fatalf("status %d, backend %q", res.StatusCode, res.Header.Get("X-Kvroute-Backend"))
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
 	}
 }
