@@ -34,7 +34,7 @@ func TestStalledBodiesAreBounded(t *testing.T) {
 	s.headers("/v1/chat/completions", false, filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, nil)
 	s.body(`{"model":`, false)
 	stop := make(chan struct{})
-	go func(s *rawStream) { // empty chunks, as often as a gateway might send them
+	go func(s *rawStream, stop chan struct{}) { // empty chunks, as often as a gateway might send them
 		for {
 			select {
 			case <-stop:
@@ -46,14 +46,14 @@ func TestStalledBodiesAreBounded(t *testing.T) {
 				}
 			}
 		}
-	}(s)
+	}(s, stop)
 	expect408(t, s, "empty chunks")
 	close(stop)
 
 	s = h.open(ctx)
 	s.headers("/v1/chat/completions", false, filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, nil)
 	stop = make(chan struct{})
-	go func(s *rawStream) { // a byte every 100 ms: never idle, never done
+	go func(s *rawStream, stop chan struct{}) { // a byte every 100 ms: never idle, never done
 		for {
 			select {
 			case <-stop:
@@ -65,7 +65,7 @@ func TestStalledBodiesAreBounded(t *testing.T) {
 				}
 			}
 		}
-	}(s)
+	}(s, stop)
 	expect408(t, s, "a trickled body")
 	close(stop)
 
