@@ -305,7 +305,8 @@ func (a *analysis) recoveredAfter(r faultRecord) time.Duration {
 
 // cacheLosses checks the response cache across Redis restarts: a deterministic request whose
 // answer was stored (an ok MISS) while Redis was up is expected to be a HIT when it is repeated
-// at least cacheStoreDelay later, with Redis up and not killed in between. It returns the
+// at least cacheStoreDelay later, with Redis up from the ask's start to its end and not killed
+// in between. It returns the
 // expected hits that missed and the expected hits checked.
 func cacheLosses(outs []outcome, recs []faultRecord) (lost, checked int, log []string) {
 	var redis []faultRecord
@@ -340,7 +341,9 @@ func cacheLosses(outs []outcome, recs []faultRecord) (lost, checked int, log []s
 	stored := map[int]time.Duration{} // determ -> end of the MISS that stored it
 	for _, o := range determ {
 		at, ok := stored[o.determ]
-		if ok && o.start >= at+cacheStoreDelay && up(o.start) && !killedBetween(at, o.start) {
+		// The whole ask happens with Redis up: an ask that began just before the kill may reach
+		// the cache after it.
+		if ok && o.start >= at+cacheStoreDelay && up(o.start) && up(o.end) && !killedBetween(at, o.end) {
 			checked++
 			if o.cache != "HIT" {
 				lost++

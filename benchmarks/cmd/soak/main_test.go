@@ -250,6 +250,7 @@ func TestCacheLosses(t *testing.T) {
 		{"stored while Redis was down is not expected", []outcome{d(1, 21*s, 22*s, "MISS"), d(1, 30*s, 31*s, "MISS")}, 0, 0},
 		{"stored after the restart must stay", []outcome{d(1, 30*s, 31*s, "MISS"), d(1, 35*s, 36*s, "MISS")}, 1, 1},
 		{"other requests differ", []outcome{d(1, 1*s, 2*s, "MISS"), d(2, 5*s, 6*s, "MISS")}, 0, 0},
+		{"asked as Redis was killed is not expected", []outcome{d(1, 1*s, 2*s, "MISS"), d(1, 19990*time.Millisecond, 20050*time.Millisecond, "MISS")}, 0, 0},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			lost, checked, log := cacheLosses(tt.outs, redis)
