@@ -17,8 +17,8 @@ import (
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/integrations/extproc"
+	"github.com/kvroute/kvroute/integrations/extproc/app"
 	"github.com/kvroute/kvroute/integrations/extproc/envoysim"
-	"github.com/kvroute/kvroute/integrations/extproc/internal/app"
 	"github.com/kvroute/kvroute/internal/enginesim"
 	"github.com/kvroute/kvroute/prefixkey"
 )
@@ -35,7 +35,7 @@ var bodyModes = []struct {
 }
 
 // simPool starts three simulated vLLM engines with their KV events over ZMQ and the picker's
-// composition (internal/app) over them.
+// composition (package app) over them.
 func simPool(t *testing.T) (*app.App, []enginesim.EngineInfo) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())

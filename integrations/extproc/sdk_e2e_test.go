@@ -20,8 +20,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/kvroute/kvroute/integrations/extproc"
+	"github.com/kvroute/kvroute/integrations/extproc/app"
 	"github.com/kvroute/kvroute/integrations/extproc/envoysim"
-	"github.com/kvroute/kvroute/integrations/extproc/internal/app"
 	"github.com/kvroute/kvroute/internal/enginesim"
 )
 

@@ -175,7 +175,7 @@ func (x *exchange) request(r *http.Request, body []byte) (*upstreamRequest, *ext
 	case extproc.BodyFullDuplex:
 		// Envoy streams the body without waiting; the picker answers the headers, then sends the
 		// body back.
-		if err := x.sendChunks(body, true); err != nil {
+		if err := x.sendChunks(body); err != nil {
 			return nil, nil, err
 		}
 		resp, im, err := x.answer(out.header)
@@ -252,13 +252,13 @@ func (x *exchange) answer(h http.Header) (*extprocv3.ProcessingResponse, *extpro
 	return resp, nil, nil
 }
 
-// sendChunks sends body in ChunkSize chunks, the last with end_of_stream when eos.
-func (x *exchange) sendChunks(body []byte, eos bool) error {
+// sendChunks sends body in ChunkSize chunks, the last with end_of_stream.
+func (x *exchange) sendChunks(body []byte) error {
 	n := x.f.cfg.ChunkSize
 	for i := 0; i < len(body); i += n {
 		end := min(i+n, len(body))
 		if err := x.stream.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
-			RequestBody: &extprocv3.HttpBody{Body: body[i:end], EndOfStream: eos && end == len(body)}}}); err != nil {
+			RequestBody: &extprocv3.HttpBody{Body: body[i:end], EndOfStream: end == len(body)}}}); err != nil {
 			return err
 		}
 	}

@@ -16,8 +16,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/kvroute/kvroute/config"
+	"github.com/kvroute/kvroute/integrations/extproc/app"
 	"github.com/kvroute/kvroute/integrations/extproc/envoysim"
-	"github.com/kvroute/kvroute/integrations/extproc/internal/app"
 )
 
 // demoGateway is the demo's stand-in for Envoy: an HTTP server whose handler calls the picker

@@ -31,7 +31,7 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/kvroute/kvroute/config"
-	"github.com/kvroute/kvroute/integrations/extproc/internal/app"
+	"github.com/kvroute/kvroute/integrations/extproc/app"
 	"github.com/kvroute/kvroute/internal/enginesim"
 	"github.com/kvroute/kvroute/stack"
 )

@@ -1,7 +1,8 @@
 // Package app composes kvroute-epp from kvroute's configuration: the KV index and the consumers
 // of the engines' KV events, the Router, health checks, the pool's endpoints, the ext_proc
-// server, and the gRPC health service Kubernetes probes. The command (cmd/kvroute-epp) and the
-// tests build the same App.
+// server, and the gRPC health service Kubernetes probes. The command (cmd/kvroute-epp), its tests
+// and the overhead benchmark build the same App; a program of yours that wants kvroute-epp whole,
+// from the same YAML, builds one too (New, Start, Serve, Close).
 package app
 
 import (
@@ -31,13 +32,6 @@ import (
 	"github.com/kvroute/kvroute/kvindex"
 	"github.com/kvroute/kvroute/prefixkey"
 	"github.com/kvroute/kvroute/stack"
-)
-
-// The gRPC health services (extproc's names).
-const (
-	ServiceLiveness  = extproc.HealthLiveness
-	ServiceReadiness = extproc.HealthReadiness
-	ServiceExtProc   = extproc.HealthExtProc
 )
 
 // Options are what the command passes besides the configuration.
@@ -202,8 +196,8 @@ func New(cfg *config.Config, o Options) (_ *App, err error) {
 	a.grpc = grpc.NewServer(extproc.ServerOptions(cfg.Server.MaxBodyBytes)...)
 	extprocv3.RegisterExternalProcessorServer(a.grpc, a.Server)
 	a.status = health.NewServer()
-	a.status.SetServingStatus(ServiceLiveness, healthpb.HealthCheckResponse_SERVING)
-	for _, svc := range []string{"", ServiceReadiness, ServiceExtProc} {
+	a.status.SetServingStatus(extproc.HealthLiveness, healthpb.HealthCheckResponse_SERVING)
+	for _, svc := range []string{"", extproc.HealthReadiness, extproc.HealthExtProc} {
 		a.status.SetServingStatus(svc, healthpb.HealthCheckResponse_NOT_SERVING)
 	}
 	a.probes = grpc.NewServer()
@@ -245,7 +239,7 @@ func (a *App) setReady(ready bool) {
 	if ready {
 		st = healthpb.HealthCheckResponse_SERVING
 	}
-	for _, svc := range []string{"", ServiceReadiness, ServiceExtProc} {
+	for _, svc := range []string{"", extproc.HealthReadiness, extproc.HealthExtProc} {
 		a.status.SetServingStatus(svc, st)
 	}
 }

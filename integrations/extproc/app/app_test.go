@@ -18,6 +18,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/kvroute/kvroute/config"
+	"github.com/kvroute/kvroute/integrations/extproc"
 )
 
 // testApp builds an App over two HTTP backends from a YAML configuration, with its listeners on
@@ -72,10 +73,10 @@ func TestHealthServices(t *testing.T) {
 	served := make(chan error, 1)
 	go func() { served <- a.Serve(ctx, ln) }()
 	addr := ln.Health.Addr().String()
-	if got := healthOf(t, addr, ServiceLiveness); got != healthpb.HealthCheckResponse_SERVING {
+	if got := healthOf(t, addr, extproc.HealthLiveness); got != healthpb.HealthCheckResponse_SERVING {
 		t.Errorf("liveness before Start: %v", got)
 	}
-	for _, svc := range []string{ServiceReadiness, ServiceExtProc} {
+	for _, svc := range []string{extproc.HealthReadiness, extproc.HealthExtProc} {
 		if got := healthOf(t, addr, svc); got != healthpb.HealthCheckResponse_NOT_SERVING {
 			t.Errorf("%s before Start: %v, want NOT_SERVING", svc, got)
 		}
@@ -83,7 +84,7 @@ func TestHealthServices(t *testing.T) {
 	if err := a.Start(ctx); err != nil {
 		t.Fatal(err)
 	}
-	for _, svc := range []string{ServiceReadiness, ServiceExtProc, ""} {
+	for _, svc := range []string{extproc.HealthReadiness, extproc.HealthExtProc, ""} {
 		if got := healthOf(t, addr, svc); got != healthpb.HealthCheckResponse_SERVING {
 			t.Errorf("%q after Start: %v, want SERVING", svc, got)
 		}
@@ -93,8 +94,10 @@ func TestHealthServices(t *testing.T) {
 	sendHeaders(t, s)
 	waitFor(t, func() bool { return a.Server.Stats().Streams == 1 })
 	cancel()
-	waitFor(t, func() bool { return healthOf(t, addr, ServiceReadiness) == healthpb.HealthCheckResponse_NOT_SERVING })
-	if got := healthOf(t, addr, ServiceLiveness); got != healthpb.HealthCheckResponse_SERVING {
+	waitFor(t, func() bool {
+		return healthOf(t, addr, extproc.HealthReadiness) == healthpb.HealthCheckResponse_NOT_SERVING
+	})
+	if got := healthOf(t, addr, extproc.HealthLiveness); got != healthpb.HealthCheckResponse_SERVING {
 		t.Errorf("liveness while draining: %v", got)
 	}
 	_ = s.CloseSend()
