@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -66,38 +65,11 @@ func gatewayMain(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	if err != nil {
 		return err
 	}
-	var lc net.ListenConfig
-	ln, err := lc.Listen(ctx, "tcp", *addr)
-	if err != nil {
-		return err
-	}
-	if *pprofAddr != "" {
-		stop, err := servePprof(ctx, *pprofAddr, stderr)
-		if err != nil {
-			ln.Close()
-			return err
-		}
-		defer stop()
-	}
 	srv := &http.Server{
 		Handler:           fw,
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          log.New(stderr, "gateway: ", log.LstdFlags),
 	}
-	fmt.Fprintf(stdout, "%shttp://%s\n", gatewayBanner, ln.Addr())
-	errc := make(chan error, 1)
-	go func() { errc <- srv.Serve(ln) }()
-	select {
-	case err := <-errc:
-		return err
-	case <-ctx.Done():
-	}
-	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	err = srv.Shutdown(sctx)
-	if serr := <-errc; !errors.Is(serr, http.ErrServerClosed) {
-		err = errors.Join(err, serr)
-	}
-	return err
+	return serveChild(ctx, *addr, *pprofAddr, gatewayBanner+"http://", stdout, stderr, httpServe(srv))
 }

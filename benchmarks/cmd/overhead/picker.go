@@ -6,10 +6,8 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"math"
 	"net"
 	"strings"
-	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -20,12 +18,9 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 
-	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/integrations/extproc"
-	"github.com/kvroute/kvroute/kvhttp"
-	"github.com/kvroute/kvroute/kvindex"
-	"github.com/kvroute/kvroute/prefixkey"
+	"github.com/kvroute/kvroute/integrations/extproc/app"
 )
 
 // pickerCommand is the first argument that makes the program an endpoint picker, an Envoy
@@ -65,7 +60,7 @@ func pickerMain(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	}
 	var (
 		srv     extprocv3.ExternalProcessorServer
-		maxMsg  = 4 << 20
+		maxBody int64 // extproc's default
 		cleanup = func() {}
 	)
 	if *noop != "" {
@@ -82,115 +77,37 @@ func pickerMain(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		if err != nil {
 			return err
 		}
-		srv, cleanup = p, closeAll
-		maxMsg = int(min(cfg.Server.MaxBodyBytes+1<<20, math.MaxInt32)) // a buffered body comes in one message
+		srv, cleanup, maxBody = p, closeAll, cfg.Server.MaxBodyBytes
 	}
 	defer cleanup()
 
-	var lc net.ListenConfig
-	ln, err := lc.Listen(ctx, "tcp", *addr)
-	if err != nil {
-		return err
-	}
-	if *pprofAddr != "" {
-		stop, err := servePprof(ctx, *pprofAddr, stderr)
-		if err != nil {
-			ln.Close()
-			return err
-		}
-		defer stop()
-	}
-	g := grpc.NewServer(grpc.MaxRecvMsgSize(maxMsg))
+	g := grpc.NewServer(extproc.ServerOptions(maxBody)...)
 	extprocv3.RegisterExternalProcessorServer(g, srv)
-	fmt.Fprintf(stdout, "%s%s\n", pickerBanner, ln.Addr())
-	errc := make(chan error, 1)
-	go func() { errc <- g.Serve(ln) }()
-	select {
-	case err := <-errc:
-		return err
-	case <-ctx.Done():
-	}
-	g.Stop()
-	<-errc
-	return nil
+	return serveChild(ctx, *addr, *pprofAddr, pickerBanner, stdout, stderr, func(ln net.Listener) (func() error, func() error) {
+		return func() error { return g.Serve(ln) }, func() error { g.Stop(); return nil }
+	})
 }
 
-// newKvroutePicker builds kvroute's extproc.Server as kvroute-epp composes it from cfg: the KV
-// index and the consumers of the engines' events when kv_cache_index is on (the engine's
-// /tokenize as the tokenizer with tokenizer engine), the Router, the pool's endpoints from the
-// backends' URLs, the body budget, and an OpenTelemetry SDK MeterProvider for the metrics the
-// Router and the Server record. Health checks are the configuration's business (the measurement
-// turns them off). closeAll releases everything.
+// newKvroutePicker builds kvroute's extproc.Server as kvroute-epp builds it from cfg (package
+// app: the KV index and its event consumers, the engine tokenizer, the Router, health checks as
+// configured, the pool's endpoints, the body budget), with an OpenTelemetry SDK MeterProvider for
+// the metrics the Router and the Server record, and starts it. closeAll releases everything.
 func newKvroutePicker(ctx context.Context, cfg *config.Config) (srv *extproc.Server, closeAll func(), err error) {
-	var closers []func() error
-	closeAll = func() {
-		for i := len(closers) - 1; i >= 0; i-- {
-			_ = closers[i]()
-		}
-	}
-	defer func() {
-		if err != nil {
-			closeAll()
-		}
-	}()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
-	closers = append(closers, func() error { return mp.Shutdown(context.Background()) })
-	opts := config.Options{MeterProvider: mp}
-
-	var index kvindex.KvCacheIndex
-	var tok prefixkey.Tokenizer
-	if cfg.KVCacheIndex.Enabled {
-		var closeIndex func() error
-		if index, closeIndex, err = cfg.NewKVIndex(); err != nil {
-			return nil, nil, err
-		}
-		closers = append(closers, closeIndex)
-		cons, err := cfg.NewEventConsumers(index, opts)
-		if err != nil {
-			return nil, nil, err
-		}
-		for _, c := range cons {
-			closers = append(closers, c.Close)
-			if err := c.Start(ctx); err != nil {
-				return nil, nil, fmt.Errorf("kv events: %w", err)
-			}
-		}
-		if cfg.KVCacheIndex.Tokenizer == config.TokenizerEngine {
-			if len(cfg.Backends) != 1 {
-				return nil, nil, fmt.Errorf("tokenizer engine: the measurement's picker has one backend, not %d", len(cfg.Backends))
-			}
-			if tok, err = prefixkey.NewEngineTokenizer(prefixkey.EngineTokenizerConfig{BaseURL: cfg.Backends[0].URL,
-				Timeout: time.Duration(cfg.KVCacheIndex.TokenizeTimeout), CacheBytes: cfg.KVCacheIndex.TokenizeCacheBytes}); err != nil {
-				return nil, nil, err
-			}
-		}
-	}
-	rcfg, err := cfg.RouterConfig(opts)
+	a, err := app.New(cfg, app.Options{MeterProvider: mp})
 	if err != nil {
+		_ = mp.Shutdown(context.Background())
 		return nil, nil, err
 	}
-	rcfg.KV = cfg.KVConfig(index, tok)
-	router, err := kvroute.New(rcfg)
-	if err != nil {
-		return nil, nil, fmt.Errorf("router: %w", err)
+	closeAll = func() {
+		_ = a.Close()
+		_ = mp.Shutdown(context.Background())
 	}
-	closers = append(closers, router.Close)
-	eps := extproc.NewEndpoints()
-	for _, b := range cfg.Backends {
-		ep, err := extproc.EndpointOfURL(b.URL)
-		if err != nil {
-			return nil, nil, fmt.Errorf("backend %s: %w", b.Name, err)
-		}
-		if err := eps.Set(b.Name, ep); err != nil {
-			return nil, nil, err
-		}
-	}
-	if srv, err = extproc.New(extproc.Config{Router: router, Endpoints: eps, MaxBodyBytes: cfg.Server.MaxBodyBytes,
-		BodyBudget: kvhttp.NewBudget(cfg.Server.MaxInflightBodyBytes), MeterProvider: mp}); err != nil {
+	if err := a.Start(ctx); err != nil {
+		closeAll()
 		return nil, nil, err
 	}
-	closers = append(closers, srv.Close)
-	return srv, closeAll, nil
+	return a.Server, closeAll, nil
 }
 
 // noopPicker is target (f)'s picker: every request goes to endpoint. It answers each ext_proc

@@ -46,35 +46,55 @@ func relayMain(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if *maxIdle < 1 {
 		return fmt.Errorf("-max-idle %d: want ≥ 1", *maxIdle)
 	}
+	return serveChild(ctx, *addr, *pprofAddr, relayBanner+"http://", stdout, stderr, httpServe(newRelayServer(u, *maxIdle, stderr)))
+}
+
+// serveChild is a child's listening part: it listens on addr (and serves net/http/pprof on
+// pprofAddr unless empty), prints banner and the address on stdout, and serves with serve until
+// ctx ends; serve's stop, called then, ends it.
+func serveChild(ctx context.Context, addr, pprofAddr, banner string, stdout, stderr io.Writer,
+	serve func(net.Listener) (run func() error, stop func() error)) error {
 	var lc net.ListenConfig
-	ln, err := lc.Listen(ctx, "tcp", *addr)
+	ln, err := lc.Listen(ctx, "tcp", addr)
 	if err != nil {
 		return err
 	}
-	if *pprofAddr != "" {
-		stop, err := servePprof(ctx, *pprofAddr, stderr)
+	if pprofAddr != "" {
+		stopPprof, err := servePprof(ctx, pprofAddr, stderr)
 		if err != nil {
 			ln.Close()
 			return err
 		}
-		defer stop()
+		defer stopPprof()
 	}
-	srv := newRelayServer(u, *maxIdle, stderr)
-	fmt.Fprintf(stdout, "%shttp://%s\n", relayBanner, ln.Addr())
+	run, stop := serve(ln)
+	fmt.Fprintf(stdout, "%s%s\n", banner, ln.Addr())
 	errc := make(chan error, 1)
-	go func() { errc <- srv.Serve(ln) }()
+	go func() { errc <- run() }()
 	select {
 	case err := <-errc:
 		return err
 	case <-ctx.Done():
 	}
-	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	err = srv.Shutdown(sctx)
-	if serr := <-errc; !errors.Is(serr, http.ErrServerClosed) {
-		err = errors.Join(err, serr)
+	return errors.Join(stop(), <-errc)
+}
+
+// httpServe serves srv for serveChild, and shuts it down within 5 s.
+func httpServe(srv *http.Server) func(net.Listener) (func() error, func() error) {
+	return func(ln net.Listener) (func() error, func() error) {
+		run := func() error {
+			if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+				return err
+			}
+			return nil
+		}
+		stop := func() error {
+			sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			return srv.Shutdown(sctx)
+		}
+		return run, stop
 	}
-	return err
 }
 
 // newRelayServer returns the relay (b): an http.Server whose handler is a ReverseProxy to
