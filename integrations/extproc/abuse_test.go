@@ -69,6 +69,9 @@ func TestStalledBodiesAreBounded(t *testing.T) {
 	expect408(t, s, "a trickled body")
 	close(stop)
 
+	// Buffered: the picker's own harness without a read timeout, so that only the idle timeout,
+	// which must not apply, could cut the wait.
+	h = newHarness(t, extproc.Config{Router: r, Endpoints: eps, BodyIdleTimeout: 200 * time.Millisecond, ReadTimeout: -1})
 	s = h.open(ctx)
 	s.headers("/v1/chat/completions", false, filterv3.ProcessingMode_BUFFERED, nil)
 	s.recv()
