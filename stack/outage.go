@@ -20,15 +20,20 @@ type outageTee struct {
 	guard     *replayGuard
 }
 
-// Apply implements events.Sink.
+// Apply implements events.Sink. While the connection is down the batch reaches the index, and
+// the guard records it, before it is handed to the Publisher: the stream cannot bring it back
+// ahead of the record, however soon the connection returns.
 func (o *outageTee) Apply(ctx context.Context, backend string, b *events.Batch) error {
-	err := o.pub.Apply(ctx, backend, b)
 	if !o.connected() {
-		if err := o.index.Apply(ctx, backend, b); err != nil {
-			return err
-		}
 		o.guard.appliedDirectly(backend, b)
-		return nil
+		err := o.index.Apply(ctx, backend, b)
+		_ = o.pub.Apply(ctx, backend, b) // the stream takes it to the peers when it can
+		return err
+	}
+	err := o.pub.Apply(ctx, backend, b)
+	if !o.connected() { // lost during the publish: the batch waits in the client's buffer
+		o.guard.appliedDirectly(backend, b)
+		return o.index.Apply(ctx, backend, b)
 	}
 	return err
 }
@@ -45,10 +50,11 @@ func (o *outageTee) ClearBackend(ctx context.Context, backend string) error {
 
 // replayGuard is the event-log consumer's sink: it applies the stream's batches to the index,
 // but for those the outage tee applied to the index already while NATS was down. It keeps, per
-// backend and data-parallel rank, the engine sequence of the last batch the tee applied; a batch
-// from the stream at or below it is skipped and counted as a duplicate, the first one above it
-// ends the watch (the stream is past the outage), and a clear of the backend (from the stream or
-// the tee) forgets it. Applying such a batch a second time leaves the index's entries as they
+// backend and data-parallel rank, the engine sequences of the first and the last batch the tee
+// applied; a batch from the stream between them is skipped and counted as a duplicate, one below
+// them is applied (published before the outage, or by an engine that restarted its count), the
+// first one above them ends the watch (the stream is past the outage), and a clear of the backend
+// (from the stream or the tee) forgets it. Applying such a batch a second time leaves the index's entries as they
 // were, but counts its removes of blocks already removed as unknown_block drops and its stores
 // whose parent went since as unknown_parent: a drop alert would fire for no loss. Batches without
 // an engine sequence (SSE) are always applied. Safe for concurrent use.
@@ -56,10 +62,13 @@ type replayGuard struct {
 	sink events.Sink
 
 	mu   sync.Mutex
-	seen map[guardKey]uint64
+	seen map[guardKey]seqSpan
 
 	batches, events atomic.Uint64 // duplicates skipped
 }
+
+// seqSpan is the engine sequences of the first and the last batch applied directly.
+type seqSpan struct{ first, last uint64 }
 
 type guardKey struct {
 	backend string
@@ -67,7 +76,7 @@ type guardKey struct {
 }
 
 func newReplayGuard(sink events.Sink) *replayGuard {
-	return &replayGuard{sink: sink, seen: map[guardKey]uint64{}}
+	return &replayGuard{sink: sink, seen: map[guardKey]seqSpan{}}
 }
 
 func keyOf(backend string, b *events.Batch) guardKey {
@@ -83,8 +92,14 @@ func (g *replayGuard) appliedDirectly(backend string, b *events.Batch) {
 	if g == nil || b.Seq == 0 {
 		return
 	}
+	k := keyOf(backend, b)
 	g.mu.Lock()
-	g.seen[keyOf(backend, b)] = b.Seq
+	sp, ok := g.seen[k]
+	if !ok || b.Seq < sp.first {
+		sp.first = b.Seq
+	}
+	sp.last = max(sp.last, b.Seq)
+	g.seen[k] = sp
 	g.mu.Unlock()
 }
 
@@ -107,14 +122,14 @@ func (g *replayGuard) Apply(ctx context.Context, backend string, b *events.Batch
 	if b.Seq != 0 {
 		k := keyOf(backend, b)
 		g.mu.Lock()
-		last, ok := g.seen[k]
-		if ok && b.Seq <= last {
+		sp, ok := g.seen[k]
+		if ok && b.Seq >= sp.first && b.Seq <= sp.last {
 			g.mu.Unlock()
 			g.batches.Add(1)
 			g.events.Add(uint64(len(b.Events)))
 			return nil
 		}
-		if ok {
+		if ok && b.Seq > sp.last {
 			delete(g.seen, k)
 		}
 		g.mu.Unlock()

@@ -139,3 +139,43 @@ func TestOutageReplayNotCountedAsDrops(t *testing.T) {
 		})
 	}
 }
+
+// countSink counts the batches that reach it.
+type countSink struct{ seqs []uint64 }
+
+func (c *countSink) Apply(_ context.Context, _ string, b *events.Batch) error {
+	c.seqs = append(c.seqs, b.Seq)
+	return nil
+}
+
+func (c *countSink) ClearBackend(context.Context, string) error { return nil }
+
+// The guard skips only the span the tee applied: a batch the stream still owed from before the
+// outage (a lower sequence) is applied, the outage's are skipped, and the first one past them is
+// applied and ends the watch.
+func TestReplayGuardSkipsOnlyTheOutage(t *testing.T) {
+	ctx := context.Background()
+	idx := &countSink{}
+	g := newReplayGuard(idx)
+	for _, s := range []uint64{5, 6, 7} {
+		g.appliedDirectly("vllm-0", &events.Batch{Seq: s})
+	}
+	for _, s := range []uint64{4, 5, 6, 7, 8, 5} {
+		if err := g.Apply(ctx, "vllm-0", &events.Batch{Seq: s, Events: make([]events.Event, 1)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// 5 after 8: the watch ended at 8, so an engine that restarted its count is indexed.
+	want := []uint64{4, 8, 5}
+	if len(idx.seqs) != len(want) {
+		t.Fatalf("applied %v, want %v", idx.seqs, want)
+	}
+	for i := range want {
+		if idx.seqs[i] != want[i] {
+			t.Fatalf("applied %v, want %v", idx.seqs, want)
+		}
+	}
+	if gs := g.stats(); gs.DuplicateBatches != 3 || gs.DuplicateEvents != 3 {
+		t.Errorf("guard %+v, want 5, 6 and 7 skipped", gs)
+	}
+}
