@@ -3,6 +3,7 @@ package prefixkey
 import (
 	"cmp"
 	"encoding/binary"
+	"math/bits"
 	"slices"
 	"unsafe"
 
@@ -43,57 +44,140 @@ func BlockRoot(modelOrAdapter, cacheSalt string) uint64 {
 	return xxh3.Hash(buf[:n])
 }
 
-// Stack-buffer sizes for NextBlockKey's input le64(parent) ‖ le32 tokens ‖ le64 extras. The small
-// buffer holds a 16-token block with up to 7 extra keys; the large one up to 254 tokens, or a
-// 128-token block with up to 63 extra keys. Larger inputs are streamed through an xxh3.Hasher,
-// which measured slower than the large buffer (BenchmarkNextBlockKeyPaths).
+// KeySpace is the version of the block-key function (NextBlockKey, AppendBlockKeys): a store that
+// keeps block keys beyond one process (kvindex/redisindex's key names, the event log's
+// snapshots) records it, so that a router of one version never reads another version's keys as
+// valid. Version 2 chains a content hash per block with one multiply; version 1 hashed the parent
+// key and the tokens together.
+const KeySpace = 2
+
+// Stack-buffer sizes for the content hash of a block with extra keys, le32 tokens ‖ le64 extras.
+// The small buffer holds a 16-token block with up to 8 extra keys; the large one up to 256 tokens,
+// or a 128-token block with up to 64 extra keys. Larger inputs are streamed through an
+// xxh3.Hasher, which measured slower than the large buffer (BenchmarkNextBlockKeyPaths).
 const (
-	smallBlockBuf = 8 + 4*16 + 8*7 // 128 bytes
+	smallBlockBuf = 4*16 + 8*8 // 128 bytes
 	largeBlockBuf = 1024
 )
 
-// NextBlockKey returns the key of a block whose parent key is parent (BlockRoot for block 0): xxh3-64
-// over
+// Constants of the chain step (ChainBlockKey): two odd 64-bit words with no pattern (the
+// fractional digits of √2 and √3).
+const (
+	chainA = 0x6a09e667f3bcc909
+	chainB = 0xbb67ae8584caa73b
+)
+
+// NextBlockKey returns the key of a block whose parent key is parent (BlockRoot for block 0):
 //
-//	le64(parent) ‖ le32(tokens[0]) ‖ … ‖ le32(tokens[n-1]) ‖ le64(extra[0]) ‖ … ‖ le64(extra[m-1])
+//	ChainBlockKey(parent, BlockContentHash(tokens, extra))
 //
 // The key therefore commits to the whole chain before it. tokens are the block's token IDs (a full
 // block, normally); extra are its extra keys (multimodal content hashes of the items whose
-// placeholders overlap the block, in order), nil for none. Since the token count is not hashed, the
-// chain must use one block size throughout.
+// placeholders overlap the block, in order), nil for none.
 //
 // kvindex re-keys an engine's BlockStored event with it: block i of the event has the previous block's
 // key as parent and tokens token_ids[i*block_size:(i+1)*block_size].
 //
 // It does not allocate and is safe for concurrent use.
 func NextBlockKey(parent uint64, tokens []uint32, extra []uint64) uint64 {
-	n := 8 + 4*len(tokens) + 8*len(extra)
+	return ChainBlockKey(parent, BlockContentHash(tokens, extra))
+}
+
+// ChainBlockKey is the chain step of the block keys: with a = parent ⊕ 0x6a09e667f3bcc909 and
+// b = content ⊕ 0xbb67ae8584caa73b, the key is (hi ⊕ lo) + (parent ⊕ content) modulo 2⁶⁴, where
+// hi:lo is the 128-bit product a·b. content is the block's BlockContentHash. The step is one
+// multiply long, so that the chain of a long prompt costs about one multiply per block beyond
+// hashing the blocks, which do not depend on one another; the added term keeps the key a
+// function of both inputs where the product is degenerate (a or b zero).
+//
+// Block keys are not a cryptographic commitment: a client that chooses its tokens can make its
+// own keys collide with a key it knows. A collision only steers routing (an engine checks its
+// own cache); tenants whose prompts must not share keys are kept apart by their cache salts
+// (BlockRoot).
+func ChainBlockKey(parent, content uint64) uint64 {
+	hi, lo := bits.Mul64(parent^chainA, content^chainB)
+	return (hi ^ lo) + (parent ^ content)
+}
+
+// BlockContentHash returns xxh3-64 (seed 0) over
+//
+//	le32(tokens[0]) ‖ … ‖ le32(tokens[n-1]) ‖ le64(extra[0]) ‖ … ‖ le64(extra[m-1])
+//
+// where le32 and le64 are unsigned little-endian integers: the content of one block, without its
+// parent. Since xxh3 hashes the input's length, blocks of different sizes never share an input;
+// a chain must still use one block size throughout to match an engine's.
+//
+// It does not allocate and is safe for concurrent use.
+func BlockContentHash(tokens []uint32, extra []uint64) uint64 {
+	if len(extra) == 0 && littleEndian() {
+		if len(tokens) == 16 {
+			return hash64B(tokenBytes(tokens))
+		}
+		return xxh3.Hash(tokenBytes(tokens))
+	}
+	n := 4*len(tokens) + 8*len(extra)
 	switch {
 	case n <= smallBlockBuf:
 		var buf [smallBlockBuf]byte
-		return xxh3.Hash(encodeBlock(buf[:n], parent, tokens, extra))
+		return xxh3.Hash(encodeBlock(buf[:n], tokens, extra))
 	case n <= largeBlockBuf:
-		return nextBlockKeyLarge(n, parent, tokens, extra)
+		return contentHashLarge(n, tokens, extra)
 	default:
-		return nextBlockKeyStream(parent, tokens, extra)
+		return contentHashStream(tokens, extra)
 	}
 }
 
-// nextBlockKeyLarge keeps the 1 KiB buffer out of NextBlockKey's frame, which then stays small (and
-// cheap to zero) for typical blocks.
-//
-//go:noinline
-func nextBlockKeyLarge(n int, parent uint64, tokens []uint32, extra []uint64) uint64 {
-	var buf [largeBlockBuf]byte
-	return xxh3.Hash(encodeBlock(buf[:n], parent, tokens, extra))
+// xxh3's default secret, its first 64 bytes as little-endian words, and its 64-bit prime 1: what
+// xxh3-64 with seed 0 mixes a 64-byte input with.
+const (
+	xxSecret0   = 0xbe4ba423396cfeb8
+	xxSecret1   = 0x1cad21f72c81017c
+	xxSecret2   = 0xdb979083e96dd4de
+	xxSecret3   = 0x1f67b3b7a4a44072
+	xxSecret4   = 0x78e5c0cc4ee679cb
+	xxSecret5   = 0x2172ffcc7dd05a82
+	xxSecret6   = 0x8e2443f7744608b8
+	xxSecret7   = 0x4c263a81e69035e0
+	xxPrime64_1 = 0x9e3779b185ebca87
+)
+
+// hash64B is xxh3-64 (seed 0) of b, which must be 64 bytes long: xxh3's path for inputs of 17 to
+// 128 bytes at length 64, written out for the one size that a 16-token block of uint32 token IDs
+// has, so that hashing a prompt's blocks costs no call into the general function and no copy
+// (TestHash64BIsXXH3 and FuzzHash64B hold it equal to xxh3.Hash).
+func hash64B(b []byte) uint64 {
+	b = b[:64:64]
+	le := binary.LittleEndian
+	acc := uint64(64 * xxPrime64_1 % (1 << 64))
+	acc += mulFold(le.Uint64(b[0:])^xxSecret0, le.Uint64(b[8:])^xxSecret1)
+	acc += mulFold(le.Uint64(b[48:])^xxSecret2, le.Uint64(b[56:])^xxSecret3)
+	acc += mulFold(le.Uint64(b[16:])^xxSecret4, le.Uint64(b[24:])^xxSecret5)
+	acc += mulFold(le.Uint64(b[32:])^xxSecret6, le.Uint64(b[40:])^xxSecret7)
+	acc ^= acc >> 37
+	acc *= 0x165667919e3779f9
+	return acc ^ acc>>32
 }
 
-// encodeBlock writes NextBlockKey's input into b, which must be exactly
-// 8+4*len(tokens)+8*len(extra) bytes long, and returns b.
-func encodeBlock(b []byte, parent uint64, tokens []uint32, extra []uint64) []byte {
-	binary.LittleEndian.PutUint64(b, parent)
-	putTokens(b[8:8+4*len(tokens)], tokens)
-	e := b[8+4*len(tokens):]
+// mulFold returns the high and low words of the 128-bit product a·b, xored.
+func mulFold(a, b uint64) uint64 {
+	hi, lo := bits.Mul64(a, b)
+	return hi ^ lo
+}
+
+// contentHashLarge keeps the 1 KiB buffer out of BlockContentHash's frame, which then stays small
+// (and cheap to zero) for typical blocks.
+//
+//go:noinline
+func contentHashLarge(n int, tokens []uint32, extra []uint64) uint64 {
+	var buf [largeBlockBuf]byte
+	return xxh3.Hash(encodeBlock(buf[:n], tokens, extra))
+}
+
+// encodeBlock writes BlockContentHash's input into b, which must be exactly
+// 4*len(tokens)+8*len(extra) bytes long, and returns b.
+func encodeBlock(b []byte, tokens []uint32, extra []uint64) []byte {
+	putTokens(b[:4*len(tokens)], tokens)
+	e := b[4*len(tokens):]
 	for i, x := range extra {
 		binary.LittleEndian.PutUint64(e[8*i:], x)
 	}
@@ -135,16 +219,14 @@ func littleEndian() bool {
 	return b[0] == 1
 }
 
-// nextBlockKeyStream hashes NextBlockKey's input through a streaming xxh3.Hasher, which gives the
-// same value as the one-shot hash of the whole input.
+// contentHashStream hashes BlockContentHash's input through a streaming xxh3.Hasher, which gives
+// the same value as the one-shot hash of the whole input.
 //
 //go:noinline
-func nextBlockKeyStream(parent uint64, tokens []uint32, extra []uint64) uint64 {
+func contentHashStream(tokens []uint32, extra []uint64) uint64 {
 	var h xxh3.Hasher
-	var b [8]byte
-	binary.LittleEndian.PutUint64(b[:], parent)
-	h.Write(b[:])
 	writeTokens(&h, tokens)
+	var b [8]byte
 	for _, x := range extra {
 		binary.LittleEndian.PutUint64(b[:], x)
 		h.Write(b[:])
@@ -193,6 +275,9 @@ func AppendBlockKeys(dst []uint64, root uint64, tokens []uint32, blockSize int, 
 	dst = slices.Grow(dst, nblocks)
 	parent := root
 	if len(mm) == 0 {
+		if blockSize == 16 && littleEndian() {
+			return appendKeys16(dst, root, tokens[:16*nblocks])
+		}
 		for i := 0; i < nblocks; i++ {
 			parent = NextBlockKey(parent, tokens[i*blockSize:(i+1)*blockSize], nil)
 			dst = append(dst, parent)
@@ -215,6 +300,35 @@ func AppendBlockKeys(dst []uint64, root uint64, tokens []uint32, blockSize int, 
 		}
 		parent = blockKeyMM(parent, tokens[lo:hi], lo, window, sorted)
 		dst = append(dst, parent)
+	}
+	return dst
+}
+
+// appendKeys16 is AppendBlockKeys for 16-token blocks without extra keys on a little-endian
+// machine (len(tokens) a multiple of 16, dst with room for the keys): the loop the Router runs
+// per request, with the content hash and the chain step written inline. The blocks' hashes do not
+// depend on one another, so the processor overlaps them; only the chain's one multiply per block
+// is sequential.
+func appendKeys16(dst []uint64, parent uint64, tokens []uint32) []uint64 {
+	n := len(tokens) / 16
+	base := len(dst)
+	dst = dst[:base+n]
+	out := dst[base:]
+	all := tokenBytes(tokens)
+	le := binary.LittleEndian
+	for i := range out {
+		b := all[64*i : 64*i+64 : 64*i+64]
+		acc := uint64(64 * xxPrime64_1 % (1 << 64))
+		acc += mulFold(le.Uint64(b[0:])^xxSecret0, le.Uint64(b[8:])^xxSecret1)
+		acc += mulFold(le.Uint64(b[48:])^xxSecret2, le.Uint64(b[56:])^xxSecret3)
+		acc += mulFold(le.Uint64(b[16:])^xxSecret4, le.Uint64(b[24:])^xxSecret5)
+		acc += mulFold(le.Uint64(b[32:])^xxSecret6, le.Uint64(b[40:])^xxSecret7)
+		acc ^= acc >> 37
+		acc *= 0x165667919e3779f9
+		content := acc ^ acc>>32
+		hi, lo := bits.Mul64(parent^chainA, content^chainB)
+		parent = (hi ^ lo) + (parent ^ content)
+		out[i] = parent
 	}
 	return dst
 }
@@ -247,8 +361,6 @@ func blockKeyMM(parent uint64, block []uint32, lo int, mm []MultiModalSpan, sort
 func blockKeyMMStream(parent uint64, block []uint32, lo int, mm []MultiModalSpan) uint64 {
 	var h xxh3.Hasher
 	var b [8]byte
-	binary.LittleEndian.PutUint64(b[:], parent)
-	h.Write(b[:])
 	writeTokens(&h, block)
 	hi := lo + len(block)
 	for _, s := range mm {
@@ -257,7 +369,7 @@ func blockKeyMMStream(parent uint64, block []uint32, lo int, mm []MultiModalSpan
 			h.Write(b[:])
 		}
 	}
-	return h.Sum64()
+	return ChainBlockKey(parent, h.Sum64())
 }
 
 // overlaps reports whether span s shares a token with [lo, hi).

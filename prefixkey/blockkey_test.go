@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"fmt"
+	"math/big"
 	"slices"
 	"strings"
 	"testing"
@@ -23,8 +24,17 @@ func refBlockRoot(name, salt string) uint64 {
 }
 
 func refNextBlockKey(parent uint64, tokens []uint32, extra []uint64) uint64 {
+	content := refContentHash(tokens, extra)
+	// The chain step as documented: (hi ^ lo) of the 128-bit product, plus parent ^ content.
+	a, c := new(big.Int).SetUint64(parent^0x6a09e667f3bcc909), new(big.Int).SetUint64(content^0xbb67ae8584caa73b)
+	prod := new(big.Int).Mul(a, c)
+	lo := new(big.Int).And(prod, new(big.Int).SetUint64(^uint64(0))).Uint64()
+	hi := new(big.Int).Rsh(prod, 64).Uint64()
+	return (hi ^ lo) + (parent ^ content)
+}
+
+func refContentHash(tokens []uint32, extra []uint64) uint64 {
 	var b bytes.Buffer
-	binary.Write(&b, binary.LittleEndian, parent)
 	for _, t := range tokens {
 		binary.Write(&b, binary.LittleEndian, t)
 	}
@@ -113,11 +123,11 @@ var nextVectors = []struct {
 	extra  []uint64
 	want   string
 }{
-	{"no-tokens", 0, nil, nil, "c77b3abb6f87acd9"},
-	{"16-tokens", 0x0123456789abcdef, testTokens(16), nil, "35ecaf14c1f69ecc"},
-	{"16-tokens-2-extra", 0x0123456789abcdef, testTokens(16), []uint64{0xdeadbeef, 0xfeedface}, "77f2105dd8119053"},
-	{"128-tokens-large-buffer", 42, testTokens(128), nil, "15c08177a3470339"},
-	{"300-tokens-streamed", 42, testTokens(300), []uint64{7}, "408e69e9b10aa98b"},
+	{"no-tokens", 0, nil, nil, "3bd6ea3df5ce6fcf"},
+	{"16-tokens", 0x0123456789abcdef, testTokens(16), nil, "63c1ed1cf6566410"},
+	{"16-tokens-2-extra", 0x0123456789abcdef, testTokens(16), []uint64{0xdeadbeef, 0xfeedface}, "fe0a241222bdf7de"},
+	{"128-tokens-large-buffer", 42, testTokens(128), nil, "367c89babf570530"},
+	{"300-tokens-streamed", 42, testTokens(300), []uint64{7}, "8478f6013d2b4cde"},
 }
 
 func TestNextBlockKeyVectors(t *testing.T) {
@@ -166,17 +176,17 @@ var appendVectors = []struct {
 	want      []string
 }{
 	{"model-root", BlockRoot(llama, ""), 16, nil,
-		[]string{"c8a05fa3dff1c292", "c408fe07747df28a", "c403b6b1c045fdde", "d08cc2da9775445d"}},
+		[]string{"eeac8a81a1e66a5e", "2434cbc1fec82d04", "4cba00ee522c31db", "e9829b911323a78d"}},
 	{"default-block-size", BlockRoot(llama, ""), 0, nil,
-		[]string{"c8a05fa3dff1c292", "c408fe07747df28a", "c403b6b1c045fdde", "d08cc2da9775445d"}},
+		[]string{"eeac8a81a1e66a5e", "2434cbc1fec82d04", "4cba00ee522c31db", "e9829b911323a78d"}},
 	{"lora-root", BlockRoot("sql-lora", ""), 16, nil,
-		[]string{"5bc178a75b055d86", "d0b84990de355bbf", "98a7d01f51877c50", "16c3b9bdbe9722fa"}},
+		[]string{"06bf293a91480789", "6de5104152f2b235", "f039f3d0876207ae", "18bbeae8c55d2e95"}},
 	{"model-root-salt", BlockRoot(llama, "tenant-42"), 16, nil,
-		[]string{"2bb3afaa2a5038b9", "8c95c40e97d6e95c", "dec82062966069ca", "dcb5f595042109c7"}},
+		[]string{"837fdc2b39f542a3", "eb349e90f0030e1c", "d1cf9bf29f61d64b", "69048aa61f41ba00"}},
 	{"multimodal", BlockRoot(llama, ""), 16, mmSpans,
-		[]string{"e43ea4ffa69cf51a", "367ac0940d612d38", "fa9143f91898038a", "3b4faa900064e602"}},
+		[]string{"d4ca5cc07845206d", "9bd51bf6e4082390", "81535408b96234eb", "c5e7694f08066fa7"}},
 	{"block-size-32", BlockRoot(llama, ""), 32, mmSpans,
-		[]string{"3d498cf56da02f47", "00238242df1cbc2a"}},
+		[]string{"a9e9baf5204398a6", "27e256e2f3b59684"}},
 }
 
 func TestAppendBlockKeysVectors(t *testing.T) {
@@ -406,5 +416,77 @@ func TestPutTokensPortable(t *testing.T) {
 		if !bytes.Equal(got, want.Bytes()) {
 			t.Errorf("%d tokens: % x, want % x", n, got, want.Bytes())
 		}
+	}
+}
+
+// hash64B is xxh3-64 of its 64 bytes, on structured and random inputs.
+func TestHash64BIsXXH3(t *testing.T) {
+	var b [64]byte
+	check := func() {
+		t.Helper()
+		if got, want := hash64B(b[:]), xxh3.Hash(b[:]); got != want {
+			t.Fatalf("hash64B(%x) = %016x, xxh3 %016x", b, got, want)
+		}
+	}
+	check() // zeros
+	for i := range b {
+		b[i] = 0xff
+	}
+	check()
+	for i := range 64 * 8 { // every single bit
+		b = [64]byte{}
+		b[i/8] = 1 << (i % 8)
+		check()
+	}
+	x := uint64(0x9e3779b97f4a7c15)
+	for range 10_000 {
+		for i := 0; i < 64; i += 8 {
+			x ^= x << 13
+			x ^= x >> 7
+			x ^= x << 17
+			binary.LittleEndian.PutUint64(b[i:], x)
+		}
+		check()
+	}
+}
+
+func FuzzHash64B(f *testing.F) {
+	f.Add([]byte("sixteen tokens of four bytes each make one 64-byte block......."))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		var b [64]byte
+		copy(b[:], data)
+		if got, want := hash64B(b[:]), xxh3.Hash(b[:]); got != want {
+			t.Fatalf("hash64B(%x) = %016x, xxh3 %016x", b, got, want)
+		}
+	})
+}
+
+// The 16-token path reads the tokens in place: a slice that starts at any offset of its array
+// gives the reference's keys.
+func TestAppendBlockKeysUnaligned(t *testing.T) {
+	toks := testTokens(16*9 + 3)
+	for off := range 4 {
+		in := toks[off : off+16*8+1]
+		got := AppendBlockKeys(make([]uint64, 1, 2), 77, in, 16, nil)
+		want := refAppendBlockKeys(make([]uint64, 1), 77, in, 16, nil)
+		if !slices.Equal(got, want) {
+			t.Fatalf("offset %d: %x, want %x", off, got, want)
+		}
+	}
+}
+
+// The chain step keeps both inputs where the product is degenerate.
+func TestChainBlockKeyDegenerate(t *testing.T) {
+	const a, b = 0x6a09e667f3bcc909, 0xbb67ae8584caa73b
+	// content ⊕ b = 0: the product is 0, the key still depends on the parent.
+	if ChainBlockKey(1, b) == ChainBlockKey(2, b) {
+		t.Error("a degenerate content makes every parent's key the same")
+	}
+	// parent ⊕ a = 0: the key still depends on the content.
+	if ChainBlockKey(a, 1) == ChainBlockKey(a, 2) {
+		t.Error("a degenerate parent makes every content's key the same")
+	}
+	if NextBlockKey(5, testTokens(16), nil) != ChainBlockKey(5, BlockContentHash(testTokens(16), nil)) {
+		t.Error("NextBlockKey is not ChainBlockKey of BlockContentHash")
 	}
 }

@@ -51,8 +51,8 @@ func ExampleAppendBlockKeys() {
 	// An engine's BlockStored event is re-keyed block by block from its tokens.
 	fmt.Println(prefixkey.NextBlockKey(root, tokens[:16], nil) == keys[0])
 	// Output:
-	// af662d7a7d564312
-	// 1c028407a8ae3b04
+	// 62e57594da00d044
+	// c2d55fda56ab1015
 	// true true
 	// true
 }

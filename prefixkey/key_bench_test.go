@@ -127,32 +127,40 @@ func BenchmarkBlockRoot(b *testing.B) {
 	}
 }
 
-// BenchmarkNextBlockKeyPaths puts NextBlockKey's ways of hashing a block side by side: "stack"
-// encodes into a 128-byte stack buffer (up to 16 tokens and 7 extra keys), "large" into a 1 KiB one,
-// "stream" writes to an xxh3.Hasher on the stack.
-func BenchmarkNextBlockKeyPaths(b *testing.B) {
+// BenchmarkContentHashPaths puts BlockContentHash's ways of hashing a block with one extra key
+// side by side: "stack" encodes into a 128-byte stack buffer (up to 16 tokens and 8 extra keys),
+// "large" into a 1 KiB one, "stream" writes to an xxh3.Hasher on the stack; "direct" is a block
+// without extra keys, hashed in place (hash64B for 16 tokens, else xxh3.Hash of the tokens' memory).
+func BenchmarkContentHashPaths(b *testing.B) {
 	toks := testTokens(1024)
+	extra := []uint64{7}
 	for _, n := range []int{16, 32, 64, 128, 248} {
 		in := toks[:n]
-		size := 8 + 4*n
+		size := 4*n + 8
+		b.Run(fmt.Sprintf("path=direct/tokens=%d", n), func(b *testing.B) {
+			b.SetBytes(int64(4 * n))
+			for b.Loop() {
+				sinkU64 += BlockContentHash(in, nil)
+			}
+		})
 		if size <= smallBlockBuf {
 			b.Run(fmt.Sprintf("path=stack/tokens=%d", n), func(b *testing.B) {
 				b.SetBytes(int64(size))
 				for b.Loop() {
-					sinkU64 = NextBlockKey(sinkU64, in, nil)
+					sinkU64 += BlockContentHash(in, extra)
 				}
 			})
 		}
 		b.Run(fmt.Sprintf("path=large/tokens=%d", n), func(b *testing.B) {
 			b.SetBytes(int64(size))
 			for b.Loop() {
-				sinkU64 = nextBlockKeyLarge(size, sinkU64, in, nil)
+				sinkU64 += contentHashLarge(size, in, extra)
 			}
 		})
 		b.Run(fmt.Sprintf("path=stream/tokens=%d", n), func(b *testing.B) {
 			b.SetBytes(int64(size))
 			for b.Loop() {
-				sinkU64 = nextBlockKeyStream(sinkU64, in, nil)
+				sinkU64 += contentHashStream(in, extra)
 			}
 		})
 	}

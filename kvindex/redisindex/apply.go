@@ -906,7 +906,7 @@ func (x *Index) Clear(ctx context.Context) (int, error) {
 			nodes = append(nodes, n)
 		}
 	}
-	match := x.prefix + "*"
+	match := x.base + "*"
 	for _, node := range nodes {
 		var cursor uint64
 		for {

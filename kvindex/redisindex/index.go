@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvroute/kvroute/events"
 	"github.com/kvroute/kvroute/kvindex"
+	"github.com/kvroute/kvroute/prefixkey"
 )
 
 // Defaults of Config; the defaults shared with the in-memory index (block size, entry and
@@ -48,6 +49,15 @@ const (
 	// DefaultStatsExactLimit is the number of live memberships up to which Stats counts
 	// distinct blocks and speculative entries exactly.
 	DefaultStatsExactLimit = 50_000
+
+	// keySpaceTag follows KeyPrefix in the name of every key that names or holds kvroute block
+	// keys (blocks, engine-hash maps, per-backend member sets, prefix entries): the version of
+	// the block-key function (prefixkey.KeySpace), so that routers of two versions sharing a
+	// server during an upgrade never read each other's keys as their own; the old version's
+	// keys expire with their TTL. The backend id registry (KeyPrefix ids, seen, idseq, epoch)
+	// does not depend on it and is shared.
+	keySpaceTag = "k" + string(rune('0'+prefixkey.KeySpace)) + ":"
+	_           = uint(9 - prefixkey.KeySpace) // one digit
 
 	// redisMaxTTL bounds EntryTTL.
 	redisMaxTTL = 365 * 24 * time.Hour
@@ -98,6 +108,8 @@ type Config struct {
 	// KeyPrefix*. In Redis Cluster the keys of one lookup must live in one hash slot: put a hash
 	// tag in the prefix, e.g. "kvroute:{kvidx}:" (New rejects a cluster client without one);
 	// the whole index then lives on one shard. Give each index sharing a server its own prefix.
+	// Entries live under KeyPrefix followed by the block-key version, "k2:" for
+	// prefixkey.KeySpace 2: a router of another version neither reads nor counts them.
 	KeyPrefix string
 	// BlockSize is the number of tokens per kvroute block (default kvindex.DefaultBlockSize). Every
 	// replica sharing a KeyPrefix must use the same.
@@ -220,7 +232,8 @@ type Index struct {
 	closeOnce sync.Once
 	closed    atomic.Bool
 
-	prefix         string
+	base           string // Config.KeyPrefix (P): the backend id registry and Clear's scope
+	prefix         string // P k<KeySpace>: every key that names or holds a block key
 	idsKey         string // P ids
 	seenKey        string // P seen
 	idSeqKey       string // P idseq
@@ -376,16 +389,18 @@ func newIndex(cfg Config) (*Index, error) {
 	if err := x.applyDefaults(cfg); err != nil {
 		return nil, err
 	}
-	x.idsKey, x.seenKey, x.idSeqKey = x.prefix+"ids", x.prefix+"seen", x.prefix+"idseq"
-	x.epochKey = x.prefix + "epoch"
+	x.base = x.prefix
+	x.idsKey, x.seenKey, x.idSeqKey = x.base+"ids", x.base+"seen", x.base+"idseq"
+	x.epochKey = x.base + "epoch"
+	x.prefix = x.base + keySpaceTag
 	return x, nil
 }
 
 // checkCluster rejects a Redis Cluster client when the key prefix has no hash tag: the keys of
 // one lookup must live in one slot.
 func (x *Index) checkCluster() error {
-	if x.client.Mode() == rueidis.ClientModeCluster && !redisHasHashTag(x.prefix) {
-		return fmt.Errorf("%w: KeyPrefix %q needs a hash tag such as {kvidx} for Redis Cluster", kvindex.ErrInvalidConfig, x.prefix)
+	if x.client.Mode() == rueidis.ClientModeCluster && !redisHasHashTag(x.base) {
+		return fmt.Errorf("%w: KeyPrefix %q needs a hash tag such as {kvidx} for Redis Cluster", kvindex.ErrInvalidConfig, x.base)
 	}
 	return nil
 }

@@ -851,12 +851,12 @@ func TestExpiryAndPruning(t *testing.T) {
 	if s.Expired != 4 {
 		t.Errorf("Expired = %d, want 4", s.Expired)
 	}
-	n, err := f.client.Do(ctx, f.client.B().Zcard().Key(f.prefix+"mb:a").Build()).AsInt64()
+	n, err := f.client.Do(ctx, f.client.B().Zcard().Key(f.prefix+keySpaceTag+"mb:a").Build()).AsInt64()
 	if err != nil || n != 1 {
 		t.Errorf("a's memberships after pruning: %d, %v; want 1", n, err)
 	}
 	// Keys carry a Redis TTL of EntryTTL from their last write.
-	k := f.prefix + "b:" + string(redisAppendHex16(nil, keys[0]))
+	k := f.prefix + keySpaceTag + "b:" + string(redisAppendHex16(nil, keys[0]))
 	ttl, err := f.client.Do(ctx, f.client.B().Pttl().Key(k).Build()).AsInt64()
 	if err != nil || ttl <= 0 || ttl > time.Minute.Milliseconds() {
 		t.Errorf("PTTL of a block key = %d, %v", ttl, err)
@@ -930,7 +930,7 @@ func TestClearBackendAndAllBlocksCleared(t *testing.T) {
 		t.Fatalf("prefix entry survived ClearBackend: %+v", out)
 	}
 	for _, k := range []string{"e:a", "mb:a", "ms:a", "mp:a"} {
-		if n, _ := f.client.Do(ctx, f.client.B().Exists().Key(f.prefix+k).Build()).AsInt64(); n != 0 {
+		if n, _ := f.client.Do(ctx, f.client.B().Exists().Key(f.prefix+keySpaceTag+k).Build()).AsInt64(); n != 0 {
 			t.Errorf("%s survived ClearBackend", k)
 		}
 	}
@@ -1258,5 +1258,53 @@ func TestLostIDRegistry(t *testing.T) {
 	outB := redisLookup(t, other, keysB, "a", "b")
 	if outA[0].Blocks != 2 || outA[1].Blocks != 1 || outB[0].Blocks != 1 || outB[1].Blocks != 2 {
 		t.Fatalf("after recovery: a's chain %+v, b's chain %+v", outA, outB)
+	}
+}
+
+// A router of another block-key version (prefixkey.KeySpace) sharing the server during an upgrade:
+// its entries, under KeyPrefix without this version's tag (as version 1 wrote them), are neither
+// read nor counted, and Clear removes them with the rest.
+func TestOtherKeySpaceIsNotRead(t *testing.T) {
+	f := newRedisFixture(t, Config{})
+	ctx := context.Background()
+	tokens := redisTokens(21, 2*16)
+	keys := redisReqKeys(tokens, 16)
+	redisApply(t, f.idx, "a", redisStored([]uint64{1, 2}, 0, false, tokens, 16, events.TierGPU))
+	if out := redisLookup(t, f.idx, keys, "a"); out[0].Blocks != 2 {
+		t.Fatalf("before the move: %+v", out)
+	}
+	// Move every entry to the untagged layout: what another version's router would have written.
+	moved := 0
+	var cursor uint64
+	for {
+		e, err := f.client.Do(ctx, f.client.B().Scan().Cursor(cursor).Match(f.prefix+keySpaceTag+"*").Count(1000).Build()).AsScanEntry()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, k := range e.Elements {
+			old := f.prefix + strings.TrimPrefix(k, f.prefix+keySpaceTag)
+			if err := f.client.Do(ctx, f.client.B().Rename().Key(k).Newkey(old).Build()).Error(); err != nil {
+				t.Fatal(err)
+			}
+			moved++
+		}
+		if cursor = e.Cursor; cursor == 0 {
+			break
+		}
+	}
+	if moved < 2 {
+		t.Fatalf("moved %d keys, want the blocks and the backend's sets", moved)
+	}
+	if out := redisLookup(t, f.idx, keys, "a"); out[0].Blocks != 0 {
+		t.Errorf("another key space's blocks were read: %+v", out)
+	}
+	if s, err := f.idx.Stats(ctx); err != nil || s.Entries != 0 {
+		t.Errorf("another key space's entries were counted: %+v, %v", s, err)
+	}
+	if _, err := f.idx.Clear(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if left := redisCountKeys(t, f.client, f.prefix); left != 4 { // ids, seen, idseq, epoch
+		t.Errorf("%d keys left under the prefix after Clear, want the 4 of the id registry", left)
 	}
 }

@@ -12,10 +12,13 @@ import (
 	"github.com/kvroute/kvroute/kvindex"
 )
 
-// Snapshot format, version 1. A snapshot is written and read as a stream of frames, so that
+// Snapshot format, version 2: the layout of version 1, with block keys of prefixkey.KeySpace 2
+// (a snapshot of version 1 holds keys of the first block-key function, which an index of this
+// version must not restore: Restore refuses it with ErrSnapshotMismatch, and the replica replays
+// the stream). A snapshot is written and read as a stream of frames, so that
 // neither side holds more than a frame (at most maxFrame bytes) of it:
 //
-//	"KVSNAP" 0x01
+//	"KVSNAP" 0x02
 //	frames: uv payload length (≤ maxFrame), payload, CRC-32C of the payload (4 bytes LE)
 //
 // The first frame's payload is the header: str stream, str fleet, uv sequence, sv creation time
@@ -33,7 +36,7 @@ import (
 // the frames before the damage may have been restored by then.
 const (
 	snapMagic       = "KVSNAP"
-	snapVersion     = 1
+	snapVersion     = 2 // the version whose block keys are prefixkey.KeySpace 2
 	maxFrame        = 256 << 10
 	frameTarget     = 32 << 10 // a writer ends a frame past this
 	maxKeysPerHash  = 4096
@@ -240,6 +243,9 @@ func readSnapshotHeader(s *snapReader) (SnapshotHeader, error) {
 		return SnapshotHeader{}, fmt.Errorf("%w: not a snapshot", ErrMalformed)
 	}
 	if v := magic[len(snapMagic)]; v != snapVersion {
+		if v == 1 {
+			return SnapshotHeader{}, fmt.Errorf("%w: snapshot version %d holds block keys of another key space (this router's: %d)", ErrSnapshotMismatch, v, snapVersion)
+		}
 		return SnapshotHeader{}, fmt.Errorf("%w: snapshot version %d, want %d", ErrMalformed, v, snapVersion)
 	}
 	s.n = int64(len(magic))

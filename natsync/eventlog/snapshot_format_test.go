@@ -92,6 +92,7 @@ func FuzzReadSnapshot(f *testing.F) {
 	_ = src.Close()
 	f.Add(buf.Bytes())
 	f.Add([]byte("KVSNAP\x01"))
+	f.Add([]byte("KVSNAP\x02"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		n := 0
 		_, _, _ = eventlog.ReadSnapshot(context.Background(), bytes.NewReader(data),
@@ -196,4 +197,23 @@ func BenchmarkSnapshotWrite(b *testing.B) {
 		}
 	}
 	b.SetBytes(int64(buf.Len()))
+}
+
+// A snapshot of version 1 holds block keys of the first key space: it is refused as a mismatch
+// before any record reaches the index, never restored as valid.
+func TestSnapshotOfAnotherKeySpace(t *testing.T) {
+	src := fleetIndex(t)
+	var buf bytes.Buffer
+	_, err := eventlog.WriteSnapshot(context.Background(), &buf, eventlog.SnapshotHeader{Stream: "S"}, src)
+	require.NoError(t, err)
+	old := bytes.Clone(buf.Bytes())
+	old[len("KVSNAP")] = 1
+	n := 0
+	_, _, err = eventlog.ReadSnapshot(context.Background(), bytes.NewReader(old),
+		kvindex.RestorerFunc(func(_ context.Context, _ string, recs []kvindex.StateRecord) error {
+			n += len(recs)
+			return nil
+		}))
+	require.ErrorIs(t, err, eventlog.ErrSnapshotMismatch)
+	assert.Zero(t, n, "records restored from a snapshot of another key space")
 }

@@ -30,8 +30,9 @@ const (
 	metaCreated = "kvroute-created"
 )
 
-// ErrSnapshotMismatch is wrapped by Restore's error for a snapshot of another stream, or of an
-// index of another block size.
+// ErrSnapshotMismatch is wrapped by Restore's and ReadSnapshot's error for a snapshot of another
+// stream, of an index of another block size, or of another block-key version
+// (prefixkey.KeySpace).
 var ErrSnapshotMismatch = errors.New("eventlog: snapshot does not match")
 
 // SeqSource tells the last stream sequence applied to an index: *Consumer implements it.
@@ -328,8 +329,8 @@ type RestoreResult struct {
 // The snapshot streams from the server, a frame at a time. On an error part-way (a corrupt or
 // truncated snapshot, a lost connection, ctx), the backends it restored are cleared again in
 // target (ClearBackend), the result has StartSeq 1 and Restored false, and the error says why
-// (wrapping ErrMalformed for a corrupt snapshot, ErrSnapshotMismatch for one of another stream
-// or block size): a caller may go on and replay the whole stream. target should be empty; its
+// (wrapping ErrMalformed for a corrupt snapshot, ErrSnapshotMismatch for one of another stream,
+// block size or block-key version): a caller may go on and replay the whole stream. target should be empty; its
 // existing entries are merged with the snapshot's.
 func Restore(ctx context.Context, cfg Config, target RestoreTarget) (RestoreResult, error) {
 	cfg, err := cfg.withDefaults()
