@@ -531,8 +531,11 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 		return nil, err
 	}
 	d := &Decision{router: r, start: r.cfg.Now()}
+	at := r.since(d.start)
 	r.expireExternal(d.start)
-	r.expireDecisions(d.start)
+	if r.live.due(at) {
+		r.sweepDecisions(at)
+	}
 	if !r.cfg.DisablePrefixRouting {
 		d.PrefixKey, d.HasPrefixKey = req.PrefixKey(r.cfg.MaxPrefixLength)
 	}
@@ -549,7 +552,7 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 			d = r.finish(ctx, d)
 			r.addBacklog(d, s4)
 			r.share(d, s4.keys)
-			r.live.track(&d.live, d, r.since(d.start))
+			r.live.track(&d.live, d, at)
 			return d, nil
 		}
 		r.kv.handedOff.Add(1)
@@ -587,7 +590,7 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 		keys = s4.keys
 	}
 	r.share(d, keys)
-	r.live.track(&d.live, d, r.since(d.start))
+	r.live.track(&d.live, d, at)
 	return d, nil
 }
 
@@ -635,7 +638,7 @@ type Decision struct {
 
 	router   *DefaultRouter // nil for a Decision made by NewDecision
 	hooks    *hookState     // NewDecision's and WrapDecision's
-	ended    atomic.Bool    // Done has run
+	live     liveNode       // ended: Done has run, or Config.MaxDecisionAge reclaimed it (expire.go)
 	first    atomic.Bool    // FirstToken has run
 	prefill  *kvPrefill     // its prefill on its backend's queue, nil when tier 4 put none there
 	activeID uint64         // active-sequence id when tier 4 tracks sequences, else 0
@@ -643,7 +646,6 @@ type Decision struct {
 	state    *backendState
 	handle   chwbl.Handle
 	start    time.Time
-	live     liveNode // its place among the Router's live decisions (Config.MaxDecisionAge)
 }
 
 // DecisionHooks are what a Decision made by NewDecision does when the gateway reports on it.
@@ -724,7 +726,7 @@ func (d *Decision) Done(o Outcome) {
 	if d == nil {
 		return
 	}
-	if !d.ended.CompareAndSwap(false, true) {
+	if !d.live.ended.CompareAndSwap(false, true) {
 		return
 	}
 	if d.router == nil {
@@ -738,7 +740,6 @@ func (d *Decision) Done(o Outcome) {
 		}
 		return
 	}
-	d.router.live.untrack(&d.live)
 	d.end(o)
 }
 
@@ -792,7 +793,7 @@ func (d *Decision) FirstToken() {
 		}
 		h.mu.Lock()
 		defer h.mu.Unlock()
-		if h.first || d.ended.Load() {
+		if h.first || d.live.ended.Load() {
 			return
 		}
 		h.first = true
@@ -802,7 +803,7 @@ func (d *Decision) FirstToken() {
 		h.inner.FirstToken()
 		return
 	}
-	if d.ended.Load() || !d.first.CompareAndSwap(false, true) {
+	if d.live.ended.Load() || !d.first.CompareAndSwap(false, true) {
 		return
 	}
 	d.endPrefill(true)
