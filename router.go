@@ -850,10 +850,15 @@ type atomicFloat struct{ bits atomic.Uint64 }
 
 func (f *atomicFloat) load() float64   { return math.Float64frombits(f.bits.Load()) }
 func (f *atomicFloat) store(v float64) { f.bits.Store(math.Float64bits(v)) }
+
+// update sets f to fn of its value. It writes nothing when fn leaves the value as it is, as the
+// success average of a backend that keeps succeeding does once it has reached 1: Done then
+// spares a locked write.
 func (f *atomicFloat) update(fn func(float64) float64) {
 	for {
 		old := f.bits.Load()
-		if f.bits.CompareAndSwap(old, math.Float64bits(fn(math.Float64frombits(old)))) {
+		v := math.Float64bits(fn(math.Float64frombits(old)))
+		if v == old || f.bits.CompareAndSwap(old, v) {
 			return
 		}
 	}
