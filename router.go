@@ -10,6 +10,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
@@ -325,6 +326,55 @@ type backendSet struct {
 	list   []*backendState // unified backends (the ring's members), in the order they were added
 	pd     []*backendState // prefill and decode backends (on their pools' rings), in the same order
 	byName map[string]*backendState
+	// byData holds byName's backends by the address of their names' bytes (open addressing, a
+	// power-of-two size above twice their number; shift takes a slot from the address's hash),
+	// for lookup.
+	byData []*backendState
+	shift  uint8
+}
+
+// newBackendSet returns the set of the unified backends list and the prefill and decode
+// backends pd.
+func newBackendSet(list, pd []*backendState) *backendSet {
+	s := &backendSet{list: list, pd: pd, byName: make(map[string]*backendState, len(list)+len(pd))}
+	n, bits := 2, uint8(1)
+	for n <= 2*(len(list)+len(pd)) {
+		n, bits = 2*n, bits+1
+	}
+	s.byData, s.shift = make([]*backendState, n), 64-bits
+	for _, sts := range [...][]*backendState{list, pd} {
+		for _, st := range sts {
+			s.byName[st.name] = st
+			i := s.slot(st.name)
+			for s.byData[i] != nil {
+				i = (i + 1) & (n - 1)
+			}
+			s.byData[i] = st
+		}
+	}
+	return s
+}
+
+// slot is the first slot of byData to look for name in.
+func (s *backendSet) slot(name string) int {
+	return int((uint64(uintptr(unsafe.Pointer(unsafe.StringData(name)))) * 0x9e3779b97f4a7c15) >> s.shift)
+}
+
+// lookup returns the backend named name, nil for none: byName[name], in fewer steps for a name
+// that shares its bytes with the backend's own, as a chwbl.Handle's Backend does (the ring keeps
+// the name AddBackend gave both). It compares addresses and lengths, not bytes; any other name
+// ends at an empty slot and is looked up in byName.
+func (s *backendSet) lookup(name string) *backendState {
+	p, n := unsafe.StringData(name), len(s.byData)
+	for i := s.slot(name); ; i = (i + 1) & (n - 1) {
+		st := s.byData[i]
+		if st == nil {
+			return s.byName[name]
+		}
+		if unsafe.StringData(st.name) == p && len(st.name) == len(name) {
+			return st
+		}
+	}
 }
 
 // DefaultRouter is the Router built by New: tier 1 (prefix-aware CHWBL routing) with a fallback
@@ -378,7 +428,7 @@ func New(cfg Config) (*DefaultRouter, error) {
 			return nil, err
 		}
 	}
-	r.set.Store(&backendSet{byName: map[string]*backendState{}})
+	r.set.Store(newBackendSet(nil, nil))
 	if r.metrics, err = newRouterMetrics(cfg.MeterProvider, r); err != nil {
 		return nil, err
 	}
@@ -443,17 +493,13 @@ func (r *DefaultRouter) AddBackend(b Backend) error {
 	st.healthy.Store(true)
 	st.success.store(1)
 	st.attrOption = r.metrics.backendOption(b.Name)
-	next := &backendSet{list: old.list, pd: old.pd, byName: make(map[string]*backendState, len(old.byName)+1)}
+	list, pd := old.list, old.pd
 	if b.Role == disagg.RoleUnified {
-		next.list = append(append(make([]*backendState, 0, len(old.list)+1), old.list...), st)
+		list = append(append(make([]*backendState, 0, len(old.list)+1), old.list...), st)
 	} else {
-		next.pd = append(append(make([]*backendState, 0, len(old.pd)+1), old.pd...), st)
+		pd = append(append(make([]*backendState, 0, len(old.pd)+1), old.pd...), st)
 	}
-	for k, v := range old.byName {
-		next.byName[k] = v
-	}
-	next.byName[b.Name] = st
-	r.set.Store(next)
+	r.set.Store(newBackendSet(list, pd))
 	return nil
 }
 
@@ -471,20 +517,18 @@ func (r *DefaultRouter) RemoveBackend(name string) error {
 	if err := r.ringOf(gone.role).Remove(name); err != nil {
 		return err
 	}
-	next := &backendSet{list: make([]*backendState, 0, len(old.list)), byName: make(map[string]*backendState, len(old.byName))}
+	var list, pd []*backendState
 	for _, st := range old.list {
 		if st.name != name {
-			next.list = append(next.list, st)
-			next.byName[st.name] = st
+			list = append(list, st)
 		}
 	}
 	for _, st := range old.pd {
 		if st.name != name {
-			next.pd = append(next.pd, st)
-			next.byName[st.name] = st
+			pd = append(pd, st)
 		}
 	}
-	r.set.Store(next)
+	r.set.Store(newBackendSet(list, pd))
 	return nil
 }
 
@@ -606,7 +650,7 @@ func (r *DefaultRouter) share(d *Decision, keys []uint64) {
 // finish fills the decision's backend fields and counts it.
 func (r *DefaultRouter) finish(ctx context.Context, d *Decision) *Decision {
 	d.Backend = d.handle.Backend()
-	d.state = r.set.Load().byName[d.Backend]
+	d.state = r.set.Load().lookup(d.Backend)
 	if d.state != nil {
 		d.state.decisions.Add(1)
 		if r.kv != nil {
