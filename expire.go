@@ -186,10 +186,9 @@ func (r *DefaultRouter) sweepDecisions(t int64) {
 
 // expire ends a Route decision whose Done never came (see expireDecisions).
 func (d *Decision) expire() (string, bool) {
-	if !d.live.ended.CompareAndSwap(false, true) {
+	if !d.end(Outcome{NotSent: true}) {
 		return "", false
 	}
-	d.end(Outcome{NotSent: true})
 	return d.Backend, true
 }
 

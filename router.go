@@ -767,11 +767,16 @@ type Outcome struct {
 // first call has an effect, and none once Config.MaxDecisionAge has reclaimed the decision. Safe
 // to call from any goroutine; a nil Decision is a no-op.
 func (d *Decision) Done(o Outcome) {
-	if d == nil {
-		return
+	if d != nil {
+		d.end(o)
 	}
+}
+
+// end is Done's work: unless d has ended already (Done has begun, or Config.MaxDecisionAge
+// reclaimed it), it ends d with o and returns true.
+func (d *Decision) end(o Outcome) bool {
 	if !d.live.ended.CompareAndSwap(false, true) {
-		return
+		return false
 	}
 	if d.router == nil {
 		if h := d.hooks; h != nil {
@@ -782,13 +787,8 @@ func (d *Decision) Done(o Outcome) {
 			h.mu.Unlock()
 			h.inner.Done(o)
 		}
-		return
+		return true
 	}
-	d.end(o)
-}
-
-// end is Done's work for a Router's decision, once ended is set.
-func (d *Decision) end(o Outcome) {
 	d.endPrefill(false)
 	if d.activeID != 0 {
 		d.router.kv.active.Done(d.activeID)
@@ -799,16 +799,17 @@ func (d *Decision) end(o Outcome) {
 			d.state.refusals.Add(1)
 		}
 		d.router.holdRefused(&d.handle)
-		return
+		return true
 	}
 	if !d.handle.Release() || d.state == nil || o.NotSent {
-		return
+		return true
 	}
 	lat := o.Latency
 	if lat <= 0 {
 		lat = d.router.cfg.Now().Sub(d.start)
 	}
 	d.state.observe(lat, o.Err == nil)
+	return true
 }
 
 // holdRefused releases h, a refused request's slot, after Config.RefusalHold.
