@@ -2,7 +2,6 @@ package kvroute
 
 import (
 	"math"
-	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -12,25 +11,34 @@ import (
 // serves, streamed or not, so that only a decision whose Done was forgotten reaches it.
 const DefaultMaxDecisionAge = 30 * time.Minute
 
-// liveShards is the number of lists the live decisions are spread over, so that Route and Done
-// on many cores rarely wait on one another's lock. A power of two.
-const liveShards = 32
+// liveShards is the number of queues the live decisions are spread over, so that Route on many
+// cores rarely waits on another's lock: 1<<liveShardBits.
+const (
+	liveShardBits = 5
+	liveShards    = 1 << liveShardBits
+)
 
-// A live decision is one Route returned and whose Done has not come: the Router keeps it on one
-// of liveShards intrusive lists, oldest first, so that Config.MaxDecisionAge can reclaim what it
-// holds if Done never comes. Route appends (one uncontended lock), Done unlinks (the same), and
-// the sweep looks at the lists' heads only when the oldest may have expired (one atomic load
-// per Route otherwise). No goroutine and no timer is involved: the sweep runs in Route,
+// liveMinCap is the smallest capacity of a shard's queue once it holds a decision.
+const liveMinCap = 16
+
+// A live decision is one Route returned and whose Done has not come: the Router keeps it in one
+// of liveShards queues, oldest first, so that Config.MaxDecisionAge can reclaim what it holds if
+// Done never comes. Route appends to a queue (one uncontended lock; the queue is chosen by the
+// decision's start time, with no shared counter and no random source). Done takes no lock: it
+// marks the decision's liveNode ended (a Decision's Done sets that mark anyway, to run once),
+// and the entries of ended decisions are dropped later, from a queue's front by the sweep and
+// from the whole queue when Route finds it full, before it grows; so a queue's capacity stays
+// within four times the most decisions live in it at once (or liveMinCap). The sweep looks at
+// the queues' fronts only when the oldest decision may have expired (one atomic load per Route
+// otherwise). No goroutine and no timer is involved: the sweep runs in Route,
 // DisaggRouter.Route, Stats and the metrics' collection, by Config.Now.
 
-// liveNode is a live decision's place on its list.
+// liveNode is a decision's mark among the live ones: ended is set once the sweep has nothing
+// left to reclaim of it. A Decision's Done sets it as it begins, and so does the sweep as it
+// reclaims the decision; a DisaggDecision's Done, PrefillFailed and DecodeFailed set it
+// (untrack).
 type liveNode struct {
-	prev, next *liveNode
-	at         int64   // when Route began, in nanoseconds since the Router's epoch
-	owner      expirer // the decision
-	shard      uint8   // its list; set once, before Route returns
-	tracked    bool    // it was put on a list (set once, before Route returns)
-	linked     bool    // it is on its list now (under the list's lock)
+	ended atomic.Bool
 }
 
 // expirer is a decision the sweep can end: expire releases what it holds as Done would, with
@@ -40,11 +48,20 @@ type expirer interface {
 	expire() (backend string, released bool)
 }
 
-// liveShard is one list, padded to its own cache line.
+// liveEntry is a tracked decision in its shard's queue.
+type liveEntry struct {
+	node  *liveNode
+	owner expirer
+	at    int64 // when Route began, in nanoseconds since the Router's epoch
+}
+
+// liveShard is one queue, padded to its own cache line: ents[head:] are its entries, in the
+// order Route tracked them.
 type liveShard struct {
-	mu         sync.Mutex
-	head, tail *liveNode
-	_          [40]byte
+	mu   sync.Mutex
+	head int
+	ents []liveEntry
+	_    [24]byte
 }
 
 // liveSet holds the live decisions of a Router.
@@ -65,51 +82,48 @@ func (l *liveSet) init(maxAge time.Duration) {
 	l.next.Store(l.maxAge)
 }
 
-// track puts n, a decision begun at at, on a list. A no-op when the net is off.
+// track queues owner, a decision begun at at whose mark is n. A no-op when the net is off. The
+// queue is chosen by a hash of at, whose low bits differ from one Route to the next on a clock of
+// nanosecond resolution (on a coarser clock, decisions of the same tick share a queue).
 func (l *liveSet) track(n *liveNode, owner expirer, at int64) {
 	if l.maxAge == 0 {
 		return
 	}
-	n.owner, n.at, n.tracked = owner, at, true
-	n.shard = uint8(rand.Uint32() % liveShards)
-	s := &l.shards[n.shard]
+	s := &l.shards[(uint64(at)*0x9e3779b97f4a7c15)>>(64-liveShardBits)]
 	s.mu.Lock()
-	n.prev, n.next, n.linked = s.tail, nil, true
-	if s.tail != nil {
-		s.tail.next = n
-	} else {
-		s.head = n
+	if len(s.ents) == cap(s.ents) {
+		s.compactLocked()
 	}
-	s.tail = n
+	s.ents = append(s.ents, liveEntry{node: n, owner: owner, at: at})
 	s.mu.Unlock()
 }
 
-// untrack takes n off its list, if it is still there. Safe to call more than once.
-func (l *liveSet) untrack(n *liveNode) {
-	if !n.tracked {
-		return
-	}
-	s := &l.shards[n.shard]
-	s.mu.Lock()
-	s.unlinkLocked(n)
-	s.mu.Unlock()
-}
+// untrack marks n's decision ended, so that the sweep passes over it. Safe to call more than
+// once.
+func (l *liveSet) untrack(n *liveNode) { n.ended.Store(true) }
 
-func (s *liveShard) unlinkLocked(n *liveNode) {
-	if !n.linked {
-		return
+// compactLocked drops the entries of the decisions that have ended, keeping the others in their
+// order, and sizes the queue for what is left: twice the room when more than half of it is still
+// live, a quarter of it (not below liveMinCap) when less than an eighth is. The dropped entries
+// past the new length are not cleared (the appends that follow overwrite them): what the queue's
+// array keeps reachable stays within its capacity either way.
+func (s *liveShard) compactLocked() {
+	k := 0
+	for _, e := range s.ents[s.head:] {
+		if !e.node.ended.Load() {
+			s.ents[k] = e
+			k++
+		}
 	}
-	if n.prev != nil {
-		n.prev.next = n.next
-	} else {
-		s.head = n.next
+	s.ents, s.head = s.ents[:k], 0
+	switch c := cap(s.ents); {
+	case c < liveMinCap:
+		s.ents = append(make([]liveEntry, 0, liveMinCap), s.ents...)
+	case k > c/2:
+		s.ents = append(make([]liveEntry, 0, 2*c), s.ents...)
+	case c > liveMinCap && k < c/8:
+		s.ents = append(make([]liveEntry, 0, max(c/4, liveMinCap)), s.ents...)
 	}
-	if n.next != nil {
-		n.next.prev = n.prev
-	} else {
-		s.tail = n.prev
-	}
-	n.prev, n.next, n.linked = nil, nil, false
 }
 
 // due reports whether a decision may have expired at now (nanoseconds since the epoch).
@@ -122,45 +136,59 @@ func (l *liveSet) due(now int64) bool { return now >= l.next.Load() }
 // once at Warn. A later Done on it does nothing. Costs one atomic load until the oldest decision
 // may have expired.
 func (r *DefaultRouter) expireDecisions(now time.Time) {
+	if t := r.since(now); r.live.due(t) {
+		r.sweepDecisions(t)
+	}
+}
+
+// sweepDecisions is expireDecisions at t (nanoseconds since the epoch), once the oldest decision
+// may have expired.
+func (r *DefaultRouter) sweepDecisions(t int64) {
 	l := &r.live
-	t := r.since(now)
-	if !l.due(t) || !l.sweeping.TryLock() {
+	if !l.sweeping.TryLock() {
 		return
 	}
 	cut := t - l.maxAge
 	next := t + l.maxAge
-	var old []*liveNode
+	var old []liveEntry
 	for i := range l.shards {
 		s := &l.shards[i]
 		s.mu.Lock()
-		for n := s.head; n != nil && n.at <= cut; n = s.head {
-			s.unlinkLocked(n)
-			old = append(old, n)
+		for s.head < len(s.ents) {
+			e := &s.ents[s.head]
+			if !e.node.ended.Load() {
+				if e.at > cut {
+					next = min(next, e.at+l.maxAge)
+					break
+				}
+				old = append(old, *e)
+			}
+			*e = liveEntry{}
+			s.head++
 		}
-		if s.head != nil {
-			next = min(next, s.head.at+l.maxAge)
+		if s.head == len(s.ents) {
+			s.ents, s.head = s.ents[:0], 0
 		}
 		s.mu.Unlock()
 	}
 	l.next.Store(next)
 	l.sweeping.Unlock()
-	for _, n := range old {
-		backend, ok := n.owner.expire()
+	for _, e := range old {
+		backend, ok := e.owner.expire()
 		if !ok {
 			continue
 		}
 		l.expired.Add(1)
 		r.cfg.Logger.Warn("kvroute: a decision's Done never came; its slot is reclaimed (Config.MaxDecisionAge)",
-			"backend", backend, "age", time.Duration(t-n.at), "max_decision_age", time.Duration(l.maxAge))
+			"backend", backend, "age", time.Duration(t-e.at), "max_decision_age", time.Duration(l.maxAge))
 	}
 }
 
 // expire ends a Route decision whose Done never came (see expireDecisions).
 func (d *Decision) expire() (string, bool) {
-	if !d.ended.CompareAndSwap(false, true) {
+	if !d.end(Outcome{NotSent: true}) {
 		return "", false
 	}
-	d.end(Outcome{NotSent: true})
 	return d.Backend, true
 }
 

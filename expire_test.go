@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -294,4 +295,129 @@ func TestDecisionExpiryRaces(t *testing.T) {
 	st := statsOf(t, r)
 	assert.GreaterOrEqual(t, st.Decisions.Expired, uint64(400), "every forgotten decision expires")
 	assert.LessOrEqual(t, st.Decisions.Expired, uint64(routed.Load()))
+}
+
+// tickClock is a Config.Now that moves forward by step at every call (so that the decisions of a
+// test spread over the live queues as on a wall clock), and by advance.
+type tickClock struct {
+	mu   sync.Mutex
+	now  time.Time
+	step time.Duration
+}
+
+func (c *tickClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.now = c.now.Add(c.step)
+	return c.now
+}
+
+func (c *tickClock) advance(d time.Duration) {
+	c.mu.Lock()
+	c.now = c.now.Add(d)
+	c.mu.Unlock()
+}
+
+// liveEntries returns how many entries r's live queues hold, how many of those are of decisions
+// that have not ended, and the largest capacity of a queue.
+func liveEntries(r *DefaultRouter) (entries, live, maxCap int) {
+	for i := range r.live.shards {
+		s := &r.live.shards[i]
+		s.mu.Lock()
+		for _, e := range s.ents[s.head:] {
+			entries++
+			if !e.node.ended.Load() {
+				live++
+			}
+		}
+		maxCap = max(maxCap, cap(s.ents))
+		s.mu.Unlock()
+	}
+	return entries, live, maxCap
+}
+
+// Done leaves its decision's entry in a live queue for Route to drop later: the queues hold a
+// bounded number of entries however many decisions ended, grow while many are live at once,
+// shrink back once they have ended, and never drop the entry of a decision still live.
+func TestLiveQueuesStayBounded(t *testing.T) {
+	clock := &tickClock{now: time.Unix(1_800_000_000, 0), step: 1013 * time.Nanosecond}
+	r := newRouter(t, Config{Backends: backends(4), Now: clock.Now, MaxDecisionAge: time.Minute})
+	ctx := context.Background()
+	req := chatReq("bounded", "u")
+	route := func() *Decision {
+		d, err := r.Route(ctx, req)
+		require.NoError(t, err)
+		return d
+	}
+	for range 20_000 {
+		route().Done(Outcome{})
+	}
+	entries, live, maxCap := liveEntries(r)
+	assert.Zero(t, live)
+	assert.LessOrEqual(t, entries, liveShards*liveMinCap)
+	assert.Equal(t, liveMinCap, maxCap, "one decision live at a time fits the smallest queues")
+
+	held := make([]*Decision, 0, 2000)
+	for i := range 20_000 {
+		d := route()
+		if i%10 == 0 {
+			held = append(held, d) // live until below
+		} else {
+			d.Done(Outcome{})
+		}
+	}
+	entries, live, maxCap = liveEntries(r)
+	assert.Equal(t, len(held), live, "every live decision keeps its entry")
+	assert.LessOrEqual(t, entries, 4*len(held)+liveShards*liveMinCap)
+	assert.Greater(t, maxCap, liveMinCap)
+
+	for _, d := range held {
+		d.Done(Outcome{})
+	}
+	for range 20_000 {
+		route().Done(Outcome{})
+	}
+	entries, live, maxCap = liveEntries(r)
+	assert.Zero(t, live)
+	assert.LessOrEqual(t, entries, liveShards*liveMinCap)
+	assert.Equal(t, liveMinCap, maxCap, "the queues shrink back once the decisions have ended")
+	_, sum := slotsInFlight(t, r)
+	assert.Zero(t, sum)
+	assert.Zero(t, statsOf(t, r).Decisions.Expired)
+}
+
+// A forgotten decision stays among the live ones through the many compactions of its queue that
+// the decisions routed after it cause, and is reclaimed once it is old enough; those that ended
+// are not.
+func TestForgottenDecisionSurvivesCompaction(t *testing.T) {
+	clock := &tickClock{now: time.Unix(1_800_000_000, 0), step: 1013 * time.Nanosecond}
+	r := newRouter(t, Config{Backends: backends(4), Now: clock.Now, MaxDecisionAge: time.Minute})
+	ctx := context.Background()
+	var forgotten []*Decision
+	for i := range 50_000 {
+		d, err := r.Route(ctx, chatReq("compaction", fmt.Sprint(i%100)))
+		require.NoError(t, err)
+		if i%5_000 == 0 {
+			forgotten = append(forgotten, d)
+			continue
+		}
+		d.Done(Outcome{})
+	}
+	_, live, _ := liveEntries(r)
+	require.Equal(t, len(forgotten), live)
+	_, sum := slotsInFlight(t, r)
+	require.Equal(t, len(forgotten), sum)
+
+	clock.advance(time.Minute)
+	_, sum = slotsInFlight(t, r)
+	assert.Zero(t, sum)
+	assert.Equal(t, uint64(len(forgotten)), statsOf(t, r).Decisions.Expired)
+	entries, _, _ := liveEntries(r)
+	assert.LessOrEqual(t, entries, liveShards*liveMinCap)
+}
+
+// Route's one allocation in tier 1 is its Decision: it stays within the 176-byte size class (a
+// bigger Decision costs every request a bigger allocation and its zeroing).
+func TestDecisionSize(t *testing.T) {
+	assert.LessOrEqual(t, unsafe.Sizeof(Decision{}), uintptr(176))
 }

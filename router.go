@@ -10,6 +10,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
@@ -325,6 +326,55 @@ type backendSet struct {
 	list   []*backendState // unified backends (the ring's members), in the order they were added
 	pd     []*backendState // prefill and decode backends (on their pools' rings), in the same order
 	byName map[string]*backendState
+	// byData holds byName's backends by the address of their names' bytes (open addressing, a
+	// power-of-two size above twice their number; shift takes a slot from the address's hash),
+	// for lookup.
+	byData []*backendState
+	shift  uint8
+}
+
+// newBackendSet returns the set of the unified backends list and the prefill and decode
+// backends pd.
+func newBackendSet(list, pd []*backendState) *backendSet {
+	s := &backendSet{list: list, pd: pd, byName: make(map[string]*backendState, len(list)+len(pd))}
+	n, bits := 2, uint8(1)
+	for n <= 2*(len(list)+len(pd)) {
+		n, bits = 2*n, bits+1
+	}
+	s.byData, s.shift = make([]*backendState, n), 64-bits
+	for _, sts := range [...][]*backendState{list, pd} {
+		for _, st := range sts {
+			s.byName[st.name] = st
+			i := s.slot(st.name)
+			for s.byData[i] != nil {
+				i = (i + 1) & (n - 1)
+			}
+			s.byData[i] = st
+		}
+	}
+	return s
+}
+
+// slot is the first slot of byData to look for name in.
+func (s *backendSet) slot(name string) int {
+	return int((uint64(uintptr(unsafe.Pointer(unsafe.StringData(name)))) * 0x9e3779b97f4a7c15) >> s.shift)
+}
+
+// lookup returns the backend named name, nil for none: byName[name], in fewer steps for a name
+// that shares its bytes with the backend's own, as a chwbl.Handle's Backend does (the ring keeps
+// the name AddBackend gave both). It compares addresses and lengths, not bytes; any other name
+// ends at an empty slot and is looked up in byName.
+func (s *backendSet) lookup(name string) *backendState {
+	p, n := unsafe.StringData(name), len(s.byData)
+	for i := s.slot(name); ; i = (i + 1) & (n - 1) {
+		st := s.byData[i]
+		if st == nil {
+			return s.byName[name]
+		}
+		if unsafe.StringData(st.name) == p && len(st.name) == len(name) {
+			return st
+		}
+	}
 }
 
 // DefaultRouter is the Router built by New: tier 1 (prefix-aware CHWBL routing) with a fallback
@@ -378,7 +428,7 @@ func New(cfg Config) (*DefaultRouter, error) {
 			return nil, err
 		}
 	}
-	r.set.Store(&backendSet{byName: map[string]*backendState{}})
+	r.set.Store(newBackendSet(nil, nil))
 	if r.metrics, err = newRouterMetrics(cfg.MeterProvider, r); err != nil {
 		return nil, err
 	}
@@ -443,17 +493,13 @@ func (r *DefaultRouter) AddBackend(b Backend) error {
 	st.healthy.Store(true)
 	st.success.store(1)
 	st.attrOption = r.metrics.backendOption(b.Name)
-	next := &backendSet{list: old.list, pd: old.pd, byName: make(map[string]*backendState, len(old.byName)+1)}
+	list, pd := old.list, old.pd
 	if b.Role == disagg.RoleUnified {
-		next.list = append(append(make([]*backendState, 0, len(old.list)+1), old.list...), st)
+		list = append(append(make([]*backendState, 0, len(old.list)+1), old.list...), st)
 	} else {
-		next.pd = append(append(make([]*backendState, 0, len(old.pd)+1), old.pd...), st)
+		pd = append(append(make([]*backendState, 0, len(old.pd)+1), old.pd...), st)
 	}
-	for k, v := range old.byName {
-		next.byName[k] = v
-	}
-	next.byName[b.Name] = st
-	r.set.Store(next)
+	r.set.Store(newBackendSet(list, pd))
 	return nil
 }
 
@@ -471,20 +517,18 @@ func (r *DefaultRouter) RemoveBackend(name string) error {
 	if err := r.ringOf(gone.role).Remove(name); err != nil {
 		return err
 	}
-	next := &backendSet{list: make([]*backendState, 0, len(old.list)), byName: make(map[string]*backendState, len(old.byName))}
+	var list, pd []*backendState
 	for _, st := range old.list {
 		if st.name != name {
-			next.list = append(next.list, st)
-			next.byName[st.name] = st
+			list = append(list, st)
 		}
 	}
 	for _, st := range old.pd {
 		if st.name != name {
-			next.pd = append(next.pd, st)
-			next.byName[st.name] = st
+			pd = append(pd, st)
 		}
 	}
-	r.set.Store(next)
+	r.set.Store(newBackendSet(list, pd))
 	return nil
 }
 
@@ -531,8 +575,11 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 		return nil, err
 	}
 	d := &Decision{router: r, start: r.cfg.Now()}
+	at := r.since(d.start)
 	r.expireExternal(d.start)
-	r.expireDecisions(d.start)
+	if r.live.due(at) {
+		r.sweepDecisions(at)
+	}
 	if !r.cfg.DisablePrefixRouting {
 		d.PrefixKey, d.HasPrefixKey = req.PrefixKey(r.cfg.MaxPrefixLength)
 	}
@@ -549,7 +596,7 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 			d = r.finish(ctx, d)
 			r.addBacklog(d, s4)
 			r.share(d, s4.keys)
-			r.live.track(&d.live, d, r.since(d.start))
+			r.live.track(&d.live, d, at)
 			return d, nil
 		}
 		r.kv.handedOff.Add(1)
@@ -587,7 +634,7 @@ func (r *DefaultRouter) route(ctx context.Context, req *prefixkey.Request) (*Dec
 		keys = s4.keys
 	}
 	r.share(d, keys)
-	r.live.track(&d.live, d, r.since(d.start))
+	r.live.track(&d.live, d, at)
 	return d, nil
 }
 
@@ -603,7 +650,7 @@ func (r *DefaultRouter) share(d *Decision, keys []uint64) {
 // finish fills the decision's backend fields and counts it.
 func (r *DefaultRouter) finish(ctx context.Context, d *Decision) *Decision {
 	d.Backend = d.handle.Backend()
-	d.state = r.set.Load().byName[d.Backend]
+	d.state = r.set.Load().lookup(d.Backend)
 	if d.state != nil {
 		d.state.decisions.Add(1)
 		if r.kv != nil {
@@ -635,7 +682,7 @@ type Decision struct {
 
 	router   *DefaultRouter // nil for a Decision made by NewDecision
 	hooks    *hookState     // NewDecision's and WrapDecision's
-	ended    atomic.Bool    // Done has run
+	live     liveNode       // ended: Done has run, or Config.MaxDecisionAge reclaimed it (expire.go)
 	first    atomic.Bool    // FirstToken has run
 	prefill  *kvPrefill     // its prefill on its backend's queue, nil when tier 4 put none there
 	activeID uint64         // active-sequence id when tier 4 tracks sequences, else 0
@@ -643,7 +690,6 @@ type Decision struct {
 	state    *backendState
 	handle   chwbl.Handle
 	start    time.Time
-	live     liveNode // its place among the Router's live decisions (Config.MaxDecisionAge)
 }
 
 // DecisionHooks are what a Decision made by NewDecision does when the gateway reports on it.
@@ -721,11 +767,16 @@ type Outcome struct {
 // first call has an effect, and none once Config.MaxDecisionAge has reclaimed the decision. Safe
 // to call from any goroutine; a nil Decision is a no-op.
 func (d *Decision) Done(o Outcome) {
-	if d == nil {
-		return
+	if d != nil {
+		d.end(o)
 	}
-	if !d.ended.CompareAndSwap(false, true) {
-		return
+}
+
+// end is Done's work: unless d has ended already (Done has begun, or Config.MaxDecisionAge
+// reclaimed it), it ends d with o and returns true.
+func (d *Decision) end(o Outcome) bool {
+	if !d.live.ended.CompareAndSwap(false, true) {
+		return false
 	}
 	if d.router == nil {
 		if h := d.hooks; h != nil {
@@ -736,14 +787,8 @@ func (d *Decision) Done(o Outcome) {
 			h.mu.Unlock()
 			h.inner.Done(o)
 		}
-		return
+		return true
 	}
-	d.router.live.untrack(&d.live)
-	d.end(o)
-}
-
-// end is Done's work for a Router's decision, once ended is set.
-func (d *Decision) end(o Outcome) {
 	d.endPrefill(false)
 	if d.activeID != 0 {
 		d.router.kv.active.Done(d.activeID)
@@ -754,16 +799,17 @@ func (d *Decision) end(o Outcome) {
 			d.state.refusals.Add(1)
 		}
 		d.router.holdRefused(&d.handle)
-		return
+		return true
 	}
 	if !d.handle.Release() || d.state == nil || o.NotSent {
-		return
+		return true
 	}
 	lat := o.Latency
 	if lat <= 0 {
 		lat = d.router.cfg.Now().Sub(d.start)
 	}
 	d.state.observe(lat, o.Err == nil)
+	return true
 }
 
 // holdRefused releases h, a refused request's slot, after Config.RefusalHold.
@@ -792,7 +838,7 @@ func (d *Decision) FirstToken() {
 		}
 		h.mu.Lock()
 		defer h.mu.Unlock()
-		if h.first || d.ended.Load() {
+		if h.first || d.live.ended.Load() {
 			return
 		}
 		h.first = true
@@ -802,7 +848,7 @@ func (d *Decision) FirstToken() {
 		h.inner.FirstToken()
 		return
 	}
-	if d.ended.Load() || !d.first.CompareAndSwap(false, true) {
+	if d.live.ended.Load() || !d.first.CompareAndSwap(false, true) {
 		return
 	}
 	d.endPrefill(true)
@@ -849,10 +895,15 @@ type atomicFloat struct{ bits atomic.Uint64 }
 
 func (f *atomicFloat) load() float64   { return math.Float64frombits(f.bits.Load()) }
 func (f *atomicFloat) store(v float64) { f.bits.Store(math.Float64bits(v)) }
+
+// update sets f to fn of its value. It writes nothing when fn leaves the value as it is, as the
+// success average of a backend that keeps succeeding does once it has reached 1: Done then
+// spares a locked write.
 func (f *atomicFloat) update(fn func(float64) float64) {
 	for {
 		old := f.bits.Load()
-		if f.bits.CompareAndSwap(old, math.Float64bits(fn(math.Float64frombits(old)))) {
+		v := math.Float64bits(fn(math.Float64frombits(old)))
+		if v == old || f.bits.CompareAndSwap(old, v) {
 			return
 		}
 	}

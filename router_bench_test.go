@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvroute/kvroute/prefixkey"
 )
@@ -59,6 +60,51 @@ func BenchmarkRoute(b *testing.B) {
 			d.Done(Outcome{})
 		}
 	})
+}
+
+// BenchmarkRouteMaxDecisionAge measures tier 1's Route()+Done() (16 backends, 1 KiB system prompt)
+// with Config.MaxDecisionAge's net off and on, with no other decision live and with 1,000 held
+// live, as a gateway's streams are, whose entries the live queues keep.
+func BenchmarkRouteMaxDecisionAge(b *testing.B) {
+	for _, net := range []struct {
+		name string
+		age  time.Duration
+	}{{"off", -1}, {"on", DefaultMaxDecisionAge}} {
+		for _, held := range []int{0, 1000} {
+			b.Run(fmt.Sprintf("net=%s/held=%d", net.name, held), func(b *testing.B) {
+				r, err := New(Config{Backends: backends(16), MaxDecisionAge: net.age})
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer r.Close()
+				reqs := make([]*prefixkey.Request, 64)
+				for i := range reqs {
+					reqs[i] = chatReq(fmt.Sprintf("%04d", i)+strings.Repeat("s", 1020), "hello")
+				}
+				ctx := context.Background()
+				live := make([]*Decision, held)
+				for i := range live {
+					if live[i], err = r.Route(ctx, reqs[i%len(reqs)]); err != nil {
+						b.Fatal(err)
+					}
+				}
+				defer func() {
+					for _, d := range live {
+						d.Done(Outcome{})
+					}
+				}()
+				b.ReportAllocs()
+				b.ResetTimer()
+				for i := 0; b.Loop(); i++ {
+					d, err := r.Route(ctx, reqs[i%len(reqs)])
+					if err != nil {
+						b.Fatal(err)
+					}
+					d.Done(Outcome{})
+				}
+			})
+		}
+	}
 }
 
 // BenchmarkRouteParallel measures Route()+Done() from every core at once on 64 hot prefixes.
