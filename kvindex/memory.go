@@ -176,8 +176,11 @@ func (c MemoryConfig) withDefaults() (MemoryConfig, error) {
 	return c, nil
 }
 
-// bodyBytes is the size of one block's body in the table's slab.
-const bodyBytes = 56
+// bodyBytes is the size of one block's body in the table's slab, coldBytes of a cold part.
+const (
+	bodyBytes = 32
+	coldBytes = 32
+)
 
 // maxEntriesLimit bounds MaxEntries: 256 shards of at most maxBodies blocks.
 const maxEntriesLimit = 1 << 31
@@ -191,10 +194,11 @@ const tickShift = 22
 // retries only a probe that raced with a writer of that shard; writers lock one shard per block.
 // Create it with NewMemory; the zero value is not usable. Close stops its sweep goroutine.
 //
-// Memory: per block, a 56-byte body (its holders on every tier) and an 8-byte probe word in an
-// array kept 76–87.5% full; per (block, backend) membership confirmed by an event, a 16-byte
-// engine-hash map entry, the maps kept likewise. With blocks held by 2.7 backends on average
-// that is about 46 bytes per membership (BenchmarkMemoryPerMembership). Per speculative
+// Memory: per block, a 32-byte body (its GPU holders, its parent) and an 8-byte probe word in an
+// array kept 76–87.5% full, and a 32-byte cold part for a block held on the CPU or storage tier or
+// by speculative holders beside confirmed ones; per (block, backend) membership confirmed by an
+// event, a 16-byte engine-hash map entry, the maps kept likewise. With blocks held by 2.7 backends
+// on average that is about 36 bytes per membership (BenchmarkMemoryPerMembership). Per speculative
 // membership, an 8-byte entry in its backend's expiry queue (16 when queued out of order), kept
 // until the entry's expiry even when a BlockStored confirms it sooner.
 type MemoryIndex struct {
@@ -291,15 +295,16 @@ func (m *MemoryIndex) clock() clock {
 }
 
 // mix is a bijective 64-bit finaliser (MurmurHash3's fmix64): block keys are xxh3 outputs, but
-// callers may pass anything, and shard and slot choice need well-spread bits. The two keys mixing
-// to 0 and 1 (which bodies, ignoring bit 0, would take for free) are moved to another constant.
+// callers may pass anything, and shard and slot choice need well-spread bits. The four keys mixing
+// to 0–3 (which bodies, ignoring the flag bits, would take for free) are moved to another
+// constant.
 func mix(k uint64) uint64 {
 	k ^= k >> 33
 	k *= 0xff51afd7ed558ccd
 	k ^= k >> 33
 	k *= 0xc4ceb9fe1a85ec53
 	k ^= k >> 33
-	if k < 2 {
+	if k <= flagMask {
 		k = 0x9e3779b97f4a7c15
 	}
 	return k
@@ -1127,7 +1132,8 @@ func (m *MemoryIndex) Stats(context.Context) (Stats, error) {
 		sh := &m.shards[i]
 		s.Blocks += int(sh.blocks.Load())
 		t := sh.tab.Load()
-		bytes += int64(len(t.keys))*8 + int64(len(t.chunks))*chunkSize*bodyBytes
+		bytes += int64(len(t.keys))*8 + int64(len(t.chunks))*chunkSize*bodyBytes +
+			int64(len(t.colds))*coldChunkSize*coldBytes
 	}
 	for name, bs := range active {
 		ic := &m.ids[bs.id]

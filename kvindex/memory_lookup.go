@@ -168,18 +168,31 @@ func (m *MemoryIndex) probe(h uint64, c clock) (g, cpu, sto uint64) {
 }
 
 // holders returns b's live holders by tier, speculative ones with the GPU's. It reads the cold
-// part only for a block that has CPU or storage holders. Readers call it under the seqlock.
+// part only for a block that has one. Readers call it under the seqlock.
 func (b body) holders(c clock) (g, cpu, sto uint64) {
 	hx := b.hot.hx.Load()
 	times := b.hot.times.Load()
-	if int32(c.epoch-uint32(times)) <= int32(c.ttl) {
-		g = b.hot.gpu.Load()
-		if hx&1 != 0 {
-			cpu, sto = b.cold.cpu.Load(), b.cold.storage.Load()
+	fresh := int32(c.epoch-uint32(times)) <= int32(c.ttl)
+	switch hx & flagMask {
+	case 0:
+		if fresh {
+			g = b.hot.g.Load()
 		}
-	}
-	if int32(uint32(times>>32)-c.now) > 0 {
-		g |= b.hot.spec.Load()
+	case flagSpec:
+		if int32(uint32(times>>32)-c.now) > 0 {
+			g = b.hot.g.Load()
+		}
+	default:
+		cd := b.t.cold(b.hot.pc.Load())
+		if cd == nil {
+			return 0, 0, 0 // torn
+		}
+		if fresh {
+			g, cpu, sto = b.hot.g.Load(), cd.cpu.Load(), cd.storage.Load()
+		}
+		if int32(uint32(times>>32)-c.now) > 0 {
+			g |= cd.spec.Load()
+		}
 	}
 	return g, cpu, sto
 }

@@ -134,10 +134,10 @@ func (m *MemoryIndex) BlockSize() int { return m.cfg.BlockSize }
 
 // exportBlock is a block Export found, copied out of its shard.
 type exportBlock struct {
-	h, parent uint64 // mixed keys; h without bit 0
+	h, parent uint64 // mixed keys; h without the flag bits
 	tiers     uint8
 	stamp     uint32
-	shardBit  uint64 // bit 0 of h when the table has several shards, else 2
+	low       uint64 // the flag bits of h when its shard gives them, else 4
 }
 
 // Export lists every backend's confirmed blocks, engine hashes and prefix entries (Exporter).
@@ -146,8 +146,8 @@ type exportBlock struct {
 // Blocks are read as Dump reads them, each shard under its lock dumpSlice blocks at a time;
 // expiries are exact to the index's epochs (EntryTTL/64). The engine-hash map of a backend is
 // copied under its mutex (16 bytes per entry), which holds off that backend's Apply for the
-// copy. A single-shard table (MaxEntries < 8,192) finds its block keys in the engine-hash maps
-// and parent links (see Dump); a block found in neither is not listed.
+// copy. A table of fewer than four shards (MaxEntries < 16,384) finds its block keys in the
+// engine-hash maps and parent links (see Dump); a block found in neither is not listed.
 func (m *MemoryIndex) Export(ctx context.Context, fn func(backend string, rec *StateRecord) error) error {
 	if m.closed.Load() {
 		return ErrClosed
@@ -171,7 +171,7 @@ func (m *MemoryIndex) Export(ctx context.Context, fn func(backend string, rec *S
 // exportBackend lists bs's records.
 func (m *MemoryIndex) exportBackend(ctx context.Context, bs *backendState, rec *StateRecord,
 	fn func(string, *StateRecord) error) error {
-	// The engine map first: a single-shard table needs it for keys, and the records come after
+	// The engine map first: a table of few shards needs it for keys, and the records come after
 	// the blocks.
 	bs.emu.Lock()
 	slots := make([]emSlot, 0, bs.em.count)
@@ -182,11 +182,11 @@ func (m *MemoryIndex) exportBackend(ctx context.Context, bs *backendState, rec *
 	}
 	bs.emu.Unlock()
 
-	var keys map[uint64]uint64 // single shard: mixed key without bit 0 → block key
-	if len(m.shards) == 1 {
+	var keys map[uint64]uint64 // few shards: mixed key without the flag bits → block key
+	if len(m.shards) < minKeyedShards {
 		keys = make(map[uint64]uint64, len(slots))
 		for _, s := range slots {
-			keys[mix(s.key)&^1] = s.key
+			keys[mix(s.key)&^flagMask] = s.key
 		}
 	}
 	bit := uint64(1) << bs.id
@@ -213,8 +213,8 @@ func (m *MemoryIndex) exportBackend(ctx context.Context, bs *backendState, rec *
 			step := strideFor(len(buf))
 			for i, j := 0, 0; i < len(buf); i, j = i+1, (j+step)%len(buf) {
 				b := buf[j]
-				key := unmix(b.h | b.shardBit)
-				if b.shardBit >= 2 {
+				key := unmix(b.h | b.low)
+				if b.low > flagMask {
 					k, ok := keys[b.h]
 					if !ok {
 						continue
@@ -241,18 +241,22 @@ func (m *MemoryIndex) exportBackend(ctx context.Context, bs *backendState, rec *
 	return m.exportPrefixes(bs, rec, fn)
 }
 
-// exportParents adds to keys the parents named by sh's blocks held by bit (single-shard tables).
+// exportParents adds to keys the parents named by sh's blocks held by bit (tables of few shards).
 func (m *MemoryIndex) exportParents(sh *shard, bit uint64, keys map[uint64]uint64) {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	t := sh.tab.Load()
 	for b := range t.bodies(sh.used) {
-		if b.hot.hx.Load() == 0 || (b.hot.gpu.Load()|b.cold.cpu.Load()|b.cold.storage.Load())&bit == 0 {
+		if b.key() == 0 {
 			continue
 		}
-		if p := b.cold.parent.Load(); p != 0 {
-			if _, ok := keys[p&^1]; !ok {
-				keys[p&^1] = unmix(p)
+		v := b.load()
+		if v.confirmed()&bit == 0 {
+			continue
+		}
+		if p := v.parent; p != 0 {
+			if _, ok := keys[p&^flagMask]; !ok {
+				keys[p&^flagMask] = unmix(p)
 			}
 		}
 	}
@@ -262,10 +266,7 @@ func (m *MemoryIndex) exportParents(sh *shard, bit uint64, keys map[uint64]uint6
 // from+dumpSlice) into buf. Same results as dumpShard.
 func (m *MemoryIndex) exportShard(sh *shard, i int, bs *backendState, bit uint64, from uint32,
 	buf []exportBlock) (_ []exportBlock, next uint32, more, gone bool, now time.Time) {
-	shardBit := uint64(2)
-	if len(m.shards) > 1 {
-		shardBit = uint64(i) & 1
-	}
+	low := m.lowBits(i)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if m.reg.retired.Load()&bit != 0 || m.reg.lookup(bs.name) != bs {
@@ -276,13 +277,12 @@ func (m *MemoryIndex) exportShard(sh *shard, i int, bs *backendState, bit uint64
 	t := sh.tab.Load()
 	end := min(sh.used, from+dumpSlice)
 	for bi := from; bi < end; bi++ {
-		ch := t.chunks[bi>>chunkShift]
-		b := body{&ch.hot[bi%chunkSize], &ch.cold[bi%chunkSize]}
-		if b.hot.hx.Load() == 0 || (b.hot.gpu.Load()|b.cold.cpu.Load()|b.cold.storage.Load())&bit == 0 {
+		b := t.bodyAt(uint64(bi))
+		if b.key() == 0 {
 			continue
 		}
 		v := b.load()
-		if !c.fresh(&v) {
+		if v.confirmed()&bit == 0 || !c.fresh(&v) {
 			continue
 		}
 		var tiers uint8
@@ -291,7 +291,7 @@ func (m *MemoryIndex) exportShard(sh *shard, i int, bs *backendState, bit uint64
 				tiers |= 1 << tier
 			}
 		}
-		buf = append(buf, exportBlock{h: v.h, parent: v.parent, tiers: tiers, stamp: v.stamp(), shardBit: shardBit})
+		buf = append(buf, exportBlock{h: v.h, parent: v.parent, tiers: tiers, stamp: v.stamp(), low: low})
 	}
 	return buf, end, end < sh.used, false, now
 }

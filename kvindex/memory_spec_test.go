@@ -48,9 +48,9 @@ func checkSpecQueues(t testing.TB, m *MemoryIndex) {
 	for name, bs := range m.reg.active() {
 		bs.specMu.Lock()
 		q := &bs.spec
-		first := map[uint64]uint32{} // soonest queued expiry per block (bit 0 cleared, as v.h)
+		first := map[uint64]uint32{} // soonest queued expiry per block (flag bits cleared, as v.h)
 		note := func(h uint64, exp uint32) {
-			h &^= 1
+			h &^= flagMask
 			if e, ok := first[h]; !ok || before(exp, e) {
 				first[h] = exp
 			}

@@ -13,14 +13,15 @@ import (
 // This file holds the block table of MemoryIndex: shards of ordered linear-probing hash tables
 // keyed by the mixed block key, read under a seqlock and written under a mutex.
 //
-// Layout. A shard has a probe array of 8-byte words and a slab of 56-byte bodies. A word is a
+// Layout. A shard has a probe array of 8-byte words and a slab of 32-byte bodies. A word is a
 // 40-bit fingerprint of the block's mixed key (its high bits) and the 24-bit index of the block's
-// body; the body holds the full key (which confirms a fingerprint match), one holder bitset per
-// tier (bit i = backend id i), the speculative holders, the evidence epoch and the speculative
-// expiry, and the parent's key. Probing walks dense words (a probe sequence stays within one or
-// two cache lines) and then reads one body: a block's holders on every tier are two lines away.
-// Bodies do not move: inserting or deleting shifts 8-byte words only, and a resize rebuilds only
-// the probe array.
+// body; the body holds the key (which confirms a fingerprint match), the holders on the GPU tier
+// (bit i = backend id i), the evidence epoch and the speculative expiry, and the parent's key.
+// Probing walks dense words (a probe sequence stays within one or two cache lines) and then reads
+// one body: the holders of a block that only GPUs hold are two lines away. Blocks that need more
+// — holders on the CPU or storage tier, or speculative holders beside confirmed ones — have a
+// second, 32-byte part in another slab, which their body names (see hot). Bodies do not move:
+// inserting or deleting shifts 8-byte words only, and a resize rebuilds only the probe array.
 //
 // Order. A word's home slot is a multiply-shift ("fastrange") of its high 32 bits, monotone in
 // the word, and every run of occupied slots is kept sorted: the ordered hash table of O. Amble and
@@ -32,42 +33,58 @@ import (
 //
 // Sizing. Probe arrays are not powers of two: one grows by about a seventh when it would pass 7/8
 // full, so that it stays between about 76% and 87.5% full once past its first growths. Bodies
-// are allocated in chunks of 256 and reused through a free list.
+// are allocated in chunks of 256, second parts in chunks of 64, both reused through free lists.
 //
 // Concurrency. Writers hold shard.mu and bracket every mutation with two increments of shard.seq
 // (odd while writing). Readers take no lock: they read seq, probe, read seq again, and retry when
 // it changed or was odd. Every word is an atomic so that these optimistic reads are not data
-// races (see storeWord). A resize, or a new chunk of bodies, publishes a new table value with one
-// pointer store inside a write bracket.
+// races (see storeWord). A resize, or a new chunk of bodies or second parts, publishes a new
+// table value with one pointer store inside a write bracket.
 
-// A block's data is split in two: the part every lookup reads (hot, 32 bytes, two per cache
-// line) and the part only blocks held on the CPU or storage tier need (cold, 24 bytes), which a
-// flag in the hot part says to read. The flag is bit 0 of the stored key: every comparison of a
-// stored key ignores that bit, so bodies hold 63-bit keys (and a key pair that differs in bit 0
-// alone, one in 2⁶³, shares a body).
+// hot is a block's body: the part every lookup reads, 32 bytes, two per cache line. Its layout
+// depends on two flags in the low bits of hx (stored keys ignore those bits, see sameKey):
+//
+//   - neither: g holds the confirmed GPU holders and pc the parent's key. The block needs
+//     nothing else: this is every block of an index fed by GPU events only.
+//   - flagSpec: g holds speculative holders (no backend has confirmed the block) and pc the
+//     parent's key: every block of an index fed by Speculate only.
+//   - flagCold: g holds the confirmed GPU holders and pc the index of the block's cold part,
+//     which holds the CPU, storage and speculative holders and the parent's key.
 type hot struct {
-	hx    atomic.Uint64 // mixed key with bit 0 = has cold holders; 0 = a free body
-	gpu   atomic.Uint64 // confirmed holders on the GPU tier
-	spec  atomic.Uint64 // speculative holders (GPU tier, until times.hi)
+	hx    atomic.Uint64 // mixed key with its low 2 bits replaced by the flags; 0 = a free body
+	g     atomic.Uint64 // GPU holders: confirmed, or with flagSpec speculative
 	times atomic.Uint64 // lo: evidence epoch (see clock); hi: speculative expiry tick
+	pc    atomic.Uint64 // mixed key of the block's parent (0 when unknown), or with flagCold the cold index
 }
 
+// cold is the second part of a block that needs one (see hot).
 type cold struct {
 	cpu     atomic.Uint64 // confirmed holders on the CPU tier
 	storage atomic.Uint64 // confirmed holders on the storage tier
+	spec    atomic.Uint64 // speculative holders (GPU tier, until times.hi)
 	parent  atomic.Uint64 // mixed key of the block's parent; 0 when unknown
 }
 
-// body is a handle on one block's hot and cold parts; hot is nil for none.
+// The flags of hot.hx.
+const (
+	flagCold = 1
+	flagSpec = 2
+	flagMask = flagCold | flagSpec
+)
+
+// body is a handle on one block's body in a table value; hot is nil for none. Writers take it
+// from the shard's current table value, which names every cold part.
 type body struct {
-	hot  *hot
-	cold *cold
+	hot *hot
+	t   *table
 }
 
-// Bodies come in chunks of chunkSize.
+// Bodies come in chunks of chunkSize, cold parts in chunks of coldChunkSize.
 const (
-	chunkShift = 8
-	chunkSize  = 1 << chunkShift
+	chunkShift     = 8
+	chunkSize      = 1 << chunkShift
+	coldChunkShift = 6
+	coldChunkSize  = 1 << coldChunkShift
 	// maxBodies is the most bodies a shard can index: word indexes are 24 bits, 1-based. A
 	// shard's limit is at most maxEntriesLimit/256 = 2²³ blocks.
 	maxBodies = 1<<24 - 1
@@ -77,18 +94,18 @@ const (
 // Compile-time check that a shard's blocks fit its word indexes.
 const _ = uint(maxBodies - maxEntriesLimit/256)
 
-type chunk struct {
-	hot  [chunkSize]hot
-	cold [chunkSize]cold
-}
+type chunk [chunkSize]hot
 
-// table is one shard's published state: the probe array (n home slots + the pad) and the body
-// chunks. Both are shared by successive table values; a new value is published when either is
-// replaced or a chunk is added.
+type coldChunk [coldChunkSize]cold
+
+// table is one shard's published state: the probe array (n home slots + the pad), the body
+// chunks and the cold chunks. All are shared by successive table values; a new value is
+// published when one is replaced or a chunk is added.
 type table struct {
 	keys   []atomic.Uint64 // fingerprint<<24 | (body index + 1), sorted within runs; 0 = empty
 	n      uint64
 	chunks []*chunk
+	colds  []*coldChunk
 }
 
 // tablePad is the number of slots past the last home slot; a probe array whose last run would
@@ -106,16 +123,29 @@ func (t *table) home(h uint64) uint64 {
 // body returns the body of word w; its hot part is nil when w names none (possible only in a torn
 // read).
 func (t *table) body(w uint64) body {
-	i := w&idxMask - 1
+	return t.bodyAt(w&idxMask - 1)
+}
+
+// bodyAt returns body i; its hot part is nil when there is none (possible only in a torn read).
+func (t *table) bodyAt(i uint64) body {
 	if c := i >> chunkShift; c < uint64(len(t.chunks)) {
-		ch := t.chunks[c]
-		return body{&ch.hot[i&(chunkSize-1)], &ch.cold[i&(chunkSize-1)]}
+		return body{&t.chunks[c][i&(chunkSize-1)], t}
 	}
 	return body{}
 }
 
-// sameKey reports whether a stored key (hx) is h, ignoring bit 0.
-func sameKey(hx, h uint64) bool { return (hx^h)&^1 == 0 }
+// cold returns cold part i, or nil when there is none (possible only in a torn read).
+func (t *table) cold(i uint64) *cold {
+	if c := i >> coldChunkShift; c < uint64(len(t.colds)) {
+		return &t.colds[c][i&(coldChunkSize-1)]
+	}
+	return nil
+}
+
+// sameKey reports whether a stored key (hx) is h, ignoring the flag bits. With four shards or
+// more the shard gives those bits back (see MemoryIndex.shardOf); a smaller table takes two keys
+// that differ in them alone, one pair in 2⁶², for one block.
+func sameKey(hx, h uint64) bool { return (hx^h)&^flagMask == 0 }
 
 // find returns the probe position and the body of h (≠ 0) in t, or -1 and no body. Safe under the
 // seqlock (a torn read may give a wrong answer, which the reader discards) and under mu.
@@ -142,7 +172,7 @@ func (t *table) find(h uint64) (int, body) {
 	return -1, body{}
 }
 
-// slotVal is a plain copy of a block's body, for writers. Its h has bit 0 cleared.
+// slotVal is a plain copy of a block's data, for writers. Its h has the flag bits cleared.
 type slotVal struct {
 	h      uint64
 	tiers  [events.NumTiers]uint64
@@ -151,37 +181,65 @@ type slotVal struct {
 	parent uint64
 }
 
+// load returns a copy of b's data. Under the seqlock a torn read may give garbage, which the
+// reader discards.
 func (b body) load() slotVal {
 	hx := b.hot.hx.Load()
-	v := slotVal{
-		h:     hx &^ 1,
-		spec:  b.hot.spec.Load(),
-		times: b.hot.times.Load(),
+	v := slotVal{h: hx &^ flagMask, times: b.hot.times.Load()}
+	g, pc := b.hot.g.Load(), b.hot.pc.Load()
+	switch hx & flagMask {
+	case 0:
+		v.tiers[events.TierGPU], v.parent = g, pc
+	case flagSpec:
+		v.spec, v.parent = g, pc
+	default:
+		v.tiers[events.TierGPU] = g
+		if c := b.t.cold(pc); c != nil {
+			v.tiers[events.TierCPU] = c.cpu.Load()
+			v.tiers[events.TierStorage] = c.storage.Load()
+			v.spec = c.spec.Load()
+			v.parent = c.parent.Load()
+		}
 	}
-	v.tiers[events.TierGPU] = b.hot.gpu.Load()
-	v.tiers[events.TierCPU] = b.cold.cpu.Load()
-	v.tiers[events.TierStorage] = b.cold.storage.Load()
-	v.parent = b.cold.parent.Load()
 	return v
 }
 
-// store writes v to b. Writers call it under mu, inside a write bracket when b is published.
-func (b body) store(v slotVal) {
-	hx := v.h &^ 1
-	if v.tiers[events.TierCPU]|v.tiers[events.TierStorage] != 0 {
-		hx |= 1
-	}
-	storeWord(&b.hot.hx, hx)
-	storeWord(&b.hot.gpu, v.tiers[events.TierGPU])
-	storeWord(&b.hot.spec, v.spec)
-	storeWord(&b.hot.times, v.times)
-	storeWord(&b.cold.cpu, v.tiers[events.TierCPU])
-	storeWord(&b.cold.storage, v.tiers[events.TierStorage])
-	storeWord(&b.cold.parent, v.parent)
+// needsCold reports whether v needs a cold part (see hot).
+func (v *slotVal) needsCold() bool {
+	return v.tiers[events.TierCPU]|v.tiers[events.TierStorage] != 0 || v.spec != 0 && v.tiers[events.TierGPU] != 0
 }
 
-// key returns the body's key (bit 0 cleared; 0 for a free body).
-func (b body) key() uint64 { return b.hot.hx.Load() &^ 1 }
+// store writes v to b, using cold part ci when v needs one (ci is ignored otherwise). Writers
+// call it under mu, inside a write bracket when b is published; b.t names ci.
+func (b body) store(v slotVal, ci uint64) {
+	flags, g, pc := uint64(0), v.tiers[events.TierGPU], v.parent
+	switch {
+	case v.needsCold():
+		flags, pc = flagCold, ci
+		c := b.t.cold(ci)
+		storeWord(&c.cpu, v.tiers[events.TierCPU])
+		storeWord(&c.storage, v.tiers[events.TierStorage])
+		storeWord(&c.spec, v.spec)
+		storeWord(&c.parent, v.parent)
+	case v.spec != 0:
+		flags, g = flagSpec, v.spec
+	}
+	storeWord(&b.hot.hx, v.h&^flagMask|flags)
+	storeWord(&b.hot.g, g)
+	storeWord(&b.hot.times, v.times)
+	storeWord(&b.hot.pc, pc)
+}
+
+// coldIndex returns the index of b's cold part and true, or false when it has none. Under mu.
+func (b body) coldIndex() (uint64, bool) {
+	if hx := b.hot.hx.Load(); hx != 0 && hx&flagCold != 0 {
+		return b.hot.pc.Load(), true
+	}
+	return 0, false
+}
+
+// key returns the body's key (flag bits cleared; 0 for a free body).
+func (b body) key() uint64 { return b.hot.hx.Load() &^ flagMask }
 
 // confirmed returns the holders of v on any tier.
 func (v *slotVal) confirmed() uint64 { return v.tiers[0] | v.tiers[1] | v.tiers[2] }
@@ -279,12 +337,14 @@ type shard struct {
 	tab atomic.Pointer[table]
 
 	// Under mu.
-	count   int      // live blocks
-	limit   int      // max live blocks (this shard's share of MaxEntries)
-	used    uint32   // bodies handed out from the chunks (live or free)
-	free    []uint32 // freed body indexes
-	victims []uint64
-	ages    []uint32
+	count    int      // live blocks
+	limit    int      // max live blocks (this shard's share of MaxEntries)
+	used     uint32   // bodies handed out from the chunks (live or free)
+	free     []uint32 // freed body indexes
+	coldUsed uint32   // cold parts handed out from the cold chunks (live or free)
+	coldFree []uint32 // freed cold indexes
+	victims  []uint64
+	ages     []uint32
 
 	blocks atomic.Int64 // = count, readable without mu
 	_      [64]byte
@@ -398,29 +458,29 @@ func (m *MemoryIndex) ensureRoom(sh *shard, c clock) {
 // bodies stay where they are. Under mu.
 func (m *MemoryIndex) resize(sh *shard, n uint64) {
 	old := sh.tab.Load()
-	nt := &table{keys: newKeys(n), n: n, chunks: old.chunks}
+	nt := &table{keys: newKeys(n), n: n, chunks: old.chunks, colds: old.colds}
 	for !nt.fillKeys(old.keys) {
 		n = grownSize(n)
 		nt.keys, nt.n = newKeys(n), n
 	}
-	sh.begin()
-	sh.tab.Store(nt)
-	sh.end()
+	sh.publish(nt)
 }
 
-// maybeShrink rebuilds a sparse shard smaller: its probe array, and its bodies when most are
-// free (copying the live ones into new chunks, in probe order). Under mu.
+// maybeShrink rebuilds a sparse shard smaller: its probe array, and its bodies and cold parts
+// when most are free (copying the live ones into new chunks, in probe order). Under mu.
 func (m *MemoryIndex) maybeShrink(sh *shard) {
 	t := sh.tab.Load()
 	if t.n > 64 && uint64(sh.count)*4 < t.n {
 		m.resize(sh, max(grownSize(uint64(sh.count)*maxLoadDen/maxLoadNum), 16))
 		t = sh.tab.Load()
 	}
-	if int(sh.used) <= 4*sh.count+chunkSize {
+	colds := int(sh.coldUsed) - len(sh.coldFree)
+	if int(sh.used) <= 4*sh.count+chunkSize && int(sh.coldUsed) <= 4*colds+coldChunkSize {
 		return
 	}
-	nt := &table{keys: newKeys(t.n), n: t.n, chunks: make([]*chunk, 0, (sh.count+chunkSize-1)/chunkSize)}
-	next := uint32(0)
+	nt := &table{keys: newKeys(t.n), n: t.n, chunks: make([]*chunk, 0, (sh.count+chunkSize-1)/chunkSize),
+		colds: make([]*coldChunk, 0, (colds+coldChunkSize-1)/coldChunkSize)}
+	next, nextCold := uint32(0), uint32(0)
 	for i := range t.keys {
 		w := t.keys[i].Load()
 		if w == 0 {
@@ -429,8 +489,16 @@ func (m *MemoryIndex) maybeShrink(sh *shard) {
 		if next%chunkSize == 0 {
 			nt.chunks = append(nt.chunks, new(chunk))
 		}
-		ch := nt.chunks[next>>chunkShift]
-		body{&ch.hot[next%chunkSize], &ch.cold[next%chunkSize]}.store(t.body(w).load())
+		v := t.body(w).load()
+		ci := uint64(0)
+		if v.needsCold() {
+			if nextCold%coldChunkSize == 0 {
+				nt.colds = append(nt.colds, new(coldChunk))
+			}
+			ci = uint64(nextCold)
+			nextCold++
+		}
+		nt.bodyAt(uint64(next)).store(v, ci)
 		next++
 		storeWord(&nt.keys[i], w&^idxMask|uint64(next)) // same position: same order and home
 	}
@@ -438,30 +506,75 @@ func (m *MemoryIndex) maybeShrink(sh *shard) {
 	sh.tab.Store(nt)
 	sh.end()
 	sh.used, sh.free = next, nil
+	sh.coldUsed, sh.coldFree = nextCold, nil
+}
+
+// publish makes nt sh's table value, inside a write bracket. Under mu.
+func (sh *shard) publish(nt *table) {
+	sh.begin()
+	sh.tab.Store(nt)
+	sh.end()
+}
+
+// allocCold returns a free cold index, adding a cold chunk (and publishing a table value that has
+// it) when none is free. Under mu, outside write brackets.
+func (sh *shard) allocCold() uint64 {
+	if n := len(sh.coldFree); n > 0 {
+		ci := sh.coldFree[n-1]
+		sh.coldFree = sh.coldFree[:n-1]
+		return uint64(ci)
+	}
+	ci := sh.coldUsed
+	sh.coldUsed++
+	if t := sh.tab.Load(); int(ci>>coldChunkShift) == len(t.colds) {
+		// Readers of the old value never see a body naming the new chunk (bodies are written in
+		// brackets, which send them back here).
+		sh.publish(&table{keys: t.keys, n: t.n, chunks: t.chunks, colds: append(t.colds, new(coldChunk))})
+	}
+	return uint64(ci)
 }
 
 // deleteAt removes the block at probe position pos inside a write bracket, and frees its body
-// (whose key it zeroes: slab scans skip it). Under mu.
+// (whose key it zeroes: slab scans skip it) and its cold part. Under mu.
 func (sh *shard) deleteAt(t *table, pos int) {
 	sh.begin()
 	w := t.removeWord(uint64(pos))
-	storeWord(&t.body(w).hot.hx, 0)
+	b := t.body(w)
+	ci, hasCold := b.coldIndex()
+	storeWord(&b.hot.hx, 0)
 	sh.end()
 	sh.free = append(sh.free, uint32(w&idxMask-1))
+	if hasCold {
+		sh.coldFree = append(sh.coldFree, uint32(ci))
+	}
 	sh.count--
 	sh.blocks.Add(-1)
 }
 
-// put writes v to body b inside a write bracket. Under mu.
+// put writes v to the body of b's block inside a write bracket, giving it a cold part or freeing
+// its own as v needs. Under mu.
 func (sh *shard) put(b body, v slotVal) {
+	ci, had := b.coldIndex()
+	need := v.needsCold()
+	if need && !had {
+		ci = sh.allocCold()
+	}
+	b.t = sh.tab.Load() // names ci
 	sh.begin()
-	b.store(v)
+	b.store(v, ci)
 	sh.end()
+	if had && !need {
+		sh.coldFree = append(sh.coldFree, uint32(ci))
+	}
 }
 
 // add inserts block v (absent from sh), making room first. Under mu.
 func (m *MemoryIndex) add(sh *shard, v slotVal, c clock) {
 	m.ensureRoom(sh, c)
+	ci := uint64(0)
+	if v.needsCold() {
+		ci = sh.allocCold()
+	}
 	t := sh.tab.Load()
 	var idx uint32
 	if n := len(sh.free); n > 0 {
@@ -472,19 +585,16 @@ func (m *MemoryIndex) add(sh *shard, v slotVal, c clock) {
 		if int(idx>>chunkShift) == len(t.chunks) {
 			// A new chunk: publish a table value that has it. Readers of the old value never see
 			// a word naming it (words are written in brackets, which send them back here).
-			nt := &table{keys: t.keys, n: t.n, chunks: append(t.chunks, new(chunk))}
-			sh.begin()
-			sh.tab.Store(nt)
-			sh.end()
+			nt := &table{keys: t.keys, n: t.n, chunks: append(t.chunks, new(chunk)), colds: t.colds}
+			sh.publish(nt)
 			t = nt
 		}
 	}
 	w := v.h&^idxMask | uint64(idx+1)
-	ch := t.chunks[idx>>chunkShift]
-	b := body{&ch.hot[idx%chunkSize], &ch.cold[idx%chunkSize]}
+	b := t.bodyAt(uint64(idx))
 	for {
 		sh.begin()
-		b.store(v)
+		b.store(v, ci)
 		ok := t.insertWord(w)
 		sh.end()
 		if ok {
@@ -738,8 +848,7 @@ func (m *MemoryIndex) evict(sh *shard, c clock) {
 func (t *table) bodies(used uint32) func(yield func(body) bool) {
 	return func(yield func(body) bool) {
 		for i := range used {
-			ch := t.chunks[i>>chunkShift]
-			if !yield(body{&ch.hot[i%chunkSize], &ch.cold[i%chunkSize]}) {
+			if !yield(t.bodyAt(uint64(i))) {
 				return
 			}
 		}
@@ -836,10 +945,9 @@ func (m *MemoryIndex) clearShard(sh *shard, c clock) int {
 		n += bits.OnesCount64((v.confirmed() | v.spec) &^ c.retired)
 		m.dropSlotCounts(&v, c)
 	}
-	sh.begin()
-	sh.tab.Store(emptyTable())
-	sh.end()
+	sh.publish(emptyTable())
 	sh.count, sh.used, sh.free = 0, 0, nil
+	sh.coldUsed, sh.coldFree = 0, nil
 	sh.blocks.Store(0)
 	return n
 }

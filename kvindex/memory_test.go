@@ -152,6 +152,34 @@ func checkConsistency(t testing.TB, m *MemoryIndex) {
 		if live != sh.count || int64(live) != sh.blocks.Load() {
 			t.Errorf("shard %d: %d live words, count %d, blocks %d", si, live, sh.count, sh.blocks.Load())
 		}
+		// Every cold part is either free or named by exactly one live body that needs it.
+		colds := map[uint64]bool{}
+		for _, ci := range sh.coldFree {
+			colds[uint64(ci)] = true
+		}
+		if len(colds) != len(sh.coldFree) {
+			t.Errorf("shard %d: a cold part freed twice", si)
+		}
+		for b := range tb.bodies(sh.used) {
+			if b.key() == 0 {
+				continue
+			}
+			v := b.load()
+			ci, has := b.coldIndex()
+			if has != v.needsCold() {
+				t.Errorf("shard %d: block %x has a cold part: %v, needs one: %v", si, v.h, has, v.needsCold())
+			}
+			if !has {
+				continue
+			}
+			if colds[ci] || ci >= uint64(sh.coldUsed) {
+				t.Errorf("shard %d: block %x names cold part %d, free or shared or past %d", si, v.h, ci, sh.coldUsed)
+			}
+			colds[ci] = true
+		}
+		if len(colds) != int(sh.coldUsed) {
+			t.Errorf("shard %d: %d cold parts accounted for, %d handed out", si, len(colds), sh.coldUsed)
+		}
 		blocks += live
 		sh.mu.Unlock()
 	}
@@ -265,6 +293,100 @@ func TestTableRandomOps(t *testing.T) {
 			}
 			if maxEntries >= len(keys) && held != len(ref) {
 				t.Errorf("no eviction expected: %d of %d held", held, len(ref))
+			}
+		})
+	}
+}
+
+// TestBodyLayouts drives blocks through every layout of their bodies (GPU holders only,
+// speculative holders only, a cold part for the other tiers and for speculative holders beside
+// confirmed ones) by random stores, removals and speculations of three backends, against a
+// reference, across sweeps that compact the cold parts.
+func TestBodyLayouts(t *testing.T) {
+	for _, maxEntries := range []int{1000, 1 << 16} {
+		t.Run(fmt.Sprintf("maxentries=%d", maxEntries), func(t *testing.T) {
+			m, _ := newTestIndex(t, MemoryConfig{MaxEntries: maxEntries, SpeculativeTTL: time.Hour})
+			var ids [3]uint8
+			for i := range ids {
+				bs := m.acquire(fmt.Sprintf("b%d", i))
+				defer bs.life.RUnlock()
+				ids[i] = bs.id
+			}
+			r := rand.New(rand.NewPCG(9, 10))
+			type block struct {
+				tiers         [events.NumTiers]uint64
+				spec, parentH uint64
+			}
+			ref := map[uint64]*block{}
+			keys := make([]uint64, 400)
+			for i := range keys {
+				keys[i] = mix(r.Uint64())
+			}
+			for step := range 30000 {
+				h := keys[r.IntN(len(keys))]
+				parent := keys[r.IntN(len(keys))]
+				if r.IntN(4) == 0 {
+					parent = 0
+				}
+				id := ids[r.IntN(len(ids))]
+				bit := uint64(1) << id
+				tier := events.Tier(r.IntN(int(events.NumTiers)))
+				c := m.clock()
+				sh := m.lockShard(h, &c)
+				b := ref[h]
+				switch op := r.IntN(10); {
+				case op < 4:
+					m.addConfirmed(sh, h, parent, id, tier, c)
+					if b == nil {
+						b = &block{parentH: parent}
+						ref[h] = b
+					} else if parent != 0 {
+						b.parentH = parent
+					}
+					b.tiers[tier] |= bit
+					b.spec &^= bit
+				case op < 7:
+					m.removeTier(sh, h, id, tier, c)
+					if b != nil {
+						b.tiers[tier] &^= bit
+					}
+				case op < 9:
+					m.speculate(sh, h, parent, id, c.now+1000, c)
+					switch {
+					case b == nil:
+						ref[h] = &block{spec: bit, parentH: parent}
+					case (b.tiers[0]|b.tiers[1]|b.tiers[2])&bit == 0:
+						b.spec |= bit
+						if b.parentH == 0 {
+							b.parentH = parent
+						}
+					}
+				default:
+					m.unspeculate(sh, h, id)
+					if b != nil {
+						b.spec &^= bit
+					}
+				}
+				if b := ref[h]; b != nil && b.tiers[0]|b.tiers[1]|b.tiers[2]|b.spec == 0 {
+					delete(ref, h)
+				}
+				sh.mu.Unlock()
+				if step%3000 == 2999 {
+					checkConsistency(t, m)
+					m.sweep()
+					checkConsistency(t, m)
+				}
+			}
+			for _, h := range keys {
+				v, ok := m.shardOf(h).read(h)
+				b := ref[h]
+				if ok != (b != nil) {
+					t.Fatalf("block %x: present %v, want %v", h, ok, b != nil)
+				}
+				if ok && (v.tiers != b.tiers || v.spec != b.spec || v.parent != b.parentH) {
+					t.Errorf("block %x: tiers %x spec %x parent %x; want %x %x %x", h, v.tiers, v.spec, v.parent,
+						b.tiers, b.spec, b.parentH)
+				}
 			}
 		})
 	}
