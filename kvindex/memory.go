@@ -178,7 +178,7 @@ func (c MemoryConfig) withDefaults() (MemoryConfig, error) {
 
 // bodyBytes is the size of one block's body in the table's slab, coldBytes of a cold part.
 const (
-	bodyBytes = 32
+	bodyBytes = 24
 	coldBytes = 32
 )
 
@@ -194,11 +194,11 @@ const tickShift = 22
 // retries only a probe that raced with a writer of that shard; writers lock one shard per block.
 // Create it with NewMemory; the zero value is not usable. Close stops its sweep goroutine.
 //
-// Memory: per block, a 32-byte body (its GPU holders, its parent) and an 8-byte probe word in an
+// Memory: per block, a 24-byte body (its GPU holders, its parent) and an 8-byte probe word in an
 // array kept 76–87.5% full, and a 32-byte cold part for a block held on the CPU or storage tier or
-// by speculative holders beside confirmed ones; per (block, backend) membership confirmed by an
-// event, a 16-byte engine-hash map entry, the maps kept likewise. With blocks held by 2.7 backends
-// on average that is about 36 bytes per membership (BenchmarkMemoryPerMembership). Per speculative
+// by speculative holders; per (block, backend) membership confirmed by an event, a 16-byte
+// engine-hash map entry, the maps kept 81–90% full. With blocks held by 2.7 backends on average
+// that is about 32 bytes per membership (BenchmarkMemoryPerMembership). Per speculative
 // membership, an 8-byte entry in its backend's expiry queue (16 when queued out of order), kept
 // until the entry's expiry even when a BlockStored confirms it sooner.
 type MemoryIndex struct {
@@ -1025,8 +1025,8 @@ func (m *MemoryIndex) touchBlocks(hs []uint64) {
 	}
 	for _, h := range hs {
 		t := m.shardOf(h).tab.Load()
-		if b := t.body(t.keys[t.home(h)].Load()); b.hot != nil {
-			touched += b.hot.hx.Load()
+		if b := t.body(t.keys[t.home(h)].Load()); b.p != nil {
+			touched += b.p.hx.Load()
 		}
 	}
 	if touched == 1 {

@@ -21,8 +21,8 @@ type dumpBlock struct {
 }
 
 // Dump lists backend's live entries (Dumper): its blocks, shard by shard, then its prefix
-// entries. Each shard is read under its lock, dumpSlice (65,536) blocks at a time (so that at the
-// default sizes a shard's listing is consistent), and the blocks found are passed to fn after
+// entries. Each shard is read under its lock, dumpSlice (65,536) blocks at a time in key order
+// (so that at the default sizes a shard's listing is consistent), and the blocks found are passed to fn after
 // the lock is released; Lookup takes no lock and never waits for it, Apply and Speculate wait for
 // one slice's reading at most. Confirmed entries expire on the index's epochs (EntryTTL/64), so
 // Expires is exact to that. ctx is checked between slices. It returns ErrClosed after Close.
@@ -51,13 +51,13 @@ func (m *MemoryIndex) Dump(ctx context.Context, backend string, limit int, fn fu
 	left := limit
 	for i := range m.shards {
 		sh := &m.shards[i]
-		for from := uint32(0); left > 0; {
+		for after := uint64(0); left > 0; {
 			if err := ctx.Err(); err != nil {
 				return err
 			}
 			var more, gone bool
 			var now time.Time
-			buf, from, more, gone, now = m.dumpShard(sh, i, bs, bit, from, left, buf[:0])
+			buf, after, more, gone, now = m.dumpShard(sh, i, bs, bit, after, left, buf[:0])
 			if gone {
 				return nil // cleared meanwhile
 			}
@@ -95,34 +95,33 @@ func (m *MemoryIndex) Dump(ctx context.Context, backend string, limit int, fn fu
 	return m.dumpPrefixes(bs, left, fn)
 }
 
-// dumpShard copies, under sh's lock, the live entries of bs (bit) among the blocks of bodies
-// [from, from+dumpSlice), at most left of them, into buf. It returns where the next slice starts
-// and whether there is one, whether bs was cleared, and the time the entries were judged at.
-func (m *MemoryIndex) dumpShard(sh *shard, i int, bs *backendState, bit uint64, from uint32, left int,
-	buf []dumpBlock) (_ []dumpBlock, next uint32, more, gone bool, now time.Time) {
+// dumpShard copies, under sh's lock, the live entries of bs (bit) among the next dumpSlice
+// blocks of sh in key order after probe word after (0: from the first), at most left of them,
+// into buf. It returns the last probe word it read and whether blocks may follow, whether bs was
+// cleared, and the time the entries were judged at.
+func (m *MemoryIndex) dumpShard(sh *shard, i int, bs *backendState, bit uint64, after uint64, left int,
+	buf []dumpBlock) (_ []dumpBlock, last uint64, more, gone bool, now time.Time) {
 	low := m.lowBits(i)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if m.reg.retired.Load()&bit != 0 || m.reg.lookup(bs.name) != bs {
-		return buf, from, false, true, now
+		return buf, after, false, true, now
 	}
 	now = m.cfg.Now()
 	c := m.clockAt(now)
 	t := sh.tab.Load()
-	end := min(sh.used, from+dumpSlice)
-	for bi := from; bi < end; bi++ {
-		if len(buf) == left {
-			return buf, bi, true, false, now
+	read := 0
+	for w, b := range t.blocks(after) {
+		if len(buf) == left || read == dumpSlice {
+			return buf, after, true, false, now
 		}
-		b := t.bodyAt(uint64(bi))
-		if b.key() == 0 {
-			continue
-		}
+		read++
+		after = w
 		v := b.load()
 		if (v.confirmed()|v.spec)&bit == 0 {
 			continue
 		}
-		d := dumpBlock{h: v.h, stamp: v.stamp(), specExp: v.specExp(), low: low}
+		d := dumpBlock{h: fullKey(w, b), stamp: v.stamp(), specExp: v.specExp(), low: low}
 		if v.confirmed()&bit != 0 && c.fresh(&v) {
 			for tier, holders := range v.tiers {
 				if holders&bit != 0 {
@@ -135,7 +134,7 @@ func (m *MemoryIndex) dumpShard(sh *shard, i int, bs *backendState, bit uint64, 
 			buf = append(buf, d)
 		}
 	}
-	return buf, end, end < sh.used, false, now
+	return buf, after, false, false, now
 }
 
 // dumpPrefixes lists bs's live prefix entries, at most left of them, one prefix shard at a time

@@ -3,7 +3,7 @@ package kvindex
 // engineMap maps one backend's engine block hashes (mixed by mix) to our block keys (raw, as
 // prefixkey computes them). It is an ordered linear-probing table like the block table's (see
 // memory_table.go), unsynchronised: its backend's mutex guards it. 16 bytes per entry, about
-// 76–87.5% full once past its first growths.
+// 81–90% full once past its first growths (see emLoadNum).
 //
 // An engine block of r > 1 of our blocks has r entries: the hash itself maps to the last sub-key
 // (the parent of the engine's next block) and derive(h, j), j = 1..r−1, to the sub-key j places
@@ -62,39 +62,33 @@ func (e *engineMap) get(h uint64) (uint64, bool) {
 	return 0, false
 }
 
-// put maps h to key, replacing any previous mapping.
+// put maps h to key, replacing any previous mapping. One scan from h's home slot finds either
+// h or its place in its run; the larger keys of the run then shift right by one.
 func (e *engineMap) put(h, key uint64) {
-	if i := e.find(h); i >= 0 {
-		e.slots[i].key = key
+	for {
+		sl := e.slots
+		size := uint64(len(sl))
+		pos := e.home(h)
+		for pos < size && sl[pos].h-1 < h-1 { // occupied by a smaller key
+			pos++
+		}
+		if pos < size && sl[pos].h == h {
+			sl[pos].key = key
+			return
+		}
+		end := pos
+		for end < size && sl[end].h != 0 {
+			end++
+		}
+		if end >= size || uint64(e.count+1)*emLoadDen > e.n*emLoadNum {
+			e.resize(emGrownSize(e.n))
+			continue
+		}
+		copy(sl[pos+1:end+1], sl[pos:end])
+		sl[pos] = emSlot{h: h, key: key}
+		e.count++
 		return
 	}
-	if uint64(e.count+1)*maxLoadDen > e.n*maxLoadNum {
-		e.resize(grownSize(e.n))
-	}
-	for !e.insert(emSlot{h: h, key: key}) {
-		e.resize(grownSize(e.n))
-	}
-	e.count++
-}
-
-// insert places s (absent) in its run, shifting larger keys right; false when the pad is full.
-func (e *engineMap) insert(s emSlot) bool {
-	sl := e.slots
-	size := uint64(len(sl))
-	pos := e.home(s.h)
-	for pos < size && sl[pos].h != 0 && sl[pos].h < s.h {
-		pos++
-	}
-	end := pos
-	for end < size && sl[end].h != 0 {
-		end++
-	}
-	if end >= size {
-		return false
-	}
-	copy(sl[pos+1:end+1], sl[pos:end])
-	sl[pos] = s
-	return true
 }
 
 // del removes h; it reports whether it was present.
@@ -126,7 +120,7 @@ func (e *engineMap) rebuild(n uint64, keep func(key uint64) bool) {
 		if e.fill(old, keep) {
 			return
 		}
-		n = grownSize(e.n)
+		n = emGrownSize(e.n)
 	}
 }
 
@@ -134,20 +128,21 @@ func (e *engineMap) resize(n uint64) { e.rebuild(n, nil) }
 
 // fill places old's kept entries, in order, into the empty map; false when the pad overflows.
 func (e *engineMap) fill(old []emSlot, keep func(key uint64) bool) bool {
-	next := uint64(0)
-	size := uint64(len(e.slots))
+	sl, n := e.slots, e.n
+	next, size, count := uint64(0), uint64(len(sl)), 0
 	for _, s := range old {
 		if s.h == 0 || (keep != nil && !keep(s.key)) {
 			continue
 		}
-		pos := max(e.home(s.h), next)
+		pos := max(((s.h>>32)*n)>>32, next)
 		if pos >= size {
 			return false
 		}
-		e.slots[pos] = s
+		sl[pos] = s
 		next = pos + 1
-		e.count++
+		count++
 	}
+	e.count += count
 	return true
 }
 
@@ -173,6 +168,16 @@ func (e *engineMap) retain(keep func(key uint64) bool) {
 		e.count++
 	}
 }
+
+// A map grows by about a ninth when it would pass 9/10 full, so that it stays between about 81%
+// and 90% full once past its first growths: a denser map than the block table's probe arrays,
+// whose insertions shift 16-byte slots under no reader's eyes.
+const (
+	emLoadNum = 9
+	emLoadDen = 10
+)
+
+func emGrownSize(n uint64) uint64 { return max(n+n/9, n+16) }
 
 // bytes returns the memory held by the map's slots.
 func (e *engineMap) bytes() int64 { return int64(len(e.slots)) * 16 }

@@ -196,20 +196,19 @@ func (m *MemoryIndex) exportBackend(ctx context.Context, bs *backendState, rec *
 			// Parent links name the full mixed key of blocks the map may have lost.
 			m.exportParents(&m.shards[i], bit, keys)
 		}
-		for from := uint32(0); ; {
+		for after := uint64(0); ; {
 			if err := ctx.Err(); err != nil {
 				return err
 			}
 			var more, gone bool
 			var now time.Time
-			buf, from, more, gone, now = m.exportShard(&m.shards[i], i, bs, bit, from, buf[:0])
+			buf, after, more, gone, now = m.exportShard(&m.shards[i], i, bs, bit, after, buf[:0])
 			if gone {
 				return nil // cleared meanwhile
 			}
 			c := m.clockAt(now)
-			// A shard's slab may be in key order (maybeShrink copies bodies in probe order):
-			// scattered, as the engine hashes below are, so that a restore does not insert
-			// ascending keys.
+			// The blocks come in key order: scattered, as the engine hashes below are, so that a
+			// restore does not insert ascending keys.
 			step := strideFor(len(buf))
 			for i, j := 0, 0; i < len(buf); i, j = i+1, (j+step)%len(buf) {
 				b := buf[j]
@@ -247,7 +246,7 @@ func (m *MemoryIndex) exportParents(sh *shard, bit uint64, keys map[uint64]uint6
 	defer sh.mu.Unlock()
 	t := sh.tab.Load()
 	for b := range t.bodies(sh.used) {
-		if b.key() == 0 {
+		if !b.live() {
 			continue
 		}
 		v := b.load()
@@ -262,25 +261,26 @@ func (m *MemoryIndex) exportParents(sh *shard, bit uint64, keys map[uint64]uint6
 	}
 }
 
-// exportShard copies, under sh's lock, bs's live confirmed blocks among bodies [from,
-// from+dumpSlice) into buf. Same results as dumpShard.
-func (m *MemoryIndex) exportShard(sh *shard, i int, bs *backendState, bit uint64, from uint32,
-	buf []exportBlock) (_ []exportBlock, next uint32, more, gone bool, now time.Time) {
+// exportShard copies, under sh's lock, bs's live confirmed blocks among the next dumpSlice
+// blocks of sh after probe word after into buf. Same results as dumpShard.
+func (m *MemoryIndex) exportShard(sh *shard, i int, bs *backendState, bit uint64, after uint64,
+	buf []exportBlock) (_ []exportBlock, last uint64, more, gone bool, now time.Time) {
 	low := m.lowBits(i)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if m.reg.retired.Load()&bit != 0 || m.reg.lookup(bs.name) != bs {
-		return buf, from, false, true, now
+		return buf, after, false, true, now
 	}
 	now = m.cfg.Now()
 	c := m.clockAt(now)
 	t := sh.tab.Load()
-	end := min(sh.used, from+dumpSlice)
-	for bi := from; bi < end; bi++ {
-		b := t.bodyAt(uint64(bi))
-		if b.key() == 0 {
-			continue
+	read := 0
+	for w, b := range t.blocks(after) {
+		if read == dumpSlice {
+			return buf, after, true, false, now
 		}
+		read++
+		after = w
 		v := b.load()
 		if v.confirmed()&bit == 0 || !c.fresh(&v) {
 			continue
@@ -291,9 +291,9 @@ func (m *MemoryIndex) exportShard(sh *shard, i int, bs *backendState, bit uint64
 				tiers |= 1 << tier
 			}
 		}
-		buf = append(buf, exportBlock{h: v.h, parent: v.parent, tiers: tiers, stamp: v.stamp(), low: low})
+		buf = append(buf, exportBlock{h: fullKey(w, b), parent: v.parent, tiers: tiers, stamp: v.stamp(), low: low})
 	}
-	return buf, end, end < sh.used, false, now
+	return buf, after, false, false, now
 }
 
 // exportEngineHashes lists the engine blocks of bs's map (slots, copied): an engine block of r

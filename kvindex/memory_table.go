@@ -13,15 +13,16 @@ import (
 // This file holds the block table of MemoryIndex: shards of ordered linear-probing hash tables
 // keyed by the mixed block key, read under a seqlock and written under a mutex.
 //
-// Layout. A shard has a probe array of 8-byte words and a slab of 32-byte bodies. A word is a
+// Layout. A shard has a probe array of 8-byte words and a slab of 24-byte bodies. A word is a
 // 40-bit fingerprint of the block's mixed key (its high bits) and the 24-bit index of the block's
-// body; the body holds the key (which confirms a fingerprint match), the holders on the GPU tier
-// (bit i = backend id i), the evidence epoch and the speculative expiry, and the parent's key.
-// Probing walks dense words (a probe sequence stays within one or two cache lines) and then reads
-// one body: the holders of a block that only GPUs hold are two lines away. Blocks that need more
-// — holders on the CPU or storage tier, or speculative holders beside confirmed ones — have a
-// second, 32-byte part in another slab, which their body names (see hot). Bodies do not move:
-// inserting or deleting shifts 8-byte words only, and a resize rebuilds only the probe array.
+// body. A body is a 16-byte pair that lookups read — the key's next 22 bits (which, with the
+// fingerprint, confirm a match), the evidence epoch and the holders on the GPU tier (bit i =
+// backend id i) — and a word that writers read: the parent's key. Probing walks dense words (a
+// probe sequence stays within one or two cache lines) and then reads one pair: the holders of a
+// block that only GPUs hold are two lines away. Blocks that need more — holders on the CPU or
+// storage tier, or speculative holders — have a 32-byte cold part in another slab, which their
+// body names (see pair). Bodies do not move: inserting or deleting shifts 8-byte words only, and
+// a resize rebuilds only the probe array.
 //
 // Order. A word's home slot is a multiply-shift ("fastrange") of its high 32 bits, monotone in
 // the word, and every run of occupied slots is kept sorted: the ordered hash table of O. Amble and
@@ -29,54 +30,62 @@ import (
 // hashing with ties broken by key. A probe scans from the home slot while the words are smaller:
 // one comparison per step, and a miss stops at the first larger word or an empty slot. Arrays do
 // not wrap: probe sequences run into a pad past the last home slot, and an array whose pad fills
-// up grows. Deletion shifts the following displaced words back (no tombstones).
+// up grows. Deletion shifts the following displaced words back (no tombstones). The occupied
+// slots of an array are therefore sorted: scans that list blocks walk the array in key order.
 //
 // Sizing. Probe arrays are not powers of two: one grows by about a seventh when it would pass 7/8
 // full, so that it stays between about 76% and 87.5% full once past its first growths. Bodies
-// are allocated in chunks of 256, second parts in chunks of 64, both reused through free lists.
+// are allocated in chunks of 256, cold parts in chunks of 64, both reused through free lists.
 //
 // Concurrency. Writers hold shard.mu and bracket every mutation with two increments of shard.seq
 // (odd while writing). Readers take no lock: they read seq, probe, read seq again, and retry when
 // it changed or was odd. Every word is an atomic so that these optimistic reads are not data
-// races (see storeWord). A resize, or a new chunk of bodies or second parts, publishes a new
-// table value with one pointer store inside a write bracket.
+// races (see storeWord). A resize, or a new chunk of bodies or cold parts, publishes a new table
+// value with one pointer store inside a write bracket.
 
-// hot is a block's body: the part every lookup reads, 32 bytes, two per cache line. Its layout
-// depends on two flags in the low bits of hx (stored keys ignore those bits, see sameKey):
+// pair is the part of a block's body that lookups read: 16 bytes, four per cache line. The low 32
+// bits of hx hold two layout flags, bits 2–23 of the block's mixed key (the fingerprint of its
+// probe word holds bits 24–63, and with four shards or more the shard gives bits 0–1 back, see
+// MemoryIndex.shardOf) and liveBit; its high 32 bits hold a tick (see clock). The flags say what
+// g and the body's other word, pc, hold:
 //
-//   - neither: g holds the confirmed GPU holders and pc the parent's key. The block needs
-//     nothing else: this is every block of an index fed by GPU events only.
-//   - flagSpec: g holds speculative holders (no backend has confirmed the block) and pc the
-//     parent's key: every block of an index fed by Speculate only.
-//   - flagCold: g holds the confirmed GPU holders and pc the index of the block's cold part,
-//     which holds the CPU, storage and speculative holders and the parent's key.
-type hot struct {
-	hx    atomic.Uint64 // mixed key with its low 2 bits replaced by the flags; 0 = a free body
-	g     atomic.Uint64 // GPU holders: confirmed, or with flagSpec speculative
-	times atomic.Uint64 // lo: evidence epoch (see clock); hi: speculative expiry tick
-	pc    atomic.Uint64 // mixed key of the block's parent (0 when unknown), or with flagCold the cold index
+//   - neither: hx's tick is the evidence epoch, g the confirmed GPU holders and pc the parent's
+//     key. The block needs nothing else: this is every block of an index fed by GPU events only.
+//   - flagSpec: no backend has confirmed the block. hx's tick is the speculative expiry, g the
+//     speculative holders, pc's low half the evidence epoch (the speculation that created the
+//     block) and its high half the cold index + 1 of a cold part holding the parent's key, or 0
+//     when the parent is unknown: every block of an index fed by Speculate only.
+//   - flagCold: hx's tick is the evidence epoch, g the confirmed GPU holders, pc's low half the
+//     speculative expiry and its high half the cold index + 1 of a cold part holding the CPU,
+//     storage and speculative holders and the parent's key.
+type pair struct {
+	hx atomic.Uint64
+	g  atomic.Uint64
 }
 
-// cold is the second part of a block that needs one (see hot).
+// cold is the cold part of a block that needs one (see pair).
 type cold struct {
 	cpu     atomic.Uint64 // confirmed holders on the CPU tier
 	storage atomic.Uint64 // confirmed holders on the storage tier
-	spec    atomic.Uint64 // speculative holders (GPU tier, until times.hi)
+	spec    atomic.Uint64 // speculative holders (GPU tier) beside confirmed ones
 	parent  atomic.Uint64 // mixed key of the block's parent; 0 when unknown
 }
 
-// The flags of hot.hx.
+// The low 32 bits of pair.hx.
 const (
 	flagCold = 1
 	flagSpec = 2
 	flagMask = flagCold | flagSpec
+	keyBits  = (1<<24 - 1) &^ flagMask // the bits of the mixed key a body holds
+	liveBit  = 1 << 24                 // set in every live body: a free body's hx is 0
 )
 
-// body is a handle on one block's body in a table value; hot is nil for none. Writers take it
-// from the shard's current table value, which names every cold part.
+// body is a handle on one block's body in a table value; p is nil for none. Writers take it from
+// the shard's current table value, which names every cold part.
 type body struct {
-	hot *hot
-	t   *table
+	p  *pair
+	pc *atomic.Uint64
+	t  *table
 }
 
 // Bodies come in chunks of chunkSize, cold parts in chunks of coldChunkSize.
@@ -94,7 +103,11 @@ const (
 // Compile-time check that a shard's blocks fit its word indexes.
 const _ = uint(maxBodies - maxEntriesLimit/256)
 
-type chunk [chunkSize]hot
+// chunk holds chunkSize bodies: their pairs, then their pc words.
+type chunk struct {
+	p  [chunkSize]pair
+	pc [chunkSize]atomic.Uint64
+}
 
 type coldChunk [coldChunkSize]cold
 
@@ -120,32 +133,38 @@ func (t *table) home(h uint64) uint64 {
 	return ((h >> 32) * t.n) >> 32
 }
 
-// body returns the body of word w; its hot part is nil when w names none (possible only in a torn
+// body returns the body of word w; its pair is nil when w names none (possible only in a torn
 // read).
 func (t *table) body(w uint64) body {
 	return t.bodyAt(w&idxMask - 1)
 }
 
-// bodyAt returns body i; its hot part is nil when there is none (possible only in a torn read).
+// bodyAt returns body i; its pair is nil when there is none (possible only in a torn read).
 func (t *table) bodyAt(i uint64) body {
 	if c := i >> chunkShift; c < uint64(len(t.chunks)) {
-		return body{&t.chunks[c][i&(chunkSize-1)], t}
+		ch := t.chunks[c]
+		return body{&ch.p[i&(chunkSize-1)], &ch.pc[i&(chunkSize-1)], t}
 	}
 	return body{}
 }
 
-// cold returns cold part i, or nil when there is none (possible only in a torn read).
-func (t *table) cold(i uint64) *cold {
-	if c := i >> coldChunkShift; c < uint64(len(t.colds)) {
-		return &t.colds[c][i&(coldChunkSize-1)]
+// cold returns the cold part of reference r (cold index + 1), or nil when there is none (r = 0,
+// or a torn read).
+func (t *table) cold(r uint64) *cold {
+	if c := (r - 1) >> coldChunkShift; c < uint64(len(t.colds)) {
+		return &t.colds[c][(r-1)&(coldChunkSize-1)]
 	}
 	return nil
 }
 
-// sameKey reports whether a stored key (hx) is h, ignoring the flag bits. With four shards or
-// more the shard gives those bits back (see MemoryIndex.shardOf); a smaller table takes two keys
-// that differ in them alone, one pair in 2⁶², for one block.
-func sameKey(hx, h uint64) bool { return (hx^h)&^flagMask == 0 }
+// sameKey reports whether a live body's hx holds h's bits. With the fingerprint of the word that
+// named the body it identifies h but for the flag bits, which the shard gives back in tables of
+// four shards or more; a smaller table takes two keys that differ in them alone, one pair in 2⁶²,
+// for one block.
+func sameKey(hx, h uint64) bool { return (hx^(h|liveBit))&(keyBits|liveBit) == 0 }
+
+// fullKey returns the mixed key, flag bits cleared, of the block of word w and body b.
+func fullKey(w uint64, b body) uint64 { return w&^idxMask | b.p.hx.Load()&keyBits }
 
 // find returns the probe position and the body of h (≠ 0) in t, or -1 and no body. Safe under the
 // seqlock (a torn read may give a wrong answer, which the reader discards) and under mu.
@@ -159,7 +178,7 @@ func (t *table) find(h uint64) (int, body) {
 		}
 		// Empty, or the first word with a fingerprint ≥ h's: check the words with h's.
 		for w>>24 == h>>24 {
-			if b := t.body(w); b.hot != nil && sameKey(b.hot.hx.Load(), h) {
+			if b := t.body(w); b.p != nil && sameKey(b.p.hx.Load(), h) {
 				return int(pos), b
 			}
 			if pos++; pos >= uint64(len(keys)) {
@@ -172,29 +191,45 @@ func (t *table) find(h uint64) (int, body) {
 	return -1, body{}
 }
 
-// slotVal is a plain copy of a block's data, for writers. Its h has the flag bits cleared.
+// slotVal is a plain copy of a block's data, for writers. Its h has the flag bits cleared; a
+// copy loaded from a body has only the bits the body holds (keyBits), which is all a write back
+// needs.
 type slotVal struct {
 	h      uint64
 	tiers  [events.NumTiers]uint64
 	spec   uint64
-	times  uint64
+	times  uint64 // lo: evidence epoch; hi: speculative expiry tick (meaningful when spec ≠ 0)
 	parent uint64
+}
+
+// live reports whether b is a block's body (not a free one).
+func (b body) live() bool { return b.p.hx.Load()&liveBit != 0 }
+
+// stamp returns the evidence epoch of b's block.
+func (b body) stamp() uint32 {
+	if hx := b.p.hx.Load(); hx&flagMask != flagSpec {
+		return uint32(hx >> 32)
+	}
+	return uint32(b.pc.Load())
 }
 
 // load returns a copy of b's data. Under the seqlock a torn read may give garbage, which the
 // reader discards.
 func (b body) load() slotVal {
-	hx := b.hot.hx.Load()
-	v := slotVal{h: hx &^ flagMask, times: b.hot.times.Load()}
-	g, pc := b.hot.g.Load(), b.hot.pc.Load()
+	hx, g, pc := b.p.hx.Load(), b.p.g.Load(), b.pc.Load()
+	v := slotVal{h: hx & keyBits}
+	tick := hx >> 32
 	switch hx & flagMask {
 	case 0:
-		v.tiers[events.TierGPU], v.parent = g, pc
+		v.tiers[events.TierGPU], v.parent, v.times = g, pc, tick
 	case flagSpec:
-		v.spec, v.parent = g, pc
+		v.spec, v.times = g, tick<<32|pc&0xffffffff
+		if c := b.t.cold(pc >> 32); c != nil {
+			v.parent = c.parent.Load()
+		}
 	default:
-		v.tiers[events.TierGPU] = g
-		if c := b.t.cold(pc); c != nil {
+		v.tiers[events.TierGPU], v.times = g, tick|pc<<32
+		if c := b.t.cold(pc >> 32); c != nil {
 			v.tiers[events.TierCPU] = c.cpu.Load()
 			v.tiers[events.TierStorage] = c.storage.Load()
 			v.spec = c.spec.Load()
@@ -204,42 +239,54 @@ func (b body) load() slotVal {
 	return v
 }
 
-// needsCold reports whether v needs a cold part (see hot).
-func (v *slotVal) needsCold() bool {
-	return v.tiers[events.TierCPU]|v.tiers[events.TierStorage] != 0 || v.spec != 0 && v.tiers[events.TierGPU] != 0
-}
-
-// store writes v to b, using cold part ci when v needs one (ci is ignored otherwise). Writers
-// call it under mu, inside a write bracket when b is published; b.t names ci.
-func (b body) store(v slotVal, ci uint64) {
-	flags, g, pc := uint64(0), v.tiers[events.TierGPU], v.parent
+// layout returns the flags of v's body and whether it needs a cold part (see pair).
+func (v *slotVal) layout() (flags uint64, needsCold bool) {
 	switch {
-	case v.needsCold():
-		flags, pc = flagCold, ci
-		c := b.t.cold(ci)
-		storeWord(&c.cpu, v.tiers[events.TierCPU])
-		storeWord(&c.storage, v.tiers[events.TierStorage])
-		storeWord(&c.spec, v.spec)
-		storeWord(&c.parent, v.parent)
+	case v.tiers[events.TierCPU]|v.tiers[events.TierStorage] != 0 || v.spec != 0 && v.tiers[events.TierGPU] != 0:
+		return flagCold, true
 	case v.spec != 0:
-		flags, g = flagSpec, v.spec
-	}
-	storeWord(&b.hot.hx, v.h&^flagMask|flags)
-	storeWord(&b.hot.g, g)
-	storeWord(&b.hot.times, v.times)
-	storeWord(&b.hot.pc, pc)
-}
-
-// coldIndex returns the index of b's cold part and true, or false when it has none. Under mu.
-func (b body) coldIndex() (uint64, bool) {
-	if hx := b.hot.hx.Load(); hx != 0 && hx&flagCold != 0 {
-		return b.hot.pc.Load(), true
+		return flagSpec, v.parent != 0
 	}
 	return 0, false
 }
 
-// key returns the body's key (flag bits cleared; 0 for a free body).
-func (b body) key() uint64 { return b.hot.hx.Load() &^ flagMask }
+// store writes v to b, using cold part ci (an index) when v needs one (ci is ignored otherwise).
+// Writers call it under mu, inside a write bracket when b is published; b.t names ci.
+func (b body) store(v slotVal, ci uint64) {
+	flags, needsCold := v.layout()
+	ref := uint64(0)
+	if needsCold {
+		ref = ci + 1
+		c := b.t.cold(ref)
+		storeWord(&c.cpu, v.tiers[events.TierCPU])
+		storeWord(&c.storage, v.tiers[events.TierStorage])
+		storeWord(&c.spec, v.spec)
+		storeWord(&c.parent, v.parent)
+	}
+	epoch, specExp := v.times&0xffffffff, v.times>>32
+	hx, g, pc := epoch<<32, v.tiers[events.TierGPU], v.parent
+	switch flags {
+	case flagSpec:
+		hx, g, pc = specExp<<32, v.spec, ref<<32|epoch
+	case flagCold:
+		pc = ref<<32 | specExp
+	}
+	storeWord(&b.p.hx, hx|liveBit|v.h&keyBits|flags)
+	storeWord(&b.p.g, g)
+	storeWord(b.pc, pc)
+}
+
+// coldIndex returns the index of b's cold part and true, or false when it has none. Under mu.
+func (b body) coldIndex() (uint64, bool) {
+	hx := b.p.hx.Load()
+	if hx&liveBit == 0 || hx&flagMask == 0 {
+		return 0, false
+	}
+	if r := b.pc.Load() >> 32; r != 0 {
+		return r - 1, true
+	}
+	return 0, false
+}
 
 // confirmed returns the holders of v on any tier.
 func (v *slotVal) confirmed() uint64 { return v.tiers[0] | v.tiers[1] | v.tiers[2] }
@@ -341,9 +388,9 @@ type shard struct {
 	limit    int      // max live blocks (this shard's share of MaxEntries)
 	used     uint32   // bodies handed out from the chunks (live or free)
 	free     []uint32 // freed body indexes
+	marks    []uint64 // a bitset of body indexes, for evict and sweepShard
 	coldUsed uint32   // cold parts handed out from the cold chunks (live or free)
 	coldFree []uint32 // freed cold indexes
-	victims  []uint64
 	ages     []uint32
 
 	blocks atomic.Int64 // = count, readable without mu
@@ -359,11 +406,12 @@ func (sh *shard) read(h uint64) (v slotVal, ok bool) {
 		s1 := sh.seq.Load()
 		if s1&1 == 0 {
 			_, b := sh.tab.Load().find(h)
-			if b.hot != nil {
+			if b.p != nil {
 				v = b.load()
+				v.h = h &^ flagMask
 			}
 			if sh.seq.Load() == s1 {
-				return v, b.hot != nil && sameKey(v.h, h)
+				return v, b.p != nil
 			}
 		}
 		if spins&63 == 63 {
@@ -491,7 +539,7 @@ func (m *MemoryIndex) maybeShrink(sh *shard) {
 		}
 		v := t.body(w).load()
 		ci := uint64(0)
-		if v.needsCold() {
+		if _, needsCold := v.layout(); needsCold {
 			if nextCold%coldChunkSize == 0 {
 				nt.colds = append(nt.colds, new(coldChunk))
 			}
@@ -541,7 +589,7 @@ func (sh *shard) deleteAt(t *table, pos int) {
 	w := t.removeWord(uint64(pos))
 	b := t.body(w)
 	ci, hasCold := b.coldIndex()
-	storeWord(&b.hot.hx, 0)
+	storeWord(&b.p.hx, 0)
 	sh.end()
 	sh.free = append(sh.free, uint32(w&idxMask-1))
 	if hasCold {
@@ -555,7 +603,7 @@ func (sh *shard) deleteAt(t *table, pos int) {
 // its own as v needs. Under mu.
 func (sh *shard) put(b body, v slotVal) {
 	ci, had := b.coldIndex()
-	need := v.needsCold()
+	_, need := v.layout()
 	if need && !had {
 		ci = sh.allocCold()
 	}
@@ -572,7 +620,7 @@ func (sh *shard) put(b body, v slotVal) {
 func (m *MemoryIndex) add(sh *shard, v slotVal, c clock) {
 	m.ensureRoom(sh, c)
 	ci := uint64(0)
-	if v.needsCold() {
+	if _, needsCold := v.layout(); needsCold {
 		ci = sh.allocCold()
 	}
 	t := sh.tab.Load()
@@ -798,13 +846,14 @@ func (m *MemoryIndex) unspeculate(sh *shard, h uint64, id uint8) bool {
 // speculation that created a block no backend had confirmed. Since ancestors are at least as
 // recent as their descendants, this evicts chains from their tails. One scan finds the age
 // threshold of the oldest eighth by selection, a second collects them; the cost, O(limit) per
-// limit/8 insertions, is O(1) amortised.
+// limit/8 insertions, is O(1) amortised. The victims are marked in the slab, then deleted by a
+// scan of the probe array.
 func (m *MemoryIndex) evict(sh *shard, c clock) {
 	t := sh.tab.Load()
 	ages := sh.ages[:0]
 	for b := range t.bodies(sh.used) {
-		if b.key() != 0 {
-			ages = append(ages, tickAge(c.epoch, uint32(b.hot.times.Load())))
+		if b.live() {
+			ages = append(ages, tickAge(c.epoch, b.stamp()))
 		}
 	}
 	sh.ages = ages[:0]
@@ -813,38 +862,72 @@ func (m *MemoryIndex) evict(sh *shard, c clock) {
 	}
 	k := min(max(1, sh.limit/8), len(ages))
 	thr := kthLargest(ages, k) // the k-th largest age
-	victims := sh.victims[:0]
-	ties := 0
-	for b := range t.bodies(sh.used) {
-		h := b.key()
-		if h == 0 {
+	marks := sh.resetMarks()
+	n, ties := 0, 0
+	for i := uint64(0); i < uint64(sh.used) && n < k; i++ {
+		b := t.bodyAt(i)
+		if !b.live() {
 			continue
 		}
-		switch a := tickAge(c.epoch, uint32(b.hot.times.Load())); {
+		switch a := tickAge(c.epoch, b.stamp()); {
 		case a > thr:
-			victims = append(victims, h)
 		case a == thr && ties < k:
-			victims = append(victims, h)
 			ties++
-		}
-	}
-	if len(victims) > k {
-		victims = victims[:k]
-	}
-	for _, h := range victims {
-		pos, b := t.find(h)
-		if pos < 0 {
+		default:
 			continue
 		}
+		marks[i/64] |= 1 << (i % 64)
+		n++
+	}
+	sh.deleteMarked(marks, n, func(b body) {
 		v := b.load()
 		m.dropSlotCounts(&v, c)
-		sh.deleteAt(t, pos)
 		m.evictions.Add(1)
-	}
-	sh.victims = victims[:0]
+	})
 }
 
-// bodies iterates over the first used bodies of t's slab in memory order (freed ones have key 0).
+// resetMarks returns sh's bitset of body indexes, sized for its slab and cleared. Under mu.
+func (sh *shard) resetMarks() []uint64 {
+	n := (int(sh.used) + 63) / 64
+	if cap(sh.marks) < n {
+		sh.marks = make([]uint64, n)
+	}
+	sh.marks = sh.marks[:n]
+	clear(sh.marks)
+	return sh.marks
+}
+
+// deleteMarked deletes the n blocks whose body indexes are set in marks, calling before on each
+// body first. It finds their words by one scan of the probe array. Under mu.
+func (sh *shard) deleteMarked(marks []uint64, n int, before func(body)) {
+	t := sh.tab.Load()
+	keys := t.keys
+	for pos := 0; pos < len(keys) && n > 0; {
+		w := keys[pos].Load()
+		if i := w&idxMask - 1; w == 0 || marks[i/64]&(1<<(i%64)) == 0 {
+			pos++
+			continue
+		}
+		before(t.body(w))
+		sh.deleteAt(t, pos) // shifts the next words back: pos is read again
+		n--
+	}
+}
+
+// blocks iterates over the words of t's probe array greater than after, in order (key order),
+// with their bodies.
+func (t *table) blocks(after uint64) func(yield func(uint64, body) bool) {
+	return func(yield func(uint64, body) bool) {
+		for pos := t.home(after); pos < uint64(len(t.keys)); pos++ {
+			if w := t.keys[pos].Load(); w > after && !yield(w, t.body(w)) {
+				return
+			}
+		}
+	}
+}
+
+// bodies iterates over the first used bodies of t's slab in memory order (freed ones are not
+// live).
 func (t *table) bodies(used uint32) func(yield func(body) bool) {
 	return func(yield func(body) bool) {
 		for i := range used {
@@ -905,9 +988,11 @@ func median3(a, b, c uint32) uint32 {
 // left empty. It returns the number of expired memberships. Under mu.
 func (m *MemoryIndex) sweepShard(sh *shard, c clock) (expired int) {
 	t := sh.tab.Load()
-	victims := sh.victims[:0]
-	for b := range t.bodies(sh.used) {
-		if b.key() == 0 {
+	marks := sh.resetMarks()
+	n := 0
+	for i := range uint64(sh.used) {
+		b := t.bodyAt(i)
+		if !b.live() {
 			continue
 		}
 		v := b.load()
@@ -917,17 +1002,13 @@ func (m *MemoryIndex) sweepShard(sh *shard, c clock) (expired int) {
 			continue
 		}
 		if v.confirmed()|v.spec == 0 {
-			victims = append(victims, v.h)
+			marks[i/64] |= 1 << (i % 64)
+			n++
 			continue
 		}
 		sh.put(b, v)
 	}
-	for _, h := range victims {
-		if pos, _ := t.find(h); pos >= 0 {
-			sh.deleteAt(t, pos)
-		}
-	}
-	sh.victims = victims[:0]
+	sh.deleteMarked(marks, n, func(body) {})
 	m.maybeShrink(sh)
 	return expired
 }
@@ -938,7 +1019,7 @@ func (m *MemoryIndex) clearShard(sh *shard, c clock) int {
 	t := sh.tab.Load()
 	n := 0
 	for b := range t.bodies(sh.used) {
-		if b.key() == 0 {
+		if !b.live() {
 			continue
 		}
 		v := b.load()

@@ -136,11 +136,11 @@ func checkConsistency(t testing.TB, m *MemoryIndex) {
 			prev = w
 			b := tb.body(w)
 			v := b.load()
-			if v.h&^idxMask != w&^idxMask {
-				t.Errorf("shard %d: body of word %x has key %x", si, w, v.h)
+			if !b.live() {
+				t.Errorf("shard %d: word %x names a free body", si, w)
 			}
-			if pos, _ := tb.find(v.h); pos != int(p) {
-				t.Errorf("shard %d: find(%x) = %d, want %d", si, v.h, pos, p)
+			if pos, _ := tb.find(fullKey(w, b)); pos != int(p) {
+				t.Errorf("shard %d: find(%x) = %d, want %d", si, fullKey(w, b), pos, p)
 			}
 			for x := (v.confirmed() | v.spec) &^ retired; x != 0; x &= x - 1 {
 				members[bits.TrailingZeros64(x)]++
@@ -160,20 +160,17 @@ func checkConsistency(t testing.TB, m *MemoryIndex) {
 		if len(colds) != len(sh.coldFree) {
 			t.Errorf("shard %d: a cold part freed twice", si)
 		}
-		for b := range tb.bodies(sh.used) {
-			if b.key() == 0 {
-				continue
-			}
+		for w, b := range tb.blocks(0) {
 			v := b.load()
 			ci, has := b.coldIndex()
-			if has != v.needsCold() {
-				t.Errorf("shard %d: block %x has a cold part: %v, needs one: %v", si, v.h, has, v.needsCold())
+			if _, needs := v.layout(); has != needs {
+				t.Errorf("shard %d: block %x has a cold part: %v, needs one: %v", si, fullKey(w, b), has, needs)
 			}
 			if !has {
 				continue
 			}
 			if colds[ci] || ci >= uint64(sh.coldUsed) {
-				t.Errorf("shard %d: block %x names cold part %d, free or shared or past %d", si, v.h, ci, sh.coldUsed)
+				t.Errorf("shard %d: block %x names cold part %d, free or shared or past %d", si, fullKey(w, b), ci, sh.coldUsed)
 			}
 			colds[ci] = true
 		}
