@@ -443,6 +443,7 @@ func (m *MemoryIndex) applyStored(bs *backendState, b *events.Batch, ev *events.
 		return
 	}
 	r := bsz / our
+	bs.subKeys = max(bs.subKeys, r)
 	var parent, parentH uint64 // parent key, and its mixed form (0: a root, not a block)
 	if ev.HasParent {
 		p, ok := bs.em.get(mix(ev.Parent))
@@ -591,14 +592,20 @@ func keysOf(dst []uint64, bs *backendState, h uint64) []uint64 {
 	if !ok {
 		return dst
 	}
-	dst = append(dst, k)
-	for j := 1; ; j++ {
+	return subKeysOf(append(dst, k), bs, h)
+}
+
+// subKeysOf appends to dst the keys before the last that engine hash h (mixed) maps to in bs's
+// map. Under bs.emu.
+func subKeysOf(dst []uint64, bs *backendState, h uint64) []uint64 {
+	for j := 1; j < bs.subKeys; j++ {
 		k, ok := bs.em.get(derive(h, j))
 		if !ok {
-			return dst
+			break
 		}
 		dst = append(dst, k)
 	}
+	return dst
 }
 
 // addTierToKnown adds tier to the blocks the engine hashes map to (a BlockStored without tokens).
@@ -633,11 +640,12 @@ func (m *MemoryIndex) applyRemoved(bs *backendState, ev *events.Event, c clock) 
 	removed := 0
 	for _, eh := range ev.BlockHashes {
 		h := mix(eh)
-		keys := keysOf(buf[:0], bs, h)
-		if len(keys) == 0 {
+		i := bs.em.find(h)
+		if i < 0 {
 			m.drop(DropUnknownBlock, 1)
 			continue
 		}
+		keys := subKeysOf(append(buf[:0], bs.em.slots[i].key), bs, h)
 		still := false
 		for _, k := range keys {
 			kh := mix(k)
@@ -650,7 +658,7 @@ func (m *MemoryIndex) applyRemoved(bs *backendState, ev *events.Event, c clock) 
 		}
 		removed += len(keys)
 		if !still {
-			bs.em.del(h)
+			bs.em.delAt(i) // the map has not changed since find
 			for j := 1; j < len(keys); j++ {
 				bs.em.del(derive(h, j))
 			}

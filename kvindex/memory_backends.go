@@ -24,6 +24,9 @@ type backendState struct {
 
 	emu sync.Mutex
 	em  engineMap // under emu
+	// subKeys is the most keys one engine hash of the backend has stood for (its engine blocks'
+	// size over the index's), 0 before its first; under emu. keysOf probes no further.
+	subKeys int
 
 	// specMu guards spec. Lock order: life (shared), then specMu, then shard locks.
 	specMu sync.Mutex

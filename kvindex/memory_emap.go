@@ -97,6 +97,13 @@ func (e *engineMap) del(h uint64) bool {
 	if i < 0 {
 		return false
 	}
+	e.delAt(i)
+	return true
+}
+
+// delAt removes the entry at position i (a find result, the map unchanged since) and shifts the
+// following displaced entries back by one.
+func (e *engineMap) delAt(i int) {
 	sl := e.slots
 	pos := uint64(i)
 	end := pos + 1
@@ -106,7 +113,6 @@ func (e *engineMap) del(h uint64) bool {
 	copy(sl[pos:end-1], sl[pos+1:end])
 	sl[end-1] = emSlot{}
 	e.count--
-	return true
 }
 
 // resize rebuilds the map with at least n home slots, keeping the entries for which keep (when

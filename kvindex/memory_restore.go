@@ -464,6 +464,7 @@ func (m *MemoryIndex) Restore(ctx context.Context, backend string, recs []StateR
 			eh := mix(r.Hash)
 			last := len(r.Keys) - 1
 			bs.emu.Lock()
+			bs.subKeys = max(bs.subKeys, len(r.Keys))
 			bs.em.put(eh, r.Keys[last])
 			for j := 1; j <= last; j++ {
 				bs.em.put(derive(eh, j), r.Keys[last-j])
