@@ -198,9 +198,11 @@ const tickShift = 22
 // array kept 76–87.5% full, and a 32-byte cold part for a block held on the CPU or storage tier or
 // by speculative holders; per (block, backend) membership confirmed by an event, a 16-byte
 // engine-hash map entry, the maps kept 81–90% full. With blocks held by 2.7 backends on average
-// that is about 32 bytes per membership (BenchmarkMemoryPerMembership). Per speculative
-// membership, an 8-byte entry in its backend's expiry queue (16 when queued out of order), kept
-// until the entry's expiry even when a BlockStored confirms it sooner.
+// that is about 32 bytes per membership (BenchmarkMemoryPerMembership). Backends whose engines
+// report the same block hash for the same block (vLLM engines started with one PYTHONHASHSEED)
+// share one 24-byte engine-hash entry per block instead (see memory_shared.go): about 23 bytes per
+// membership. Per speculative membership, an 8-byte entry in its backend's expiry queue (16 when
+// queued out of order), kept until the entry's expiry even when a BlockStored confirms it sooner.
 type MemoryIndex struct {
 	cfg       MemoryConfig
 	epoch     time.Time // the clock's origin
@@ -214,6 +216,7 @@ type MemoryIndex struct {
 	shardMask uint64
 	ids       [MaxMemoryBackends]idCounters
 	reg       registry
+	engines   sharedEngines
 	prefix    prefixStore
 	// storageIDs are the ids that have stored a block on the storage tier since they were
 	// assigned: Lookup searches only their stored prefixes. Cleared when the ids are freed.
@@ -446,7 +449,7 @@ func (m *MemoryIndex) applyStored(bs *backendState, b *events.Batch, ev *events.
 	bs.subKeys = max(bs.subKeys, r)
 	var parent, parentH uint64 // parent key, and its mixed form (0: a root, not a block)
 	if ev.HasParent {
-		p, ok := bs.em.get(mix(ev.Parent))
+		p, ok := m.engineGet(bs, mix(ev.Parent))
 		if !ok {
 			m.drop(DropUnknownParent, 1)
 			return
@@ -520,7 +523,9 @@ func (m *MemoryIndex) flush(bs *backendState, w *ingestBatch, tier events.Tier, 
 		touched += bs.em.touch(w.mks[i])
 	}
 	for i := range w.n {
-		m.store(w.hs[i], w.parentH, bs.id, tier, c)
+		if same := m.store(w.hs[i], w.parentH, bs.id, tier, engineFP(w.mks[i]), c); same != 0 {
+			m.noteShared(bs, same)
+		}
 		w.parentH = w.hs[i]
 		m.emPut(bs, w.mks[i], w.keys[i], c)
 	}
@@ -548,32 +553,35 @@ func (m *MemoryIndex) refreshAncestors(h, bit uint64, c clock) {
 	}
 }
 
-// store adds backend id's membership of block h (mixed key), child of parentH, on tier.
-func (m *MemoryIndex) store(h, parentH uint64, id uint8, tier events.Tier, c clock) {
+// store adds backend id's membership of block h (mixed key), child of parentH, on tier, under an
+// engine hash of fingerprint efp (0: none); it returns addConfirmed's evidence on sharing.
+func (m *MemoryIndex) store(h, parentH uint64, id uint8, tier events.Tier, efp uint8, c clock) (same int) {
 	if bit := uint64(1) << id; tier == events.TierStorage && m.storageIDs.Load()&bit == 0 {
 		m.storageIDs.Or(bit) // before the block is visible to lookups
 	}
 	sh := m.lockShard(h, &c)
-	m.addConfirmed(sh, h, parentH, id, tier, c)
+	_, same = m.addConfirmed(sh, h, parentH, id, tier, efp, c)
 	sh.mu.Unlock()
+	return same
 }
 
 // emPut maps engine hash h (mixed) to key in bs's map. When the map holds more than 3 entries per
 // membership the backend has in the block table (plus a floor), and twice as many as after the
 // last pruning, most of them dangle (their blocks were evicted or expired, which no BlockRemoved
 // reports): it drops them first, probing the table once per entry — O(1) amortised per insert,
-// and the map stays within a few times its live size. Under bs.emu.
+// and the map stays within a few times its live size. A backend on the shared map writes there
+// instead (sharedPut). Under bs.emu.
 func (m *MemoryIndex) emPut(bs *backendState, h, key uint64, c clock) {
-	if bs.em.count >= max(bs.em.pruneAt, 3*int(m.ids[bs.id].members.Load())+minPrune) {
+	if !bs.shared && bs.em.count >= max(bs.em.pruneAt, 3*int(m.ids[bs.id].members.Load())+minPrune) {
 		bit := uint64(1) << bs.id
-		bs.em.retain(func(key uint64) bool {
+		bs.em.retain(func(_, key uint64) bool {
 			return m.heldConfirmed(mix(key), bit, c)
 		})
 		// Live entries can outnumber memberships (two engine hashes for one block): never prune
 		// again before the map has doubled.
 		bs.em.pruneAt = 2 * bs.em.count
 	}
-	bs.em.put(h, key)
+	m.enginePut(bs, h, key, c)
 }
 
 // minPrune is the smallest engine map emPut prunes.
@@ -587,19 +595,19 @@ func (m *MemoryIndex) heldConfirmed(h, bit uint64, c clock) bool {
 
 // keysOf appends to dst the keys engine hash h (mixed) maps to in bs's map: the last sub-key
 // first. Under bs.emu.
-func keysOf(dst []uint64, bs *backendState, h uint64) []uint64 {
-	k, ok := bs.em.get(h)
+func (m *MemoryIndex) keysOf(dst []uint64, bs *backendState, h uint64) []uint64 {
+	k, ok := m.engineGet(bs, h)
 	if !ok {
 		return dst
 	}
-	return subKeysOf(append(dst, k), bs, h)
+	return m.subKeysOf(append(dst, k), bs, h)
 }
 
 // subKeysOf appends to dst the keys before the last that engine hash h (mixed) maps to in bs's
 // map. Under bs.emu.
-func subKeysOf(dst []uint64, bs *backendState, h uint64) []uint64 {
+func (m *MemoryIndex) subKeysOf(dst []uint64, bs *backendState, h uint64) []uint64 {
 	for j := 1; j < bs.subKeys; j++ {
-		k, ok := bs.em.get(derive(h, j))
+		k, ok := m.engineGet(bs, derive(h, j))
 		if !ok {
 			break
 		}
@@ -613,13 +621,13 @@ func (m *MemoryIndex) addTierToKnown(bs *backendState, hashes []uint64, tier eve
 	var buf [16]uint64
 	stored := 0
 	for _, eh := range hashes {
-		keys := keysOf(buf[:0], bs, mix(eh))
+		keys := m.keysOf(buf[:0], bs, mix(eh))
 		if len(keys) == 0 {
 			m.drop(DropUnknownBlock, 1)
 			continue
 		}
 		for _, k := range keys {
-			m.store(mix(k), 0, bs.id, tier, c)
+			m.store(mix(k), 0, bs.id, tier, 0, c)
 		}
 		stored += len(keys)
 	}
@@ -640,12 +648,17 @@ func (m *MemoryIndex) applyRemoved(bs *backendState, ev *events.Event, c clock) 
 	removed := 0
 	for _, eh := range ev.BlockHashes {
 		h := mix(eh)
+		var keys []uint64
 		i := bs.em.find(h)
-		if i < 0 {
+		if i >= 0 {
+			keys = m.subKeysOf(append(buf[:0], bs.em.slots[i].key), bs, h)
+		} else {
+			keys = m.keysOf(buf[:0], bs, h)
+		}
+		if len(keys) == 0 {
 			m.drop(DropUnknownBlock, 1)
 			continue
 		}
-		keys := subKeysOf(append(buf[:0], bs.em.slots[i].key), bs, h)
 		still := false
 		for _, k := range keys {
 			kh := mix(k)
@@ -658,9 +671,13 @@ func (m *MemoryIndex) applyRemoved(bs *backendState, ev *events.Event, c clock) 
 		}
 		removed += len(keys)
 		if !still {
-			bs.em.delAt(i) // the map has not changed since find
+			if i >= 0 {
+				bs.em.delAt(i) // the map has not changed since find
+			} else {
+				m.engineDel(bs, h)
+			}
 			for j := 1; j < len(keys); j++ {
-				bs.em.del(derive(h, j))
+				m.engineDel(bs, derive(h, j))
 			}
 		}
 	}
@@ -726,6 +743,7 @@ func (m *MemoryIndex) sweep() {
 			ic.prefix.Store(0)
 		}
 		m.storageIDs.And(^mask)
+		m.engines.dropIDs(mask)
 		m.reg.release(mask)
 	}
 	// The shards swept, the queues' due entries name memberships already dropped: they are
@@ -1153,6 +1171,7 @@ func (m *MemoryIndex) Stats(context.Context) (Stats, error) {
 		bytes += bs.em.bytes()
 		bs.emu.Unlock()
 	}
+	bytes += m.engines.bytes()
 	s.PrefixCount = int(m.prefix.count.Load())
 	s.MemoryBytes = bytes + m.prefixBytes()
 	return s, nil
@@ -1186,6 +1205,7 @@ func (m *MemoryIndex) Clear(context.Context) (int, error) {
 		bs.em = engineMap{}
 		bs.emu.Unlock()
 	}
+	m.engines.clear()
 	m.mut[MutationCleared].Add(1)
 	return n, nil
 }

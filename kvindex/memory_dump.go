@@ -182,13 +182,9 @@ func (m *MemoryIndex) dumpPrefixes(bs *backendState, left int, fn func(DumpEntry
 // engine-hash map and speculative queue know, by their mixed key without the flag bits.
 func (m *MemoryIndex) dumpKeys(bs *backendState) map[uint64]uint64 {
 	keys := map[uint64]uint64{}
-	bs.emu.Lock()
-	for _, s := range bs.em.slots {
-		if s.h != 0 {
-			keys[mix(s.key)&^flagMask] = s.key
-		}
+	for _, s := range m.engineSlots(bs) {
+		keys[mix(s.key)&^flagMask] = s.key
 	}
-	bs.emu.Unlock()
 	bs.specMu.Lock()
 	q := &bs.spec
 	for i := range q.keys.n {

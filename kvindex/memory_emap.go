@@ -11,7 +11,8 @@ package kvindex
 //
 // Entries whose block has left the block table by eviction or expiry (no BlockRemoved said so)
 // dangle; MemoryIndex.emPut drops them when the map holds several times more entries than the
-// backend has memberships.
+// backend has memberships. A backend whose engine hashes agree with other backends' keeps them
+// in the shared map instead (see memory_shared.go), whose shards hold such maps of tags.
 type engineMap struct {
 	slots []emSlot // n home slots + pad
 	n     uint64
@@ -44,6 +45,17 @@ func (e *engineMap) find(h uint64) int {
 		}
 	}
 	return -1
+}
+
+// first returns the position of the first slot, from lo's home, that is empty or holds a key not
+// below lo.
+func (e *engineMap) first(lo uint64) int {
+	s := e.slots
+	pos := e.home(lo)
+	for pos < uint64(len(s)) && s[pos].h != 0 && s[pos].h < lo {
+		pos++
+	}
+	return int(pos)
 }
 
 // touch loads h's home slot (to bring it into the cache ahead of a write) and returns it.
@@ -155,7 +167,7 @@ func (e *engineMap) fill(old []emSlot, keep func(key uint64) bool) bool {
 // retain keeps only the entries for which keep returns true. It compacts the map in place (kept
 // entries only move towards their home slots), so a pruning allocates nothing and the map keeps
 // its size, room for the entries to come.
-func (e *engineMap) retain(keep func(key uint64) bool) {
+func (e *engineMap) retain(keep func(h, key uint64) bool) {
 	sl := e.slots
 	next := uint64(0) // first position not yet rewritten
 	e.count = 0
@@ -165,7 +177,7 @@ func (e *engineMap) retain(keep func(key uint64) bool) {
 			continue
 		}
 		sl[i] = emSlot{}
-		if !keep(s.key) {
+		if !keep(s.h, s.key) {
 			continue
 		}
 		pos := max(e.home(s.h), next) // ≤ i: the order and every home ≤ i are kept

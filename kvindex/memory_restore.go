@@ -145,9 +145,10 @@ type exportBlock struct {
 //
 // Blocks are read as Dump reads them, each shard under its lock dumpSlice blocks at a time;
 // expiries are exact to the index's epochs (EntryTTL/64). The engine-hash map of a backend is
-// copied under its mutex (16 bytes per entry), which holds off that backend's Apply for the
-// copy. A table of fewer than four shards (MaxEntries < 16,384) finds its block keys in the
-// engine-hash maps and parent links (see Dump); a block found in neither is not listed.
+// copied under its mutex (16 bytes per entry; its entries in the shared map too, one shard lock
+// at a time), which holds off that backend's Apply for the copy. A table of fewer than four
+// shards (MaxEntries < 16,384) finds its block keys in the engine-hash maps and parent links (see
+// Dump); a block found in neither is not listed.
 func (m *MemoryIndex) Export(ctx context.Context, fn func(backend string, rec *StateRecord) error) error {
 	if m.closed.Load() {
 		return ErrClosed
@@ -173,14 +174,7 @@ func (m *MemoryIndex) exportBackend(ctx context.Context, bs *backendState, rec *
 	fn func(string, *StateRecord) error) error {
 	// The engine map first: a table of few shards needs it for keys, and the records come after
 	// the blocks.
-	bs.emu.Lock()
-	slots := make([]emSlot, 0, bs.em.count)
-	for _, s := range bs.em.slots {
-		if s.h != 0 {
-			slots = append(slots, s)
-		}
-	}
-	bs.emu.Unlock()
+	slots := m.engineSlots(bs)
 
 	var keys map[uint64]uint64 // few shards: mixed key without the flag bits → block key
 	if len(m.shards) < minKeyedShards {
@@ -465,9 +459,9 @@ func (m *MemoryIndex) Restore(ctx context.Context, backend string, recs []StateR
 			last := len(r.Keys) - 1
 			bs.emu.Lock()
 			bs.subKeys = max(bs.subKeys, len(r.Keys))
-			bs.em.put(eh, r.Keys[last])
+			m.enginePut(bs, eh, r.Keys[last], c)
 			for j := 1; j <= last; j++ {
-				bs.em.put(derive(eh, j), r.Keys[last-j])
+				m.enginePut(bs, derive(eh, j), r.Keys[last-j], c)
 			}
 			bs.emu.Unlock()
 		case StatePrefix:

@@ -46,8 +46,9 @@ import (
 // pair is the part of a block's body that lookups read: 16 bytes, four per cache line. The low 32
 // bits of hx hold two layout flags, bits 2–23 of the block's mixed key (the fingerprint of its
 // probe word holds bits 24–63, and with four shards or more the shard gives bits 0–1 back, see
-// MemoryIndex.shardOf) and liveBit; its high 32 bits hold a tick (see clock). The flags say what
-// g and the body's other word, pc, hold:
+// MemoryIndex.shardOf), liveBit and a 7-bit fingerprint of an engine hash that stands for the
+// block (see engineFP); its high 32 bits hold a tick (see clock). The flags say what g and the
+// body's other word, pc, hold:
 //
 //   - neither: hx's tick is the evidence epoch, g the confirmed GPU holders and pc the parent's
 //     key. The block needs nothing else: this is every block of an index fed by GPU events only.
@@ -78,6 +79,7 @@ const (
 	flagMask = flagCold | flagSpec
 	keyBits  = (1<<24 - 1) &^ flagMask // the bits of the mixed key a body holds
 	liveBit  = 1 << 24                 // set in every live body: a free body's hx is 0
+	fpShift  = 25                      // the engine-hash fingerprint: bits 25–31
 )
 
 // body is a handle on one block's body in a table value; p is nil for none. Writers take it from
@@ -200,6 +202,7 @@ type slotVal struct {
 	spec   uint64
 	times  uint64 // lo: evidence epoch; hi: speculative expiry tick (meaningful when spec ≠ 0)
 	parent uint64
+	efp    uint8 // engineFP of the engine hash of the first backend that stored the block; 0: none
 }
 
 // live reports whether b is a block's body (not a free one).
@@ -217,7 +220,7 @@ func (b body) stamp() uint32 {
 // reader discards.
 func (b body) load() slotVal {
 	hx, g, pc := b.p.hx.Load(), b.p.g.Load(), b.pc.Load()
-	v := slotVal{h: hx & keyBits}
+	v := slotVal{h: hx & keyBits, efp: uint8(hx >> fpShift & 0x7f)}
 	tick := hx >> 32
 	switch hx & flagMask {
 	case 0:
@@ -271,7 +274,7 @@ func (b body) store(v slotVal, ci uint64) {
 	case flagCold:
 		pc = ref<<32 | specExp
 	}
-	storeWord(&b.p.hx, hx|liveBit|v.h&keyBits|flags)
+	storeWord(&b.p.hx, hx|uint64(v.efp&0x7f)<<fpShift|liveBit|v.h&keyBits|flags)
 	storeWord(&b.p.g, g)
 	storeWord(b.pc, pc)
 }
@@ -656,24 +659,38 @@ func (m *MemoryIndex) add(sh *shard, v slotVal, c clock) {
 }
 
 // addConfirmed records that backend id holds block h, child of block parent (mixed; 0 when
-// unknown), on tier. It returns whether the membership is new. Under mu.
-func (m *MemoryIndex) addConfirmed(sh *shard, h, parent uint64, id uint8, tier events.Tier, c clock) (isNew bool) {
+// unknown), on tier, stored under an engine hash of fingerprint efp (0: none). It returns whether
+// the membership is new and, when the block was already held by other backends, whether the
+// engine hash of the first that stored it has the same fingerprint (same = 1) or not (-1); else
+// same is 0. Under mu.
+func (m *MemoryIndex) addConfirmed(sh *shard, h, parent uint64, id uint8, tier events.Tier, efp uint8,
+	c clock) (isNew bool, same int) {
 	bit := uint64(1) << id
 	t := sh.tab.Load()
 	pos, b := t.find(h)
 	if pos < 0 {
-		v := slotVal{h: h, parent: parent}
+		v := slotVal{h: h, parent: parent, efp: efp}
 		v.tiers[tier] = bit
 		v.setStamp(c.epoch)
 		m.add(sh, v, c)
 		m.ids[id].members.Add(1)
-		return true
+		return true, 0
 	}
 	v := b.load()
 	if exp := m.normalize(&v, c); exp != 0 {
 		m.expired.Add(uint64(exp))
 	}
 	isNew = (v.confirmed()|v.spec)&bit == 0
+	switch {
+	case efp == 0:
+	case v.efp == 0:
+		v.efp = efp
+	case isNew && v.confirmed() != 0:
+		same = -1
+		if v.efp == efp {
+			same = 1
+		}
+	}
 	if v.spec&bit != 0 {
 		v.spec &^= bit // confirmed: an ordinary entry now
 		m.ids[id].specs.Add(-1)
@@ -687,7 +704,7 @@ func (m *MemoryIndex) addConfirmed(sh *shard, h, parent uint64, id uint8, tier e
 	if isNew {
 		m.ids[id].members.Add(1)
 	}
-	return isNew
+	return isNew, same
 }
 
 // refresh brings the evidence epoch of block h to c.epoch, as a descendant of it was just stored

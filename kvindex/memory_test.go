@@ -180,6 +180,27 @@ func checkConsistency(t testing.TB, m *MemoryIndex) {
 		blocks += live
 		sh.mu.Unlock()
 	}
+	// The shared engine-hash map: group entries of two holders or more, and no mapping of an id
+	// neither live nor retired (a free id's next backend must not inherit one).
+	var known uint64 = retired
+	for _, bs := range m.reg.active() {
+		known |= 1 << bs.id
+	}
+	for i := range m.engines.shards {
+		s := &m.engines.shards[i]
+		s.mu.Lock()
+		for _, e := range s.own.slots {
+			if id := e.h & 0xff; e.h != 0 && (id == 0 || id > MaxMemoryBackends || known&(1<<(id-1)) == 0) {
+				t.Errorf("shared map: own entry %x of id %d, not live nor retired", e.h, int(id)-1)
+			}
+		}
+		for _, g := range s.group.slots {
+			if g.tag != 0 && (bits.OnesCount64(g.holders) < 2 || g.holders&^known != 0) {
+				t.Errorf("shared map: group entry %x holders %x (live or retired: %x)", g.tag, g.holders, known)
+			}
+		}
+		s.mu.Unlock()
+	}
 	for _, bs := range m.reg.active() {
 		if got, want := m.ids[bs.id].members.Load(), members[bs.id]; got != want {
 			t.Errorf("backend %s: members counter %d, table %d", bs.name, got, want)
@@ -264,7 +285,7 @@ func TestTableRandomOps(t *testing.T) {
 				h := mix(k)
 				sh := m.lockShard(h, &c)
 				if r.IntN(3) > 0 {
-					m.addConfirmed(sh, h, 0, bs.id, events.TierGPU, c)
+					m.addConfirmed(sh, h, 0, bs.id, events.TierGPU, 0, c)
 					ref[k] = true
 				} else {
 					m.removeTier(sh, h, bs.id, events.TierGPU, c)
@@ -333,7 +354,7 @@ func TestBodyLayouts(t *testing.T) {
 				b := ref[h]
 				switch op := r.IntN(10); {
 				case op < 4:
-					m.addConfirmed(sh, h, parent, id, tier, c)
+					m.addConfirmed(sh, h, parent, id, tier, 0, c)
 					if b == nil {
 						b = &block{parentH: parent}
 						ref[h] = b
@@ -411,7 +432,7 @@ func TestEngineMapRandomOps(t *testing.T) {
 			ref[h] = v
 		}
 		if step%5000 == 0 {
-			e.retain(func(key uint64) bool { return key%3 != 0 })
+			e.retain(func(_, key uint64) bool { return key%3 != 0 })
 			for h, v := range ref {
 				if v%3 == 0 {
 					delete(ref, h)
@@ -824,9 +845,17 @@ func TestLookupAllocs(t *testing.T) {
 }
 
 // TestConcurrentStress runs writers, readers, speculation, clears and sweeps at once on a small
-// table (resizes, evictions, id reuse); run it with -race.
+// table (resizes, evictions, id reuse), with the backends' own engine-hash maps and with the
+// shared one; run it with -race.
 func TestConcurrentStress(t *testing.T) {
+	for _, shared := range []bool{false, true} {
+		t.Run(fmt.Sprintf("shared_engines=%v", shared), func(t *testing.T) { concurrentStress(t, shared) })
+	}
+}
+
+func concurrentStress(t *testing.T, shared bool) {
 	m, clk := newTestIndex(t, MemoryConfig{MaxEntries: 2048, MaxBackends: 6, EntryTTL: time.Minute})
+	m.reg.shareAll = shared
 	ctx := context.Background()
 	chains := make([][]uint32, 8)
 	for i := range chains {
