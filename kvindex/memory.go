@@ -581,7 +581,11 @@ func (m *MemoryIndex) emPut(bs *backendState, h, key uint64, c clock) {
 		// again before the map has doubled.
 		bs.em.pruneAt = 2 * bs.em.count
 	}
-	m.enginePut(bs, h, key, c)
+	if bs.sharedEver {
+		m.enginePut(bs, h, key, c)
+		return
+	}
+	bs.em.put(h, key)
 }
 
 // minPrune is the smallest engine map emPut prunes.
@@ -648,13 +652,20 @@ func (m *MemoryIndex) applyRemoved(bs *backendState, ev *events.Event, c clock) 
 	removed := 0
 	for _, eh := range ev.BlockHashes {
 		h := mix(eh)
-		var keys []uint64
-		i := bs.em.find(h)
-		if i >= 0 {
-			keys = m.subKeysOf(append(buf[:0], bs.em.slots[i].key), bs, h)
-		} else {
-			keys = m.keysOf(buf[:0], bs, h)
+		if i := bs.em.find(h); i >= 0 && bs.subKeys <= 1 {
+			// One key, in the backend's own map: the common case.
+			kh := mix(bs.em.slots[i].key)
+			cc := c
+			sh := m.lockShard(kh, &cc)
+			still := m.removeTier(sh, kh, bs.id, tier, cc)
+			sh.mu.Unlock()
+			removed++
+			if !still {
+				bs.em.delAt(i) // the map has not changed since find
+			}
+			continue
 		}
+		keys := m.keysOf(buf[:0], bs, h)
 		if len(keys) == 0 {
 			m.drop(DropUnknownBlock, 1)
 			continue
@@ -671,11 +682,7 @@ func (m *MemoryIndex) applyRemoved(bs *backendState, ev *events.Event, c clock) 
 		}
 		removed += len(keys)
 		if !still {
-			if i >= 0 {
-				bs.em.delAt(i) // the map has not changed since find
-			} else {
-				m.engineDel(bs, h)
-			}
+			m.engineDel(bs, h)
 			for j := 1; j < len(keys); j++ {
 				m.engineDel(bs, derive(h, j))
 			}

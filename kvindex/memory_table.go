@@ -255,7 +255,14 @@ func (v *slotVal) layout() (flags uint64, needsCold bool) {
 
 // store writes v to b, using cold part ci (an index) when v needs one (ci is ignored otherwise).
 // Writers call it under mu, inside a write bracket when b is published; b.t names ci.
-func (b body) store(v slotVal, ci uint64) {
+func (b body) store(v *slotVal, ci uint64) {
+	if v.tiers[events.TierCPU]|v.tiers[events.TierStorage]|v.spec == 0 {
+		// GPU holders only: every block of an index fed by GPU events.
+		storeWord(&b.p.hx, v.times<<32|uint64(v.efp&0x7f)<<fpShift|liveBit|v.h&keyBits)
+		storeWord(&b.p.g, v.tiers[events.TierGPU])
+		storeWord(b.pc, v.parent)
+		return
+	}
 	flags, needsCold := v.layout()
 	ref := uint64(0)
 	if needsCold {
@@ -549,7 +556,7 @@ func (m *MemoryIndex) maybeShrink(sh *shard) {
 			ci = uint64(nextCold)
 			nextCold++
 		}
-		nt.bodyAt(uint64(next)).store(v, ci)
+		nt.bodyAt(uint64(next)).store(&v, ci)
 		next++
 		storeWord(&nt.keys[i], w&^idxMask|uint64(next)) // same position: same order and home
 	}
@@ -612,7 +619,7 @@ func (sh *shard) put(b body, v slotVal) {
 	}
 	b.t = sh.tab.Load() // names ci
 	sh.begin()
-	b.store(v, ci)
+	b.store(&v, ci)
 	sh.end()
 	if had && !need {
 		sh.coldFree = append(sh.coldFree, uint32(ci))
@@ -645,7 +652,7 @@ func (m *MemoryIndex) add(sh *shard, v slotVal, c clock) {
 	b := t.bodyAt(uint64(idx))
 	for {
 		sh.begin()
-		b.store(v, ci)
+		b.store(&v, ci)
 		ok := t.insertWord(w)
 		sh.end()
 		if ok {
