@@ -176,8 +176,11 @@ func (c MemoryConfig) withDefaults() (MemoryConfig, error) {
 	return c, nil
 }
 
-// bodyBytes is the size of one block's body in the table's slab.
-const bodyBytes = 56
+// bodyBytes is the size of one block's body in the table's slab, coldBytes of a cold part.
+const (
+	bodyBytes = 24
+	coldBytes = 32
+)
 
 // maxEntriesLimit bounds MaxEntries: 256 shards of at most maxBodies blocks.
 const maxEntriesLimit = 1 << 31
@@ -191,12 +194,15 @@ const tickShift = 22
 // retries only a probe that raced with a writer of that shard; writers lock one shard per block.
 // Create it with NewMemory; the zero value is not usable. Close stops its sweep goroutine.
 //
-// Memory: per block, a 56-byte body (its holders on every tier) and an 8-byte probe word in an
-// array kept 76–87.5% full; per (block, backend) membership confirmed by an event, a 16-byte
-// engine-hash map entry, the maps kept likewise. With blocks held by 2.7 backends on average
-// that is about 46 bytes per membership (BenchmarkMemoryPerMembership). Per speculative
-// membership, an 8-byte entry in its backend's expiry queue (16 when queued out of order), kept
-// until the entry's expiry even when a BlockStored confirms it sooner.
+// Memory: per block, a 24-byte body (its GPU holders, its parent) and an 8-byte probe word in an
+// array kept 76–87.5% full, and a 32-byte cold part for a block held on the CPU or storage tier or
+// by speculative holders; per (block, backend) membership confirmed by an event, a 16-byte
+// engine-hash map entry, the maps kept 81–90% full. With blocks held by 2.7 backends on average
+// that is about 32 bytes per membership (BenchmarkMemoryPerMembership). Backends whose engines
+// report the same block hash for the same block (vLLM engines started with one PYTHONHASHSEED)
+// share one 24-byte engine-hash entry per block instead (see memory_shared.go): about 23 bytes per
+// membership. Per speculative membership, an 8-byte entry in its backend's expiry queue (16 when
+// queued out of order), kept until the entry's expiry even when a BlockStored confirms it sooner.
 type MemoryIndex struct {
 	cfg       MemoryConfig
 	epoch     time.Time // the clock's origin
@@ -210,6 +216,7 @@ type MemoryIndex struct {
 	shardMask uint64
 	ids       [MaxMemoryBackends]idCounters
 	reg       registry
+	engines   sharedEngines
 	prefix    prefixStore
 	// storageIDs are the ids that have stored a block on the storage tier since they were
 	// assigned: Lookup searches only their stored prefixes. Cleared when the ids are freed.
@@ -291,15 +298,16 @@ func (m *MemoryIndex) clock() clock {
 }
 
 // mix is a bijective 64-bit finaliser (MurmurHash3's fmix64): block keys are xxh3 outputs, but
-// callers may pass anything, and shard and slot choice need well-spread bits. The two keys mixing
-// to 0 and 1 (which bodies, ignoring bit 0, would take for free) are moved to another constant.
+// callers may pass anything, and shard and slot choice need well-spread bits. The four keys mixing
+// to 0–3 (which bodies, ignoring the flag bits, would take for free) are moved to another
+// constant.
 func mix(k uint64) uint64 {
 	k ^= k >> 33
 	k *= 0xff51afd7ed558ccd
 	k ^= k >> 33
 	k *= 0xc4ceb9fe1a85ec53
 	k ^= k >> 33
-	if k < 2 {
+	if k <= flagMask {
 		k = 0x9e3779b97f4a7c15
 	}
 	return k
@@ -438,9 +446,10 @@ func (m *MemoryIndex) applyStored(bs *backendState, b *events.Batch, ev *events.
 		return
 	}
 	r := bsz / our
+	bs.subKeys = max(bs.subKeys, r)
 	var parent, parentH uint64 // parent key, and its mixed form (0: a root, not a block)
 	if ev.HasParent {
-		p, ok := bs.em.get(mix(ev.Parent))
+		p, ok := m.engineGet(bs, mix(ev.Parent))
 		if !ok {
 			m.drop(DropUnknownParent, 1)
 			return
@@ -514,7 +523,9 @@ func (m *MemoryIndex) flush(bs *backendState, w *ingestBatch, tier events.Tier, 
 		touched += bs.em.touch(w.mks[i])
 	}
 	for i := range w.n {
-		m.store(w.hs[i], w.parentH, bs.id, tier, c)
+		if same := m.store(w.hs[i], w.parentH, bs.id, tier, engineFP(w.mks[i]), c); same != 0 {
+			m.noteShared(bs, same)
+		}
 		w.parentH = w.hs[i]
 		m.emPut(bs, w.mks[i], w.keys[i], c)
 	}
@@ -542,30 +553,37 @@ func (m *MemoryIndex) refreshAncestors(h, bit uint64, c clock) {
 	}
 }
 
-// store adds backend id's membership of block h (mixed key), child of parentH, on tier.
-func (m *MemoryIndex) store(h, parentH uint64, id uint8, tier events.Tier, c clock) {
+// store adds backend id's membership of block h (mixed key), child of parentH, on tier, under an
+// engine hash of fingerprint efp (0: none); it returns addConfirmed's evidence on sharing.
+func (m *MemoryIndex) store(h, parentH uint64, id uint8, tier events.Tier, efp uint8, c clock) (same int) {
 	if bit := uint64(1) << id; tier == events.TierStorage && m.storageIDs.Load()&bit == 0 {
 		m.storageIDs.Or(bit) // before the block is visible to lookups
 	}
 	sh := m.lockShard(h, &c)
-	m.addConfirmed(sh, h, parentH, id, tier, c)
+	_, same = m.addConfirmed(sh, h, parentH, id, tier, efp, c)
 	sh.mu.Unlock()
+	return same
 }
 
 // emPut maps engine hash h (mixed) to key in bs's map. When the map holds more than 3 entries per
 // membership the backend has in the block table (plus a floor), and twice as many as after the
 // last pruning, most of them dangle (their blocks were evicted or expired, which no BlockRemoved
 // reports): it drops them first, probing the table once per entry — O(1) amortised per insert,
-// and the map stays within a few times its live size. Under bs.emu.
+// and the map stays within a few times its live size. A backend on the shared map writes there
+// instead (sharedPut). Under bs.emu.
 func (m *MemoryIndex) emPut(bs *backendState, h, key uint64, c clock) {
-	if bs.em.count >= max(bs.em.pruneAt, 3*int(m.ids[bs.id].members.Load())+minPrune) {
+	if !bs.shared && bs.em.count >= max(bs.em.pruneAt, 3*int(m.ids[bs.id].members.Load())+minPrune) {
 		bit := uint64(1) << bs.id
-		bs.em.retain(func(key uint64) bool {
+		bs.em.retain(func(_, key uint64) bool {
 			return m.heldConfirmed(mix(key), bit, c)
 		})
 		// Live entries can outnumber memberships (two engine hashes for one block): never prune
 		// again before the map has doubled.
 		bs.em.pruneAt = 2 * bs.em.count
+	}
+	if bs.sharedEver {
+		m.enginePut(bs, h, key, c)
+		return
 	}
 	bs.em.put(h, key)
 }
@@ -581,19 +599,25 @@ func (m *MemoryIndex) heldConfirmed(h, bit uint64, c clock) bool {
 
 // keysOf appends to dst the keys engine hash h (mixed) maps to in bs's map: the last sub-key
 // first. Under bs.emu.
-func keysOf(dst []uint64, bs *backendState, h uint64) []uint64 {
-	k, ok := bs.em.get(h)
+func (m *MemoryIndex) keysOf(dst []uint64, bs *backendState, h uint64) []uint64 {
+	k, ok := m.engineGet(bs, h)
 	if !ok {
 		return dst
 	}
-	dst = append(dst, k)
-	for j := 1; ; j++ {
-		k, ok := bs.em.get(derive(h, j))
+	return m.subKeysOf(append(dst, k), bs, h)
+}
+
+// subKeysOf appends to dst the keys before the last that engine hash h (mixed) maps to in bs's
+// map. Under bs.emu.
+func (m *MemoryIndex) subKeysOf(dst []uint64, bs *backendState, h uint64) []uint64 {
+	for j := 1; j < bs.subKeys; j++ {
+		k, ok := m.engineGet(bs, derive(h, j))
 		if !ok {
-			return dst
+			break
 		}
 		dst = append(dst, k)
 	}
+	return dst
 }
 
 // addTierToKnown adds tier to the blocks the engine hashes map to (a BlockStored without tokens).
@@ -601,13 +625,13 @@ func (m *MemoryIndex) addTierToKnown(bs *backendState, hashes []uint64, tier eve
 	var buf [16]uint64
 	stored := 0
 	for _, eh := range hashes {
-		keys := keysOf(buf[:0], bs, mix(eh))
+		keys := m.keysOf(buf[:0], bs, mix(eh))
 		if len(keys) == 0 {
 			m.drop(DropUnknownBlock, 1)
 			continue
 		}
 		for _, k := range keys {
-			m.store(mix(k), 0, bs.id, tier, c)
+			m.store(mix(k), 0, bs.id, tier, 0, c)
 		}
 		stored += len(keys)
 	}
@@ -628,7 +652,20 @@ func (m *MemoryIndex) applyRemoved(bs *backendState, ev *events.Event, c clock) 
 	removed := 0
 	for _, eh := range ev.BlockHashes {
 		h := mix(eh)
-		keys := keysOf(buf[:0], bs, h)
+		if i := bs.em.find(h); i >= 0 && bs.subKeys <= 1 {
+			// One key, in the backend's own map: the common case.
+			kh := mix(bs.em.slots[i].key)
+			cc := c
+			sh := m.lockShard(kh, &cc)
+			still := m.removeTier(sh, kh, bs.id, tier, cc)
+			sh.mu.Unlock()
+			removed++
+			if !still {
+				bs.em.delAt(i) // the map has not changed since find
+			}
+			continue
+		}
+		keys := m.keysOf(buf[:0], bs, h)
 		if len(keys) == 0 {
 			m.drop(DropUnknownBlock, 1)
 			continue
@@ -645,9 +682,9 @@ func (m *MemoryIndex) applyRemoved(bs *backendState, ev *events.Event, c clock) 
 		}
 		removed += len(keys)
 		if !still {
-			bs.em.del(h)
+			m.engineDel(bs, h)
 			for j := 1; j < len(keys); j++ {
-				bs.em.del(derive(h, j))
+				m.engineDel(bs, derive(h, j))
 			}
 		}
 	}
@@ -713,6 +750,7 @@ func (m *MemoryIndex) sweep() {
 			ic.prefix.Store(0)
 		}
 		m.storageIDs.And(^mask)
+		m.engines.dropIDs(mask)
 		m.reg.release(mask)
 	}
 	// The shards swept, the queues' due entries name memberships already dropped: they are
@@ -1020,8 +1058,8 @@ func (m *MemoryIndex) touchBlocks(hs []uint64) {
 	}
 	for _, h := range hs {
 		t := m.shardOf(h).tab.Load()
-		if b := t.body(t.keys[t.home(h)].Load()); b.hot != nil {
-			touched += b.hot.hx.Load()
+		if b := t.body(t.keys[t.home(h)].Load()); b.p != nil {
+			touched += b.p.hx.Load()
 		}
 	}
 	if touched == 1 {
@@ -1127,7 +1165,8 @@ func (m *MemoryIndex) Stats(context.Context) (Stats, error) {
 		sh := &m.shards[i]
 		s.Blocks += int(sh.blocks.Load())
 		t := sh.tab.Load()
-		bytes += int64(len(t.keys))*8 + int64(len(t.chunks))*chunkSize*bodyBytes
+		bytes += int64(len(t.keys))*8 + int64(len(t.chunks))*chunkSize*bodyBytes +
+			int64(len(t.colds))*coldChunkSize*coldBytes
 	}
 	for name, bs := range active {
 		ic := &m.ids[bs.id]
@@ -1139,6 +1178,7 @@ func (m *MemoryIndex) Stats(context.Context) (Stats, error) {
 		bytes += bs.em.bytes()
 		bs.emu.Unlock()
 	}
+	bytes += m.engines.bytes()
 	s.PrefixCount = int(m.prefix.count.Load())
 	s.MemoryBytes = bytes + m.prefixBytes()
 	return s, nil
@@ -1172,6 +1212,7 @@ func (m *MemoryIndex) Clear(context.Context) (int, error) {
 		bs.em = engineMap{}
 		bs.emu.Unlock()
 	}
+	m.engines.clear()
 	m.mut[MutationCleared].Add(1)
 	return n, nil
 }

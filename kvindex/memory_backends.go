@@ -12,7 +12,8 @@ const MaxMemoryBackends = 64
 const DefaultMaxBackends = MaxMemoryBackends
 
 // backendState is what MemoryIndex keeps per backend: its small integer id (its bit in the block
-// table's holder sets), its engine-hash map and the queue of its speculative blocks.
+// table's holder sets), its engine-hash map (its own, or its share of the shared one, see
+// memory_shared.go) and the queue of its speculative blocks.
 type backendState struct {
 	name string
 	id   uint8
@@ -24,6 +25,14 @@ type backendState struct {
 
 	emu sync.Mutex
 	em  engineMap // under emu
+	// subKeys is the most keys one engine hash of the backend has stood for (its engine blocks'
+	// size over the index's), 0 before its first; under emu. keysOf probes no further.
+	subKeys int
+	// shared: the backend writes its engine hashes to the shared map; sharedEver: it has done
+	// so, and may have entries there; shareScore: the evidence for sharing (see noteShared).
+	// Under emu.
+	shared, sharedEver bool
+	shareScore         int
 
 	// specMu guards spec. Lock order: life (shared), then specMu, then shard locks.
 	specMu sync.Mutex
@@ -46,6 +55,8 @@ type registry struct {
 	byID    [MaxMemoryBackends]*backendState // under mu
 	free    uint64                           // under mu
 	retired atomic.Uint64                    // ids whose bits are garbage; written under mu
+	// shareAll starts every backend on the shared engine-hash map (tests).
+	shareAll bool
 }
 
 func (r *registry) init(maxBackends int) {
@@ -79,7 +90,7 @@ func (r *registry) register(name string) *backendState {
 		id++
 	}
 	r.free &^= 1 << id
-	bs := &backendState{name: name, id: id}
+	bs := &backendState{name: name, id: id, shared: r.shareAll, sharedEver: r.shareAll}
 	next := make(map[string]*backendState, len(names)+1)
 	for k, v := range names {
 		next[k] = v

@@ -21,7 +21,9 @@ import (
 //     16, so that a group's shared prefix is held by the union of its chains' holders (about
 //     8 backends);
 //   - every holder learns its chain through vLLM-style BlockStored events of 16 blocks, chained
-//     by engine hashes that are distinct per backend.
+//     by engine hashes that are distinct per backend (engines with distinct hash seeds) or, in the
+//     benchmarks that say so, the same on every backend (vLLM engines started with one
+//     PYTHONHASHSEED, whose engine-hash entries the index shares between backends).
 //
 // That is about 1,220 memberships per chain over 456 blocks: 2.68 memberships per block (the
 // benchmarks report the memberships they built, and BenchmarkMemoryPerMembership the ratio).
@@ -40,6 +42,7 @@ type fleet struct {
 	requests    [][]uint64 // block keys of sample chains, each fully held by its holders
 	memberships int
 	blocks      int
+	sharedHash  bool // every backend reports the same engine hash for a block
 }
 
 // chainTokens fills dst with chain c's tokens: the group's shared prefix, then its own.
@@ -64,7 +67,8 @@ func chainTokens(dst []uint32, c int) []uint32 {
 }
 
 // engineHash is backend b's engine hash for block i of chain c (shared-prefix blocks are the
-// group's, so that two chains of a group name them alike on one backend).
+// group's, so that two chains of a group name them alike on one backend). Pass b = 0 for engines
+// that hash alike.
 func engineHash(b, c, i int) uint64 {
 	if i < fleetSharedBlocks {
 		c = -(c/fleetGroup + 1)
@@ -72,8 +76,14 @@ func engineHash(b, c, i int) uint64 {
 	return mix(uint64(b)<<56 ^ uint64(uint32(c))<<20 ^ uint64(i) ^ 0x5555)
 }
 
-// buildFleet loads about memberships memberships into a new index.
+// buildFleet loads about memberships memberships into a new index, from engines whose hashes are
+// distinct per backend.
 func buildFleet(tb testing.TB, memberships int, cfg MemoryConfig) *fleet {
+	return buildFleetHashes(tb, memberships, cfg, false)
+}
+
+// buildFleetHashes is buildFleet from engines that hash alike (sharedHash) or not.
+func buildFleetHashes(tb testing.TB, memberships int, cfg MemoryConfig, sharedHash bool) *fleet {
 	tb.Helper()
 	if cfg.MaxEntries == 0 {
 		cfg.MaxEntries = memberships // blocks ≤ memberships: never evicts
@@ -84,7 +94,7 @@ func buildFleet(tb testing.TB, memberships int, cfg MemoryConfig) *fleet {
 	if err != nil {
 		tb.Fatal(err)
 	}
-	f := &fleet{ix: ix}
+	f := &fleet{ix: ix, sharedHash: sharedHash}
 	for i := range fleetBackends {
 		f.names = append(f.names, fmt.Sprintf("vllm-%02d", i))
 	}
@@ -104,14 +114,18 @@ func buildFleet(tb testing.TB, memberships int, cfg MemoryConfig) *fleet {
 		holders := 1 + c%4
 		for h := range holders {
 			b := (5*c + h) % fleetBackends
+			hb := b
+			if sharedHash {
+				hb = 0
+			}
 			for blk := 0; blk < fleetChainBlocks; blk += fleetEventBlocks {
 				for i := range hs {
-					hs[i] = engineHash(b, c, blk+i)
+					hs[i] = engineHash(hb, c, blk+i)
 				}
 				ev := events.Event{Kind: events.KindBlockStored, BlockHashes: hs,
 					TokenIDs: toks[blk*16 : (blk+fleetEventBlocks)*16], BlockSize: 16}
 				if blk > 0 {
-					ev.Parent, ev.HasParent = engineHash(b, c, blk-1), true
+					ev.Parent, ev.HasParent = engineHash(hb, c, blk-1), true
 				}
 				batch.Events[0] = ev
 				if err := ix.Apply(ctx, f.names[b], batch); err != nil {
@@ -309,41 +323,52 @@ func BenchmarkIngest(b *testing.B) {
 // BenchmarkMemoryPerMembership builds the benchmark fleet and reports the heap it takes per
 // (block, backend) membership: runtime.MemStats.HeapAlloc after runtime.GC(), minus the same
 // before the index was built, over Stats().Entries. The tokens used to build it are not kept.
-// Run with -benchtime=1x; the 10M case needs about 1 GB.
+// hashes=per-engine is a fleet of engines with distinct hash seeds, each backend's engine hashes
+// its own; hashes=shared one of engines that hash alike (vLLM with one PYTHONHASHSEED), whose
+// backends move to the shared engine-hash map and share one entry per block. emapB/membership is
+// the engine-hash maps' part (the backends' own and the shared one), load the block table's probe
+// arrays' fill. Run with -benchtime=1x; the 10M cases need about 1 GB.
 func BenchmarkMemoryPerMembership(b *testing.B) {
 	for _, n := range []int{1_000_000, 10_000_000} {
-		b.Run(fmt.Sprintf("memberships=%d", n), func(b *testing.B) {
-			if n > 1_000_000 && testing.Short() {
-				b.Skip("-short")
-			}
-			for b.Loop() {
-				var before, after runtime.MemStats
-				runtime.GC()
-				runtime.ReadMemStats(&before)
-				f := buildFleet(b, n, MemoryConfig{})
-				f.requests = nil
-				runtime.GC()
-				runtime.ReadMemStats(&after)
-				s, _ := f.ix.Stats(context.Background())
-				var em int64
-				for _, bs := range f.ix.reg.active() {
-					em += bs.em.bytes()
+		for _, hashes := range []string{"per-engine", "shared"} {
+			b.Run(fmt.Sprintf("memberships=%d/hashes=%s", n, hashes), func(b *testing.B) {
+				if n > 1_000_000 && testing.Short() {
+					b.Skip("-short")
 				}
-				var slots int64
-				for i := range f.ix.shards {
-					slots += int64(f.ix.shards[i].tab.Load().n)
+				for b.Loop() {
+					var before, after runtime.MemStats
+					runtime.GC()
+					runtime.ReadMemStats(&before)
+					f := buildFleetHashes(b, n, MemoryConfig{}, hashes == "shared")
+					f.requests = nil
+					runtime.GC()
+					runtime.ReadMemStats(&after)
+					s, _ := f.ix.Stats(context.Background())
+					em := f.ix.engines.bytes()
+					shared := 0
+					for _, bs := range f.ix.reg.active() {
+						em += bs.em.bytes()
+						if bs.shared {
+							shared++
+						}
+					}
+					var slots int64
+					for i := range f.ix.shards {
+						slots += int64(f.ix.shards[i].tab.Load().n)
+					}
+					heap := float64(after.HeapAlloc) - float64(before.HeapAlloc)
+					b.ReportMetric(heap/float64(s.Entries), "B/membership")
+					b.ReportMetric(float64(s.MemoryBytes)/float64(s.Entries), "statsB/membership")
+					b.ReportMetric(float64(em)/float64(s.Entries), "emapB/membership")
+					b.ReportMetric(float64(s.Entries)/float64(s.Blocks), "memberships/block")
+					b.ReportMetric(float64(s.Blocks)/float64(slots), "load")
+					b.ReportMetric(float64(s.Entries), "memberships")
+					b.ReportMetric(float64(shared), "shared-backends")
+					runtime.KeepAlive(f)
+					f.ix.Close()
 				}
-				heap := float64(after.HeapAlloc) - float64(before.HeapAlloc)
-				b.ReportMetric(heap/float64(s.Entries), "B/membership")
-				b.ReportMetric(float64(s.MemoryBytes)/float64(s.Entries), "statsB/membership")
-				b.ReportMetric(float64(em)/float64(s.Entries), "emapB/membership")
-				b.ReportMetric(float64(s.Entries)/float64(s.Blocks), "memberships/block")
-				b.ReportMetric(float64(s.Blocks)/float64(slots), "load")
-				b.ReportMetric(float64(s.Entries), "memberships")
-				runtime.KeepAlive(f)
-				f.ix.Close()
-			}
-		})
+			})
+		}
 	}
 }
 

@@ -12,25 +12,25 @@ const dumpSlice = 1 << 16
 
 // dumpBlock is a block Dump found, copied out of its shard.
 type dumpBlock struct {
-	h        uint64 // mixed key, bit 0 cleared
-	tiers    uint8  // the backend's confirmed tiers (live)
-	spec     bool   // the backend's speculative entry (live)
-	stamp    uint32 // evidence epoch
-	specExp  uint32 // speculative expiry tick
-	shardBit uint64 // bit 0 of the block's mixed key when the table has several shards, else 2
+	h       uint64 // mixed key, flag bits cleared
+	tiers   uint8  // the backend's confirmed tiers (live)
+	spec    bool   // the backend's speculative entry (live)
+	stamp   uint32 // evidence epoch
+	specExp uint32 // speculative expiry tick
+	low     uint64 // the flag bits of the block's mixed key when its shard gives them, else 4
 }
 
 // Dump lists backend's live entries (Dumper): its blocks, shard by shard, then its prefix
-// entries. Each shard is read under its lock, dumpSlice (65,536) blocks at a time (so that at the
-// default sizes a shard's listing is consistent), and the blocks found are passed to fn after
+// entries. Each shard is read under its lock, dumpSlice (65,536) blocks at a time in key order
+// (so that at the default sizes a shard's listing is consistent), and the blocks found are passed to fn after
 // the lock is released; Lookup takes no lock and never waits for it, Apply and Speculate wait for
 // one slice's reading at most. Confirmed entries expire on the index's epochs (EntryTTL/64), so
 // Expires is exact to that. ctx is checked between slices. It returns ErrClosed after Close.
 //
-// The table keys blocks by a mix of the block key without its lowest bit; with several shards
-// (MaxEntries ≥ 8,192) the shard gives that bit back, and a single-shard index finds its keys in
-// the backend's engine-hash map and speculative queue, read once per call (both small in an
-// index that small); a block found in neither, if any, is listed with Key 0.
+// The table keys blocks by a mix of the block key without its two lowest bits; with four shards
+// or more (MaxEntries ≥ 16,384) the shard gives those bits back, and a smaller index finds its
+// keys in the backend's engine-hash map and speculative queue, read once per call (both small in
+// an index that small); a block found in neither, if any, is listed with Key 0.
 func (m *MemoryIndex) Dump(ctx context.Context, backend string, limit int, fn func(DumpEntry) error) error {
 	if m.closed.Load() {
 		return ErrClosed
@@ -42,8 +42,8 @@ func (m *MemoryIndex) Dump(ctx context.Context, backend string, limit int, fn fu
 	if bs == nil {
 		return nil
 	}
-	var keys map[uint64]uint64 // single shard: mixed key without bit 0 → block key
-	if len(m.shards) == 1 {
+	var keys map[uint64]uint64 // few shards: mixed key without the flag bits → block key
+	if len(m.shards) < minKeyedShards {
 		keys = m.dumpKeys(bs)
 	}
 	bit := uint64(1) << bs.id
@@ -51,13 +51,13 @@ func (m *MemoryIndex) Dump(ctx context.Context, backend string, limit int, fn fu
 	left := limit
 	for i := range m.shards {
 		sh := &m.shards[i]
-		for from := uint32(0); left > 0; {
+		for after := uint64(0); left > 0; {
 			if err := ctx.Err(); err != nil {
 				return err
 			}
 			var more, gone bool
 			var now time.Time
-			buf, from, more, gone, now = m.dumpShard(sh, i, bs, bit, from, left, buf[:0])
+			buf, after, more, gone, now = m.dumpShard(sh, i, bs, bit, after, left, buf[:0])
 			if gone {
 				return nil // cleared meanwhile
 			}
@@ -65,8 +65,8 @@ func (m *MemoryIndex) Dump(ctx context.Context, backend string, limit int, fn fu
 			for _, b := range buf {
 				e := DumpEntry{Backend: backend, Tiers: tiersOf(b.tiers), Speculative: b.spec}
 				switch {
-				case b.shardBit < 2:
-					e.Key = unmix(b.h | b.shardBit)
+				case b.low <= flagMask:
+					e.Key = unmix(b.h | b.low)
 				default:
 					e.Key = keys[b.h]
 				}
@@ -95,35 +95,33 @@ func (m *MemoryIndex) Dump(ctx context.Context, backend string, limit int, fn fu
 	return m.dumpPrefixes(bs, left, fn)
 }
 
-// dumpShard copies, under sh's lock, the live entries of bs (bit) among the blocks of bodies
-// [from, from+dumpSlice), at most left of them, into buf. It returns where the next slice starts
-// and whether there is one, whether bs was cleared, and the time the entries were judged at.
-func (m *MemoryIndex) dumpShard(sh *shard, i int, bs *backendState, bit uint64, from uint32, left int,
-	buf []dumpBlock) (_ []dumpBlock, next uint32, more, gone bool, now time.Time) {
-	shardBit := uint64(2)
-	if len(m.shards) > 1 {
-		shardBit = uint64(i) & 1
-	}
+// dumpShard copies, under sh's lock, the live entries of bs (bit) among the next dumpSlice
+// blocks of sh in key order after probe word after (0: from the first), at most left of them,
+// into buf. It returns the last probe word it read and whether blocks may follow, whether bs was
+// cleared, and the time the entries were judged at.
+func (m *MemoryIndex) dumpShard(sh *shard, i int, bs *backendState, bit uint64, after uint64, left int,
+	buf []dumpBlock) (_ []dumpBlock, last uint64, more, gone bool, now time.Time) {
+	low := m.lowBits(i)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if m.reg.retired.Load()&bit != 0 || m.reg.lookup(bs.name) != bs {
-		return buf, from, false, true, now
+		return buf, after, false, true, now
 	}
 	now = m.cfg.Now()
 	c := m.clockAt(now)
 	t := sh.tab.Load()
-	end := min(sh.used, from+dumpSlice)
-	for bi := from; bi < end; bi++ {
-		if len(buf) == left {
-			return buf, bi, true, false, now
+	read := 0
+	for w, b := range t.blocks(after) {
+		if len(buf) == left || read == dumpSlice {
+			return buf, after, true, false, now
 		}
-		ch := t.chunks[bi>>chunkShift]
-		b := body{&ch.hot[bi%chunkSize], &ch.cold[bi%chunkSize]}
-		if b.hot.hx.Load() == 0 || (b.hot.gpu.Load()|b.hot.spec.Load()|b.cold.cpu.Load()|b.cold.storage.Load())&bit == 0 {
+		read++
+		after = w
+		v := b.load()
+		if (v.confirmed()|v.spec)&bit == 0 {
 			continue
 		}
-		v := b.load()
-		d := dumpBlock{h: v.h, stamp: v.stamp(), specExp: v.specExp(), shardBit: shardBit}
+		d := dumpBlock{h: fullKey(w, b), stamp: v.stamp(), specExp: v.specExp(), low: low}
 		if v.confirmed()&bit != 0 && c.fresh(&v) {
 			for tier, holders := range v.tiers {
 				if holders&bit != 0 {
@@ -136,7 +134,7 @@ func (m *MemoryIndex) dumpShard(sh *shard, i int, bs *backendState, bit uint64, 
 			buf = append(buf, d)
 		}
 	}
-	return buf, end, end < sh.used, false, now
+	return buf, after, false, false, now
 }
 
 // dumpPrefixes lists bs's live prefix entries, at most left of them, one prefix shard at a time
@@ -180,28 +178,37 @@ func (m *MemoryIndex) dumpPrefixes(bs *backendState, left int, fn func(DumpEntry
 	return nil
 }
 
-// dumpKeys returns, for a single-shard table, the block keys bs's engine-hash map and
-// speculative queue know, by their mixed key without bit 0.
+// dumpKeys returns, for a table of fewer than minKeyedShards shards, the block keys bs's
+// engine-hash map and speculative queue know, by their mixed key without the flag bits.
 func (m *MemoryIndex) dumpKeys(bs *backendState) map[uint64]uint64 {
 	keys := map[uint64]uint64{}
-	bs.emu.Lock()
-	for _, s := range bs.em.slots {
-		if s.h != 0 {
-			keys[mix(s.key)&^1] = s.key
-		}
+	for _, s := range m.engineSlots(bs) {
+		keys[mix(s.key)&^flagMask] = s.key
 	}
-	bs.emu.Unlock()
 	bs.specMu.Lock()
 	q := &bs.spec
 	for i := range q.keys.n {
 		h := *q.keys.at(i)
-		keys[h&^1] = unmix(h)
+		keys[h&^flagMask] = unmix(h)
 	}
 	for _, e := range q.late {
-		keys[e.h&^1] = unmix(e.h)
+		keys[e.h&^flagMask] = unmix(e.h)
 	}
 	bs.specMu.Unlock()
 	return keys
+}
+
+// minKeyedShards is the fewest shards that give back the flag bits of their blocks' mixed keys
+// (a block's shard is the low bits of its mixed key).
+const minKeyedShards = flagMask + 1
+
+// lowBits returns the flag bits of the mixed keys of shard i's blocks, or flagMask+1 when the
+// table has too few shards to tell.
+func (m *MemoryIndex) lowBits(i int) uint64 {
+	if len(m.shards) < minKeyedShards {
+		return flagMask + 1
+	}
+	return uint64(i) & flagMask
 }
 
 // clockAt is the index's clock at now (retired ids not loaded).

@@ -11,15 +11,18 @@ import (
 
 // TestMemoryDumpConformance runs the Dumper suite against MemoryIndex: the defaults (256 shards),
 // a table of 16 shards, and a single shard, whose keys come from the engine-hash map and the
-// speculative queue instead of the shard.
+// speculative queue instead of the shard, with the backends' own engine-hash maps and with the
+// shared one.
 func TestMemoryDumpConformance(t *testing.T) {
 	for _, tc := range []struct {
-		name string
-		cfg  kvindex.MemoryConfig
+		name   string
+		cfg    kvindex.MemoryConfig
+		shared bool // every backend on the shared engine-hash map
 	}{
-		{"defaults", kvindex.MemoryConfig{}},
-		{"16_shards_no_sweep", kvindex.MemoryConfig{MaxEntries: 1 << 16, SweepInterval: -1}},
-		{"one_shard", kvindex.MemoryConfig{MaxEntries: 4096}},
+		{"defaults", kvindex.MemoryConfig{}, false},
+		{"16_shards_no_sweep", kvindex.MemoryConfig{MaxEntries: 1 << 16, SweepInterval: -1}, false},
+		{"one_shard", kvindex.MemoryConfig{MaxEntries: 4096}, false},
+		{"one_shard_shared_engines", kvindex.MemoryConfig{MaxEntries: 4096}, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			indextest.RunDump(t, func(t *testing.T, opts indextest.Options) kvindex.KvCacheIndex {
@@ -32,7 +35,11 @@ func TestMemoryDumpConformance(t *testing.T) {
 				cfg.SpeculativeTTL = opts.SpeculativeTTL
 				cfg.TierWeights = opts.TierWeights
 				cfg.Now = opts.Now
-				ix, err := kvindex.NewMemory(cfg)
+				newMemory := kvindex.NewMemory
+				if tc.shared {
+					newMemory = kvindex.NewMemorySharedEngines
+				}
+				ix, err := newMemory(cfg)
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -3,7 +3,7 @@ package kvindex
 // engineMap maps one backend's engine block hashes (mixed by mix) to our block keys (raw, as
 // prefixkey computes them). It is an ordered linear-probing table like the block table's (see
 // memory_table.go), unsynchronised: its backend's mutex guards it. 16 bytes per entry, about
-// 76–87.5% full once past its first growths.
+// 81–90% full once past its first growths (see emLoadNum).
 //
 // An engine block of r > 1 of our blocks has r entries: the hash itself maps to the last sub-key
 // (the parent of the engine's next block) and derive(h, j), j = 1..r−1, to the sub-key j places
@@ -11,7 +11,8 @@ package kvindex
 //
 // Entries whose block has left the block table by eviction or expiry (no BlockRemoved said so)
 // dangle; MemoryIndex.emPut drops them when the map holds several times more entries than the
-// backend has memberships.
+// backend has memberships. A backend whose engine hashes agree with other backends' keeps them
+// in the shared map instead (see memory_shared.go), whose shards hold such maps of tags.
 type engineMap struct {
 	slots []emSlot // n home slots + pad
 	n     uint64
@@ -46,6 +47,17 @@ func (e *engineMap) find(h uint64) int {
 	return -1
 }
 
+// first returns the position of the first slot, from lo's home, that is empty or holds a key not
+// below lo.
+func (e *engineMap) first(lo uint64) int {
+	s := e.slots
+	pos := e.home(lo)
+	for pos < uint64(len(s)) && s[pos].h != 0 && s[pos].h < lo {
+		pos++
+	}
+	return int(pos)
+}
+
 // touch loads h's home slot (to bring it into the cache ahead of a write) and returns it.
 func (e *engineMap) touch(h uint64) uint64 {
 	if e.n == 0 {
@@ -62,39 +74,33 @@ func (e *engineMap) get(h uint64) (uint64, bool) {
 	return 0, false
 }
 
-// put maps h to key, replacing any previous mapping.
+// put maps h to key, replacing any previous mapping. One scan from h's home slot finds either
+// h or its place in its run; the larger keys of the run then shift right by one.
 func (e *engineMap) put(h, key uint64) {
-	if i := e.find(h); i >= 0 {
-		e.slots[i].key = key
+	for {
+		sl := e.slots
+		size := uint64(len(sl))
+		pos := e.home(h)
+		for pos < size && sl[pos].h-1 < h-1 { // occupied by a smaller key
+			pos++
+		}
+		if pos < size && sl[pos].h == h {
+			sl[pos].key = key
+			return
+		}
+		end := pos
+		for end < size && sl[end].h != 0 {
+			end++
+		}
+		if end >= size || uint64(e.count+1)*emLoadDen > e.n*emLoadNum {
+			e.resize(emGrownSize(e.n))
+			continue
+		}
+		copy(sl[pos+1:end+1], sl[pos:end])
+		sl[pos] = emSlot{h: h, key: key}
+		e.count++
 		return
 	}
-	if uint64(e.count+1)*maxLoadDen > e.n*maxLoadNum {
-		e.resize(grownSize(e.n))
-	}
-	for !e.insert(emSlot{h: h, key: key}) {
-		e.resize(grownSize(e.n))
-	}
-	e.count++
-}
-
-// insert places s (absent) in its run, shifting larger keys right; false when the pad is full.
-func (e *engineMap) insert(s emSlot) bool {
-	sl := e.slots
-	size := uint64(len(sl))
-	pos := e.home(s.h)
-	for pos < size && sl[pos].h != 0 && sl[pos].h < s.h {
-		pos++
-	}
-	end := pos
-	for end < size && sl[end].h != 0 {
-		end++
-	}
-	if end >= size {
-		return false
-	}
-	copy(sl[pos+1:end+1], sl[pos:end])
-	sl[pos] = s
-	return true
 }
 
 // del removes h; it reports whether it was present.
@@ -103,6 +109,13 @@ func (e *engineMap) del(h uint64) bool {
 	if i < 0 {
 		return false
 	}
+	e.delAt(i)
+	return true
+}
+
+// delAt removes the entry at position i (a find result, the map unchanged since) and shifts the
+// following displaced entries back by one.
+func (e *engineMap) delAt(i int) {
 	sl := e.slots
 	pos := uint64(i)
 	end := pos + 1
@@ -112,7 +125,6 @@ func (e *engineMap) del(h uint64) bool {
 	copy(sl[pos:end-1], sl[pos+1:end])
 	sl[end-1] = emSlot{}
 	e.count--
-	return true
 }
 
 // resize rebuilds the map with at least n home slots, keeping the entries for which keep (when
@@ -126,7 +138,7 @@ func (e *engineMap) rebuild(n uint64, keep func(key uint64) bool) {
 		if e.fill(old, keep) {
 			return
 		}
-		n = grownSize(e.n)
+		n = emGrownSize(e.n)
 	}
 }
 
@@ -134,27 +146,28 @@ func (e *engineMap) resize(n uint64) { e.rebuild(n, nil) }
 
 // fill places old's kept entries, in order, into the empty map; false when the pad overflows.
 func (e *engineMap) fill(old []emSlot, keep func(key uint64) bool) bool {
-	next := uint64(0)
-	size := uint64(len(e.slots))
+	sl, n := e.slots, e.n
+	next, size, count := uint64(0), uint64(len(sl)), 0
 	for _, s := range old {
 		if s.h == 0 || (keep != nil && !keep(s.key)) {
 			continue
 		}
-		pos := max(e.home(s.h), next)
+		pos := max(((s.h>>32)*n)>>32, next)
 		if pos >= size {
 			return false
 		}
-		e.slots[pos] = s
+		sl[pos] = s
 		next = pos + 1
-		e.count++
+		count++
 	}
+	e.count += count
 	return true
 }
 
 // retain keeps only the entries for which keep returns true. It compacts the map in place (kept
 // entries only move towards their home slots), so a pruning allocates nothing and the map keeps
 // its size, room for the entries to come.
-func (e *engineMap) retain(keep func(key uint64) bool) {
+func (e *engineMap) retain(keep func(h, key uint64) bool) {
 	sl := e.slots
 	next := uint64(0) // first position not yet rewritten
 	e.count = 0
@@ -164,7 +177,7 @@ func (e *engineMap) retain(keep func(key uint64) bool) {
 			continue
 		}
 		sl[i] = emSlot{}
-		if !keep(s.key) {
+		if !keep(s.h, s.key) {
 			continue
 		}
 		pos := max(e.home(s.h), next) // ≤ i: the order and every home ≤ i are kept
@@ -173,6 +186,16 @@ func (e *engineMap) retain(keep func(key uint64) bool) {
 		e.count++
 	}
 }
+
+// A map grows by about a ninth when it would pass 9/10 full, so that it stays between about 81%
+// and 90% full once past its first growths: a denser map than the block table's probe arrays,
+// whose insertions shift 16-byte slots under no reader's eyes.
+const (
+	emLoadNum = 9
+	emLoadDen = 10
+)
+
+func emGrownSize(n uint64) uint64 { return max(n+n/9, n+16) }
 
 // bytes returns the memory held by the map's slots.
 func (e *engineMap) bytes() int64 { return int64(len(e.slots)) * 16 }

@@ -154,7 +154,7 @@ func (m *MemoryIndex) probe(h uint64, c clock) (g, cpu, sto uint64) {
 		if s1&1 == 0 {
 			t := sh.tab.Load()
 			g, cpu, sto = 0, 0, 0
-			if _, b := t.find(h); b.hot != nil {
+			if _, b := t.find(h); b.p != nil {
 				g, cpu, sto = b.holders(c)
 			}
 			if sh.seq.Load() == s1 {
@@ -167,19 +167,32 @@ func (m *MemoryIndex) probe(h uint64, c clock) (g, cpu, sto uint64) {
 	}
 }
 
-// holders returns b's live holders by tier, speculative ones with the GPU's. It reads the cold
-// part only for a block that has CPU or storage holders. Readers call it under the seqlock.
+// holders returns b's live holders by tier, speculative ones with the GPU's. It reads only the
+// pair of a block without a cold part. Readers call it under the seqlock.
 func (b body) holders(c clock) (g, cpu, sto uint64) {
-	hx := b.hot.hx.Load()
-	times := b.hot.times.Load()
-	if int32(c.epoch-uint32(times)) <= int32(c.ttl) {
-		g = b.hot.gpu.Load()
-		if hx&1 != 0 {
-			cpu, sto = b.cold.cpu.Load(), b.cold.storage.Load()
+	hx := b.p.hx.Load()
+	tick := uint32(hx >> 32)
+	switch hx & flagMask {
+	case 0:
+		if int32(c.epoch-tick) <= int32(c.ttl) {
+			g = b.p.g.Load()
 		}
-	}
-	if int32(uint32(times>>32)-c.now) > 0 {
-		g |= b.hot.spec.Load()
+	case flagSpec:
+		if int32(tick-c.now) > 0 {
+			g = b.p.g.Load()
+		}
+	default:
+		pc := b.pc.Load()
+		cd := b.t.cold(pc >> 32)
+		if cd == nil {
+			return 0, 0, 0 // torn
+		}
+		if int32(c.epoch-tick) <= int32(c.ttl) {
+			g, cpu, sto = b.p.g.Load(), cd.cpu.Load(), cd.storage.Load()
+		}
+		if int32(uint32(pc)-c.now) > 0 {
+			g |= cd.spec.Load()
+		}
 	}
 	return g, cpu, sto
 }

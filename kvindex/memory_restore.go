@@ -134,10 +134,10 @@ func (m *MemoryIndex) BlockSize() int { return m.cfg.BlockSize }
 
 // exportBlock is a block Export found, copied out of its shard.
 type exportBlock struct {
-	h, parent uint64 // mixed keys; h without bit 0
+	h, parent uint64 // mixed keys; h without the flag bits
 	tiers     uint8
 	stamp     uint32
-	shardBit  uint64 // bit 0 of h when the table has several shards, else 2
+	low       uint64 // the flag bits of h when its shard gives them, else 4
 }
 
 // Export lists every backend's confirmed blocks, engine hashes and prefix entries (Exporter).
@@ -145,9 +145,10 @@ type exportBlock struct {
 //
 // Blocks are read as Dump reads them, each shard under its lock dumpSlice blocks at a time;
 // expiries are exact to the index's epochs (EntryTTL/64). The engine-hash map of a backend is
-// copied under its mutex (16 bytes per entry), which holds off that backend's Apply for the
-// copy. A single-shard table (MaxEntries < 8,192) finds its block keys in the engine-hash maps
-// and parent links (see Dump); a block found in neither is not listed.
+// copied under its mutex (16 bytes per entry; its entries in the shared map too, one shard lock
+// at a time), which holds off that backend's Apply for the copy. A table of fewer than four
+// shards (MaxEntries < 16,384) finds its block keys in the engine-hash maps and parent links (see
+// Dump); a block found in neither is not listed.
 func (m *MemoryIndex) Export(ctx context.Context, fn func(backend string, rec *StateRecord) error) error {
 	if m.closed.Load() {
 		return ErrClosed
@@ -171,22 +172,15 @@ func (m *MemoryIndex) Export(ctx context.Context, fn func(backend string, rec *S
 // exportBackend lists bs's records.
 func (m *MemoryIndex) exportBackend(ctx context.Context, bs *backendState, rec *StateRecord,
 	fn func(string, *StateRecord) error) error {
-	// The engine map first: a single-shard table needs it for keys, and the records come after
+	// The engine map first: a table of few shards needs it for keys, and the records come after
 	// the blocks.
-	bs.emu.Lock()
-	slots := make([]emSlot, 0, bs.em.count)
-	for _, s := range bs.em.slots {
-		if s.h != 0 {
-			slots = append(slots, s)
-		}
-	}
-	bs.emu.Unlock()
+	slots := m.engineSlots(bs)
 
-	var keys map[uint64]uint64 // single shard: mixed key without bit 0 → block key
-	if len(m.shards) == 1 {
+	var keys map[uint64]uint64 // few shards: mixed key without the flag bits → block key
+	if len(m.shards) < minKeyedShards {
 		keys = make(map[uint64]uint64, len(slots))
 		for _, s := range slots {
-			keys[mix(s.key)&^1] = s.key
+			keys[mix(s.key)&^flagMask] = s.key
 		}
 	}
 	bit := uint64(1) << bs.id
@@ -196,25 +190,24 @@ func (m *MemoryIndex) exportBackend(ctx context.Context, bs *backendState, rec *
 			// Parent links name the full mixed key of blocks the map may have lost.
 			m.exportParents(&m.shards[i], bit, keys)
 		}
-		for from := uint32(0); ; {
+		for after := uint64(0); ; {
 			if err := ctx.Err(); err != nil {
 				return err
 			}
 			var more, gone bool
 			var now time.Time
-			buf, from, more, gone, now = m.exportShard(&m.shards[i], i, bs, bit, from, buf[:0])
+			buf, after, more, gone, now = m.exportShard(&m.shards[i], i, bs, bit, after, buf[:0])
 			if gone {
 				return nil // cleared meanwhile
 			}
 			c := m.clockAt(now)
-			// A shard's slab may be in key order (maybeShrink copies bodies in probe order):
-			// scattered, as the engine hashes below are, so that a restore does not insert
-			// ascending keys.
+			// The blocks come in key order: scattered, as the engine hashes below are, so that a
+			// restore does not insert ascending keys.
 			step := strideFor(len(buf))
 			for i, j := 0, 0; i < len(buf); i, j = i+1, (j+step)%len(buf) {
 				b := buf[j]
-				key := unmix(b.h | b.shardBit)
-				if b.shardBit >= 2 {
+				key := unmix(b.h | b.low)
+				if b.low > flagMask {
 					k, ok := keys[b.h]
 					if !ok {
 						continue
@@ -241,48 +234,49 @@ func (m *MemoryIndex) exportBackend(ctx context.Context, bs *backendState, rec *
 	return m.exportPrefixes(bs, rec, fn)
 }
 
-// exportParents adds to keys the parents named by sh's blocks held by bit (single-shard tables).
+// exportParents adds to keys the parents named by sh's blocks held by bit (tables of few shards).
 func (m *MemoryIndex) exportParents(sh *shard, bit uint64, keys map[uint64]uint64) {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	t := sh.tab.Load()
 	for b := range t.bodies(sh.used) {
-		if b.hot.hx.Load() == 0 || (b.hot.gpu.Load()|b.cold.cpu.Load()|b.cold.storage.Load())&bit == 0 {
+		if !b.live() {
 			continue
 		}
-		if p := b.cold.parent.Load(); p != 0 {
-			if _, ok := keys[p&^1]; !ok {
-				keys[p&^1] = unmix(p)
+		v := b.load()
+		if v.confirmed()&bit == 0 {
+			continue
+		}
+		if p := v.parent; p != 0 {
+			if _, ok := keys[p&^flagMask]; !ok {
+				keys[p&^flagMask] = unmix(p)
 			}
 		}
 	}
 }
 
-// exportShard copies, under sh's lock, bs's live confirmed blocks among bodies [from,
-// from+dumpSlice) into buf. Same results as dumpShard.
-func (m *MemoryIndex) exportShard(sh *shard, i int, bs *backendState, bit uint64, from uint32,
-	buf []exportBlock) (_ []exportBlock, next uint32, more, gone bool, now time.Time) {
-	shardBit := uint64(2)
-	if len(m.shards) > 1 {
-		shardBit = uint64(i) & 1
-	}
+// exportShard copies, under sh's lock, bs's live confirmed blocks among the next dumpSlice
+// blocks of sh after probe word after into buf. Same results as dumpShard.
+func (m *MemoryIndex) exportShard(sh *shard, i int, bs *backendState, bit uint64, after uint64,
+	buf []exportBlock) (_ []exportBlock, last uint64, more, gone bool, now time.Time) {
+	low := m.lowBits(i)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if m.reg.retired.Load()&bit != 0 || m.reg.lookup(bs.name) != bs {
-		return buf, from, false, true, now
+		return buf, after, false, true, now
 	}
 	now = m.cfg.Now()
 	c := m.clockAt(now)
 	t := sh.tab.Load()
-	end := min(sh.used, from+dumpSlice)
-	for bi := from; bi < end; bi++ {
-		ch := t.chunks[bi>>chunkShift]
-		b := body{&ch.hot[bi%chunkSize], &ch.cold[bi%chunkSize]}
-		if b.hot.hx.Load() == 0 || (b.hot.gpu.Load()|b.cold.cpu.Load()|b.cold.storage.Load())&bit == 0 {
-			continue
+	read := 0
+	for w, b := range t.blocks(after) {
+		if read == dumpSlice {
+			return buf, after, true, false, now
 		}
+		read++
+		after = w
 		v := b.load()
-		if !c.fresh(&v) {
+		if v.confirmed()&bit == 0 || !c.fresh(&v) {
 			continue
 		}
 		var tiers uint8
@@ -291,9 +285,9 @@ func (m *MemoryIndex) exportShard(sh *shard, i int, bs *backendState, bit uint64
 				tiers |= 1 << tier
 			}
 		}
-		buf = append(buf, exportBlock{h: v.h, parent: v.parent, tiers: tiers, stamp: v.stamp(), shardBit: shardBit})
+		buf = append(buf, exportBlock{h: fullKey(w, b), parent: v.parent, tiers: tiers, stamp: v.stamp(), low: low})
 	}
-	return buf, end, end < sh.used, false, now
+	return buf, after, false, false, now
 }
 
 // exportEngineHashes lists the engine blocks of bs's map (slots, copied): an engine block of r
@@ -464,9 +458,10 @@ func (m *MemoryIndex) Restore(ctx context.Context, backend string, recs []StateR
 			eh := mix(r.Hash)
 			last := len(r.Keys) - 1
 			bs.emu.Lock()
-			bs.em.put(eh, r.Keys[last])
+			bs.subKeys = max(bs.subKeys, len(r.Keys))
+			m.enginePut(bs, eh, r.Keys[last], c)
 			for j := 1; j <= last; j++ {
-				bs.em.put(derive(eh, j), r.Keys[last-j])
+				m.enginePut(bs, derive(eh, j), r.Keys[last-j], c)
 			}
 			bs.emu.Unlock()
 		case StatePrefix:

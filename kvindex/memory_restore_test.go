@@ -95,23 +95,29 @@ func lookups(t testing.TB, m *MemoryIndex) []Match {
 
 // A restored index answers like the one exported, before and after both apply the same later
 // events — continuations of chains stored before the snapshot and removals of their blocks —
-// for a single-shard table (keys from the engine-hash maps) and a sharded one.
+// for a single-shard table (keys from the engine-hash maps) and a sharded one, with the
+// backends' own engine-hash maps and with the shared one.
 func TestMemoryRestoreRoundTrip(t *testing.T) {
 	for _, tc := range []struct {
-		name string
-		cfg  MemoryConfig
+		name   string
+		cfg    MemoryConfig
+		shared bool
 	}{
-		{"sharded", MemoryConfig{LookupStride: 1}},
-		{"one_shard", MemoryConfig{MaxEntries: 4096, LookupStride: 1}},
-		{"jump_search", MemoryConfig{}},
+		{"sharded", MemoryConfig{LookupStride: 1}, false},
+		{"one_shard", MemoryConfig{MaxEntries: 4096, LookupStride: 1}, false},
+		{"jump_search", MemoryConfig{}, false},
+		{"sharded_shared_engines", MemoryConfig{LookupStride: 1}, true},
+		{"one_shard_shared_engines", MemoryConfig{MaxEntries: 4096, LookupStride: 1}, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			src, _ := newTestIndex(t, tc.cfg)
+			src.reg.shareAll = tc.shared
 			restoreScenario(t, src)
 			snap := exportAll(t, src)
 			require.Len(t, snap, 3)
 
 			dst, _ := newTestIndex(t, tc.cfg)
+			dst.reg.shareAll = tc.shared
 			snap.restoreInto(t, dst)
 			checkConsistency(t, dst)
 			assert.Equal(t, lookups(t, src), lookups(t, dst), "after restore")

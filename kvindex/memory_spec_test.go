@@ -22,10 +22,7 @@ func specTruth(m *MemoryIndex) (live, expired [MaxMemoryBackends]int) {
 		sh := &m.shards[si]
 		sh.mu.Lock()
 		t := sh.tab.Load()
-		for b := range t.bodies(sh.used) {
-			if b.key() == 0 {
-				continue
-			}
+		for _, b := range t.blocks(0) {
 			v := b.load()
 			for x := v.spec &^ retired; x != 0; x &= x - 1 {
 				if c.specLive(&v) {
@@ -48,9 +45,9 @@ func checkSpecQueues(t testing.TB, m *MemoryIndex) {
 	for name, bs := range m.reg.active() {
 		bs.specMu.Lock()
 		q := &bs.spec
-		first := map[uint64]uint32{} // soonest queued expiry per block (bit 0 cleared, as v.h)
+		first := map[uint64]uint32{} // soonest queued expiry per block (flag bits cleared, as v.h)
 		note := func(h uint64, exp uint32) {
-			h &^= 1
+			h &^= flagMask
 			if e, ok := first[h]; !ok || before(exp, e) {
 				first[h] = exp
 			}
@@ -88,16 +85,14 @@ func checkSpecQueues(t testing.TB, m *MemoryIndex) {
 			sh := &m.shards[si]
 			sh.mu.Lock()
 			tb := sh.tab.Load()
-			for b := range tb.bodies(sh.used) {
-				if b.key() == 0 {
-					continue
-				}
+			for w, b := range tb.blocks(0) {
 				v := b.load()
 				if v.spec&bit == 0 {
 					continue
 				}
-				if e, ok := first[v.h]; !ok || before(v.specExp(), e) {
-					t.Errorf("%s: block %x speculative until %d, queued %d %v", name, v.h, v.specExp(), e, ok)
+				h := fullKey(w, b)
+				if e, ok := first[h]; !ok || before(v.specExp(), e) {
+					t.Errorf("%s: block %x speculative until %d, queued %d %v", name, h, v.specExp(), e, ok)
 				}
 			}
 			sh.mu.Unlock()

@@ -13,14 +13,16 @@ import (
 // This file holds the block table of MemoryIndex: shards of ordered linear-probing hash tables
 // keyed by the mixed block key, read under a seqlock and written under a mutex.
 //
-// Layout. A shard has a probe array of 8-byte words and a slab of 56-byte bodies. A word is a
+// Layout. A shard has a probe array of 8-byte words and a slab of 24-byte bodies. A word is a
 // 40-bit fingerprint of the block's mixed key (its high bits) and the 24-bit index of the block's
-// body; the body holds the full key (which confirms a fingerprint match), one holder bitset per
-// tier (bit i = backend id i), the speculative holders, the evidence epoch and the speculative
-// expiry, and the parent's key. Probing walks dense words (a probe sequence stays within one or
-// two cache lines) and then reads one body: a block's holders on every tier are two lines away.
-// Bodies do not move: inserting or deleting shifts 8-byte words only, and a resize rebuilds only
-// the probe array.
+// body. A body is a 16-byte pair that lookups read — the key's next 22 bits (which, with the
+// fingerprint, confirm a match), the evidence epoch and the holders on the GPU tier (bit i =
+// backend id i) — and a word that writers read: the parent's key. Probing walks dense words (a
+// probe sequence stays within one or two cache lines) and then reads one pair: the holders of a
+// block that only GPUs hold are two lines away. Blocks that need more — holders on the CPU or
+// storage tier, or speculative holders — have a 32-byte cold part in another slab, which their
+// body names (see pair). Bodies do not move: inserting or deleting shifts 8-byte words only, and
+// a resize rebuilds only the probe array.
 //
 // Order. A word's home slot is a multiply-shift ("fastrange") of its high 32 bits, monotone in
 // the word, and every run of occupied slots is kept sorted: the ordered hash table of O. Amble and
@@ -28,46 +30,72 @@ import (
 // hashing with ties broken by key. A probe scans from the home slot while the words are smaller:
 // one comparison per step, and a miss stops at the first larger word or an empty slot. Arrays do
 // not wrap: probe sequences run into a pad past the last home slot, and an array whose pad fills
-// up grows. Deletion shifts the following displaced words back (no tombstones).
+// up grows. Deletion shifts the following displaced words back (no tombstones). The occupied
+// slots of an array are therefore sorted: scans that list blocks walk the array in key order.
 //
 // Sizing. Probe arrays are not powers of two: one grows by about a seventh when it would pass 7/8
 // full, so that it stays between about 76% and 87.5% full once past its first growths. Bodies
-// are allocated in chunks of 256 and reused through a free list.
+// are allocated in chunks of 256, cold parts in chunks of 64, both reused through free lists.
 //
 // Concurrency. Writers hold shard.mu and bracket every mutation with two increments of shard.seq
 // (odd while writing). Readers take no lock: they read seq, probe, read seq again, and retry when
 // it changed or was odd. Every word is an atomic so that these optimistic reads are not data
-// races (see storeWord). A resize, or a new chunk of bodies, publishes a new table value with one
-// pointer store inside a write bracket.
+// races (see storeWord). A resize, or a new chunk of bodies or cold parts, publishes a new table
+// value with one pointer store inside a write bracket.
 
-// A block's data is split in two: the part every lookup reads (hot, 32 bytes, two per cache
-// line) and the part only blocks held on the CPU or storage tier need (cold, 24 bytes), which a
-// flag in the hot part says to read. The flag is bit 0 of the stored key: every comparison of a
-// stored key ignores that bit, so bodies hold 63-bit keys (and a key pair that differs in bit 0
-// alone, one in 2⁶³, shares a body).
-type hot struct {
-	hx    atomic.Uint64 // mixed key with bit 0 = has cold holders; 0 = a free body
-	gpu   atomic.Uint64 // confirmed holders on the GPU tier
-	spec  atomic.Uint64 // speculative holders (GPU tier, until times.hi)
-	times atomic.Uint64 // lo: evidence epoch (see clock); hi: speculative expiry tick
+// pair is the part of a block's body that lookups read: 16 bytes, four per cache line. The low 32
+// bits of hx hold two layout flags, bits 2–23 of the block's mixed key (the fingerprint of its
+// probe word holds bits 24–63, and with four shards or more the shard gives bits 0–1 back, see
+// MemoryIndex.shardOf), liveBit and a 7-bit fingerprint of an engine hash that stands for the
+// block (see engineFP); its high 32 bits hold a tick (see clock). The flags say what g and the
+// body's other word, pc, hold:
+//
+//   - neither: hx's tick is the evidence epoch, g the confirmed GPU holders and pc the parent's
+//     key. The block needs nothing else: this is every block of an index fed by GPU events only.
+//   - flagSpec: no backend has confirmed the block. hx's tick is the speculative expiry, g the
+//     speculative holders, pc's low half the evidence epoch (the speculation that created the
+//     block) and its high half the cold index + 1 of a cold part holding the parent's key, or 0
+//     when the parent is unknown: every block of an index fed by Speculate only.
+//   - flagCold: hx's tick is the evidence epoch, g the confirmed GPU holders, pc's low half the
+//     speculative expiry and its high half the cold index + 1 of a cold part holding the CPU,
+//     storage and speculative holders and the parent's key.
+type pair struct {
+	hx atomic.Uint64
+	g  atomic.Uint64
 }
 
+// cold is the cold part of a block that needs one (see pair).
 type cold struct {
 	cpu     atomic.Uint64 // confirmed holders on the CPU tier
 	storage atomic.Uint64 // confirmed holders on the storage tier
+	spec    atomic.Uint64 // speculative holders (GPU tier) beside confirmed ones
 	parent  atomic.Uint64 // mixed key of the block's parent; 0 when unknown
 }
 
-// body is a handle on one block's hot and cold parts; hot is nil for none.
+// The low 32 bits of pair.hx.
+const (
+	flagCold = 1
+	flagSpec = 2
+	flagMask = flagCold | flagSpec
+	keyBits  = (1<<24 - 1) &^ flagMask // the bits of the mixed key a body holds
+	liveBit  = 1 << 24                 // set in every live body: a free body's hx is 0
+	fpShift  = 25                      // the engine-hash fingerprint: bits 25–31
+)
+
+// body is a handle on one block's body in a table value; p is nil for none. Writers take it from
+// the shard's current table value, which names every cold part.
 type body struct {
-	hot  *hot
-	cold *cold
+	p  *pair
+	pc *atomic.Uint64
+	t  *table
 }
 
-// Bodies come in chunks of chunkSize.
+// Bodies come in chunks of chunkSize, cold parts in chunks of coldChunkSize.
 const (
-	chunkShift = 8
-	chunkSize  = 1 << chunkShift
+	chunkShift     = 8
+	chunkSize      = 1 << chunkShift
+	coldChunkShift = 6
+	coldChunkSize  = 1 << coldChunkShift
 	// maxBodies is the most bodies a shard can index: word indexes are 24 bits, 1-based. A
 	// shard's limit is at most maxEntriesLimit/256 = 2²³ blocks.
 	maxBodies = 1<<24 - 1
@@ -77,18 +105,22 @@ const (
 // Compile-time check that a shard's blocks fit its word indexes.
 const _ = uint(maxBodies - maxEntriesLimit/256)
 
+// chunk holds chunkSize bodies: their pairs, then their pc words.
 type chunk struct {
-	hot  [chunkSize]hot
-	cold [chunkSize]cold
+	p  [chunkSize]pair
+	pc [chunkSize]atomic.Uint64
 }
 
-// table is one shard's published state: the probe array (n home slots + the pad) and the body
-// chunks. Both are shared by successive table values; a new value is published when either is
-// replaced or a chunk is added.
+type coldChunk [coldChunkSize]cold
+
+// table is one shard's published state: the probe array (n home slots + the pad), the body
+// chunks and the cold chunks. All are shared by successive table values; a new value is
+// published when one is replaced or a chunk is added.
 type table struct {
 	keys   []atomic.Uint64 // fingerprint<<24 | (body index + 1), sorted within runs; 0 = empty
 	n      uint64
 	chunks []*chunk
+	colds  []*coldChunk
 }
 
 // tablePad is the number of slots past the last home slot; a probe array whose last run would
@@ -103,19 +135,38 @@ func (t *table) home(h uint64) uint64 {
 	return ((h >> 32) * t.n) >> 32
 }
 
-// body returns the body of word w; its hot part is nil when w names none (possible only in a torn
+// body returns the body of word w; its pair is nil when w names none (possible only in a torn
 // read).
 func (t *table) body(w uint64) body {
-	i := w&idxMask - 1
+	return t.bodyAt(w&idxMask - 1)
+}
+
+// bodyAt returns body i; its pair is nil when there is none (possible only in a torn read).
+func (t *table) bodyAt(i uint64) body {
 	if c := i >> chunkShift; c < uint64(len(t.chunks)) {
 		ch := t.chunks[c]
-		return body{&ch.hot[i&(chunkSize-1)], &ch.cold[i&(chunkSize-1)]}
+		return body{&ch.p[i&(chunkSize-1)], &ch.pc[i&(chunkSize-1)], t}
 	}
 	return body{}
 }
 
-// sameKey reports whether a stored key (hx) is h, ignoring bit 0.
-func sameKey(hx, h uint64) bool { return (hx^h)&^1 == 0 }
+// cold returns the cold part of reference r (cold index + 1), or nil when there is none (r = 0,
+// or a torn read).
+func (t *table) cold(r uint64) *cold {
+	if c := (r - 1) >> coldChunkShift; c < uint64(len(t.colds)) {
+		return &t.colds[c][(r-1)&(coldChunkSize-1)]
+	}
+	return nil
+}
+
+// sameKey reports whether a live body's hx holds h's bits. With the fingerprint of the word that
+// named the body it identifies h but for the flag bits, which the shard gives back in tables of
+// four shards or more; a smaller table takes two keys that differ in them alone, one pair in 2⁶²,
+// for one block.
+func sameKey(hx, h uint64) bool { return (hx^(h|liveBit))&(keyBits|liveBit) == 0 }
+
+// fullKey returns the mixed key, flag bits cleared, of the block of word w and body b.
+func fullKey(w uint64, b body) uint64 { return w&^idxMask | b.p.hx.Load()&keyBits }
 
 // find returns the probe position and the body of h (≠ 0) in t, or -1 and no body. Safe under the
 // seqlock (a torn read may give a wrong answer, which the reader discards) and under mu.
@@ -129,7 +180,7 @@ func (t *table) find(h uint64) (int, body) {
 		}
 		// Empty, or the first word with a fingerprint ≥ h's: check the words with h's.
 		for w>>24 == h>>24 {
-			if b := t.body(w); b.hot != nil && sameKey(b.hot.hx.Load(), h) {
+			if b := t.body(w); b.p != nil && sameKey(b.p.hx.Load(), h) {
 				return int(pos), b
 			}
 			if pos++; pos >= uint64(len(keys)) {
@@ -142,46 +193,110 @@ func (t *table) find(h uint64) (int, body) {
 	return -1, body{}
 }
 
-// slotVal is a plain copy of a block's body, for writers. Its h has bit 0 cleared.
+// slotVal is a plain copy of a block's data, for writers. Its h has the flag bits cleared; a
+// copy loaded from a body has only the bits the body holds (keyBits), which is all a write back
+// needs.
 type slotVal struct {
 	h      uint64
 	tiers  [events.NumTiers]uint64
 	spec   uint64
-	times  uint64
+	times  uint64 // lo: evidence epoch; hi: speculative expiry tick (meaningful when spec ≠ 0)
 	parent uint64
+	efp    uint8 // engineFP of the engine hash of the first backend that stored the block; 0: none
 }
 
-func (b body) load() slotVal {
-	hx := b.hot.hx.Load()
-	v := slotVal{
-		h:     hx &^ 1,
-		spec:  b.hot.spec.Load(),
-		times: b.hot.times.Load(),
+// live reports whether b is a block's body (not a free one).
+func (b body) live() bool { return b.p.hx.Load()&liveBit != 0 }
+
+// stamp returns the evidence epoch of b's block.
+func (b body) stamp() uint32 {
+	if hx := b.p.hx.Load(); hx&flagMask != flagSpec {
+		return uint32(hx >> 32)
 	}
-	v.tiers[events.TierGPU] = b.hot.gpu.Load()
-	v.tiers[events.TierCPU] = b.cold.cpu.Load()
-	v.tiers[events.TierStorage] = b.cold.storage.Load()
-	v.parent = b.cold.parent.Load()
+	return uint32(b.pc.Load())
+}
+
+// load returns a copy of b's data. Under the seqlock a torn read may give garbage, which the
+// reader discards.
+func (b body) load() slotVal {
+	hx, g, pc := b.p.hx.Load(), b.p.g.Load(), b.pc.Load()
+	v := slotVal{h: hx & keyBits, efp: uint8(hx >> fpShift & 0x7f)}
+	tick := hx >> 32
+	switch hx & flagMask {
+	case 0:
+		v.tiers[events.TierGPU], v.parent, v.times = g, pc, tick
+	case flagSpec:
+		v.spec, v.times = g, tick<<32|pc&0xffffffff
+		if c := b.t.cold(pc >> 32); c != nil {
+			v.parent = c.parent.Load()
+		}
+	default:
+		v.tiers[events.TierGPU], v.times = g, tick|pc<<32
+		if c := b.t.cold(pc >> 32); c != nil {
+			v.tiers[events.TierCPU] = c.cpu.Load()
+			v.tiers[events.TierStorage] = c.storage.Load()
+			v.spec = c.spec.Load()
+			v.parent = c.parent.Load()
+		}
+	}
 	return v
 }
 
-// store writes v to b. Writers call it under mu, inside a write bracket when b is published.
-func (b body) store(v slotVal) {
-	hx := v.h &^ 1
-	if v.tiers[events.TierCPU]|v.tiers[events.TierStorage] != 0 {
-		hx |= 1
+// layout returns the flags of v's body and whether it needs a cold part (see pair).
+func (v *slotVal) layout() (flags uint64, needsCold bool) {
+	switch {
+	case v.tiers[events.TierCPU]|v.tiers[events.TierStorage] != 0 || v.spec != 0 && v.tiers[events.TierGPU] != 0:
+		return flagCold, true
+	case v.spec != 0:
+		return flagSpec, v.parent != 0
 	}
-	storeWord(&b.hot.hx, hx)
-	storeWord(&b.hot.gpu, v.tiers[events.TierGPU])
-	storeWord(&b.hot.spec, v.spec)
-	storeWord(&b.hot.times, v.times)
-	storeWord(&b.cold.cpu, v.tiers[events.TierCPU])
-	storeWord(&b.cold.storage, v.tiers[events.TierStorage])
-	storeWord(&b.cold.parent, v.parent)
+	return 0, false
 }
 
-// key returns the body's key (bit 0 cleared; 0 for a free body).
-func (b body) key() uint64 { return b.hot.hx.Load() &^ 1 }
+// store writes v to b, using cold part ci (an index) when v needs one (ci is ignored otherwise).
+// Writers call it under mu, inside a write bracket when b is published; b.t names ci.
+func (b body) store(v *slotVal, ci uint64) {
+	if v.tiers[events.TierCPU]|v.tiers[events.TierStorage]|v.spec == 0 {
+		// GPU holders only: every block of an index fed by GPU events.
+		storeWord(&b.p.hx, v.times<<32|uint64(v.efp&0x7f)<<fpShift|liveBit|v.h&keyBits)
+		storeWord(&b.p.g, v.tiers[events.TierGPU])
+		storeWord(b.pc, v.parent)
+		return
+	}
+	flags, needsCold := v.layout()
+	ref := uint64(0)
+	if needsCold {
+		ref = ci + 1
+		c := b.t.cold(ref)
+		storeWord(&c.cpu, v.tiers[events.TierCPU])
+		storeWord(&c.storage, v.tiers[events.TierStorage])
+		storeWord(&c.spec, v.spec)
+		storeWord(&c.parent, v.parent)
+	}
+	epoch, specExp := v.times&0xffffffff, v.times>>32
+	hx, g, pc := epoch<<32, v.tiers[events.TierGPU], v.parent
+	switch flags {
+	case flagSpec:
+		hx, g, pc = specExp<<32, v.spec, ref<<32|epoch
+	case flagCold:
+		pc = ref<<32 | specExp
+	}
+	storeWord(&b.p.hx, hx|uint64(v.efp&0x7f)<<fpShift|liveBit|v.h&keyBits|flags)
+	storeWord(&b.p.g, g)
+	storeWord(b.pc, pc)
+}
+
+// coldIndex returns the index of b's cold part and true, or false when it has none. Under mu.
+func (b body) coldIndex() (uint64, bool) {
+	hx := b.p.hx.Load()
+	if hx&liveBit == 0 || hx&flagMask == 0 {
+		return 0, false
+	}
+	if r := b.pc.Load() >> 32; r != 0 {
+		return r - 1, true
+	}
+	return 0, false
+}
 
 // confirmed returns the holders of v on any tier.
 func (v *slotVal) confirmed() uint64 { return v.tiers[0] | v.tiers[1] | v.tiers[2] }
@@ -279,12 +394,14 @@ type shard struct {
 	tab atomic.Pointer[table]
 
 	// Under mu.
-	count   int      // live blocks
-	limit   int      // max live blocks (this shard's share of MaxEntries)
-	used    uint32   // bodies handed out from the chunks (live or free)
-	free    []uint32 // freed body indexes
-	victims []uint64
-	ages    []uint32
+	count    int      // live blocks
+	limit    int      // max live blocks (this shard's share of MaxEntries)
+	used     uint32   // bodies handed out from the chunks (live or free)
+	free     []uint32 // freed body indexes
+	marks    []uint64 // a bitset of body indexes, for evict and sweepShard
+	coldUsed uint32   // cold parts handed out from the cold chunks (live or free)
+	coldFree []uint32 // freed cold indexes
+	ages     []uint32
 
 	blocks atomic.Int64 // = count, readable without mu
 	_      [64]byte
@@ -299,11 +416,12 @@ func (sh *shard) read(h uint64) (v slotVal, ok bool) {
 		s1 := sh.seq.Load()
 		if s1&1 == 0 {
 			_, b := sh.tab.Load().find(h)
-			if b.hot != nil {
+			if b.p != nil {
 				v = b.load()
+				v.h = h &^ flagMask
 			}
 			if sh.seq.Load() == s1 {
-				return v, b.hot != nil && sameKey(v.h, h)
+				return v, b.p != nil
 			}
 		}
 		if spins&63 == 63 {
@@ -398,29 +516,29 @@ func (m *MemoryIndex) ensureRoom(sh *shard, c clock) {
 // bodies stay where they are. Under mu.
 func (m *MemoryIndex) resize(sh *shard, n uint64) {
 	old := sh.tab.Load()
-	nt := &table{keys: newKeys(n), n: n, chunks: old.chunks}
+	nt := &table{keys: newKeys(n), n: n, chunks: old.chunks, colds: old.colds}
 	for !nt.fillKeys(old.keys) {
 		n = grownSize(n)
 		nt.keys, nt.n = newKeys(n), n
 	}
-	sh.begin()
-	sh.tab.Store(nt)
-	sh.end()
+	sh.publish(nt)
 }
 
-// maybeShrink rebuilds a sparse shard smaller: its probe array, and its bodies when most are
-// free (copying the live ones into new chunks, in probe order). Under mu.
+// maybeShrink rebuilds a sparse shard smaller: its probe array, and its bodies and cold parts
+// when most are free (copying the live ones into new chunks, in probe order). Under mu.
 func (m *MemoryIndex) maybeShrink(sh *shard) {
 	t := sh.tab.Load()
 	if t.n > 64 && uint64(sh.count)*4 < t.n {
 		m.resize(sh, max(grownSize(uint64(sh.count)*maxLoadDen/maxLoadNum), 16))
 		t = sh.tab.Load()
 	}
-	if int(sh.used) <= 4*sh.count+chunkSize {
+	colds := int(sh.coldUsed) - len(sh.coldFree)
+	if int(sh.used) <= 4*sh.count+chunkSize && int(sh.coldUsed) <= 4*colds+coldChunkSize {
 		return
 	}
-	nt := &table{keys: newKeys(t.n), n: t.n, chunks: make([]*chunk, 0, (sh.count+chunkSize-1)/chunkSize)}
-	next := uint32(0)
+	nt := &table{keys: newKeys(t.n), n: t.n, chunks: make([]*chunk, 0, (sh.count+chunkSize-1)/chunkSize),
+		colds: make([]*coldChunk, 0, (colds+coldChunkSize-1)/coldChunkSize)}
+	next, nextCold := uint32(0), uint32(0)
 	for i := range t.keys {
 		w := t.keys[i].Load()
 		if w == 0 {
@@ -429,8 +547,16 @@ func (m *MemoryIndex) maybeShrink(sh *shard) {
 		if next%chunkSize == 0 {
 			nt.chunks = append(nt.chunks, new(chunk))
 		}
-		ch := nt.chunks[next>>chunkShift]
-		body{&ch.hot[next%chunkSize], &ch.cold[next%chunkSize]}.store(t.body(w).load())
+		v := t.body(w).load()
+		ci := uint64(0)
+		if _, needsCold := v.layout(); needsCold {
+			if nextCold%coldChunkSize == 0 {
+				nt.colds = append(nt.colds, new(coldChunk))
+			}
+			ci = uint64(nextCold)
+			nextCold++
+		}
+		nt.bodyAt(uint64(next)).store(&v, ci)
 		next++
 		storeWord(&nt.keys[i], w&^idxMask|uint64(next)) // same position: same order and home
 	}
@@ -438,30 +564,75 @@ func (m *MemoryIndex) maybeShrink(sh *shard) {
 	sh.tab.Store(nt)
 	sh.end()
 	sh.used, sh.free = next, nil
+	sh.coldUsed, sh.coldFree = nextCold, nil
+}
+
+// publish makes nt sh's table value, inside a write bracket. Under mu.
+func (sh *shard) publish(nt *table) {
+	sh.begin()
+	sh.tab.Store(nt)
+	sh.end()
+}
+
+// allocCold returns a free cold index, adding a cold chunk (and publishing a table value that has
+// it) when none is free. Under mu, outside write brackets.
+func (sh *shard) allocCold() uint64 {
+	if n := len(sh.coldFree); n > 0 {
+		ci := sh.coldFree[n-1]
+		sh.coldFree = sh.coldFree[:n-1]
+		return uint64(ci)
+	}
+	ci := sh.coldUsed
+	sh.coldUsed++
+	if t := sh.tab.Load(); int(ci>>coldChunkShift) == len(t.colds) {
+		// Readers of the old value never see a body naming the new chunk (bodies are written in
+		// brackets, which send them back here).
+		sh.publish(&table{keys: t.keys, n: t.n, chunks: t.chunks, colds: append(t.colds, new(coldChunk))})
+	}
+	return uint64(ci)
 }
 
 // deleteAt removes the block at probe position pos inside a write bracket, and frees its body
-// (whose key it zeroes: slab scans skip it). Under mu.
+// (whose key it zeroes: slab scans skip it) and its cold part. Under mu.
 func (sh *shard) deleteAt(t *table, pos int) {
 	sh.begin()
 	w := t.removeWord(uint64(pos))
-	storeWord(&t.body(w).hot.hx, 0)
+	b := t.body(w)
+	ci, hasCold := b.coldIndex()
+	storeWord(&b.p.hx, 0)
 	sh.end()
 	sh.free = append(sh.free, uint32(w&idxMask-1))
+	if hasCold {
+		sh.coldFree = append(sh.coldFree, uint32(ci))
+	}
 	sh.count--
 	sh.blocks.Add(-1)
 }
 
-// put writes v to body b inside a write bracket. Under mu.
+// put writes v to the body of b's block inside a write bracket, giving it a cold part or freeing
+// its own as v needs. Under mu.
 func (sh *shard) put(b body, v slotVal) {
+	ci, had := b.coldIndex()
+	_, need := v.layout()
+	if need && !had {
+		ci = sh.allocCold()
+	}
+	b.t = sh.tab.Load() // names ci
 	sh.begin()
-	b.store(v)
+	b.store(&v, ci)
 	sh.end()
+	if had && !need {
+		sh.coldFree = append(sh.coldFree, uint32(ci))
+	}
 }
 
 // add inserts block v (absent from sh), making room first. Under mu.
 func (m *MemoryIndex) add(sh *shard, v slotVal, c clock) {
 	m.ensureRoom(sh, c)
+	ci := uint64(0)
+	if _, needsCold := v.layout(); needsCold {
+		ci = sh.allocCold()
+	}
 	t := sh.tab.Load()
 	var idx uint32
 	if n := len(sh.free); n > 0 {
@@ -472,19 +643,16 @@ func (m *MemoryIndex) add(sh *shard, v slotVal, c clock) {
 		if int(idx>>chunkShift) == len(t.chunks) {
 			// A new chunk: publish a table value that has it. Readers of the old value never see
 			// a word naming it (words are written in brackets, which send them back here).
-			nt := &table{keys: t.keys, n: t.n, chunks: append(t.chunks, new(chunk))}
-			sh.begin()
-			sh.tab.Store(nt)
-			sh.end()
+			nt := &table{keys: t.keys, n: t.n, chunks: append(t.chunks, new(chunk)), colds: t.colds}
+			sh.publish(nt)
 			t = nt
 		}
 	}
 	w := v.h&^idxMask | uint64(idx+1)
-	ch := t.chunks[idx>>chunkShift]
-	b := body{&ch.hot[idx%chunkSize], &ch.cold[idx%chunkSize]}
+	b := t.bodyAt(uint64(idx))
 	for {
 		sh.begin()
-		b.store(v)
+		b.store(&v, ci)
 		ok := t.insertWord(w)
 		sh.end()
 		if ok {
@@ -498,24 +666,38 @@ func (m *MemoryIndex) add(sh *shard, v slotVal, c clock) {
 }
 
 // addConfirmed records that backend id holds block h, child of block parent (mixed; 0 when
-// unknown), on tier. It returns whether the membership is new. Under mu.
-func (m *MemoryIndex) addConfirmed(sh *shard, h, parent uint64, id uint8, tier events.Tier, c clock) (isNew bool) {
+// unknown), on tier, stored under an engine hash of fingerprint efp (0: none). It returns whether
+// the membership is new and, when the block was already held by other backends, whether the
+// engine hash of the first that stored it has the same fingerprint (same = 1) or not (-1); else
+// same is 0. Under mu.
+func (m *MemoryIndex) addConfirmed(sh *shard, h, parent uint64, id uint8, tier events.Tier, efp uint8,
+	c clock) (isNew bool, same int) {
 	bit := uint64(1) << id
 	t := sh.tab.Load()
 	pos, b := t.find(h)
 	if pos < 0 {
-		v := slotVal{h: h, parent: parent}
+		v := slotVal{h: h, parent: parent, efp: efp}
 		v.tiers[tier] = bit
 		v.setStamp(c.epoch)
 		m.add(sh, v, c)
 		m.ids[id].members.Add(1)
-		return true
+		return true, 0
 	}
 	v := b.load()
 	if exp := m.normalize(&v, c); exp != 0 {
 		m.expired.Add(uint64(exp))
 	}
 	isNew = (v.confirmed()|v.spec)&bit == 0
+	switch {
+	case efp == 0:
+	case v.efp == 0:
+		v.efp = efp
+	case isNew && v.confirmed() != 0:
+		same = -1
+		if v.efp == efp {
+			same = 1
+		}
+	}
 	if v.spec&bit != 0 {
 		v.spec &^= bit // confirmed: an ordinary entry now
 		m.ids[id].specs.Add(-1)
@@ -529,7 +711,7 @@ func (m *MemoryIndex) addConfirmed(sh *shard, h, parent uint64, id uint8, tier e
 	if isNew {
 		m.ids[id].members.Add(1)
 	}
-	return isNew
+	return isNew, same
 }
 
 // refresh brings the evidence epoch of block h to c.epoch, as a descendant of it was just stored
@@ -688,13 +870,14 @@ func (m *MemoryIndex) unspeculate(sh *shard, h uint64, id uint8) bool {
 // speculation that created a block no backend had confirmed. Since ancestors are at least as
 // recent as their descendants, this evicts chains from their tails. One scan finds the age
 // threshold of the oldest eighth by selection, a second collects them; the cost, O(limit) per
-// limit/8 insertions, is O(1) amortised.
+// limit/8 insertions, is O(1) amortised. The victims are marked in the slab, then deleted by a
+// scan of the probe array.
 func (m *MemoryIndex) evict(sh *shard, c clock) {
 	t := sh.tab.Load()
 	ages := sh.ages[:0]
 	for b := range t.bodies(sh.used) {
-		if b.key() != 0 {
-			ages = append(ages, tickAge(c.epoch, uint32(b.hot.times.Load())))
+		if b.live() {
+			ages = append(ages, tickAge(c.epoch, b.stamp()))
 		}
 	}
 	sh.ages = ages[:0]
@@ -703,43 +886,76 @@ func (m *MemoryIndex) evict(sh *shard, c clock) {
 	}
 	k := min(max(1, sh.limit/8), len(ages))
 	thr := kthLargest(ages, k) // the k-th largest age
-	victims := sh.victims[:0]
-	ties := 0
-	for b := range t.bodies(sh.used) {
-		h := b.key()
-		if h == 0 {
+	marks := sh.resetMarks()
+	n, ties := 0, 0
+	for i := uint64(0); i < uint64(sh.used) && n < k; i++ {
+		b := t.bodyAt(i)
+		if !b.live() {
 			continue
 		}
-		switch a := tickAge(c.epoch, uint32(b.hot.times.Load())); {
+		switch a := tickAge(c.epoch, b.stamp()); {
 		case a > thr:
-			victims = append(victims, h)
 		case a == thr && ties < k:
-			victims = append(victims, h)
 			ties++
-		}
-	}
-	if len(victims) > k {
-		victims = victims[:k]
-	}
-	for _, h := range victims {
-		pos, b := t.find(h)
-		if pos < 0 {
+		default:
 			continue
 		}
+		marks[i/64] |= 1 << (i % 64)
+		n++
+	}
+	sh.deleteMarked(marks, n, func(b body) {
 		v := b.load()
 		m.dropSlotCounts(&v, c)
-		sh.deleteAt(t, pos)
 		m.evictions.Add(1)
-	}
-	sh.victims = victims[:0]
+	})
 }
 
-// bodies iterates over the first used bodies of t's slab in memory order (freed ones have key 0).
+// resetMarks returns sh's bitset of body indexes, sized for its slab and cleared. Under mu.
+func (sh *shard) resetMarks() []uint64 {
+	n := (int(sh.used) + 63) / 64
+	if cap(sh.marks) < n {
+		sh.marks = make([]uint64, n)
+	}
+	sh.marks = sh.marks[:n]
+	clear(sh.marks)
+	return sh.marks
+}
+
+// deleteMarked deletes the n blocks whose body indexes are set in marks, calling before on each
+// body first. It finds their words by one scan of the probe array. Under mu.
+func (sh *shard) deleteMarked(marks []uint64, n int, before func(body)) {
+	t := sh.tab.Load()
+	keys := t.keys
+	for pos := 0; pos < len(keys) && n > 0; {
+		w := keys[pos].Load()
+		if i := w&idxMask - 1; w == 0 || marks[i/64]&(1<<(i%64)) == 0 {
+			pos++
+			continue
+		}
+		before(t.body(w))
+		sh.deleteAt(t, pos) // shifts the next words back: pos is read again
+		n--
+	}
+}
+
+// blocks iterates over the words of t's probe array greater than after, in order (key order),
+// with their bodies.
+func (t *table) blocks(after uint64) func(yield func(uint64, body) bool) {
+	return func(yield func(uint64, body) bool) {
+		for pos := t.home(after); pos < uint64(len(t.keys)); pos++ {
+			if w := t.keys[pos].Load(); w > after && !yield(w, t.body(w)) {
+				return
+			}
+		}
+	}
+}
+
+// bodies iterates over the first used bodies of t's slab in memory order (freed ones are not
+// live).
 func (t *table) bodies(used uint32) func(yield func(body) bool) {
 	return func(yield func(body) bool) {
 		for i := range used {
-			ch := t.chunks[i>>chunkShift]
-			if !yield(body{&ch.hot[i%chunkSize], &ch.cold[i%chunkSize]}) {
+			if !yield(t.bodyAt(uint64(i))) {
 				return
 			}
 		}
@@ -796,9 +1012,11 @@ func median3(a, b, c uint32) uint32 {
 // left empty. It returns the number of expired memberships. Under mu.
 func (m *MemoryIndex) sweepShard(sh *shard, c clock) (expired int) {
 	t := sh.tab.Load()
-	victims := sh.victims[:0]
-	for b := range t.bodies(sh.used) {
-		if b.key() == 0 {
+	marks := sh.resetMarks()
+	n := 0
+	for i := range uint64(sh.used) {
+		b := t.bodyAt(i)
+		if !b.live() {
 			continue
 		}
 		v := b.load()
@@ -808,17 +1026,13 @@ func (m *MemoryIndex) sweepShard(sh *shard, c clock) (expired int) {
 			continue
 		}
 		if v.confirmed()|v.spec == 0 {
-			victims = append(victims, v.h)
+			marks[i/64] |= 1 << (i % 64)
+			n++
 			continue
 		}
 		sh.put(b, v)
 	}
-	for _, h := range victims {
-		if pos, _ := t.find(h); pos >= 0 {
-			sh.deleteAt(t, pos)
-		}
-	}
-	sh.victims = victims[:0]
+	sh.deleteMarked(marks, n, func(body) {})
 	m.maybeShrink(sh)
 	return expired
 }
@@ -829,17 +1043,16 @@ func (m *MemoryIndex) clearShard(sh *shard, c clock) int {
 	t := sh.tab.Load()
 	n := 0
 	for b := range t.bodies(sh.used) {
-		if b.key() == 0 {
+		if !b.live() {
 			continue
 		}
 		v := b.load()
 		n += bits.OnesCount64((v.confirmed() | v.spec) &^ c.retired)
 		m.dropSlotCounts(&v, c)
 	}
-	sh.begin()
-	sh.tab.Store(emptyTable())
-	sh.end()
+	sh.publish(emptyTable())
 	sh.count, sh.used, sh.free = 0, 0, nil
+	sh.coldUsed, sh.coldFree = 0, nil
 	sh.blocks.Store(0)
 	return n
 }

@@ -136,11 +136,11 @@ func checkConsistency(t testing.TB, m *MemoryIndex) {
 			prev = w
 			b := tb.body(w)
 			v := b.load()
-			if v.h&^idxMask != w&^idxMask {
-				t.Errorf("shard %d: body of word %x has key %x", si, w, v.h)
+			if !b.live() {
+				t.Errorf("shard %d: word %x names a free body", si, w)
 			}
-			if pos, _ := tb.find(v.h); pos != int(p) {
-				t.Errorf("shard %d: find(%x) = %d, want %d", si, v.h, pos, p)
+			if pos, _ := tb.find(fullKey(w, b)); pos != int(p) {
+				t.Errorf("shard %d: find(%x) = %d, want %d", si, fullKey(w, b), pos, p)
 			}
 			for x := (v.confirmed() | v.spec) &^ retired; x != 0; x &= x - 1 {
 				members[bits.TrailingZeros64(x)]++
@@ -152,8 +152,54 @@ func checkConsistency(t testing.TB, m *MemoryIndex) {
 		if live != sh.count || int64(live) != sh.blocks.Load() {
 			t.Errorf("shard %d: %d live words, count %d, blocks %d", si, live, sh.count, sh.blocks.Load())
 		}
+		// Every cold part is either free or named by exactly one live body that needs it.
+		colds := map[uint64]bool{}
+		for _, ci := range sh.coldFree {
+			colds[uint64(ci)] = true
+		}
+		if len(colds) != len(sh.coldFree) {
+			t.Errorf("shard %d: a cold part freed twice", si)
+		}
+		for w, b := range tb.blocks(0) {
+			v := b.load()
+			ci, has := b.coldIndex()
+			if _, needs := v.layout(); has != needs {
+				t.Errorf("shard %d: block %x has a cold part: %v, needs one: %v", si, fullKey(w, b), has, needs)
+			}
+			if !has {
+				continue
+			}
+			if colds[ci] || ci >= uint64(sh.coldUsed) {
+				t.Errorf("shard %d: block %x names cold part %d, free or shared or past %d", si, fullKey(w, b), ci, sh.coldUsed)
+			}
+			colds[ci] = true
+		}
+		if len(colds) != int(sh.coldUsed) {
+			t.Errorf("shard %d: %d cold parts accounted for, %d handed out", si, len(colds), sh.coldUsed)
+		}
 		blocks += live
 		sh.mu.Unlock()
+	}
+	// The shared engine-hash map: group entries of two holders or more, and no mapping of an id
+	// neither live nor retired (a free id's next backend must not inherit one).
+	var known uint64 = retired
+	for _, bs := range m.reg.active() {
+		known |= 1 << bs.id
+	}
+	for i := range m.engines.shards {
+		s := &m.engines.shards[i]
+		s.mu.Lock()
+		for _, e := range s.own.slots {
+			if id := e.h & 0xff; e.h != 0 && (id == 0 || id > MaxMemoryBackends || known&(1<<(id-1)) == 0) {
+				t.Errorf("shared map: own entry %x of id %d, not live nor retired", e.h, int(id)-1)
+			}
+		}
+		for _, g := range s.group.slots {
+			if g.tag != 0 && (bits.OnesCount64(g.holders) < 2 || g.holders&^known != 0) {
+				t.Errorf("shared map: group entry %x holders %x (live or retired: %x)", g.tag, g.holders, known)
+			}
+		}
+		s.mu.Unlock()
 	}
 	for _, bs := range m.reg.active() {
 		if got, want := m.ids[bs.id].members.Load(), members[bs.id]; got != want {
@@ -239,7 +285,7 @@ func TestTableRandomOps(t *testing.T) {
 				h := mix(k)
 				sh := m.lockShard(h, &c)
 				if r.IntN(3) > 0 {
-					m.addConfirmed(sh, h, 0, bs.id, events.TierGPU, c)
+					m.addConfirmed(sh, h, 0, bs.id, events.TierGPU, 0, c)
 					ref[k] = true
 				} else {
 					m.removeTier(sh, h, bs.id, events.TierGPU, c)
@@ -270,6 +316,100 @@ func TestTableRandomOps(t *testing.T) {
 	}
 }
 
+// TestBodyLayouts drives blocks through every layout of their bodies (GPU holders only,
+// speculative holders only, a cold part for the other tiers and for speculative holders beside
+// confirmed ones) by random stores, removals and speculations of three backends, against a
+// reference, across sweeps that compact the cold parts.
+func TestBodyLayouts(t *testing.T) {
+	for _, maxEntries := range []int{1000, 1 << 16} {
+		t.Run(fmt.Sprintf("maxentries=%d", maxEntries), func(t *testing.T) {
+			m, _ := newTestIndex(t, MemoryConfig{MaxEntries: maxEntries, SpeculativeTTL: time.Hour})
+			var ids [3]uint8
+			for i := range ids {
+				bs := m.acquire(fmt.Sprintf("b%d", i))
+				defer bs.life.RUnlock()
+				ids[i] = bs.id
+			}
+			r := rand.New(rand.NewPCG(9, 10))
+			type block struct {
+				tiers         [events.NumTiers]uint64
+				spec, parentH uint64
+			}
+			ref := map[uint64]*block{}
+			keys := make([]uint64, 400)
+			for i := range keys {
+				keys[i] = mix(r.Uint64())
+			}
+			for step := range 30000 {
+				h := keys[r.IntN(len(keys))]
+				parent := keys[r.IntN(len(keys))]
+				if r.IntN(4) == 0 {
+					parent = 0
+				}
+				id := ids[r.IntN(len(ids))]
+				bit := uint64(1) << id
+				tier := events.Tier(r.IntN(int(events.NumTiers)))
+				c := m.clock()
+				sh := m.lockShard(h, &c)
+				b := ref[h]
+				switch op := r.IntN(10); {
+				case op < 4:
+					m.addConfirmed(sh, h, parent, id, tier, 0, c)
+					if b == nil {
+						b = &block{parentH: parent}
+						ref[h] = b
+					} else if parent != 0 {
+						b.parentH = parent
+					}
+					b.tiers[tier] |= bit
+					b.spec &^= bit
+				case op < 7:
+					m.removeTier(sh, h, id, tier, c)
+					if b != nil {
+						b.tiers[tier] &^= bit
+					}
+				case op < 9:
+					m.speculate(sh, h, parent, id, c.now+1000, c)
+					switch {
+					case b == nil:
+						ref[h] = &block{spec: bit, parentH: parent}
+					case (b.tiers[0]|b.tiers[1]|b.tiers[2])&bit == 0:
+						b.spec |= bit
+						if b.parentH == 0 {
+							b.parentH = parent
+						}
+					}
+				default:
+					m.unspeculate(sh, h, id)
+					if b != nil {
+						b.spec &^= bit
+					}
+				}
+				if b := ref[h]; b != nil && b.tiers[0]|b.tiers[1]|b.tiers[2]|b.spec == 0 {
+					delete(ref, h)
+				}
+				sh.mu.Unlock()
+				if step%3000 == 2999 {
+					checkConsistency(t, m)
+					m.sweep()
+					checkConsistency(t, m)
+				}
+			}
+			for _, h := range keys {
+				v, ok := m.shardOf(h).read(h)
+				b := ref[h]
+				if ok != (b != nil) {
+					t.Fatalf("block %x: present %v, want %v", h, ok, b != nil)
+				}
+				if ok && (v.tiers != b.tiers || v.spec != b.spec || v.parent != b.parentH) {
+					t.Errorf("block %x: tiers %x spec %x parent %x; want %x %x %x", h, v.tiers, v.spec, v.parent,
+						b.tiers, b.spec, b.parentH)
+				}
+			}
+		})
+	}
+}
+
 func TestEngineMapRandomOps(t *testing.T) {
 	var e engineMap
 	ref := map[uint64]uint64{}
@@ -292,7 +432,7 @@ func TestEngineMapRandomOps(t *testing.T) {
 			ref[h] = v
 		}
 		if step%5000 == 0 {
-			e.retain(func(key uint64) bool { return key%3 != 0 })
+			e.retain(func(_, key uint64) bool { return key%3 != 0 })
 			for h, v := range ref {
 				if v%3 == 0 {
 					delete(ref, h)
@@ -705,9 +845,17 @@ func TestLookupAllocs(t *testing.T) {
 }
 
 // TestConcurrentStress runs writers, readers, speculation, clears and sweeps at once on a small
-// table (resizes, evictions, id reuse); run it with -race.
+// table (resizes, evictions, id reuse), with the backends' own engine-hash maps and with the
+// shared one; run it with -race.
 func TestConcurrentStress(t *testing.T) {
+	for _, shared := range []bool{false, true} {
+		t.Run(fmt.Sprintf("shared_engines=%v", shared), func(t *testing.T) { concurrentStress(t, shared) })
+	}
+}
+
+func concurrentStress(t *testing.T, shared bool) {
 	m, clk := newTestIndex(t, MemoryConfig{MaxEntries: 2048, MaxBackends: 6, EntryTTL: time.Minute})
+	m.reg.shareAll = shared
 	ctx := context.Background()
 	chains := make([][]uint32, 8)
 	for i := range chains {
