@@ -94,7 +94,9 @@ func (l *liveSet) track(n *liveNode, owner expirer, at int64) {
 	if len(s.ents) == cap(s.ents) {
 		s.compactLocked()
 	}
-	s.ents = append(s.ents, liveEntry{node: n, owner: owner, at: at})
+	i := len(s.ents)
+	s.ents = s.ents[:i+1] // within capacity: only the length is written
+	s.ents[i] = liveEntry{node: n, owner: owner, at: at}
 	s.mu.Unlock()
 }
 
