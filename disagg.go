@@ -124,7 +124,7 @@ type DisaggDecision struct {
 	start      time.Time
 	prefillEnd atomic.Int64 // UnixNano of PrefillDone, 0 before
 	specKeys   []uint64     // block keys PrefillDone speculates for Decode (prefill_then_decode)
-	live       liveNode     // its place among the Router's live decisions (Config.MaxDecisionAge)
+	live       liveNode     // its mark among the Router's live decisions: ended once nothing is left to reclaim (Config.MaxDecisionAge)
 }
 
 // Route chooses the routing path and backends for req and takes the slots of the phases it
