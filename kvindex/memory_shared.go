@@ -28,9 +28,9 @@ import (
 // stored under (engineFP); when a backend stores a block that others already hold, the two
 // fingerprints agreeing or not is evidence of whether its engine hashes blocks as theirs do. A
 // backend whose evidence leans to agreement (shareScore) moves its entries to the shared map and
-// writes there from then on, at the cost of a shard lock per entry written; one whose evidence
-// turns goes back to its own map (its shared entries stay there until removed). Either way each
-// (backend, hash) mapping is in exactly one of the two maps.
+// writes there from then on, at the cost of a shard lock per entry it writes, reads or removes;
+// one whose evidence turns goes back to its own map (its shared entries stay there until
+// removed). Either way each (backend, hash) mapping is in exactly one of the two maps.
 
 // seShards is the number of shards of the shared map: the shard of a mixed engine hash is its
 // low 8 bits, which its entries' tags therefore need not hold.
