@@ -28,9 +28,9 @@ import (
 // stored under (engineFP); when a backend stores a block that others already hold, the two
 // fingerprints agreeing or not is evidence of whether its engine hashes blocks as theirs do. A
 // backend whose evidence leans to agreement (shareScore) moves its entries to the shared map and
-// writes there from then on, at the cost of a shard lock per entry written; one whose evidence
-// turns goes back to its own map (its shared entries stay there until removed). Either way each
-// (backend, hash) mapping is in exactly one of the two maps.
+// writes there from then on, at the cost of a shard lock per entry it writes, reads or removes;
+// one whose evidence turns goes back to its own map (its shared entries stay there until
+// removed). Either way each (backend, hash) mapping is in exactly one of the two maps.
 
 // seShards is the number of shards of the shared map: the shard of a mixed engine hash is its
 // low 8 bits, which its entries' tags therefore need not hold.
@@ -85,44 +85,83 @@ func (s *seShard) get(h uint64, id uint8) (uint64, bool) {
 // whether id had none. When other backends map h to key alone, they and id share one entry from
 // then on. Under s.mu.
 func (s *seShard) put(h uint64, id uint8, key uint64) (added bool) {
-	bit := uint64(1) << id
-	added = true
-	if i := s.own.find(ownTag(h, id)); i >= 0 {
-		if s.own.slots[i].key == key {
-			return false
+	bit, tag := uint64(1)<<id, ownTag(h, id)
+	// One pass over h's group entries (contiguous: their tags differ in the low byte only): id's
+	// entry, the entry of key, and the first free sequence number.
+	gi, gk, seq := -1, -1, uint64(1)
+	if s.group.count > 0 {
+		for i := s.group.first(h &^ 0xff); i < len(s.group.slots); i++ {
+			g := &s.group.slots[i]
+			if g.tag == 0 || g.tag>>8 != h>>8 {
+				break
+			}
+			if g.holders&bit != 0 {
+				gi = i
+			}
+			if g.key == key {
+				gk = i
+			}
+			if g.tag&0xff == seq {
+				seq++
+			}
 		}
-		s.own.delAt(i)
-		added = false
-	} else if i := s.group.holder(h, bit); i >= 0 {
-		if s.group.slots[i].key == key {
-			return false
-		}
-		s.leave(i, bit)
-		added = false
 	}
-	if i := s.group.withKey(h, key); i >= 0 {
-		s.group.slots[i].holders |= bit
+	switch {
+	case gi >= 0 && gi == gk:
+		return false
+	case gk >= 0:
+		if gi >= 0 {
+			s.leave(gi, bit)
+			gk = s.group.withKey(h, key) // leave moved the entries
+		} else {
+			added = !s.own.del(tag)
+		}
+		s.group.slots[gk].holders |= bit
 		return added
+	case gi >= 0:
+		s.leave(gi, bit)
+		added = false
+	default:
+		added = true
 	}
-	// The other backends that map h to key on their own (their tags are contiguous: they differ
-	// in the low byte only).
+	// One pass over h's own entries: id's, and the other backends' that map h to key.
 	var others uint64
+	oi, other := -1, -1
 	for i := s.own.first(h &^ 0xff); i < len(s.own.slots); i++ {
-		sl := s.own.slots[i]
-		if sl.h == 0 || sl.h>>8 != h>>8 {
+		e := s.own.slots[i]
+		if e.h == 0 || e.h>>8 != h>>8 {
 			break
 		}
-		if sl.key == key {
-			others |= 1 << (sl.h&0xff - 1)
+		switch {
+		case e.h == tag:
+			oi = i
+		case e.key == key:
+			others |= 1 << (e.h&0xff - 1)
+			other = i
 		}
 	}
-	seq := s.group.freeSeq(h)
-	if others == 0 || seq == 0 {
-		s.own.put(ownTag(h, id), key)
+	if oi >= 0 {
+		if s.own.slots[oi].key == key {
+			return false
+		}
+		added = false
+		if others == 0 {
+			s.own.slots[oi].key = key
+			return added
+		}
+		s.own.delAt(oi)
+		other = -1 // moved
+	}
+	if others == 0 || seq > 0xff {
+		s.own.put(tag, key)
 		return added
 	}
-	for x := others; x != 0; x &= x - 1 {
-		s.own.del(ownTag(h, uint8(bits.TrailingZeros64(x))))
+	if others&(others-1) == 0 && other >= 0 {
+		s.own.delAt(other)
+	} else {
+		for x := others; x != 0; x &= x - 1 {
+			s.own.del(ownTag(h, uint8(bits.TrailingZeros64(x))))
+		}
 	}
 	s.group.put(grpSlot{tag: h&^0xff | seq, key: key, holders: others | bit})
 	return added
@@ -418,25 +457,6 @@ func (g *groupMap) withKey(h, key uint64) int {
 	return -1
 }
 
-// freeSeq returns the smallest sequence number (1–255) that no entry of engine hash h (mixed)
-// uses, or 0 when all are taken (which needs 255 groups of two or more backends of 64).
-func (g *groupMap) freeSeq(h uint64) uint64 {
-	seq := uint64(1)
-	if g.count == 0 {
-		return seq
-	}
-	for i := g.first(h &^ 0xff); i < len(g.slots) && g.slots[i].tag != 0 && g.slots[i].tag>>8 == h>>8; i++ {
-		if g.slots[i].tag&0xff != seq {
-			break
-		}
-		seq++
-	}
-	if seq > 0xff {
-		return 0
-	}
-	return seq
-}
-
 // put inserts e (its tag absent), shifting the larger tags of its run right by one.
 func (g *groupMap) put(e grpSlot) {
 	for {
@@ -448,7 +468,7 @@ func (g *groupMap) put(e grpSlot) {
 			end++
 		}
 		if end >= size || uint64(g.count+1)*emLoadDen > g.n*emLoadNum {
-			g.rebuild(emGrownSize(g.n), nil)
+			g.rebuild(emGrownSize(g.n))
 			continue
 		}
 		copy(s[pos+1:end+1], s[pos:end])
@@ -471,26 +491,25 @@ func (g *groupMap) delAt(i int) {
 	g.count--
 }
 
-// rebuild rebuilds the map with at least n home slots, keeping the entries for which keep (when
-// not nil) returns true.
-func (g *groupMap) rebuild(n uint64, keep func(*grpSlot) bool) {
+// rebuild rebuilds the map with at least n home slots.
+func (g *groupMap) rebuild(n uint64) {
 	old := g.slots
 	for {
 		g.n = max(n, 8)
 		g.slots = make([]grpSlot, g.n+tablePad(g.n))
-		if g.fill(old, keep) {
+		if g.fill(old) {
 			return
 		}
 		n = emGrownSize(g.n)
 	}
 }
 
-// fill places old's kept entries, in order, into the empty map; false when the pad overflows.
-func (g *groupMap) fill(old []grpSlot, keep func(*grpSlot) bool) bool {
+// fill places old's entries, in order, into the empty map; false when the pad overflows.
+func (g *groupMap) fill(old []grpSlot) bool {
 	next, size := uint64(0), uint64(len(g.slots))
 	g.count = 0
 	for _, e := range old {
-		if e.tag == 0 || (keep != nil && !keep(&e)) {
+		if e.tag == 0 {
 			continue
 		}
 		pos := max(g.home(e.tag), next)
@@ -511,14 +530,12 @@ func (g *groupMap) retain(keep func(*grpSlot) bool) {
 	next := uint64(0)
 	g.count = 0
 	for i := range uint64(len(s)) {
+		if s[i].tag == 0 || !keep(&s[i]) {
+			s[i] = grpSlot{}
+			continue
+		}
 		e := s[i]
-		if e.tag == 0 {
-			continue
-		}
 		s[i] = grpSlot{}
-		if !keep(&e) {
-			continue
-		}
 		pos := max(g.home(e.tag), next)
 		s[pos] = e
 		next = pos + 1

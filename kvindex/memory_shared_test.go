@@ -61,15 +61,21 @@ func checkShard(t *testing.T, s *seShard, ref map[[2]uint64]uint64, step int) {
 // prunings by several backends, on few hashes and few keys so that backends often map a hash
 // alike (and join or leave group entries), against a reference.
 func TestSharedShardRandomOps(t *testing.T) {
+	for seed := range uint64(6) {
+		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) { sharedShardRandomOps(t, seed) })
+	}
+}
+
+func sharedShardRandomOps(t *testing.T, seed uint64) {
 	var s seShard
 	ref := map[[2]uint64]uint64{}
-	r := rand.New(rand.NewPCG(11, 12))
+	r := rand.New(rand.NewPCG(11, seed))
 	hs := make([]uint64, 40)
 	for i := range hs {
 		hs[i] = mix(uint64(i)+1) &^ 0xff // one shard: the low byte is the shard's
 	}
 	keys := []uint64{101, 202, 303}
-	for step := range 40000 {
+	for step := range 20000 {
 		id := uint8(r.IntN(8))
 		h := hs[r.IntN(len(hs))]
 		k := [2]uint64{uint64(id), h}
@@ -102,7 +108,7 @@ func TestSharedShardRandomOps(t *testing.T) {
 				}
 			}
 		}
-		if step%97 == 0 {
+		if step%31 == 0 {
 			checkShard(t, &s, ref, step)
 		}
 	}
@@ -264,6 +270,54 @@ func TestSharedEnginesEvidence(t *testing.T) {
 	keys := testKeys(toks)
 	if got := blocksOf(t, m, keys, "a", "b", "c", "d"); got[0] != 64 || got[1] != 64 || got[2] != 64 || got[3] != 64 {
 		t.Errorf("lookups %v, want 64 each", got)
+	}
+	checkConsistency(t, m)
+}
+
+// A backend on the shared map whose evidence turns (its engine hashes blocks apart from the
+// others now, as after a restart with another seed) writes its own map again, and still finds,
+// replaces and removes the mappings it left in the shared one.
+func TestSharedEnginesBackToOwn(t *testing.T) {
+	m, _ := newTestIndex(t, MemoryConfig{LookupStride: 1})
+	m.reg.shareAll = true
+	toks := testTokens(24, 40*16)
+	applyAll(t, m, "a", testModel, storedChain(toks[:32*16], 1000)...)
+	applyAll(t, m, "b", testModel, storedChain(toks[:32*16], 1000)...)
+	m.reg.shareAll = false
+	// c, on its own map, holds 64 blocks that b then stores under other hashes.
+	other := testTokens(25, 64*16)
+	applyAll(t, m, "c", testModel, storedChain(other, 50_000)...)
+	applyAll(t, m, "b", testModel, storedChain(other, 90_000)...)
+	bs := m.reg.lookup("b")
+	if bs.shared || !bs.sharedEver {
+		t.Fatalf("b: shared %v, shared once %v; want false, true", bs.shared, bs.sharedEver)
+	}
+	// b continues its first chain from a mapping it left in the shared map, re-stores block 0
+	// under a hash of its own map, and removes its blocks 0–15 by their hashes.
+	applyAll(t, m, "b", testModel, events.Event{Kind: events.KindBlockStored, BlockHashes: []uint64{1032, 1033},
+		TokenIDs: toks[32*16 : 34*16], BlockSize: 16, Parent: 1031, HasParent: true})
+	keys := testKeys(toks)
+	if got := blocksOf(t, m, keys, "a", "b"); got[0] != 32 || got[1] != 34 {
+		t.Fatalf("after b's continuation: %v, want [32 34]", got)
+	}
+	hs := []uint64{}
+	for h := uint64(1015); h >= 1000; h-- {
+		hs = append(hs, h)
+	}
+	applyAll(t, m, "b", testModel, events.Event{Kind: events.KindBlockRemoved, BlockHashes: hs})
+	if got := blocksOf(t, m, keys, "a", "b"); got[0] != 32 || got[1] != 0 {
+		t.Fatalf("after b's removal of blocks 0–15: %v, want [32 0]", got)
+	}
+	// A mapping b replaces goes from the shared map: the hash of block 16 now stands for another
+	// block, and removing it leaves block 16 held.
+	applyAll(t, m, "b", testModel, events.Event{Kind: events.KindBlockStored, BlockHashes: []uint64{1016},
+		TokenIDs: other[:16], BlockSize: 16})
+	applyAll(t, m, "b", testModel, events.Event{Kind: events.KindBlockRemoved, BlockHashes: []uint64{1016}})
+	if v, ok := m.shardOf(mix(keys[16])).read(mix(keys[16])); !ok || v.confirmed()&(1<<bs.id) == 0 {
+		t.Fatalf("block 16 no longer held by b after the removal of a hash that stands for another block")
+	}
+	if s, _ := m.Stats(context.Background()); s.Dropped[DropUnknownBlock.String()] != 0 || s.Dropped[DropUnknownParent.String()] != 0 {
+		t.Fatalf("dropped %v", s.Dropped)
 	}
 	checkConsistency(t, m)
 }
