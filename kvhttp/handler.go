@@ -195,8 +195,9 @@ type Handler struct {
 	// before its Lease's Done.
 	Attempt func(r *http.Request, t *Target) (end func(Result), err error)
 
-	once sync.Once
-	rp   *httputil.ReverseProxy
+	once    sync.Once
+	rp      *httputil.ReverseProxy
+	watches sync.Pool // *idleWatch whose timer is stopped (watchIdle)
 }
 
 func (h *Handler) maxBodyBytes() int64 {

@@ -140,16 +140,21 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, req *Request)
 	if r.Body == nil { // a client's request, not a server's
 		r.Body = http.NoBody
 	}
-	rc := http.NewResponseController(w)
 	var deadline time.Time
 	if t := h.readTimeout(); t > 0 {
 		deadline = time.Now().Add(t)
-		_ = rc.SetReadDeadline(deadline)
+		_ = http.NewResponseController(w).SetReadDeadline(deadline)
 	}
 	hb := h.heldBody(r, req, limit)
-	watch := h.watchIdle(rc, deadline)
-	body, err := hb.read(r.Context(), http.MaxBytesReader(w, r.Body, limit), watch)
-	if watch.stop(err == nil) && errors.Is(err, os.ErrDeadlineExceeded) {
+	// A body that announces its length is read up to that length and no further (heldBody.read),
+	// which the check above keeps within the limit: only one of unknown length needs cutting.
+	body := r.Body
+	if r.ContentLength < 0 {
+		body = http.MaxBytesReader(w, r.Body, limit)
+	}
+	watch := h.watchIdle(w, deadline)
+	buf, err := hb.read(r.Context(), body, watch)
+	if h.stopWatch(watch, err == nil) && errors.Is(err, os.ErrDeadlineExceeded) {
 		err = errBodyIdle
 	}
 	if err != nil {
@@ -159,7 +164,7 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, req *Request)
 		}
 		return err
 	}
-	req.Body = body
+	req.Body = buf
 	n := req.held
 	// The parsed Request is held beside the body: its escaped text decoded, a Message or Part
 	// per JSON object. Hold that too before parsing a large body.
@@ -221,8 +226,8 @@ type heldBody struct {
 
 // heldBody returns the heldBody of r, of at most limit bytes, for req, whose bytes it counts to
 // the client of r.
-func (h *Handler) heldBody(r *http.Request, req *Request, limit int64) *heldBody {
-	hb := &heldBody{req: req, size: r.ContentLength, total: r.ContentLength}
+func (h *Handler) heldBody(r *http.Request, req *Request, limit int64) heldBody {
+	hb := heldBody{req: req, size: r.ContentLength, total: r.ContentLength}
 	if hb.total < 0 { // no Content-Length (HTTP/2, chunked): as large as allowed
 		hb.total = limit
 	}
@@ -322,11 +327,12 @@ func (hb *heldBody) hold(ctx context.Context, size int64, watch *idleWatch) erro
 }
 
 // idleWatch cuts a body that makes no progress for idle: it sets the connection's read deadline
-// in the past, which fails the pending Read. Its methods do nothing on a nil idleWatch.
+// in the past, which fails the pending Read. Its methods do nothing on a nil idleWatch. A Handler
+// keeps the idleWatches whose timer was stopped before it fired, to watch other bodies with.
 type idleWatch struct {
 	idle    time.Duration
-	rc      *http.ResponseController
-	restore time.Time // the read deadline to set again when the cut came after the body's end
+	w       http.ResponseWriter // whose connection's read deadline is set (http.ResponseController)
+	restore time.Time           // the read deadline to set again when the cut came after the body's end
 	timer   *time.Timer
 
 	mu                   sync.Mutex
@@ -334,18 +340,41 @@ type idleWatch struct {
 	paused, stopped, cut bool
 }
 
-// watchIdle starts the idleWatch of a body read through rc whose read deadline is deadline; nil
-// when h.BodyIdleTimeout is negative.
-func (h *Handler) watchIdle(rc *http.ResponseController, deadline time.Time) *idleWatch {
+// watchIdle starts the idleWatch of a body read through w, whose read deadline is deadline;
+// nil when h.BodyIdleTimeout is negative. Give it back with stopWatch.
+func (h *Handler) watchIdle(w http.ResponseWriter, deadline time.Time) *idleWatch {
 	d := h.bodyIdleTimeout()
 	if d <= 0 {
 		return nil
 	}
-	wt := &idleWatch{idle: d, rc: rc, restore: deadline, last: time.Now()}
+	wt, _ := h.watches.Get().(*idleWatch)
+	if wt == nil {
+		wt = &idleWatch{}
+	}
 	wt.mu.Lock()
 	defer wt.mu.Unlock()
-	wt.timer = time.AfterFunc(d, wt.check)
+	wt.idle, wt.w, wt.restore, wt.last = d, w, deadline, time.Now()
+	wt.paused, wt.stopped, wt.cut = false, false, false
+	if wt.timer == nil {
+		wt.timer = time.AfterFunc(d, wt.check)
+	} else {
+		wt.timer.Reset(d)
+	}
 	return wt
+}
+
+// stopWatch stops wt and reports whether it cut the body (idleWatch.stop). A watch whose timer
+// never fired goes back to h for another body; one whose timer fired may still be running it,
+// and is left to the garbage collector.
+func (h *Handler) stopWatch(wt *idleWatch, ok bool) bool {
+	if wt == nil {
+		return false
+	}
+	cut, reuse := wt.stop(ok)
+	if reuse {
+		h.watches.Put(wt)
+	}
+	return cut
 }
 
 // check, on the timer, cuts the body when it made no progress for idle, or sets the timer again.
@@ -360,7 +389,7 @@ func (wt *idleWatch) check() {
 		return
 	}
 	wt.cut = true
-	_ = wt.rc.SetReadDeadline(time.Unix(1, 0))
+	_ = http.NewResponseController(wt.w).SetReadDeadline(time.Unix(1, 0))
 }
 
 func (wt *idleWatch) progress() {
@@ -389,18 +418,18 @@ func (wt *idleWatch) resume() {
 	}
 }
 
-// stop stops the watch and reports whether it cut the body. When the body was read whole (ok)
+// stop stops the watch and reports whether it cut the body, and whether its timer was stopped
+// before it fired (the watch may then serve another body). When the body was read whole (ok)
 // after all, the read deadline is set back.
-func (wt *idleWatch) stop(ok bool) bool {
-	if wt == nil {
-		return false
-	}
+func (wt *idleWatch) stop(ok bool) (cut, reuse bool) {
 	wt.mu.Lock()
 	defer wt.mu.Unlock()
 	wt.stopped = true
-	wt.timer.Stop()
+	reuse = wt.timer.Stop()
 	if wt.cut && ok {
-		_ = wt.rc.SetReadDeadline(wt.restore)
+		_ = http.NewResponseController(wt.w).SetReadDeadline(wt.restore)
 	}
-	return wt.cut
+	cut = wt.cut
+	wt.w = nil // the ResponseWriter is not kept past its request
+	return cut, reuse && !cut
 }

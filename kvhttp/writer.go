@@ -62,9 +62,10 @@ func (w *writer) Write(p []byte) (int, error) {
 	return n, err
 }
 
-// note reads p, the next bytes of a 2xx answer.
+// note reads p, the next bytes of a 2xx answer: its cached tokens and, for a stream, its
+// terminal event.
 func (w *writer) note(p []byte) {
-	w.scan.Write(p)
+	w.scan.write(p, w.a.stream)
 	if w.a.stream && w.scan.Terminal() {
 		w.ended.Store(true)
 	}
@@ -87,9 +88,16 @@ type AnswerScanner struct {
 
 // Write reads p, the answer's next bytes. It never fails.
 func (s *AnswerScanner) Write(p []byte) (int, error) {
+	s.write(p, true)
+	return len(p), nil
+}
+
+// write reads p, looking for the terminal event only with events: a plain answer has none, and
+// its bytes are then searched once, for the cached tokens.
+func (s *AnswerScanner) write(p []byte, events bool) {
 	var buf [2 * tailLen]byte
 	seam := append(append(buf[:0], s.tail[:s.ntail]...), p[:min(len(p), tailLen)]...)
-	if !s.terminal && (terminal(p) || terminal(seam)) {
+	if events && !s.terminal && (terminal(p) || terminal(seam)) {
 		s.terminal = true
 	}
 	if c := lastCachedTokens(seam); c >= 0 {
@@ -100,12 +108,11 @@ func (s *AnswerScanner) Write(p []byte) (int, error) {
 	}
 	if len(p) >= tailLen {
 		s.ntail = copy(s.tail[:], p[len(p)-tailLen:])
-		return len(p), nil
+		return
 	}
 	keep := min(s.ntail, tailLen-len(p))
 	copy(s.tail[:], s.tail[s.ntail-keep:s.ntail])
 	s.ntail = keep + copy(s.tail[keep:], p)
-	return len(p), nil
 }
 
 // CachedTokens returns the last cached-token count read, or -1 when none was.

@@ -82,7 +82,7 @@ func (c *Cache) serveCoalesced(w http.ResponseWriter, r *http.Request, next http
 				c.mu.Unlock()
 				rechecked = true
 				if e := c.lookup(r.Context(), skey); e != nil {
-					c.counters.result(dispHit, c.metrics)
+					c.counters.result(dispHit)
 					c.replay(w, e)
 					return
 				}
@@ -91,25 +91,25 @@ func (c *Cache) serveCoalesced(w http.ResponseWriter, r *http.Request, next http
 			f = &flight{c: c, key: key}
 			c.flights[key] = f
 			c.mu.Unlock()
-			c.counters.result(dispMiss, c.metrics)
+			c.counters.result(dispMiss)
 			c.lead(w, r, next, skey, f)
 			return
 		}
 		joined := f.join()
 		c.mu.Unlock()
 		if !joined {
-			c.counters.result(dispMiss, c.metrics)
+			c.counters.result(dispMiss)
 			c.fill(w, r, next, skey, nil)
 			return
 		}
 		switch f.follow(w, r) {
 		case followServed:
-			c.counters.result(dispHit, c.metrics)
-			c.counters.coalesce(c.metrics)
+			c.counters.result(dispHit)
+			c.counters.coalesce()
 		case followLeft:
-			c.counters.result(dispMiss, c.metrics)
+			c.counters.result(dispMiss)
 		case followFallback:
-			c.counters.result(dispMiss, c.metrics)
+			c.counters.result(dispMiss)
 			c.fill(w, r, next, skey, nil)
 		}
 		return
@@ -378,7 +378,7 @@ func (f *flight) followLive(ctx context.Context, w http.ResponseWriter) followRe
 	h := w.Header()
 	(&storedResponse{header: hdr}).setHeaders(h)
 	h.Del("Content-Length")
-	h.Set(HeaderXCache, XCacheHit)
+	setXCache(h, XCacheHit)
 	w.WriteHeader(status)
 	flush := flusherOf(w)
 	flush() // the client sees the headers now, as the leader's did

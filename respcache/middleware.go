@@ -181,7 +181,7 @@ type Cache struct {
 	mu      sync.Mutex
 	flights map[Key]*flight
 
-	counters cacheCounters
+	counters *cacheCounters // apart from the Cache: the metric callback keeps them (cacheMetrics)
 	metrics  *cacheMetrics
 	tracer   trace.Tracer // nil when tracing is off (Config.TracerProvider)
 }
@@ -254,6 +254,7 @@ func New(cfg Config) (*Cache, error) {
 		defaultParse: defaultParse,
 		keepHeaders:  keep,
 		flights:      make(map[Key]*flight),
+		counters:     &cacheCounters{},
 		tracer:       newTracer(cfg.TracerProvider),
 	}
 	c.ttl.Store(int64(cfg.TTL))
@@ -374,7 +375,7 @@ func (m *cacheHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	skey := key.String()
 	settled := c.settled.Load()
 	if e := c.lookup(r.Context(), skey); e != nil {
-		c.counters.result(dispHit, c.metrics)
+		c.counters.result(dispHit)
 		c.replay(w, e)
 		return
 	}
@@ -383,14 +384,14 @@ func (m *cacheHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		c.serveCoalesced(w, r, m.next, key, skey, settled)
 		return
 	}
-	c.counters.result(dispMiss, c.metrics)
+	c.counters.result(dispMiss)
 	c.fill(w, r, m.next, skey, nil)
 }
 
 // bypass forwards r to next with X-Cache: BYPASS and stores nothing.
 func (c *Cache) bypass(w http.ResponseWriter, r *http.Request, next http.Handler) {
-	c.counters.result(dispSkip, c.metrics)
-	w.Header().Set(HeaderXCache, XCacheBypass)
+	c.counters.result(dispSkip)
+	setXCache(w.Header(), XCacheBypass)
 	rw := &recorder{w: w, xcache: XCacheBypass}
 	next.ServeHTTP(rw, r)
 }
@@ -460,7 +461,7 @@ func (c *Cache) get(ctx context.Context, key string) *storedResponse {
 	v, ok, err := c.store.Get(ctx, key)
 	if err != nil {
 		if ctx.Err() == nil { // the client leaving is not the store's failure
-			c.counters.storeError(seGet, c.metrics)
+			c.counters.storeError(seGet)
 		}
 		c.traceError(ctx, err)
 		return nil
@@ -470,11 +471,26 @@ func (c *Cache) get(ctx context.Context, key string) *storedResponse {
 	}
 	e, err := decodeEntry(v)
 	if err != nil {
-		c.counters.storeError(seCorrupt, c.metrics)
+		c.counters.storeError(seCorrupt)
 		c.traceError(ctx, err)
 		return nil
 	}
 	return e
+}
+
+// xcacheValues are the values of X-Cache, shared (read-only; capped so that an append copies):
+// setting the header allocates nothing.
+var xcacheValues = [...][]string{{XCacheHit}, {XCacheMiss}, {XCacheBypass}}
+
+// setXCache sets X-Cache to v in h, as h.Set would.
+func setXCache(h http.Header, v string) {
+	for _, vs := range xcacheValues {
+		if vs[0] == v {
+			h[HeaderXCache] = vs[:1:1]
+			return
+		}
+	}
+	h.Set(HeaderXCache, v)
 }
 
 // noCache is the Cache-Control of a replayed stream, shared (read-only; capped so that an append
@@ -485,7 +501,7 @@ var noCache = []string{"no-cache"}
 func (c *Cache) replay(w http.ResponseWriter, e *storedResponse) {
 	h := w.Header()
 	e.setHeaders(h)
-	h.Set(HeaderXCache, XCacheHit)
+	setXCache(h, XCacheHit)
 	if e.stream {
 		h.Del("Content-Length")
 		if _, ok := h["Cache-Control"]; !ok {
@@ -505,7 +521,7 @@ func (c *Cache) replay(w http.ResponseWriter, e *storedResponse) {
 // grows and the outcome.
 func (c *Cache) fill(w http.ResponseWriter, r *http.Request, next http.Handler, key string, fl *flight) {
 	gen := c.gen.Load()
-	w.Header().Set(HeaderXCache, XCacheMiss)
+	setXCache(w.Header(), XCacheMiss)
 	rec := &recorder{w: w, xcache: XCacheMiss, c: c, fl: fl, capture: true, ctx: r.Context()}
 	completed := false
 	defer func() {
@@ -553,13 +569,13 @@ func (c *Cache) keep(w http.ResponseWriter, r *http.Request, key string, value [
 	}
 	ctx := context.WithoutCancel(r.Context())
 	if err := c.store.Set(ctx, key, value, c.TTL()); err != nil {
-		c.counters.storeError(seSet, c.metrics)
+		c.counters.storeError(seSet)
 		return
 	}
 	if c.gen.Load() != gen {
 		// Invalidate ran during the Set: it may have cleared before the value landed.
 		if err := c.store.Delete(ctx, key); err != nil {
-			c.counters.storeError(seDelete, c.metrics)
+			c.counters.storeError(seDelete)
 		}
 		return
 	}
@@ -585,7 +601,8 @@ type recorder struct {
 	limit       int   // body bytes that may be recorded
 	declared    int64 // Content-Length, or -1
 	buf         []byte
-	bodyAt      int // envelope prefix length: the body starts at buf[bodyAt]
+	bodyAt      int      // envelope prefix length: the body starts at buf[bodyAt]
+	hdr         []string // the stored headers, name/value pairs, as the envelope holds them
 	sse         sseScanner
 	clientGone  bool // the client's connection failed while waiters depended on the flight
 	// sealed: the client's connection failed, or the handler's context ended, after the stream's
@@ -613,7 +630,7 @@ func (rw *recorder) WriteHeader(code int) {
 	rw.wroteHeader = true
 	rw.status = code
 	h := rw.w.Header()
-	h.Set(HeaderXCache, rw.xcache)
+	setXCache(h, rw.xcache)
 	if rw.capture {
 		rw.startRecording(code, h)
 	}
@@ -645,6 +662,7 @@ func (rw *recorder) startRecording(code int, h http.Header) {
 		return
 	}
 	hdr := selectHeaders(h, c.keepHeaders)
+	rw.hdr = hdr[:2*min(len(hdr)/2, maxEntryHdrs)] // those the envelope keeps
 	size := rw.declared
 	if size < 0 {
 		size = 1024
@@ -792,11 +810,8 @@ func (rw *recorder) result() ([]byte, *storedResponse) {
 		return nil, nil
 	}
 	v := finishEntry(rw.buf, rw.bodyAt)
-	e, err := decodeEntry(v)
-	if err != nil {
-		return nil, nil // cannot happen: we just encoded it
-	}
-	return v, e
+	// What decodeEntry would make of v, without reading it again.
+	return v, &storedResponse{status: rw.status, stream: rw.stream, header: rw.hdr, body: v[rw.bodyAt : len(v)-crcSize]}
 }
 
 // isEventStream reports whether a Content-Type is text/event-stream.

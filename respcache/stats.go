@@ -47,38 +47,26 @@ const (
 
 var seNames = [numSE]string{"get", "set", "delete", "clear", "corrupt"}
 
-// cacheCounters are the Cache's own counts, read by Stats and the metric callback.
+// cacheCounters are the Cache's own counts, read by Stats and by the metric callbacks: counting
+// a request is an atomic add, and the SDK reads the counts when it collects.
 type cacheCounters struct {
 	results   [numDisps]atomic.Uint64
 	coalesced atomic.Uint64
 	storeErrs [numSE]atomic.Uint64
 }
 
-func (c *cacheCounters) result(which int, m *cacheMetrics) {
-	c.results[which].Add(1)
-	m.requests.Add(context.Background(), 1, m.byResult[which]...)
-}
+func (c *cacheCounters) result(which int) { c.results[which].Add(1) }
 
-func (c *cacheCounters) coalesce(m *cacheMetrics) {
-	c.coalesced.Add(1)
-	m.coalesced.Add(context.Background(), 1)
-}
+func (c *cacheCounters) coalesce() { c.coalesced.Add(1) }
 
-func (c *cacheCounters) storeError(op int, m *cacheMetrics) {
-	c.storeErrs[op].Add(1)
-	m.storeErrors.Add(context.Background(), 1, m.byOp[op]...)
-}
+func (c *cacheCounters) storeError(op int) { c.storeErrs[op].Add(1) }
 
-// cacheMetrics holds the instruments; the attribute options are built once, so that counting a
-// request allocates nothing.
+// cacheMetrics holds the registrations of the Cache's observable instruments. The counters'
+// callback reads only the counters and is never unregistered: they are reported for as long as
+// the MeterProvider runs, Close or not, as counters that count as they go would be.
 type cacheMetrics struct {
-	requests    metric.Int64Counter
-	coalesced   metric.Int64Counter
-	storeErrors metric.Int64Counter
-	byResult    [numDisps][]metric.AddOption
-	byOp        [numSE][]metric.AddOption
-	reg         metric.Registration
-	closeOnce   sync.Once
+	reg       metric.Registration
+	closeOnce sync.Once
 }
 
 func newCacheMetrics(mp metric.MeterProvider, c *Cache) (*cacheMetrics, error) {
@@ -89,23 +77,48 @@ func newCacheMetrics(mp metric.MeterProvider, c *Cache) (*cacheMetrics, error) {
 	m := &cacheMetrics{}
 	var err error
 	wrap := func(name string, err error) error { return fmt.Errorf("respcache: metric %s: %w", name, err) }
-	if m.requests, err = meter.Int64Counter(telemetry.MetricResponseCacheRequests, metric.WithUnit("{request}"),
-		metric.WithDescription("Response cache lookups by result (hit, miss, skip).")); err != nil {
+	requests, err := meter.Int64ObservableCounter(telemetry.MetricResponseCacheRequests, metric.WithUnit("{request}"),
+		metric.WithDescription("Response cache lookups by result (hit, miss, skip)."))
+	if err != nil {
 		return nil, wrap(telemetry.MetricResponseCacheRequests, err)
 	}
-	if m.coalesced, err = meter.Int64Counter(telemetry.MetricResponseCacheCoalesced, metric.WithUnit("{request}"),
-		metric.WithDescription("Requests served by a concurrent identical request's call.")); err != nil {
+	coalesced, err := meter.Int64ObservableCounter(telemetry.MetricResponseCacheCoalesced, metric.WithUnit("{request}"),
+		metric.WithDescription("Requests served by a concurrent identical request's call."))
+	if err != nil {
 		return nil, wrap(telemetry.MetricResponseCacheCoalesced, err)
 	}
-	if m.storeErrors, err = meter.Int64Counter(telemetry.MetricResponseCacheStoreErrors, metric.WithUnit("{error}"),
-		metric.WithDescription("Failed store operations and corrupt entries, by operation.")); err != nil {
+	storeErrors, err := meter.Int64ObservableCounter(telemetry.MetricResponseCacheStoreErrors, metric.WithUnit("{error}"),
+		metric.WithDescription("Failed store operations and corrupt entries, by operation."))
+	if err != nil {
 		return nil, wrap(telemetry.MetricResponseCacheStoreErrors, err)
 	}
+	var byResult [numDisps]metric.ObserveOption
 	for i, n := range dispNames {
-		m.byResult[i] = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("result", n)))}
+		byResult[i] = metric.WithAttributeSet(attribute.NewSet(attribute.String("result", n)))
 	}
+	var byOp [numSE]metric.ObserveOption
 	for i, n := range seNames {
-		m.byOp[i] = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(attribute.String("op", n)))}
+		byOp[i] = metric.WithAttributeSet(attribute.NewSet(attribute.String("op", n)))
+	}
+	// A count is observed once it is not zero: a series appears with its first event.
+	cnt := c.counters
+	if _, err := meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		for i := range cnt.results {
+			if n := cnt.results[i].Load(); n > 0 {
+				o.ObserveInt64(requests, int64(n), byResult[i])
+			}
+		}
+		if n := cnt.coalesced.Load(); n > 0 {
+			o.ObserveInt64(coalesced, int64(n))
+		}
+		for i := range cnt.storeErrs {
+			if n := cnt.storeErrs[i].Load(); n > 0 {
+				o.ObserveInt64(storeErrors, int64(n), byOp[i])
+			}
+		}
+		return nil
+	}, requests, coalesced, storeErrors); err != nil {
+		return nil, fmt.Errorf("respcache: metric callback: %w", err)
 	}
 	entries, err := meter.Int64ObservableGauge(telemetry.MetricResponseCacheEntries, metric.WithUnit("{entry}"),
 		metric.WithDescription("Current number of cached responses."))
@@ -144,8 +157,9 @@ func newCacheMetrics(mp metric.MeterProvider, c *Cache) (*cacheMetrics, error) {
 	return m, nil
 }
 
-// Close unregisters the Cache's metric callback. The Cache keeps serving; only the observable
-// metrics (entries, size, evictions, hit rate) stop being reported. It is idempotent, safe for
+// Close unregisters the Cache's metric callback. The Cache keeps serving; only the store's
+// metrics and the hit rate (entries, size, evictions, hit rate) stop being reported, the counts
+// of requests, coalesced requests and store errors go on. It is idempotent, safe for
 // concurrent use, and returns the unregistration's error, if any. It does not close the Store.
 func (c *Cache) Close() error {
 	var err error
@@ -316,7 +330,7 @@ func (c *Cache) Invalidate(ctx context.Context, req InvalidateRequest) (Invalida
 	case req.ClearAll:
 		n, err := c.store.Clear(ctx)
 		if err != nil {
-			c.counters.storeError(seClear, c.metrics)
+			c.counters.storeError(seClear)
 			return InvalidateResult{Action: ActionClearAll}, fmt.Errorf("respcache: clear: %w", err)
 		}
 		return InvalidateResult{Success: true, Action: ActionClearAll, ClearedEntries: n}, nil
@@ -329,7 +343,7 @@ func (c *Cache) Invalidate(ctx context.Context, req InvalidateRequest) (Invalida
 		}
 		_, present, _ := c.store.Get(ctx, req.Key)
 		if err := c.store.Delete(ctx, req.Key); err != nil {
-			c.counters.storeError(seDelete, c.metrics)
+			c.counters.storeError(seDelete)
 			return InvalidateResult{Action: ActionDeleteKey}, fmt.Errorf("respcache: delete: %w", err)
 		}
 		res := InvalidateResult{Success: true, Action: ActionDeleteKey}

@@ -152,7 +152,7 @@ func (s *server) routeDisagg(w http.ResponseWriter, r *http.Request, req *kvhttp
 			if d.Plan.Path == disagg.PathUnified { // no pools to fall back from: another unified backend
 				path = disagg.PathUnified
 			}
-			return admitted(s.target(req, d2, &disagg.Plan{Path: path}), tk), nil
+			return admitted(req, d2, &disagg.Plan{Path: path}, tk), nil
 		}
 	}
 	return t, nil

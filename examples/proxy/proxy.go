@@ -66,11 +66,14 @@ func (s *server) llmHandler(endpoint string) http.Handler {
 	}
 	m := s.tel.forEndpoint(endpoint)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		// The duration's exemplars come from the request's span; without tracing there is none,
+		// and the SDK need not look for one through the request's contexts.
+		mctx := context.Background()
 		if s.tracer != nil { // the request's span, continuing the client's W3C trace context
 			ctx := propagation.TraceContext{}.Extract(r.Context(), propagation.HeaderCarrier(r.Header))
 			ctx, span := s.tracer.Start(ctx, "kvroute.proxy "+endpoint, trace.WithSpanKind(trace.SpanKindServer))
 			defer span.End()
-			r = r.WithContext(ctx)
+			r, mctx = r.WithContext(ctx), ctx
 		}
 		start := time.Now()
 		sw := &statusWriter{ResponseWriter: w}
@@ -79,7 +82,7 @@ func (s *server) llmHandler(endpoint string) http.Handler {
 			if code == 0 {
 				code = http.StatusOK
 			}
-			m.record(r.Context(), code, time.Since(start))
+			m.record(mctx, code, time.Since(start))
 		}()
 		req, err := s.llm.ReadRequest(sw, r)
 		if err != nil {
@@ -115,7 +118,7 @@ func (s *server) route(w http.ResponseWriter, r *http.Request, req *kvhttp.Reque
 	}
 	// A failed attempt is retried only when another backend could take it: with one backend in
 	// rotation its own answer (a 503, say) is more useful to the client than ours.
-	return s.retryElsewhere(req, admitted(s.target(req, d, nil), tk), s.health.HealthyCount() > 1, nil), nil
+	return s.retryElsewhere(req, admitted(req, d, nil, tk), s.health.HealthyCount() > 1, nil), nil
 }
 
 // routeAdmitted routes with route and asks the chosen backend's circuit breaker to admit the
@@ -139,19 +142,22 @@ func (s *server) routeAdmitted(ctx context.Context, route func(context.Context) 
 	return nil, health.Ticket{}, fmt.Errorf("%w: every circuit breaker refused the request", kvroute.ErrNoBackend)
 }
 
-// admitted gives t the circuit-breaker ticket its routing took (routeAdmitted): attempt uses it
-// rather than asking the breaker again. The ticket rides on t's Lease, which cancels it should t
-// never be attempted.
-func admitted(t *kvhttp.Target, tk health.Ticket) *kvhttp.Target {
-	t.Lease = &ticketLease{Lease: t.Lease, tk: tk, held: true}
+// admitted returns the Target of d for req (target) with the circuit-breaker ticket its routing
+// took (routeAdmitted): attempt uses it rather than asking the breaker again. The ticket rides
+// on the Target's Lease, which cancels it should the Target never be attempted.
+func admitted(req *kvhttp.Request, d *kvroute.Decision, plan *disagg.Plan, tk health.Ticket) *kvhttp.Target {
+	t := planTarget(d, plan)
+	t.Lease = &ticketLease{Lease: d, tk: tk, held: true, quiet: !req.Parsed.Params.Stream}
 	return t
 }
 
-// ticketLease is a Target's Lease carrying its breaker ticket until attempt takes it.
+// ticketLease is a Target's Lease carrying its breaker ticket until attempt takes it; with quiet
+// it does not hear FirstToken, as lease's noFirstToken.
 type ticketLease struct {
 	kvhttp.Lease
-	tk   health.Ticket
-	held bool // tk not yet taken
+	tk    health.Ticket
+	held  bool // tk not yet taken
+	quiet bool
 }
 
 // take returns the ticket, once.
@@ -159,6 +165,13 @@ func (l *ticketLease) take() (health.Ticket, bool) {
 	tk, ok := l.tk, l.held
 	l.tk, l.held = health.Ticket{}, false
 	return tk, ok
+}
+
+// FirstToken implements kvhttp.Lease.
+func (l *ticketLease) FirstToken() {
+	if !l.quiet {
+		l.Lease.FirstToken()
+	}
 }
 
 // Done implements kvhttp.Lease: a ticket attempt never took is cancelled.
@@ -169,10 +182,17 @@ func (l *ticketLease) Done(o kvroute.Outcome) {
 	l.Lease.Done(o)
 }
 
-// target is the Target of d for req; plan, when set, adds the routing-path headers.
+// target is the Target of d for req, whose Lease is lease(req, d); plan, when set, adds the
+// routing-path headers.
 func (s *server) target(req *kvhttp.Request, d *kvroute.Decision, plan *disagg.Plan) *kvhttp.Target {
-	t := kvhttp.NewTarget(d)
+	t := planTarget(d, plan)
 	t.Lease = lease(req, d)
+	return t
+}
+
+// planTarget is kvhttp.NewTarget(d) with, when plan is set, the routing-path headers.
+func planTarget(d *kvroute.Decision, plan *disagg.Plan) *kvhttp.Target {
+	t := kvhttp.NewTarget(d)
 	if plan != nil {
 		plan.Decode = d.Backend
 		t.Header = planHeader(t.Header, plan)
@@ -193,7 +213,7 @@ func (s *server) retryElsewhere(req *kvhttp.Request, t *kvhttp.Target, ok bool, 
 			if err != nil {
 				return nil, err
 			}
-			return s.retryElsewhere(req, admitted(s.target(req, d, nil), tk), true, append(failed[:len(failed):len(failed)], t.Backend)), nil
+			return s.retryElsewhere(req, admitted(req, d, nil, tk), true, append(failed[:len(failed):len(failed)], t.Backend)), nil
 		}
 	}
 	return t
