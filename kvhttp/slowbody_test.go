@@ -303,3 +303,58 @@ func TestBodyIdleTimeout(t *testing.T) {
 	assert.Contains(t, string(b), "stalled")
 	assert.EqualValues(t, 1, got.Load())
 }
+
+// A Handler reuses the idle watch of a body read in time for the next body: after many bodies
+// read whole, a body that stops is still cut by the idle timeout, and one that trickles is not.
+func TestBodyIdleTimeoutAfterReuse(t *testing.T) {
+	checkNoLeak(t)
+	backend := upstream(t, func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		_, _ = io.WriteString(w, `{}`)
+	})
+	router, err := kvroute.New(kvroute.Config{Backends: []kvroute.Backend{{Name: "a"}}})
+	require.NoError(t, err)
+	defer router.Close()
+	gw := gateway(t, &kvhttp.Handler{Router: router, Backends: map[string]*url.URL{"a": backend},
+		BodyIdleTimeout: 300 * time.Millisecond, ReadTimeout: time.Minute})
+	addr := strings.TrimPrefix(gw, "http://")
+	body := `{"model":"m","messages":[{"role":"user","content":"hi"}]}`
+
+	client := &http.Client{}
+	for range 50 {
+		res, err := client.Post(gw+"/v1/chat/completions", "application/json", strings.NewReader(body))
+		require.NoError(t, err)
+		_, _ = io.Copy(io.Discard, res.Body)
+		res.Body.Close()
+		require.Equal(t, http.StatusOK, res.StatusCode)
+	}
+	client.CloseIdleConnections()
+
+	for _, stall := range []bool{true, false, true} {
+		c, err := net.Dial("tcp", addr)
+		require.NoError(t, err)
+		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+		fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n", len(body))
+		if stall {
+			_, _ = io.WriteString(c, body[:10])
+		} else {
+			for i := range len(body) { // a byte every 100 ms now and then: never idle for 300 ms
+				_, _ = io.WriteString(c, body[i:i+1])
+				if i%16 == 0 {
+					time.Sleep(100 * time.Millisecond)
+				}
+			}
+		}
+		res, err := http.ReadResponse(bufio.NewReader(c), nil)
+		require.NoError(t, err)
+		b, _ := io.ReadAll(res.Body)
+		res.Body.Close()
+		c.Close()
+		if stall {
+			assert.Equal(t, http.StatusRequestTimeout, res.StatusCode, "%s", b)
+			assert.Contains(t, string(b), "stalled")
+		} else {
+			assert.Equal(t, http.StatusOK, res.StatusCode, "%s", b)
+		}
+	}
+}

@@ -192,11 +192,18 @@ func TestMetrics(t *testing.T) {
 	if err := reader.Collect(context.Background(), &rm); err != nil {
 		t.Fatal(err)
 	}
+	requests := false
 	for _, sm := range rm.ScopeMetrics {
 		for _, m := range sm.Metrics {
-			if m.Name == telemetry.MetricResponseCacheEntries {
+			switch m.Name {
+			case telemetry.MetricResponseCacheEntries:
 				t.Fatal("entries still observed after Close")
+			case telemetry.MetricResponseCacheRequests:
+				requests = true
 			}
 		}
+	}
+	if !requests { // the Cache still serves: its counts go on
+		t.Error("requests no longer reported after Close")
 	}
 }
