@@ -26,6 +26,7 @@ import (
 
 	"github.com/kvroute/kvroute"
 	"github.com/kvroute/kvroute/apierror"
+	"github.com/kvroute/kvroute/internal/testenv"
 	"github.com/kvroute/kvroute/kvhttp"
 	"github.com/kvroute/kvroute/prefixkey"
 )
@@ -128,11 +129,7 @@ func upstream(t *testing.T, h http.HandlerFunc) *url.URL {
 // deadURL returns the URL of a port nobody listens on.
 func deadURL(t *testing.T) *url.URL {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	u, _ := url.Parse("http://" + ln.Addr().String())
-	ln.Close()
-	return u
+	return &url.URL{Scheme: "http", Host: testenv.RefusedAddr(t)}
 }
 
 // gateway serves h and returns its URL; its transport's idle connections close with the test.
@@ -734,13 +731,7 @@ func TestRetriesAvoidEveryFailedBackend(t *testing.T) {
 		_, _ = io.WriteString(w, `{"choices":[]}`)
 	}))
 	defer live.Close()
-	dead := func() *url.URL {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		require.NoError(t, err)
-		addr := l.Addr().String()
-		require.NoError(t, l.Close()) // nothing listens: connection refused
-		return &url.URL{Scheme: "http", Host: addr}
-	}
+	dead := func() *url.URL { return deadURL(t) }
 	liveURL, err := url.Parse(live.URL)
 	require.NoError(t, err)
 	h := &kvhttp.Handler{

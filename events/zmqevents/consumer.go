@@ -1244,19 +1244,23 @@ func (c *Consumer) handle(ctx context.Context, be *backendQueue, it *item) {
 		// been done, the chain catches up again, so that the sink relearns what the engine still
 		// holds in its replay buffer instead of waiting for the blocks to be stored again. While
 		// the sink cannot even be cleared (it is down) nothing is replayed. A catch-up that the
-		// sink stopped is tried again.
+		// sink stopped is tried again. When the clear fails the batch is dropped with it: were
+		// it applied, its own Apply would retry the clear, and a sink that came back in between
+		// would be cleared without the catch-up (a Redis index just out of its backoff, say).
 		var empty events.Batch
-		if be.w.Apply(ctx, src, &empty) {
-			ok, applied, caught := c.catchUp(ctx, be, src, it.pub, it.b.Model, key.rank, seq)
-			if !ok {
-				return
-			}
-			ch.caught = caught
-			if applied > 0 && caught != catchUpFailed && seq > ch.last {
-				ch.last = seq - 1
-			}
-			ch.clears = be.w.Clears()
+		if !be.w.Apply(ctx, src, &empty) {
+			src.Dropped.Add(uint64(len(it.b.Events)))
+			return
 		}
+		ok, applied, caught := c.catchUp(ctx, be, src, it.pub, it.b.Model, key.rank, seq)
+		if !ok {
+			return
+		}
+		ch.caught = caught
+		if applied > 0 && caught != catchUpFailed && seq > ch.last {
+			ch.last = seq - 1
+		}
+		ch.clears = be.w.Clears()
 	}
 	switch {
 	case ch == nil: // first batch of this publisher: catch up on what came before, then the baseline
@@ -1419,12 +1423,15 @@ func (c *Consumer) repairLost(ctx context.Context, be *backendQueue, k lostKey, 
 	if ch == nil || l.seq <= ch.last {
 		return
 	}
+	owed := be.w.ResetPending() // a clear for another cause, which the chain must catch up after
 	if !c.fillGap(ctx, be, l.src, l.pub, replayRange{model: l.model, rank: rank, from: ch.last + 1, until: l.seq + 1}) {
 		return
 	}
 	ch.last = l.seq
 	be.w.Apply(ctx, l.src, &empty) // a reset fillGap requested happens now
-	ch.clears = be.w.Clears()
+	if !owed {
+		ch.clears = be.w.Clears()
+	}
 }
 
 // replayRange is a request to a publisher's replay endpoint: the batches [from, until) of the

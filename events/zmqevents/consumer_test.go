@@ -877,6 +877,27 @@ func TestZMQCatchUpIntoFailingSink(t *testing.T) {
 		"batch 3 after the clear its stopped catch-up left to do, then a whole catch-up before batch 4")
 }
 
+// TestZMQClearFailedDropsTheBatch: a sink that fails the clear owed after its outage and takes the
+// very next call (a store leaving its backoff) must not be cleared by that batch's own Apply
+// without the catch-up: the batch is dropped with the failed clear, and the next one clears and
+// catches up.
+func TestZMQClearFailedDropsTheBatch(t *testing.T) {
+	pub, sink, c := startWithTwoBatches(t)
+	sink.SetFail(eventstest.ErrSinkDown)
+	pub.Publish(stored(2))
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Dropped == 1 }, waitFor, tick)
+	sink.SetFail(nil)
+	sink.FailClears(1, eventstest.ErrSinkDown)
+	pub.Publish(stored(3))
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Dropped == 2 }, waitFor, tick)
+	assert.Equal(t, []int64{0, 1}, sink.Seqs("a"), "neither cleared nor applied")
+	pub.Publish(stored(4))
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Sequence.CatchUps == 1 }, waitFor, tick)
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 7 }, waitFor, tick)
+	assert.Equal(t, []int64{0, 1, -1, 0, 1, 2, 3, 4}, sink.Seqs("a"), "cleared, caught up, then the live batch")
+	assert.Equal(t, uint64(1), eventstest.StatusOf(t, c, "a").Sequence.Resets)
+}
+
 // TestZMQResetCatchesUpOtherChains: two publishers feed one backend (two data-parallel ranks,
 // each on its own connection); when one connection is lost the backend is cleared, and the
 // other publisher's chain catches up from its replay buffer on its next batch, so the sink does

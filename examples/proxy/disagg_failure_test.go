@@ -3,7 +3,6 @@ package main
 import (
 	"encoding/json"
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"strings"
@@ -228,12 +227,7 @@ func TestDisaggShippedConfig(t *testing.T) {
 // The engines' S3 unreachable: the prefill engine cannot write the prompt's KV and answers 503;
 // the unified engine serves the request.
 func TestDisaggStorageDown(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	dead := "http://" + ln.Addr().String()
-	ln.Close() // nothing listens there any more: connection refused
+	dead := deadURL(t)
 	f := startPDFleet(t, 1, 1, 1, func(c *enginesim.Config) { c.Storage.Endpoint = dead })
 	p := startProxy(t, pdConfig(t, f, nil))
 	r := postPD(t, p, longPrompt("storage-down", 800, `"max_tokens":3`))

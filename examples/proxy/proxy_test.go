@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -19,6 +18,7 @@ import (
 	"github.com/kvroute/kvroute/admin"
 	"github.com/kvroute/kvroute/config"
 	"github.com/kvroute/kvroute/health"
+	"github.com/kvroute/kvroute/internal/testenv"
 )
 
 // fakeUpstream is a minimal OpenAI-compatible backend whose behaviour a test controls.
@@ -72,13 +72,7 @@ func (u *fakeUpstream) lastBody() string {
 // deadURL returns the URL of a loopback port nobody listens on.
 func deadURL(t *testing.T) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	ln.Close()
-	return "http://" + addr
+	return "http://" + testenv.RefusedAddr(t)
 }
 
 // fakeConfig configures the proxy in front of the given backends (name=url pairs) with health

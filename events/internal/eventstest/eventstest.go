@@ -55,8 +55,8 @@ func FindStatus(c interface{ Status() []events.SourceStatus }, backend string) (
 }
 
 // RecordingSink is a Sink that records what it receives. Block makes Apply wait until Unblock;
-// Fail makes Apply and ClearBackend fail, FailApplies only the next Applies. Safe for concurrent
-// use.
+// Fail makes Apply and ClearBackend fail, FailApplies only the next Applies, FailClears only the
+// next clears. Safe for concurrent use.
 type RecordingSink struct {
 	mu        sync.Mutex
 	applied   []RecordedBatch
@@ -64,6 +64,7 @@ type RecordingSink struct {
 	fail      error
 	failNext  int // Applies still to fail with failApply
 	failApply error
+	failClear int // ClearBackend calls still to fail with failApply
 	block     chan struct{}
 	entered   chan struct{}
 }
@@ -128,12 +129,24 @@ func (s *RecordingSink) FailApplies(n int, err error) {
 	s.failNext, s.failApply = n, err
 }
 
+// FailClears makes the next n ClearBackend calls fail with err (Apply still succeeds), as a store
+// that refuses every call for a while after a connection failure and then takes them again.
+func (s *RecordingSink) FailClears(n int, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.failClear, s.failApply = n, err
+}
+
 // ClearBackend records a clear.
 func (s *RecordingSink) ClearBackend(_ context.Context, backend string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.fail != nil {
 		return s.fail
+	}
+	if s.failClear > 0 {
+		s.failClear--
+		return s.failApply
 	}
 	s.clears[backend]++
 	s.applied = append(s.applied, RecordedBatch{Backend: backend, Seq: ^uint64(0)}) // a marker
