@@ -283,7 +283,7 @@ func newPDSim(w *Workload, cfg Config, pd PDConfig) (*pdSim, error) {
 		t0 = w.Requests[0].Arrival
 	}
 	for i := range w.Requests {
-		at := time.Duration(float64(w.Requests[i].Arrival-t0) * scale)
+		at := cfg.burst(time.Duration(float64(w.Requests[i].Arrival-t0) * scale))
 		s.reqs[i] = pdReq{arrival: at, prefill: -1, decode: -1}
 		s.push(simEvent{at: at, kind: pdArrive, req: int32(i)})
 	}
@@ -471,7 +471,7 @@ func (s *pdSim) overThreshold(u, n int) bool {
 
 func (s *pdSim) result() PDResult {
 	cfg, pd := s.cfg, s.pd
-	res := PDResult{Result: Result{Workload: s.w.Name, Policy: pd.policy(), Seed: cfg.Seed, Engines: cfg.Engines,
+	res := PDResult{Result: Result{Workload: s.w.Name + cfg.burstName(), Policy: pd.policy(), Seed: cfg.Seed, Engines: cfg.Engines,
 		CapacityTokens: cfg.CapacityTokens, Utilisation: cfg.Utilisation, EventLagSec: cfg.EventLag.Seconds(), TimeScale: s.scale},
 		Fleet: pd.Fleet(), PrefillEngines: pd.Prefill, DecodeEngines: pd.Decode, Paths: map[string]int{}, Reasons: map[string]int{}}
 	res.PerEngine = make([]int, len(s.engines))

@@ -75,6 +75,33 @@ type Config struct {
 	// (kvroute.DefaultRouter.ReportEngineLoad) under SyncMetrics and SyncBoth
 	// (DefaultScrapePeriod).
 	ScrapePeriod time.Duration
+
+	// BurstPeriod and BurstDuty make the arrivals burstier than the workload's own: in each
+	// BurstPeriod of virtual time (after the scaling to Utilisation) the period's arrivals are
+	// compressed, in order, into its first BurstDuty fraction. The mean rate is kept; inside a
+	// burst it is 1/BurstDuty times the workload's, and nothing arrives in the rest of the
+	// period. A zero BurstPeriod (the default) keeps the arrivals as they are; BurstDuty must then
+	// be 0 too, and otherwise in (0, 1]. The workload's name in the Result says so
+	// ("+burst<period>x<1/duty>").
+	BurstPeriod time.Duration
+	BurstDuty   float64
+}
+
+// burst returns arrival time at (virtual, scaled) moved by the burst compression.
+func (c Config) burst(at time.Duration) time.Duration {
+	if c.BurstPeriod <= 0 {
+		return at
+	}
+	start := at / c.BurstPeriod * c.BurstPeriod
+	return start + time.Duration(float64(at-start)*c.BurstDuty)
+}
+
+// burstName is the suffix the burst compression adds to the workload's name, "" without one.
+func (c Config) burstName() string {
+	if c.BurstPeriod <= 0 {
+		return ""
+	}
+	return "+burst" + c.BurstPeriod.String() + "x" + strconv.FormatFloat(1/c.BurstDuty, 'g', 3, 64)
 }
 
 func (c Config) withDefaults() (Config, error) {
@@ -131,6 +158,9 @@ func (c Config) withDefaults() (Config, error) {
 		return c, fmt.Errorf("%w: sync delay %v", ErrInvalidConfig, c.SyncDelay)
 	case c.ScrapePeriod < 0:
 		return c, fmt.Errorf("%w: scrape period %v", ErrInvalidConfig, c.ScrapePeriod)
+	case c.BurstPeriod < 0 || (c.BurstPeriod > 0 && !(c.BurstDuty > 0 && c.BurstDuty <= 1)) || (c.BurstPeriod == 0 && c.BurstDuty != 0):
+		return c, fmt.Errorf("%w: burst period %v with duty %v (want a period > 0 and a duty in (0, 1], or neither)",
+			ErrInvalidConfig, c.BurstPeriod, c.BurstDuty)
 	}
 	return c, nil
 }
@@ -244,16 +274,28 @@ type PeerCounts struct {
 // returns the measurements. It is deterministic: the same inputs give the same Result (WallSec
 // aside). Errors wrap ErrInvalidConfig for a bad configuration or policy name.
 func Run(w *Workload, cfg Config, policy string) (Result, error) {
+	res, _, err := run(w, cfg, policy, false)
+	return res, err
+}
+
+// RunRecords is Run that also returns what happened to each request, in the workload's order
+// (Dissect compares two policies' records). The infinite-cache oracle has no engines and no
+// records.
+func RunRecords(w *Workload, cfg Config, policy string) (Result, []RequestRecord, error) {
+	return run(w, cfg, policy, true)
+}
+
+func run(w *Workload, cfg Config, policy string, record bool) (Result, []RequestRecord, error) {
 	wall := time.Now()
 	cfg, err := cfg.withDefaults()
 	if err != nil {
-		return Result{}, err
+		return Result{}, nil, err
 	}
 	scale, err := TimeScale(w, cfg)
 	if err != nil {
-		return Result{}, err
+		return Result{}, nil, err
 	}
-	res := Result{Workload: w.Name, Policy: policy, Seed: cfg.Seed, Engines: cfg.Engines, CapacityTokens: cfg.CapacityTokens,
+	res := Result{Workload: w.Name + cfg.burstName(), Policy: policy, Seed: cfg.Seed, Engines: cfg.Engines, CapacityTokens: cfg.CapacityTokens,
 		Utilisation: cfg.Utilisation, EventLagSec: cfg.EventLag.Seconds(), TimeScale: scale, Replicas: cfg.Replicas,
 		Sync: cfg.Sync}
 	if cfg.peerSync() {
@@ -272,21 +314,26 @@ func Run(w *Workload, cfg Config, policy string) (Result, error) {
 	default:
 		res.RouterInstances = cfg.Replicas
 	}
+	var recs []RequestRecord
 	if policy == OracleInfinite {
 		infinite(w, cfg, &res)
 	} else {
 		s, err := newSim(w, cfg, policy, scale)
 		if err != nil {
-			return Result{}, err
+			return Result{}, nil, err
 		}
+		s.record = record
 		defer s.pol.close()
 		if err := s.run(); err != nil {
-			return Result{}, err
+			return Result{}, nil, err
 		}
 		s.result(&res)
+		if record {
+			recs = s.records()
+		}
 	}
 	res.WallSec = time.Since(wall).Seconds()
-	return res, nil
+	return res, recs, nil
 }
 
 // simEpoch is the virtual clock's origin: what the router, index and engines see as the time of
@@ -364,6 +411,7 @@ func (q *eventQueue) next() (simEvent, bool) {
 type reqState struct {
 	arrival   time.Duration
 	engine    int32
+	holder    int32 // the engine holding the most of the prompt at arrival, -1 for none
 	rejected  bool
 	d         *kvroute.Decision
 	tokens    []uint32
@@ -371,8 +419,14 @@ type reqState struct {
 	reachable int // the most of the prompt any engine held at arrival, in tokens
 	prompt    int
 	queued    time.Duration
+	prefill   time.Duration
 	first     time.Duration
 	finish    time.Duration
+	// With sim.record: the chosen and the holder's prefill backlogs at arrival, and the least of
+	// any engine (VirtualEngine.Backlog).
+	backlog, holderBacklog, minBacklog time.Duration
+	reason                             kvroute.Reason
+	holderTop                          bool // the holder scored at least as well as the chosen engine
 }
 
 // sim is one replay: a single goroutine drains a heap of timestamped events.
@@ -386,7 +440,10 @@ type sim struct {
 	reps    *replicaSet // pol when it is a policy's replicas, else nil
 	reqs    []reqState
 	starts  []enginesim.VirtualStart
-	left    int // requests neither finished nor rejected: scrapes stop at 0
+	left    int      // requests neither finished nor rejected: scrapes stop at 0
+	names   []string // the engines' backend names
+	record  bool
+	backlog []time.Duration // with record: each engine's at the arrival being routed
 }
 
 func newSim(w *Workload, cfg Config, policy string, scale float64) (*sim, error) {
@@ -398,6 +455,7 @@ func newSim(w *Workload, cfg Config, policy string, scale float64) (*sim, error)
 	for i := range names {
 		names[i] = "engine-" + strconv.Itoa(i)
 	}
+	s.names = names
 	opts := enginesim.VirtualOptions{PrefillUnits: 1}
 	if cfg.ParallelPrefill {
 		opts.PrefillUnits = 0
@@ -442,7 +500,7 @@ func newSim(w *Workload, cfg Config, policy string, scale float64) (*sim, error)
 		t0 = w.Requests[0].Arrival
 	}
 	for i := range w.Requests {
-		at := time.Duration(float64(w.Requests[i].Arrival-t0) * scale)
+		at := cfg.burst(time.Duration(float64(w.Requests[i].Arrival-t0) * scale))
 		s.reqs[i].arrival = at
 		s.push(simEvent{at: at, kind: evArrive, req: int32(i)})
 	}
@@ -502,15 +560,37 @@ func (s *sim) arrive(i int) error {
 	// An engine computes at least the prompt's last token: what it reports cached stops a block
 	// short of a prompt it holds whole.
 	most := (r.prompt - 1) / s.cfg.BlockSize * s.cfg.BlockSize
-	for _, e := range s.engines {
+	r.holder = -1
+	for j, e := range s.engines {
 		gpu, _ := e.Lookup(r.tokens)
-		r.reachable = max(r.reachable, min(gpu*s.cfg.BlockSize, most))
+		if held := min(gpu*s.cfg.BlockSize, most); held > r.reachable {
+			r.reachable, r.holder = held, int32(j)
+		}
+	}
+	if s.record {
+		s.backlog = s.backlog[:0]
+		for _, e := range s.engines {
+			s.backlog = append(s.backlog, e.Backlog(s.clock()))
+		}
+		r.minBacklog = slices.Min(s.backlog)
+		if r.holder >= 0 {
+			r.holderBacklog = s.backlog[r.holder]
+		}
 	}
 	eng, d, err := s.pol.route(req)
 	if err != nil {
 		return fmt.Errorf("replay: routing request %d: %w", i, err)
 	}
 	r.engine, r.d = int32(eng), d
+	if s.record {
+		r.backlog = s.backlog[eng]
+		if d != nil {
+			r.reason = d.Reason
+			if r.holder >= 0 {
+				r.holderTop = holderScoredTop(d, s.names[r.holder], s.names[eng])
+			}
+		}
+	}
 	s.starts, err = s.engines[eng].Submit(s.clock(), uint64(i), enginesim.Input{Tokens: r.tokens, OutputTokens: wr.OutputTokens}, s.starts[:0])
 	if err != nil {
 		if !errors.Is(err, enginesim.ErrTooLong) && !errors.Is(err, enginesim.ErrOverloaded) {
@@ -527,12 +607,28 @@ func (s *sim) arrive(i int) error {
 	return nil
 }
 
+// holderScoredTop reports whether tier 4 scored the holder at least as well as the chosen backend;
+// false when the decision has no scores for both.
+func holderScoredTop(d *kvroute.Decision, holder, chosen string) bool {
+	hs, cs, found := 0.0, 0.0, 0
+	for _, o := range d.Overlaps {
+		switch o.Backend {
+		case holder:
+			hs, found = o.Score, found+1
+		case chosen:
+			cs, found = o.Score, found+1
+		}
+	}
+	return found == 2 && hs >= cs
+}
+
 // started schedules the first token and the finish of the requests in s.starts.
 func (s *sim) started() {
 	for _, st := range s.starts {
 		r := &s.reqs[st.ID]
 		r.cached = st.Result.CachedTokens
 		r.queued = st.Result.Queued
+		r.prefill = st.Result.Prefill
 		r.first = st.FirstToken.Sub(simEpoch)
 		r.finish = st.Finish.Sub(simEpoch)
 		s.push(simEvent{at: r.first, kind: evFirstToken, req: int32(st.ID)})

@@ -195,3 +195,37 @@ func BenchmarkReplay(b *testing.B) {
 		})
 	}
 }
+
+// TestBurstArrivals: the burst compression keeps every arrival in its period and in order, puts it
+// in the period's first BurstDuty fraction, and makes the queues longer than the workload's own
+// arrivals at the same mean rate; bad settings are refused.
+func TestBurstArrivals(t *testing.T) {
+	c := Config{BurstPeriod: 10 * time.Second, BurstDuty: 0.25}
+	prev := time.Duration(-1)
+	for at := time.Duration(0); at < 100*time.Second; at += 370 * time.Millisecond {
+		got := c.burst(at)
+		start := at / c.BurstPeriod * c.BurstPeriod
+		require.GreaterOrEqual(t, got, start, "%v", at)
+		require.Less(t, got, start+c.BurstPeriod/4, "%v", at)
+		require.Greater(t, got, prev, "order kept at %v", at)
+		prev = got
+	}
+	require.Equal(t, 7*time.Second, Config{}.burst(7*time.Second), "no burst: unchanged")
+
+	w := smallShared(t, 1)
+	base, err := Run(w, smallFleet, PolicyRoundRobin)
+	require.NoError(t, err)
+	bursty := smallFleet
+	bursty.BurstPeriod, bursty.BurstDuty = 2*time.Second, 0.2
+	b, err := Run(w, bursty, PolicyRoundRobin)
+	require.NoError(t, err)
+	require.Equal(t, w.Name+"+burst2sx5", b.Workload)
+	require.Equal(t, base.Requests, b.Requests)
+	require.Greater(t, b.QueueMean, base.QueueMean, "bursts queue more than the same load spread out")
+
+	for _, bad := range []Config{{BurstPeriod: time.Second}, {BurstPeriod: time.Second, BurstDuty: 1.5},
+		{BurstDuty: 0.5}, {BurstPeriod: -time.Second, BurstDuty: 0.5}} {
+		_, err := Run(w, bad, PolicyRoundRobin)
+		require.ErrorIs(t, err, ErrInvalidConfig, "%+v", bad)
+	}
+}

@@ -60,6 +60,9 @@ type options struct {
 	syncDelay, scrapePeriod                      time.Duration
 	gridEngines, gridCapacity, gridUtilisation   string
 	parallel                                     int
+	burstPeriod                                  time.Duration
+	burstDuty                                    float64
+	dissect                                      string
 }
 
 func run(args []string, stdout io.Writer) error {
@@ -96,6 +99,9 @@ func run(args []string, stdout io.Writer) error {
 	fs.StringVar(&o.gridEngines, "grid-engines", "8,16", "with -sweep grid: the comma-separated engine counts")
 	fs.StringVar(&o.gridCapacity, "grid-capacity", "262144,1048576,3000000", "with -sweep grid: the comma-separated KV cache sizes per engine, in tokens")
 	fs.StringVar(&o.gridUtilisation, "grid-utilisation", "0.7,0.8,0.9", "with -sweep grid: the comma-separated utilisations")
+	fs.DurationVar(&o.burstPeriod, "burst-period", 0, "make the arrivals burstier: in each period of virtual time, compress its arrivals into the first -burst-duty of it (0: the workload's own arrivals)")
+	fs.Float64Var(&o.burstDuty, "burst-duty", 0.25, "with -burst-period: the fraction of each period its arrivals are compressed into (the rate inside a burst is 1/duty times the mean)")
+	fs.StringVar(&o.dissect, "dissect", "", "dissect kvroute's routing request by request against these policies (comma-separated, e.g. precise,cost,oracle_global_lru) at the one point the other flags give: its hits turned away and its TTFT tail by cause")
 	fs.IntVar(&o.parallel, "parallel", 0, "with -sweep grid: runs simulated at once (0: -workers); each run has its own engines, router and index")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -105,6 +111,9 @@ func run(args []string, stdout io.Writer) error {
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if o.dissect != "" {
+		return runDissect(fs, o, stdout)
 	}
 	if o.sweep == "grid" {
 		return runGrid(fs, o, stdout)
@@ -495,9 +504,13 @@ func startCPUProfile(path string) (stop func(), err error) {
 // config is the fleet and router-replica configuration the flags give (a grid sets its points'
 // engines, capacity, utilisation and seed over it).
 func (o options) config() replay.Config {
-	return replay.Config{Engines: o.engines, CapacityTokens: o.capacity, BlockSize: o.blockSize,
+	c := replay.Config{Engines: o.engines, CapacityTokens: o.capacity, BlockSize: o.blockSize,
 		Utilisation: o.utilisation, EventLag: o.lag, ParallelPrefill: o.parallelPrefill, Replicas: o.replicas,
 		Sync: o.sync, SyncDelay: o.syncDelay, ScrapePeriod: o.scrapePeriod, Spread: o.spread, Latency: o.latency()}
+	if o.burstPeriod != 0 {
+		c.BurstPeriod, c.BurstDuty = o.burstPeriod, o.burstDuty
+	}
+	return c
 }
 
 // latency is the engines' latency model: enginesim's default, with -engine-attention's quadratic

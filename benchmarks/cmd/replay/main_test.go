@@ -128,3 +128,24 @@ func TestRunGridRejectsBadFlags(t *testing.T) {
 		require.Error(t, run(append([]string{"-sweep", "grid", "-requests", "8"}, args...), &bytes.Buffer{}), "%v", args)
 	}
 }
+
+func TestRunDissect(t *testing.T) {
+	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
+	dir := t.TempDir()
+	var out bytes.Buffer
+	err := run([]string{"-dissect", "precise,cost", "-workload", "shared-prefix", "-requests", "60", "-engines", "2",
+		"-capacity-tokens", "32768", "-seeds", "1,2", "-burst-period", "2s", "-burst-duty", "0.5", "-out", dir}, &out)
+	require.NoError(t, err)
+	require.Equal(t, 2, strings.Count(out.String(), "**kvroute against precise"), "one per seed:\n%s", out.String())
+	require.Equal(t, 2, strings.Count(out.String(), "**kvroute against cost"))
+	require.Contains(t, out.String(), "+burst2sx2")
+	for _, f := range []string{"dissect-shared-prefix.md", "dissect-shared-prefix-150x5-6000+1200+burst2sx2-seed1.csv",
+		"dissect-shared-prefix-150x5-6000+1200+burst2sx2-seed2.csv"} {
+		_, err := os.Stat(filepath.Join(dir, f))
+		require.NoError(t, err, f)
+	}
+	for _, bad := range [][]string{{"-dissect", "kvroute"}, {"-dissect", "nope"}, {"-dissect", "cost", "-sweep", "lag"},
+		{"-dissect", "cost", "-workload", "trace,multi-turn"}, {"-dissect", "cost", "-policies", "precise"}} {
+		require.Error(t, run(bad, &bytes.Buffer{}), "%q", bad)
+	}
+}
