@@ -117,7 +117,9 @@ func TestRealCaddy(t *testing.T) {
 		// The same configuration, as JSON; must-revalidate makes Caddy load it although it did not
 		// change, re-provisioning every module.
 		c.admin(t, http.MethodPost, "/load", cfg, http.Header{"Content-Type": {"application/json"}, "Cache-Control": {"must-revalidate"}})
-		if !c.logged("kvroute router reused") {
+		// Caddy writes its log through a pipe: the reload's lines may come a moment after /load
+		// has answered.
+		if !c.waitLogged("kvroute router reused", 10*time.Second) {
 			t.Fatalf("the reload did not re-provision the handler onto the pooled Router; Caddy's log:\n%s", c.log())
 		}
 		after, after1 := c.stats(t, true), c.stats(t, false)
@@ -234,6 +236,18 @@ func (c *caddyProc) log() string {
 }
 
 func (c *caddyProc) logged(s string) bool { return strings.Contains(c.log(), s) }
+
+// waitLogged reports whether Caddy's log holds s within d.
+func (c *caddyProc) waitLogged(s string, d time.Duration) bool {
+	for deadline := time.Now().Add(d); ; time.Sleep(20 * time.Millisecond) {
+		if c.logged(s) {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+	}
+}
 
 // startCaddy writes the test's Caddyfile and runs bin with it until the test ends.
 func startCaddy(t *testing.T, bin string, fleet *enginesim.Fleet) *caddyProc {
