@@ -273,7 +273,7 @@ func (r *DefaultRouter) unifiedDecision(ctx context.Context, req *prefixkey.Requ
 			plan.ExpectedCachedTokens = cands[i].CachedTokens
 		}
 	}
-	d := &DisaggDecision{Plan: plan, PrefixKey: u.PrefixKey, HasPrefixKey: u.HasPrefixKey, Unified: u, router: r, req: req, start: u.start}
+	d := &DisaggDecision{Plan: plan, PrefixKey: u.PrefixKey, HasPrefixKey: u.HasPrefixKey, Unified: u, router: r, req: req, start: r.timeAt(u.at)}
 	if r.dis != nil {
 		r.dis.counters.Record(plan)
 		r.dis.metrics.recordPlan(ctx, plan)

@@ -282,11 +282,13 @@ func (r *DefaultRouter) expirePeersLocked(now time.Time) {
 	p.peerNext.Store(0)
 }
 
-// expireExternal drops, at now, the peer decisions older than PeerMaxAge and the engine reports
-// older than EngineLoadMaxAge: Route calls it, so that both age by Config.Now even when no peer
-// event or report comes. It costs two atomic loads until one has expired.
-func (r *DefaultRouter) expireExternal(now time.Time) {
+// expireExternal drops, at at (nanoseconds since the Router's epoch), the peer decisions older
+// than PeerMaxAge and the engine reports older than EngineLoadMaxAge: Route calls it, so that both
+// age by Config.Now even when no peer event or report comes. It costs two atomic loads until one
+// has expired.
+func (r *DefaultRouter) expireExternal(at int64) {
 	p := &r.peers
+	now := r.timeAt(at)
 	t := now.UnixNano()
 	pn, en := p.peerNext.Load(), p.engineNext.Load()
 	if (pn == 0 || t < pn) && (en == 0 || t < en) {

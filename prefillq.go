@@ -158,6 +158,17 @@ func (r *DefaultRouter) since(t time.Time) int64 {
 	return max(int64(t.Sub(r.epoch)), 0)
 }
 
+// nowNanos is since(Config.Now()), from the monotonic clock alone when Now is time.Now.
+func (r *DefaultRouter) nowNanos() int64 {
+	if r.mono {
+		return max(int64(time.Since(r.epoch)), 0)
+	}
+	return r.since(r.cfg.Now())
+}
+
+// timeAt is the time at (nanoseconds since the Router's epoch) on Config.Now's clock.
+func (r *DefaultRouter) timeAt(at int64) time.Time { return r.epoch.Add(time.Duration(at)) }
+
 // recentWindow is the time constant of backendState.recent: a decision counts e^(−age/5 min).
 const recentWindow = 5 * time.Minute
 

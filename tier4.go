@@ -274,7 +274,7 @@ func (r *DefaultRouter) routeKV(ctx context.Context, req *prefixkey.Request, d *
 	if !r.lookup(ctx, d, s, usePrefix, short) {
 		return false
 	}
-	r.candidates(s, set, r.since(d.start))
+	r.candidates(s, set, d.at)
 	sreq := scorer.Request{Blocks: len(s.keys), Tokens: len(tokens)}
 
 	// Best overlap as a fraction of the request (for prefix entries: of the best backend's).
@@ -594,7 +594,7 @@ func (r *DefaultRouter) addBacklog(d *Decision, s *scratch4) {
 		d.prefill = p
 		d.state.backlog.Add(n)
 		w := int64(math.Ceil(scorer.PrefillWork(s.ntok, cached, r.kv.attn)))
-		d.state.prefill.add(&p.node, w, r.since(d.start))
+		d.state.prefill.add(&p.node, w, d.at)
 	}
 }
 
