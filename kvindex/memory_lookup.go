@@ -108,14 +108,6 @@ func (m *MemoryIndex) scanExact(keys []uint64, alive, stored uint64, st *lookupS
 				t := shards[h&smask].tab.Load()
 				touched += t.keys[t.home(h)].Load()
 			}
-			// Second pass: with the key slots in, find each key's body and load its pair, again
-			// independent loads whose misses overlap.
-			for j := i; j < end; j++ {
-				h := hs[j-i]
-				if _, b := shards[h&smask].tab.Load().find(h); b.p != nil {
-					touched += b.p.g.Load()
-				}
-			}
 			next, size = end, lookupBatch
 		}
 		g, cpu, sto := m.probe(hs[i-base], c)
