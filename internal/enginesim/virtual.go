@@ -182,12 +182,13 @@ func (v *VirtualEngine) start(now time.Time, id uint64, p *plan, in Input, enq t
 }
 
 // Backlog returns the prefill compute the engine owes at virtual time now, before a request
-// submitted now could start its own: what is left of the prefills under way (the unit that
-// frees first) plus the prefills of the queued requests, at the cache hits they were classified
-// with at submission. Without PrefillUnits it is the queued requests' prefills alone. It is a
-// measure for reports, not a prediction: admission also waits for slots and blocks.
+// submitted now could start its own: what is left of the prefill under way on the unit that
+// frees first, plus the prefills of the queued requests (at the cache hits they were classified
+// with at submission) shared among the PrefillUnits. Without PrefillUnits it is the queued
+// requests' prefills alone. It is a measure for reports, not a prediction: admission also waits
+// for slots and blocks.
 func (v *VirtualEngine) Backlog(now time.Time) time.Duration {
-	var d time.Duration
+	var first, queued time.Duration
 	if len(v.units) > 0 {
 		u := v.units[0]
 		for _, t := range v.units[1:] {
@@ -195,13 +196,13 @@ func (v *VirtualEngine) Backlog(now time.Time) time.Duration {
 				u = t
 			}
 		}
-		d = max(u.Sub(now), 0)
+		first = max(u.Sub(now), 0)
 	}
 	bs := v.cfg.BlockSize
 	for _, w := range v.queue {
-		d += v.cfg.Latency.Prefill(len(w.in.Tokens), w.plan.hit*bs, w.plan.cpuLoaded*bs)
+		queued += v.cfg.Latency.Prefill(len(w.in.Tokens), w.plan.hit*bs, w.plan.cpuLoaded*bs)
 	}
-	return d
+	return first + queued/time.Duration(max(len(v.units), 1))
 }
 
 // TakeBatch returns the KV events of the cache operations since the last call as one batch, as

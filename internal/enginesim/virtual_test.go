@@ -121,8 +121,11 @@ func TestVirtualSerialPrefill(t *testing.T) {
 		require.Equal(t, s.FirstToken.Add(100*time.Millisecond), s.Finish)
 		require.Equal(t, s.PrefillStart.Sub(s.Start.Add(0)), s.Result.Queued)
 	}
+	// The prefills admitted and not yet run are owed: the unit frees at 300 ms.
+	require.Equal(t, 280*time.Millisecond, v.Backlog(t0.Add(20*time.Millisecond)))
 	// The compute is free again after the last prefill: a late request starts at once.
 	late := t0.Add(time.Second)
+	require.Zero(t, v.Backlog(late))
 	got, err = v.Submit(late, 9, Input{Tokens: vtokens(9000, 20)}, got[:0])
 	require.NoError(t, err)
 	require.Equal(t, late, got[0].PrefillStart)
@@ -138,6 +141,17 @@ func TestVirtualSerialPrefill(t *testing.T) {
 	}
 	require.Equal(t, []time.Time{t0, t0, t0.Add(100 * time.Millisecond)},
 		[]time.Time{got[0].PrefillStart, got[1].PrefillStart, got[2].PrefillStart})
+	require.Equal(t, 100*time.Millisecond, v2.Backlog(t0), "the unit that frees first")
+
+	// A request waiting for a slot owes its prefill too.
+	v3, err := NewVirtual(Config{CapacityBlocks: 64, MaxConcurrent: 1, Latency: lat}, VirtualOptions{PrefillUnits: 1})
+	require.NoError(t, err)
+	got, err = v3.Submit(t0, 1, Input{Tokens: vtokens(1000, 20), OutputTokens: 10}, got[:0])
+	require.NoError(t, err)
+	got, err = v3.Submit(t0, 2, Input{Tokens: vtokens(2000, 20), OutputTokens: 10}, got)
+	require.NoError(t, err)
+	require.Len(t, got, 1, "the second waits for the slot")
+	require.Equal(t, 200*time.Millisecond, v3.Backlog(t0))
 	_, err = NewVirtual(Config{}, VirtualOptions{PrefillUnits: -1})
 	require.ErrorIs(t, err, ErrInvalidConfig)
 }
