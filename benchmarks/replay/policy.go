@@ -92,7 +92,11 @@ func newRouter(name string, env policyEnv) (router, error) {
 	}
 	loadOnly := kvroute.Config{DisablePrefixRouting: true, Backends: backends, Now: env.now}
 	newIndex := func(approx bool) (*kvindex.MemoryIndex, error) {
-		cfg := kvindex.MemoryConfig{BlockSize: env.blockSize, DefaultModel: env.model, SweepInterval: -1, Now: env.now}
+		// The index holds as many blocks as the fleet's caches together, as an operator sets
+		// max_entries for a fleet: at kvindex's default (1M blocks) an index-fed policy forgets
+		// blocks the engines still hold once 16 engines × 3M tokens are warm.
+		cfg := kvindex.MemoryConfig{BlockSize: env.blockSize, DefaultModel: env.model, SweepInterval: -1, Now: env.now,
+			MaxEntries: max(kvindex.DefaultMaxEntries, len(env.names)*env.capacityBlocks)}
 		if approx {
 			cfg.ApproximateCapacityBlocks = env.capacityBlocks
 		}
