@@ -129,12 +129,13 @@ type peers struct {
 
 	applied, ignored, expired, forgot atomic.Uint64
 	engineReports, engineStale        atomic.Uint64
-	// engineNext is the earliest expiry (Unix nanoseconds, by Config.Now) of the backends' engine
+	// engineNext is the earliest expiry (nanoseconds since the Router's epoch, by Config.Now) of the backends' engine
 	// reports, 0 when there is none: Route, which reads the clock anyway, sweeps them once it
 	// has passed (expireExternal), so that reports age by the Router's clock and no timer
 	// holds the Router.
 	engineNext atomic.Int64
-	// peerNext is when the oldest peer decision expires (Unix nanoseconds, by Config.Now), 0 when
+	// peerNext is when the oldest peer decision expires (nanoseconds since the Router's epoch, by
+	// Config.Now), 0 when
 	// there is none: Route sweeps once it has passed.
 	peerNext atomic.Int64
 }
@@ -143,7 +144,7 @@ type peers struct {
 type engineReport struct {
 	others  int // the engine's running and waiting requests beyond this Router's own at the time
 	load    EngineLoad
-	expires int64 // Unix nanoseconds by Config.Now: load.At + EngineLoadMaxAge
+	expires int64 // load.At + EngineLoadMaxAge, by Config.Now (deadline)
 }
 
 // ApplyPeerEvent applies the decision event ev of another router replica, replica (a name unique
@@ -190,7 +191,7 @@ func (r *DefaultRouter) ApplyPeerEvent(replica string, ev PeerEvent) {
 		p.entries[k] = e
 		e.elem = p.order.PushBack(e)
 		if p.order.Len() == 1 {
-			p.peerNext.Store(now.Add(r.cfg.PeerMaxAge).UnixNano())
+			p.peerNext.Store(r.deadline(now.Add(r.cfg.PeerMaxAge)))
 		}
 		p.byPeer[replica]++
 		st.peerInFlight.Add(1)
@@ -273,7 +274,7 @@ func (r *DefaultRouter) expirePeersLocked(now time.Time) {
 	for f := p.order.Front(); f != nil; f = p.order.Front() {
 		e := f.Value.(*peerEntry)
 		if !e.at.Before(cut) {
-			p.peerNext.Store(e.at.Add(r.cfg.PeerMaxAge).UnixNano())
+			p.peerNext.Store(r.deadline(e.at.Add(r.cfg.PeerMaxAge)))
 			return
 		}
 		r.dropPeerLocked(e)
@@ -288,12 +289,11 @@ func (r *DefaultRouter) expirePeersLocked(now time.Time) {
 // has expired.
 func (r *DefaultRouter) expireExternal(at int64) {
 	p := &r.peers
-	now := r.timeAt(at)
-	t := now.UnixNano()
 	pn, en := p.peerNext.Load(), p.engineNext.Load()
-	if (pn == 0 || t < pn) && (en == 0 || t < en) {
+	if (pn == 0 || at < pn) && (en == 0 || at < en) {
 		return
 	}
+	now := r.timeAt(at)
 	p.mu.Lock()
 	r.expirePeersLocked(now)
 	r.expireEngineLocked(now)
@@ -346,7 +346,7 @@ func (r *DefaultRouter) ReportEngineLoad(backend string, l EngineLoad) error {
 	}
 	own, _ := r.ring.InFlight(backend)
 	l.Running, l.Waiting = min(max(l.Running, 0), maxReportedLoad), min(max(l.Waiting, 0), maxReportedLoad)
-	rep := &engineReport{others: max(l.Running+l.Waiting-own, 0), load: l, expires: l.At.Add(r.cfg.EngineLoadMaxAge).UnixNano()}
+	rep := &engineReport{others: max(l.Running+l.Waiting-own, 0), load: l, expires: r.deadline(l.At.Add(r.cfg.EngineLoadMaxAge))}
 	p := &r.peers
 	p.mu.Lock()
 	r.expireEngineLocked(now)
@@ -363,10 +363,11 @@ func (r *DefaultRouter) ReportEngineLoad(backend string, l EngineLoad) error {
 // expireEngineLocked is expireEngineReports with peers.mu held.
 func (r *DefaultRouter) expireEngineLocked(now time.Time) {
 	p := &r.peers
-	if n := p.engineNext.Load(); n == 0 || now.UnixNano() < n {
+	t := r.since(now)
+	if n := p.engineNext.Load(); n == 0 || t < n {
 		return
 	}
-	t, next := now.UnixNano(), int64(0)
+	next := int64(0)
 	set := r.set.Load()
 	for _, list := range [][]*backendState{set.list, set.pd} {
 		for _, st := range list {

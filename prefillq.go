@@ -166,6 +166,12 @@ func (r *DefaultRouter) nowNanos() int64 {
 	return r.since(r.cfg.Now())
 }
 
+// deadline is t as the expiry times of peers' decisions and engine reports are kept: nanoseconds
+// since the Router's epoch, at least 1 (0 means none). Compared with since(Config.Now()) or
+// nowNanos, a deadline set from a reading of the default clock (which carries the monotonic
+// clock) is immune to steps of the wall clock.
+func (r *DefaultRouter) deadline(t time.Time) int64 { return max(r.since(t), 1) }
+
 // timeAt is the time at (nanoseconds since the Router's epoch) on Config.Now's clock.
 func (r *DefaultRouter) timeAt(at int64) time.Time { return r.epoch.Add(time.Duration(at)) }
 

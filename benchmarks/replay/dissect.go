@@ -67,48 +67,53 @@ func (s *sim) records() []RequestRecord {
 // another's on the same workload and fleet: Policy is the one dissected (kvroute), Other the one
 // it is compared with.
 //
-// The hit ratio difference splits exactly into two terms: what the caches held for the requests
-// when they arrived (each policy's reachable tokens, built by its own earlier placements) and what
-// each policy turned away from the engine holding the most (reachable minus cached). The tokens
-// the dissected policy turned away are broken down by why: the holder's prefill backlog against
-// the chosen engine's when the request arrived.
+// Both runs' hits are split the same way, over all requests (a rejected one has no hit): cached =
+// reachable − turned away, where reachable is what the engine holding the most of the prompt held
+// when it arrived and turned away is the rest, so that the gap between the two runs is exactly the
+// gap of their reachable tokens minus the gap of their tokens turned away. The dissected policy's
+// tokens turned away are broken down by cause (AwayCauses); they add up to TurnedAway.
 //
 // The tail is the requests whose TTFT is at or above the dissected policy's p99: each is put in
-// one cause, and its TTFT under Other is given beside its own.
+// one cause (TailCauses), and its TTFT under Other is given beside its own.
 type Dissection struct {
 	Policy, Other string
 	Requests      int
-	PromptTokens  int64
-	// Hits, in tokens over the admitted requests of both runs.
+	PromptTokens  int64 // of every request, rejected ones included
+	// Hits, in tokens: cached = reachable − turned away, on each side.
 	Cached, OtherCached       int64
 	Reachable, OtherReachable int64
-	TurnedAway, OtherAway     int64 // reachable minus cached
-	// Away breaks TurnedAway down by cause (AwayCauses, with the Decision's reason), in tokens and
-	// requests, most tokens first.
+	TurnedAway, OtherAway     int64
+	// Away breaks TurnedAway down by cause, in tokens and requests, most tokens first.
 	Away []CauseCount
-	// The tail.
+	// The tail: each side's p99 (0 when it admitted no request), and the dissected policy's tail
+	// requests by cause.
 	P99, OtherP99 float64
-	Tail          []CauseCount // by TailCauses
+	Tail          []CauseCount
 }
 
-// CauseCount is one cause's share of a dissection: requests, tokens (hits) or seconds of TTFT
-// (tail: the requests' TTFT in this run, and the same requests' in the other run).
+// CauseCount is one cause's share of a dissection: requests, and tokens (hits) or seconds of TTFT
+// and queue wait (tail). OtherTTFT sums the same requests' TTFT in the other run, over the
+// OtherRequests of them it admitted.
 type CauseCount struct {
-	Cause     string  `json:"cause"`
-	Requests  int     `json:"requests"`
-	Tokens    int64   `json:"tokens,omitempty"`
-	TTFT      float64 `json:"ttft_s,omitempty"`
-	OtherTTFT float64 `json:"other_ttft_s,omitempty"`
-	Queued    float64 `json:"queued_s,omitempty"`
+	Cause         string  `json:"cause"`
+	Requests      int     `json:"requests"`
+	Tokens        int64   `json:"tokens,omitempty"`
+	TTFT          float64 `json:"ttft_s,omitempty"`
+	Queued        float64 `json:"queued_s,omitempty"`
+	OtherTTFT     float64 `json:"other_ttft_s,omitempty"`
+	OtherRequests int     `json:"other_requests,omitempty"`
 }
 
-// The causes of hits turned away. By the engines' true backlogs when the request arrived, the
-// holder of its prompt would have given its first token sooner than the chosen engine
+// The causes of hits turned away. Routed past the holder: by the engines' true backlogs when the
+// request arrived, the holder would have given its first token sooner than the chosen engine
 // (holder_sooner: a loss of both hits and TTFT) or not (holder_later: the hit was traded for this
-// request's TTFT); or the request was rejected. Dissect adds the Decision's reason to each, and
-// why tier 4 passed the holder over: it scored lower ("scored") or best but at its load bound
-// ("bound"): "holder_sooner (load_bound, scored)".
-var AwayCauses = []string{"holder_sooner", "holder_later", "rejected"}
+// request's TTFT); Dissect adds the Decision's reason and why tier 4 passed the holder over: it
+// scored lower ("scored") or best but at its load bound ("bound"): "holder_sooner (load_bound,
+// bound)". Routed to the holder, which evicted the blocks while the request waited for admission
+// (evicted_at_holder). Rejected (its reachable tokens). And, counted negative, tokens an engine
+// gained while the request waited (gained_while_queued: it was admitted with more cached than any
+// engine held at its arrival).
+var AwayCauses = []string{"holder_sooner", "holder_later", "evicted_at_holder", "rejected", "gained_while_queued"}
 
 // The causes of a request in the tail: its own prefill alone reaches the other policy's p99
 // (prefill_floor: routing could only help by a bigger hit); it queued at the engine holding its
@@ -116,6 +121,42 @@ var AwayCauses = []string{"holder_sooner", "holder_later", "rejected"}
 // (queued_elsewhere_idler_existed) or not (queued_elsewhere); or neither (slow_prefill: its
 // prefill with the hit it got is what makes it slow).
 var TailCauses = []string{"prefill_floor", "queued_at_holder", "queued_elsewhere_idler_existed", "queued_elsewhere", "slow_prefill"}
+
+// split returns a record's reachable and cached tokens as Dissect counts them: a rejected request
+// has no hit.
+func (r *RequestRecord) split() (reachable, cached int64) {
+	if r.Rejected {
+		return int64(r.Reachable), 0
+	}
+	return int64(r.Reachable), int64(r.Cached)
+}
+
+// awayCause is the cause of r's tokens turned away, "" when it turned none away.
+func (r *RequestRecord) awayCause() string {
+	reach, cached := r.split()
+	switch {
+	case reach == cached:
+		return ""
+	case r.Rejected:
+		return "rejected"
+	case cached > reach:
+		return "gained_while_queued"
+	case r.Engine == r.Holder:
+		return "evicted_at_holder"
+	}
+	cause := "holder_later"
+	if r.HolderBacklog+r.HolderPrefill < r.Backlog+r.Prefill {
+		cause = "holder_sooner"
+	}
+	if r.Reason != "" {
+		why := "scored"
+		if r.HolderTop {
+			why = "bound"
+		}
+		cause += " (" + r.Reason + ", " + why + ")"
+	}
+	return cause
+}
 
 // Dissect compares two runs' records of the same workload (RunRecords with the same Config but
 // the policy). It returns an error when the records do not belong to the same requests.
@@ -132,60 +173,44 @@ func Dissect(policy string, recs []RequestRecord, other string, otherRecs []Requ
 			return Dissection{}, fmt.Errorf("replay: dissect: request %d has %d prompt tokens against %d", i, r.Prompt, o.Prompt)
 		}
 		d.PromptTokens += int64(r.Prompt)
+		reach, cached := r.split()
+		d.Reachable += reach
+		d.Cached += cached
+		oreach, ocached := o.split()
+		d.OtherReachable += oreach
+		d.OtherCached += ocached
 		if !r.Rejected {
-			d.Cached += int64(r.Cached)
-			d.Reachable += int64(r.Reachable)
 			ttft = append(ttft, r.TTFT)
 		}
 		if !o.Rejected {
-			d.OtherCached += int64(o.Cached)
-			d.OtherReachable += int64(o.Reachable)
 			otherTTFT = append(otherTTFT, o.TTFT)
 		}
-		lost := int64(r.Reachable - r.Cached)
-		if r.Rejected {
-			lost = int64(r.Reachable)
-		}
-		if lost <= 0 {
-			continue
-		}
-		cause := "holder_later"
-		switch {
-		case r.Rejected:
-			cause = "rejected"
-		case r.HolderBacklog+r.HolderPrefill < r.Backlog+r.Prefill:
-			cause = "holder_sooner"
-		}
-		if r.Reason != "" {
-			why := "scored"
-			if r.HolderTop {
-				why = "bound"
+		if cause := r.awayCause(); cause != "" {
+			c := away[cause]
+			if c == nil {
+				c = &CauseCount{Cause: cause}
+				away[cause] = c
 			}
-			cause += " (" + r.Reason + ", " + why + ")"
+			c.Requests++
+			c.Tokens += reach - cached
 		}
-		c := away[cause]
-		if c == nil {
-			c = &CauseCount{Cause: cause}
-			away[cause] = c
-		}
-		c.Requests++
-		c.Tokens += lost
 	}
+	d.TurnedAway, d.OtherAway = d.Reachable-d.Cached, d.OtherReachable-d.OtherCached
 	for _, c := range away {
 		d.Away = append(d.Away, *c)
-		d.TurnedAway += c.Tokens
 	}
-	slices.SortFunc(d.Away, func(a, b CauseCount) int { return cmp.Compare(b.Tokens, a.Tokens) })
-	d.OtherAway = d.OtherReachable - d.OtherCached
+	slices.SortFunc(d.Away, func(a, b CauseCount) int {
+		return cmp.Or(cmp.Compare(b.Tokens, a.Tokens), cmp.Compare(a.Cause, b.Cause))
+	})
+	if len(otherTTFT) > 0 {
+		slices.Sort(otherTTFT)
+		d.OtherP99 = quantile(otherTTFT, 0.99)
+	}
 	if len(ttft) == 0 {
 		return d, nil
 	}
 	slices.Sort(ttft)
 	d.P99 = quantile(ttft, 0.99)
-	if len(otherTTFT) > 0 {
-		slices.Sort(otherTTFT)
-		d.OtherP99 = quantile(otherTTFT, 0.99)
-	}
 	tail := make(map[string]*CauseCount, len(TailCauses))
 	for _, c := range TailCauses {
 		tail[c] = &CauseCount{Cause: c}
@@ -197,7 +222,7 @@ func Dissect(policy string, recs []RequestRecord, other string, otherRecs []Requ
 		}
 		cause := "slow_prefill"
 		switch {
-		case r.Prefill >= d.OtherP99:
+		case d.OtherP99 > 0 && r.Prefill >= d.OtherP99:
 			cause = "prefill_floor"
 		case r.Queued > 0 && r.Engine == r.Holder:
 			cause = "queued_at_holder"
@@ -212,6 +237,7 @@ func Dissect(policy string, recs []RequestRecord, other string, otherRecs []Requ
 		c.Queued += r.Queued
 		if !o.Rejected {
 			c.OtherTTFT += o.TTFT
+			c.OtherRequests++
 		}
 	}
 	for _, c := range TailCauses {
@@ -229,7 +255,7 @@ func WriteDissection(w io.Writer, d Dissection) error {
 		}
 		return strconv.FormatFloat(100*float64(x)/float64(d.PromptTokens), 'f', 2, 64)
 	}
-	_, err := fmt.Fprintf(w, "**%s against %s, %d requests.** Hit ratio %s %% against %s %% (%+.2f pt) = reachable %s %% against %s %% (%+.2f pt: what the caches held at arrival) − turned away %s %% against %s %% (%+.2f pt: sent past the engine holding the most).\n\n",
+	_, err := fmt.Fprintf(w, "**%s against %s, %d requests.** Cached %s %% of the prompt tokens against %s %% (%+.2f pt) = reachable %s %% against %s %% (%+.2f pt: what the engine holding the most held at arrival) − turned away %s %% against %s %% (%+.2f pt: the rest).\n\n",
 		d.Policy, d.Other, d.Requests, pt(d.Cached), pt(d.OtherCached), pct(d.Cached-d.OtherCached, d.PromptTokens),
 		pt(d.Reachable), pt(d.OtherReachable), pct(d.Reachable-d.OtherReachable, d.PromptTokens),
 		pt(d.TurnedAway), pt(d.OtherAway), pct(d.TurnedAway-d.OtherAway, d.PromptTokens))
@@ -244,18 +270,27 @@ func WriteDissection(w io.Writer, d Dissection) error {
 			return err
 		}
 	}
-	if _, err := fmt.Fprintf(w, "\nTTFT p99 %s against %s (%+.1f %%). %s's requests at or above its p99, by cause:\n\n| cause | requests | mean TTFT | mean queued | the same requests' mean TTFT under %s |\n|---|--:|--:|--:|--:|\n",
-		fmtSeconds(d.P99), fmtSeconds(d.OtherP99), 100*(d.P99/max(d.OtherP99, 1e-12)-1), d.Policy, d.Other); err != nil {
+	if d.P99 == 0 {
+		_, err := fmt.Fprintf(w, "\n%s admitted no request: no tail.\n", d.Policy)
+		return err
+	}
+	vs := "(" + d.Other + " admitted no request)"
+	if d.OtherP99 > 0 {
+		vs = fmt.Sprintf("against %s (%+.1f %%)", fmtSeconds(d.OtherP99), 100*(d.P99/d.OtherP99-1))
+	}
+	if _, err := fmt.Fprintf(w, "\nTTFT p99 %s %s. %s's requests at or above its p99, by cause:\n\n| cause | requests | mean TTFT | mean queued | the same requests' mean TTFT under %s |\n|---|--:|--:|--:|--:|\n",
+		fmtSeconds(d.P99), vs, d.Policy, d.Other); err != nil {
 		return err
 	}
 	for _, c := range d.Tail {
-		mean := func(x float64) string {
-			if c.Requests == 0 {
+		mean := func(x float64, n int) string {
+			if n == 0 {
 				return "—"
 			}
-			return fmtSeconds(x / float64(c.Requests))
+			return fmtSeconds(x / float64(n))
 		}
-		if _, err := fmt.Fprintf(w, "| %s | %d | %s | %s | %s |\n", c.Cause, c.Requests, mean(c.TTFT), mean(c.Queued), mean(c.OtherTTFT)); err != nil {
+		if _, err := fmt.Fprintf(w, "| %s | %d | %s | %s | %s |\n", c.Cause, c.Requests, mean(c.TTFT, c.Requests), mean(c.Queued, c.Requests),
+			mean(c.OtherTTFT, c.OtherRequests)); err != nil {
 			return err
 		}
 	}
@@ -271,14 +306,22 @@ func pct(x, n int64) float64 {
 }
 
 // WriteRecordsCSV writes runs' records side by side, a row per request: for each policy (in
-// order) its engine, holder, reachable and cached tokens, reason, queued, prefill and TTFT, and
-// the backlogs at arrival.
+// order) every field of its RequestRecord but the arrival and the prompt, which lead the row. The
+// runs must have as many records as policies are named, each of the same length.
 func WriteRecordsCSV(w io.Writer, policies []string, recs [][]RequestRecord) error {
+	if len(recs) != len(policies) {
+		return fmt.Errorf("replay: %d runs of records for %d policies", len(recs), len(policies))
+	}
+	for i := range recs {
+		if len(recs[i]) != len(recs[0]) {
+			return fmt.Errorf("replay: %s has %d records, %s %d", policies[i], len(recs[i]), policies[0], len(recs[0]))
+		}
+	}
 	cw := csv.NewWriter(w)
 	head := []string{"request", "arrival_s", "prompt_tokens"}
 	for _, p := range policies {
-		for _, f := range []string{"engine", "holder", "reachable_tokens", "cached_tokens", "reason", "queued_s", "prefill_s",
-			"ttft_s", "backlog_s", "holder_backlog_s", "min_backlog_s"} {
+		for _, f := range []string{"engine", "holder", "reachable_tokens", "cached_tokens", "rejected", "reason", "queued_s", "prefill_s",
+			"ttft_s", "backlog_s", "holder_backlog_s", "min_backlog_s", "holder_prefill_s", "holder_top"} {
 			head = append(head, p+"_"+f)
 		}
 	}
@@ -295,7 +338,8 @@ func WriteRecordsCSV(w io.Writer, policies []string, recs [][]RequestRecord) err
 		for _, rs := range recs {
 			r := &rs[i]
 			row = append(row, strconv.Itoa(r.Engine), strconv.Itoa(r.Holder), strconv.Itoa(r.Reachable), strconv.Itoa(r.Cached),
-				r.Reason, f(r.Queued), f(r.Prefill), f(r.TTFT), f(r.Backlog), f(r.HolderBacklog), f(r.MinBacklog))
+				strconv.FormatBool(r.Rejected), r.Reason, f(r.Queued), f(r.Prefill), f(r.TTFT), f(r.Backlog), f(r.HolderBacklog),
+				f(r.MinBacklog), f(r.HolderPrefill), strconv.FormatBool(r.HolderTop))
 		}
 		if err := cw.Write(row); err != nil {
 			return err

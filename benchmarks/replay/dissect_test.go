@@ -95,3 +95,51 @@ func TestRunRecordsMatchResult(t *testing.T) {
 	plain.WallSec, res.WallSec = 0, 0
 	require.Equal(t, plain, res, "recording changes nothing")
 }
+
+// TestDissectCountsBothSidesAlike: identical runs show no gap; a hit lost at the holder, tokens
+// gained while queued and a rejected request each get their cause, and the causes add up to the
+// tokens turned away; a tail request the other run rejected does not count in its mean.
+func TestDissectCountsBothSidesAlike(t *testing.T) {
+	recs := []RequestRecord{
+		{Prompt: 1000, Engine: 0, Holder: 0, Reachable: 800, Cached: 0, TTFT: 9, Prefill: 0.5, Queued: 8.5, Backlog: 8}, // evicted at the holder
+		{Prompt: 1000, Engine: 1, Holder: 0, Reachable: 0, Cached: 300, TTFT: 1, Prefill: 1},                            // gained while queued
+		{Prompt: 1000, Engine: -1, Holder: 2, Reachable: 500, Rejected: true},                                           // rejected
+		{Prompt: 1000, Engine: 2, Holder: 2, Reachable: 200, Cached: 200, TTFT: 0.5, Prefill: 0.5},
+	}
+	d, err := Dissect("kvroute", recs, "same", recs)
+	require.NoError(t, err)
+	require.Equal(t, d.Cached, d.OtherCached)
+	require.Equal(t, d.TurnedAway, d.OtherAway, "the same records give no gap")
+	require.Equal(t, int64(500), d.Cached)
+	require.Equal(t, int64(1500), d.Reachable)
+	var sum int64
+	got := map[string]int64{}
+	for _, c := range d.Away {
+		sum += c.Tokens
+		got[c.Cause] = c.Tokens
+	}
+	require.Equal(t, d.TurnedAway, sum, "the causes add up")
+	require.Equal(t, map[string]int64{"evicted_at_holder": 800, "gained_while_queued": -300, "rejected": 500}, got)
+
+	other := slices.Clone(recs)
+	other[0].Rejected, other[0].TTFT = true, 0
+	d, err = Dissect("kvroute", recs, "other", other)
+	require.NoError(t, err)
+	for _, c := range d.Tail {
+		if c.Requests > 0 {
+			require.Equal(t, "queued_at_holder", c.Cause)
+			require.Zero(t, c.OtherRequests, "the other rejected it")
+		}
+	}
+	none := slices.Clone(recs)
+	for i := range none {
+		none[i].Rejected = true
+	}
+	d, err = Dissect("kvroute", recs, "none", none)
+	require.NoError(t, err)
+	require.Zero(t, d.OtherP99)
+	var b bytes.Buffer
+	require.NoError(t, WriteDissection(&b, d))
+	require.Contains(t, b.String(), "(none admitted no request)")
+	require.Error(t, WriteRecordsCSV(&b, []string{"a", "b"}, [][]RequestRecord{recs, recs[:2]}))
+}

@@ -1244,23 +1244,29 @@ func (c *Consumer) handle(ctx context.Context, be *backendQueue, it *item) {
 		// been done, the chain catches up again, so that the sink relearns what the engine still
 		// holds in its replay buffer instead of waiting for the blocks to be stored again. While
 		// the sink cannot even be cleared (it is down) nothing is replayed. A catch-up that the
-		// sink stopped is tried again. When the clear fails the batch is dropped with it: were
-		// it applied, its own Apply would retry the clear, and a sink that came back in between
-		// would be cleared without the catch-up (a Redis index just out of its backoff, say).
+		// sink stopped is tried again. When the clear fails and the publisher can replay, the
+		// batch is dropped with it (and taken as seen: the catch-up after the next clear covers
+		// it): were it applied, its own Apply would retry the clear, and a sink that came back in
+		// between would be cleared without the catch-up (a Redis index just out of its backoff,
+		// say). Without a catch-up to come, the batch's own Apply retries the clear, as after a
+		// gap.
 		var empty events.Batch
-		if !be.w.Apply(ctx, src, &empty) {
+		switch {
+		case be.w.Apply(ctx, src, &empty):
+			ok, applied, caught := c.catchUp(ctx, be, src, it.pub, it.b.Model, key.rank, seq)
+			if !ok {
+				return
+			}
+			ch.caught = caught
+			if applied > 0 && caught != catchUpFailed && seq > ch.last {
+				ch.last = seq - 1
+			}
+			ch.clears = be.w.Clears()
+		case c.canCatchUp(it.pub):
 			src.Dropped.Add(uint64(len(it.b.Events)))
+			ch.last, ch.src, ch.pub, ch.model = max(ch.last, seq), src, it.pub, it.b.Model
 			return
 		}
-		ok, applied, caught := c.catchUp(ctx, be, src, it.pub, it.b.Model, key.rank, seq)
-		if !ok {
-			return
-		}
-		ch.caught = caught
-		if applied > 0 && caught != catchUpFailed && seq > ch.last {
-			ch.last = seq - 1
-		}
-		ch.clears = be.w.Clears()
 	}
 	switch {
 	case ch == nil: // first batch of this publisher: catch up on what came before, then the baseline
@@ -1472,6 +1478,12 @@ func (c *Consumer) fillGap(ctx context.Context, be *backendQueue, src *events.So
 	return true
 }
 
+// canCatchUp reports whether a catch-up from publisher p can run: connect mode with a replay
+// endpoint, and catch-up not disabled.
+func (c *Consumer) canCatchUp(p *publisher) bool {
+	return p != nil && p.replayAddr != "" && c.cfg.CatchUpBatches >= 0
+}
+
 // catchUp runs before the first batch of a chain, seq, is applied: it requests the up to
 // CatchUpBatches batches before seq from the publisher's replay endpoint (connect mode) and
 // applies them in order, so that the sink learns what the engine cached before this
@@ -1493,7 +1505,7 @@ func (c *Consumer) fillGap(ctx context.Context, be *backendQueue, src *events.So
 // tried again on the chain's next batch. It reports false when ctx ended (ok false), how many
 // batches it applied, and how it ended.
 func (c *Consumer) catchUp(ctx context.Context, be *backendQueue, src *events.Source, p *publisher, model string, rank int, seq uint64) (ok bool, applied int, caught catchUpOutcome) {
-	if seq == 0 || c.cfg.CatchUpBatches < 0 || p == nil || p.replayAddr == "" {
+	if seq == 0 || !c.canCatchUp(p) {
 		return true, 0, caughtUp
 	}
 	r := replayRange{model: model, rank: rank, from: seq - min(seq, uint64(c.cfg.CatchUpBatches)), until: seq, catchUp: true}

@@ -898,6 +898,31 @@ func TestZMQClearFailedDropsTheBatch(t *testing.T) {
 	assert.Equal(t, uint64(1), eventstest.StatusOf(t, c, "a").Sequence.Resets)
 }
 
+// TestZMQClearFailedWithoutReplay: a publisher that cannot replay gives no catch-up to wait for, so
+// a batch whose owed clear fails is applied once its own Apply gets the clear through, with no
+// second reset and no gap.
+func TestZMQClearFailedWithoutReplay(t *testing.T) {
+	pub := NewFakePublisher(t, FakePublisherConfig{})
+	sink := eventstest.NewRecordingSink()
+	c := startZMQ(t, Config{Sink: sink, Endpoints: []Endpoint{{Backend: "a", Endpoint: pub.Endpoint}}})
+	pub.WaitSubscribed()
+	pub.Publish(stored(0))
+	pub.Publish(stored(1))
+	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 2 }, waitFor, tick)
+	sink.SetFail(eventstest.ErrSinkDown)
+	pub.Publish(stored(2))
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Dropped == 1 }, waitFor, tick)
+	sink.SetFail(nil)
+	sink.FailClears(1, eventstest.ErrSinkDown)
+	pub.Publish(stored(3))
+	pub.Publish(stored(4))
+	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Processed == 4 }, waitFor, tick)
+	assert.Equal(t, []int64{0, 1, -1, 3, 4}, sink.Seqs("a"))
+	st := eventstest.StatusOf(t, c, "a")
+	assert.Equal(t, uint64(1), st.Sequence.Resets)
+	assert.Zero(t, st.Sequence.Gaps)
+}
+
 // TestZMQResetCatchesUpOtherChains: two publishers feed one backend (two data-parallel ranks,
 // each on its own connection); when one connection is lost the backend is cleared, and the
 // other publisher's chain catches up from its replay buffer on its next batch, so the sink does

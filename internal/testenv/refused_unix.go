@@ -19,6 +19,7 @@ func RefusedAddr(t testing.TB) string {
 	if err != nil {
 		t.Fatalf("refused address: socket: %v", err)
 	}
+	syscall.CloseOnExec(fd) // the test's child processes do not inherit it
 	t.Cleanup(func() { _ = syscall.Close(fd) })
 	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
 		t.Fatalf("refused address: bind: %v", err)

@@ -17,21 +17,29 @@ import (
 // runDissect replays one workload at the point the flags give with kvroute and the policies of
 // -dissect, recording every request, and prints kvroute's dissection against each of them per
 // seed (replay.Dissect). With -out it also writes the records side by side
-// (dissect-<workload>-seed<N>.csv) and the dissections (dissect-<workload>.md).
+// (dissect-<workload>-e<engines>-c<cache>-u<utilisation>-seed<N>.csv) and the dissections (the
+// same name without the seed, .md).
 func runDissect(fs *flag.FlagSet, o options, stdout io.Writer) error {
 	others, err := replay.ParsePolicies(o.dissect)
 	if err != nil {
 		return err
 	}
-	others = slices.DeleteFunc(others, func(p string) bool { return p == replay.PolicyKVRoute || p == replay.OracleInfinite })
+	if slices.Contains(others, replay.OracleInfinite) {
+		return fmt.Errorf("-dissect: %s has no engines and no requests to compare", replay.OracleInfinite)
+	}
+	others = slices.DeleteFunc(others, func(p string) bool { return p == replay.PolicyKVRoute })
 	if len(others) == 0 {
-		return fmt.Errorf("-dissect %q: name at least one policy other than kvroute and %s", o.dissect, replay.OracleInfinite)
+		return fmt.Errorf("-dissect %q: name at least one policy other than kvroute", o.dissect)
 	}
-	if strings.Contains(o.workload, ",") || o.sweep != "" {
+	switch {
+	case strings.Contains(o.workload, ",") || o.sweep != "":
 		return errors.New("-dissect takes one workload and no -sweep: it dissects one point")
-	}
-	if flagSet(fs, "policies") {
+	case o.pd != "":
+		return errors.New("-dissect and -pd are two different runs: give one")
+	case flagSet(fs, "policies"):
 		return errors.New("-dissect names the policies itself: drop -policies")
+	case o.replicas < 1:
+		return fmt.Errorf("-replicas %d: want at least 1", o.replicas)
 	}
 	seeds, err := parseSeeds(o.seeds)
 	if err != nil {
@@ -39,7 +47,13 @@ func runDissect(fs *flag.FlagSet, o options, stdout io.Writer) error {
 	}
 	policies := append([]string{replay.PolicyKVRoute}, others...)
 	cfg := o.config()
+	stopProfile, err := startCPUProfile(o.cpuProfile)
+	if err != nil {
+		return err
+	}
+	defer stopProfile()
 	var md strings.Builder
+	var mdName string // the workload (with its burst) and the point: runs at other settings do not overwrite it
 	for _, seed := range seeds {
 		w, err := load(o, strings.TrimSpace(o.workload), seed)
 		if err != nil {
@@ -60,10 +74,13 @@ func runDissect(fs *flag.FlagSet, o options, stdout io.Writer) error {
 			})
 		}
 		wg.Wait()
-		if err := errors.Join(errs...); err != nil {
-			return err
+		for _, err := range errs { // the same configuration error comes once per policy: say it once
+			if err != nil {
+				return err
+			}
 		}
 		fmt.Fprintf(&md, "### %s, seed %d\n\n", pointOf(results[0]), seed)
+		mdName = fmt.Sprintf("%s-e%d-c%d-u%g", results[0].Workload, results[0].Engines, results[0].CapacityTokens, results[0].Utilisation)
 		for i := 1; i < len(policies); i++ {
 			d, err := replay.Dissect(policies[0], recs[0], policies[i], recs[i])
 			if err != nil {
@@ -78,7 +95,7 @@ func runDissect(fs *flag.FlagSet, o options, stdout io.Writer) error {
 			if err := os.MkdirAll(o.out, 0o755); err != nil {
 				return err
 			}
-			f, err := os.Create(filepath.Join(o.out, fmt.Sprintf("dissect-%s-seed%d.csv", results[0].Workload, seed)))
+			f, err := os.Create(filepath.Join(o.out, fmt.Sprintf("dissect-%s-seed%d.csv", mdName, seed)))
 			if err != nil {
 				return err
 			}
@@ -97,8 +114,7 @@ func runDissect(fs *flag.FlagSet, o options, stdout io.Writer) error {
 	if o.out == "" {
 		return nil
 	}
-	name := strings.TrimSpace(o.workload)
-	return os.WriteFile(filepath.Join(o.out, "dissect-"+name+".md"), []byte(md.String()), 0o644)
+	return os.WriteFile(filepath.Join(o.out, "dissect-"+mdName+".md"), []byte(md.String()), 0o644)
 }
 
 // pointOf describes a result's point in one line.

@@ -81,7 +81,7 @@ func run(args []string, stdout io.Writer) error {
 	fs.StringVar(&o.seeds, "seeds", "1", "comma-separated seeds")
 	fs.StringVar(&o.policies, "policies", "all", "comma-separated policies: "+strings.Join(replay.AllPolicies, ", "))
 	fs.StringVar(&o.sweep, "sweep", "", "sweep one dimension: engines (4,8,16), capacity (131072,262144,524288), utilisation (0.5,0.7,0.8,0.9), lag (0,20ms,200ms,1s,5s), or all; or replicas (1,2,4,8 router replicas × sync none, metrics, peers, both; -policies defaults to kvroute, one table); or grid (issue 21: -grid-engines × -grid-capacity × -grid-utilisation × -workload, default trace,trace-common,multi-turn,shared-prefix; -policies defaults to every non-oracle policy and oracle_global_lru; one table judging kvroute)")
-	fs.StringVar(&o.out, "out", "", "directory for the .txt, .csv, .json and .svg outputs (none when empty)")
+	fs.StringVar(&o.out, "out", "", "directory for the .txt, .csv, .json and .svg outputs (with -dissect: the dissection's .md and the per-request .csv); none when empty")
 	fs.IntVar(&o.limit, "limit", 0, "replay only the first N requests (0: all)")
 	fs.IntVar(&o.common, "common-prefix-tokens", 0, "prepend this many tokens shared by every request (one first block and prefix key for all)")
 	fs.IntVar(&o.workers, "workers", runtime.GOMAXPROCS(0), "policies simulated in parallel")
@@ -106,14 +106,17 @@ func run(args []string, stdout io.Writer) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	if flagSet(fs, "burst-duty") && o.burstPeriod == 0 {
+		return errors.New("-burst-duty needs -burst-period")
+	}
+	if o.dissect != "" {
+		return runDissect(fs, o, stdout)
+	}
 	if o.pd != "" {
 		return runPD(fs, o, stdout)
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
-	}
-	if o.dissect != "" {
-		return runDissect(fs, o, stdout)
 	}
 	if o.sweep == "grid" {
 		return runGrid(fs, o, stdout)

@@ -139,13 +139,15 @@ func TestRunDissect(t *testing.T) {
 	require.Equal(t, 2, strings.Count(out.String(), "**kvroute against precise"), "one per seed:\n%s", out.String())
 	require.Equal(t, 2, strings.Count(out.String(), "**kvroute against cost"))
 	require.Contains(t, out.String(), "+burst2sx2")
-	for _, f := range []string{"dissect-shared-prefix.md", "dissect-shared-prefix-150x5-6000+1200+burst2sx2-seed1.csv",
-		"dissect-shared-prefix-150x5-6000+1200+burst2sx2-seed2.csv"} {
+	const stem = "dissect-shared-prefix-150x5-6000+1200+burst2sx2-e2-c32768-u0.8"
+	for _, f := range []string{stem + ".md", stem + "-seed1.csv", stem + "-seed2.csv"} {
 		_, err := os.Stat(filepath.Join(dir, f))
 		require.NoError(t, err, f)
 	}
 	for _, bad := range [][]string{{"-dissect", "kvroute"}, {"-dissect", "nope"}, {"-dissect", "cost", "-sweep", "lag"},
-		{"-dissect", "cost", "-workload", "trace,multi-turn"}, {"-dissect", "cost", "-policies", "precise"}} {
+		{"-dissect", "cost", "-workload", "trace,multi-turn"}, {"-dissect", "cost", "-policies", "precise"},
+		{"-dissect", "oracle_infinite,cost"}, {"-dissect", "cost", "-pd", "1:1"}, {"-dissect", "cost", "-replicas", "0"},
+		{"-burst-duty", "0.5"}, {"-burst-period", "1s", "-burst-duty", "1.5", "-limit", "10"}} {
 		require.Error(t, run(bad, &bytes.Buffer{}), "%q", bad)
 	}
 }
