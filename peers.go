@@ -129,14 +129,13 @@ type peers struct {
 
 	applied, ignored, expired, forgot atomic.Uint64
 	engineReports, engineStale        atomic.Uint64
-	// engineNext is the earliest expiry (nanoseconds since the Router's epoch, by Config.Now) of the backends' engine
-	// reports, 0 when there is none: Route, which reads the clock anyway, sweeps them once it
-	// has passed (expireExternal), so that reports age by the Router's clock and no timer
-	// holds the Router.
+	// engineNext is the earliest expiry of the backends' engine reports (a deadline: nanoseconds
+	// since the Router's epoch, by Config.Now), 0 when there is none: Route, which reads the
+	// clock anyway, sweeps them once it has passed (expireExternal), so that reports age by the
+	// Router's clock and no timer holds the Router.
 	engineNext atomic.Int64
-	// peerNext is when the oldest peer decision expires (nanoseconds since the Router's epoch, by
-	// Config.Now), 0 when
-	// there is none: Route sweeps once it has passed.
+	// peerNext is when the oldest peer decision expires (a deadline), 0 when there is none: Route
+	// sweeps once it has passed.
 	peerNext atomic.Int64
 }
 
