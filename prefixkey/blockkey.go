@@ -315,19 +315,8 @@ func appendKeys16(dst []uint64, parent uint64, tokens []uint32) []uint64 {
 	dst = dst[:base+n]
 	out := dst[base:]
 	all := tokenBytes(tokens)
-	le := binary.LittleEndian
 	for i := range out {
-		b := all[64*i : 64*i+64 : 64*i+64]
-		acc := uint64(64 * xxPrime64_1 % (1 << 64))
-		acc += mulFold(le.Uint64(b[0:])^xxSecret0, le.Uint64(b[8:])^xxSecret1)
-		acc += mulFold(le.Uint64(b[48:])^xxSecret2, le.Uint64(b[56:])^xxSecret3)
-		acc += mulFold(le.Uint64(b[16:])^xxSecret4, le.Uint64(b[24:])^xxSecret5)
-		acc += mulFold(le.Uint64(b[32:])^xxSecret6, le.Uint64(b[40:])^xxSecret7)
-		acc ^= acc >> 37
-		acc *= 0x165667919e3779f9
-		content := acc ^ acc>>32
-		hi, lo := bits.Mul64(parent^chainA, content^chainB)
-		parent = (hi ^ lo) + (parent ^ content)
+		parent = ChainBlockKey(parent, hash64B(all[64*i:64*i+64]))
 		out[i] = parent
 	}
 	return dst
