@@ -77,10 +77,7 @@ func BenchmarkRouteMaxDecisionAge(b *testing.B) {
 					b.Fatal(err)
 				}
 				defer r.Close()
-				reqs := make([]*prefixkey.Request, 64)
-				for i := range reqs {
-					reqs[i] = chatReq(fmt.Sprintf("%04d", i)+strings.Repeat("s", 1020), "hello")
-				}
+				reqs := hotPrefixes(64)
 				ctx := context.Background()
 				live := make([]*Decision, held)
 				for i := range live {
@@ -107,6 +104,15 @@ func BenchmarkRouteMaxDecisionAge(b *testing.B) {
 	}
 }
 
+// hotPrefixes returns n chat requests with distinct 1 KiB system prompts.
+func hotPrefixes(n int) []*prefixkey.Request {
+	reqs := make([]*prefixkey.Request, n)
+	for i := range reqs {
+		reqs[i] = chatReq(fmt.Sprintf("%04d", i)+strings.Repeat("s", 1020), "hello")
+	}
+	return reqs
+}
+
 // BenchmarkRouteParallel measures Route()+Done() from every core at once on 64 hot prefixes.
 func BenchmarkRouteParallel(b *testing.B) {
 	r, err := New(Config{Backends: backends(16)})
@@ -114,10 +120,7 @@ func BenchmarkRouteParallel(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer r.Close()
-	reqs := make([]*prefixkey.Request, 64)
-	for i := range reqs {
-		reqs[i] = chatReq(fmt.Sprintf("%04d", i)+strings.Repeat("s", 1020), "hello")
-	}
+	reqs := hotPrefixes(64)
 	ctx := context.Background()
 	b.ReportAllocs()
 	b.RunParallel(func(pb *testing.PB) {
