@@ -255,52 +255,65 @@ func waitHeld(t *testing.T, held func(int64) bool, n int64) {
 	}
 }
 
+// idleGateway serves a Handler in front of backend with a 300 ms body idle timeout and a long
+// ReadTimeout; it returns the gateway's URL.
+func idleGateway(t *testing.T, backend *url.URL) string {
+	t.Helper()
+	router, err := kvroute.New(kvroute.Config{Backends: []kvroute.Backend{{Name: "a"}}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = router.Close() })
+	return gateway(t, &kvhttp.Handler{Router: router, Backends: map[string]*url.URL{"a": backend},
+		BodyIdleTimeout: 300 * time.Millisecond, ReadTimeout: time.Minute})
+}
+
+// idleBody is the request body of the idle-timeout tests.
+const idleBody = `{"model":"m","messages":[{"role":"user","content":"hi"}]}`
+
+// sendSlowly posts idleBody to the gateway gw on a connection of its own: its first 10 bytes and
+// then nothing when stall, else a byte at a time with a 100 ms pause every pauseEvery bytes (never
+// idle for the 300 ms timeout). It returns the response and its body.
+func sendSlowly(t *testing.T, gw string, stall bool, pauseEvery int) (*http.Response, string) {
+	t.Helper()
+	c, err := net.Dial("tcp", strings.TrimPrefix(gw, "http://"))
+	require.NoError(t, err)
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n", len(idleBody))
+	if stall {
+		_, _ = io.WriteString(c, idleBody[:10])
+	} else {
+		for i := range len(idleBody) {
+			_, _ = io.WriteString(c, idleBody[i:i+1])
+			if i%pauseEvery == 0 {
+				time.Sleep(100 * time.Millisecond)
+			}
+		}
+	}
+	res, err := http.ReadResponse(bufio.NewReader(c), nil)
+	require.NoError(t, err)
+	b, _ := io.ReadAll(res.Body)
+	res.Body.Close()
+	return res, string(b)
+}
+
 // A body that trickles, a byte more often than the idle timeout, is not cut by it; one that
 // stops is, whatever is left of ReadTimeout.
 func TestBodyIdleTimeout(t *testing.T) {
 	checkNoLeak(t)
 	var got atomic.Int64
-	backend := upstream(t, func(w http.ResponseWriter, r *http.Request) {
+	gw := idleGateway(t, upstream(t, func(w http.ResponseWriter, r *http.Request) {
 		got.Add(1)
 		_, _ = io.Copy(io.Discard, r.Body)
 		_, _ = io.WriteString(w, `{}`)
-	})
-	router, err := kvroute.New(kvroute.Config{Backends: []kvroute.Backend{{Name: "a"}}})
-	require.NoError(t, err)
-	defer router.Close()
-	gw := gateway(t, &kvhttp.Handler{Router: router, Backends: map[string]*url.URL{"a": backend},
-		BodyIdleTimeout: 300 * time.Millisecond, ReadTimeout: time.Minute})
-	addr := strings.TrimPrefix(gw, "http://")
-
-	body := `{"model":"m","messages":[{"role":"user","content":"hi"}]}`
-	c, err := net.Dial("tcp", addr)
-	require.NoError(t, err)
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
-	fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n", len(body))
-	for i := range len(body) { // a byte every 100 ms: slower than the idle timeout in all, never idle for it
-		_, _ = io.WriteString(c, body[i:i+1])
-		if i%8 == 0 {
-			time.Sleep(100 * time.Millisecond)
-		}
-	}
-	res, err := http.ReadResponse(bufio.NewReader(c), nil)
-	require.NoError(t, err)
-	res.Body.Close()
+	}))
+	// Slower than the idle timeout in all, never idle for it.
+	res, _ := sendSlowly(t, gw, false, 8)
 	assert.Equal(t, http.StatusOK, res.StatusCode)
 
-	c2, err := net.Dial("tcp", addr)
-	require.NoError(t, err)
-	defer c2.Close()
-	_ = c2.SetDeadline(time.Now().Add(10 * time.Second))
-	fmt.Fprintf(c2, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s", len(body), body[:10])
-	res, err = http.ReadResponse(bufio.NewReader(c2), nil)
-	require.NoError(t, err)
-	b, _ := io.ReadAll(res.Body)
-	res.Body.Close()
+	res, b := sendSlowly(t, gw, true, 0)
 	assert.Equal(t, http.StatusRequestTimeout, res.StatusCode, "%s", b)
 	assert.True(t, res.Close)
-	assert.Contains(t, string(b), "stalled")
+	assert.Contains(t, b, "stalled")
 	assert.EqualValues(t, 1, got.Load())
 }
 
@@ -308,21 +321,13 @@ func TestBodyIdleTimeout(t *testing.T) {
 // read whole, a body that stops is still cut by the idle timeout, and one that trickles is not.
 func TestBodyIdleTimeoutAfterReuse(t *testing.T) {
 	checkNoLeak(t)
-	backend := upstream(t, func(w http.ResponseWriter, r *http.Request) {
+	gw := idleGateway(t, upstream(t, func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
 		_, _ = io.WriteString(w, `{}`)
-	})
-	router, err := kvroute.New(kvroute.Config{Backends: []kvroute.Backend{{Name: "a"}}})
-	require.NoError(t, err)
-	defer router.Close()
-	gw := gateway(t, &kvhttp.Handler{Router: router, Backends: map[string]*url.URL{"a": backend},
-		BodyIdleTimeout: 300 * time.Millisecond, ReadTimeout: time.Minute})
-	addr := strings.TrimPrefix(gw, "http://")
-	body := `{"model":"m","messages":[{"role":"user","content":"hi"}]}`
-
+	}))
 	client := &http.Client{}
 	for range 50 {
-		res, err := client.Post(gw+"/v1/chat/completions", "application/json", strings.NewReader(body))
+		res, err := client.Post(gw+"/v1/chat/completions", "application/json", strings.NewReader(idleBody))
 		require.NoError(t, err)
 		_, _ = io.Copy(io.Discard, res.Body)
 		res.Body.Close()
@@ -331,28 +336,10 @@ func TestBodyIdleTimeoutAfterReuse(t *testing.T) {
 	client.CloseIdleConnections()
 
 	for _, stall := range []bool{true, false, true} {
-		c, err := net.Dial("tcp", addr)
-		require.NoError(t, err)
-		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
-		fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n", len(body))
-		if stall {
-			_, _ = io.WriteString(c, body[:10])
-		} else {
-			for i := range len(body) { // a byte every 100 ms now and then: never idle for 300 ms
-				_, _ = io.WriteString(c, body[i:i+1])
-				if i%16 == 0 {
-					time.Sleep(100 * time.Millisecond)
-				}
-			}
-		}
-		res, err := http.ReadResponse(bufio.NewReader(c), nil)
-		require.NoError(t, err)
-		b, _ := io.ReadAll(res.Body)
-		res.Body.Close()
-		c.Close()
+		res, b := sendSlowly(t, gw, stall, 16)
 		if stall {
 			assert.Equal(t, http.StatusRequestTimeout, res.StatusCode, "%s", b)
-			assert.Contains(t, string(b), "stalled")
+			assert.Contains(t, b, "stalled")
 		} else {
 			assert.Equal(t, http.StatusOK, res.StatusCode, "%s", b)
 		}
