@@ -819,7 +819,13 @@ func startWithTwoBatches(t *testing.T) (*FakePublisher, *eventstest.RecordingSin
 // 0 and 1.
 func startTwoBatches(t *testing.T, cfg Config, rec *eventstest.RecordingSink) (*FakePublisher, *Consumer) {
 	t.Helper()
-	pub := NewFakePublisher(t, FakePublisherConfig{Replay: true})
+	return startTwoBatchesOf(t, cfg, rec, true)
+}
+
+// startTwoBatchesOf is startTwoBatches with a publisher that has a replay endpoint or not.
+func startTwoBatchesOf(t *testing.T, cfg Config, rec *eventstest.RecordingSink, replay bool) (*FakePublisher, *Consumer) {
+	t.Helper()
+	pub := NewFakePublisher(t, FakePublisherConfig{Replay: replay})
 	cfg.Endpoints = []Endpoint{{Backend: "a", Endpoint: pub.Endpoint, ReplayEndpoint: pub.ReplayEndpoint}}
 	c := startZMQ(t, cfg)
 	pub.WaitSubscribed()
@@ -877,50 +883,43 @@ func TestZMQCatchUpIntoFailingSink(t *testing.T) {
 		"batch 3 after the clear its stopped catch-up left to do, then a whole catch-up before batch 4")
 }
 
-// TestZMQClearFailedDropsTheBatch: a sink that fails the clear owed after its outage and takes the
-// very next call (a store leaving its backoff) must not be cleared by that batch's own Apply
-// without the catch-up: the batch is dropped with the failed clear, and the next one clears and
-// catches up.
-func TestZMQClearFailedDropsTheBatch(t *testing.T) {
-	pub, sink, c := startWithTwoBatches(t)
-	sink.SetFail(eventstest.ErrSinkDown)
-	pub.Publish(stored(2))
-	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Dropped == 1 }, waitFor, tick)
-	sink.SetFail(nil)
-	sink.FailClears(1, eventstest.ErrSinkDown)
-	pub.Publish(stored(3))
-	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Dropped == 2 }, waitFor, tick)
-	assert.Equal(t, []int64{0, 1}, sink.Seqs("a"), "neither cleared nor applied")
-	pub.Publish(stored(4))
-	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Sequence.CatchUps == 1 }, waitFor, tick)
-	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 7 }, waitFor, tick)
-	assert.Equal(t, []int64{0, 1, -1, 0, 1, 2, 3, 4}, sink.Seqs("a"), "cleared, caught up, then the live batch")
-	assert.Equal(t, uint64(1), eventstest.StatusOf(t, c, "a").Sequence.Resets)
-}
-
-// TestZMQClearFailedWithoutReplay: a publisher that cannot replay gives no catch-up to wait for, so
-// a batch whose owed clear fails is applied once its own Apply gets the clear through, with no
-// second reset and no gap.
-func TestZMQClearFailedWithoutReplay(t *testing.T) {
-	pub := NewFakePublisher(t, FakePublisherConfig{})
-	sink := eventstest.NewRecordingSink()
-	c := startZMQ(t, Config{Sink: sink, Endpoints: []Endpoint{{Backend: "a", Endpoint: pub.Endpoint}}})
-	pub.WaitSubscribed()
-	pub.Publish(stored(0))
-	pub.Publish(stored(1))
-	require.Eventually(t, func() bool { return len(sink.Applied("a")) == 2 }, waitFor, tick)
-	sink.SetFail(eventstest.ErrSinkDown)
-	pub.Publish(stored(2))
-	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Dropped == 1 }, waitFor, tick)
-	sink.SetFail(nil)
-	sink.FailClears(1, eventstest.ErrSinkDown)
-	pub.Publish(stored(3))
-	pub.Publish(stored(4))
-	require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Processed == 4 }, waitFor, tick)
-	assert.Equal(t, []int64{0, 1, -1, 3, 4}, sink.Seqs("a"))
-	st := eventstest.StatusOf(t, c, "a")
-	assert.Equal(t, uint64(1), st.Sequence.Resets)
-	assert.Zero(t, st.Sequence.Gaps)
+// TestZMQClearFailed: a sink fails the clear owed after its outage and takes the very next call
+// (a store leaving its backoff). With a publisher that can replay, the batch is dropped with the
+// failed clear (its own Apply must not clear without the catch-up) and the next one clears and
+// catches up; without one there is no catch-up to wait for, and the batch is applied once its own
+// Apply gets the clear through. Either way one reset and no gap.
+func TestZMQClearFailed(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		replay   bool
+		want     []int64
+		catchUps uint64
+	}{
+		{"with replay", true, []int64{0, 1, -1, 0, 1, 2, 3, 4}, 1},
+		{"without replay", false, []int64{0, 1, -1, 3, 4}, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sink := eventstest.NewRecordingSink()
+			pub, c := startTwoBatchesOf(t, Config{Sink: sink}, sink, tc.replay)
+			sink.SetFail(eventstest.ErrSinkDown)
+			pub.Publish(stored(2))
+			require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Dropped == 1 }, waitFor, tick)
+			sink.SetFail(nil)
+			sink.FailClears(1, eventstest.ErrSinkDown)
+			pub.Publish(stored(3))
+			if tc.replay {
+				require.Eventually(t, func() bool { return eventstest.StatusOf(t, c, "a").Events.Dropped == 2 }, waitFor, tick)
+				assert.Equal(t, []int64{0, 1}, sink.Seqs("a"), "neither cleared nor applied")
+			}
+			pub.Publish(stored(4))
+			require.Eventually(t, func() bool { return len(sink.Applied("a")) == len(tc.want)-1 }, waitFor, tick)
+			assert.Equal(t, tc.want, sink.Seqs("a"))
+			st := eventstest.StatusOf(t, c, "a")
+			assert.Equal(t, uint64(1), st.Sequence.Resets)
+			assert.Zero(t, st.Sequence.Gaps)
+			assert.Equal(t, tc.catchUps, st.Sequence.CatchUps)
+		})
+	}
 }
 
 // TestZMQResetCatchesUpOtherChains: two publishers feed one backend (two data-parallel ranks,
