@@ -21,20 +21,8 @@ func BenchmarkRoute(b *testing.B) {
 					b.Fatal(err)
 				}
 				defer r.Close()
-				reqs := make([]*prefixkey.Request, 64)
-				for i := range reqs {
-					reqs[i] = chatReq(fmt.Sprintf("%04d", i)+strings.Repeat("s", sys-4), "hello")
-				}
-				ctx := context.Background()
-				b.ReportAllocs()
-				b.ResetTimer()
-				for i := 0; b.Loop(); i++ {
-					d, err := r.Route(ctx, reqs[i%len(reqs)])
-					if err != nil {
-						b.Fatal(err)
-					}
-					d.Done(Outcome{})
-				}
+				reqs := hotPrefixes(64, sys)
+				routeAndDone(b, r, reqs)
 			})
 		}
 	}
@@ -77,7 +65,7 @@ func BenchmarkRouteMaxDecisionAge(b *testing.B) {
 					b.Fatal(err)
 				}
 				defer r.Close()
-				reqs := hotPrefixes(64)
+				reqs := hotPrefixes(64, 1024)
 				ctx := context.Background()
 				live := make([]*Decision, held)
 				for i := range live {
@@ -90,27 +78,33 @@ func BenchmarkRouteMaxDecisionAge(b *testing.B) {
 						d.Done(Outcome{})
 					}
 				}()
-				b.ReportAllocs()
-				b.ResetTimer()
-				for i := 0; b.Loop(); i++ {
-					d, err := r.Route(ctx, reqs[i%len(reqs)])
-					if err != nil {
-						b.Fatal(err)
-					}
-					d.Done(Outcome{})
-				}
+				routeAndDone(b, r, reqs)
 			})
 		}
 	}
 }
 
-// hotPrefixes returns n chat requests with distinct 1 KiB system prompts.
-func hotPrefixes(n int) []*prefixkey.Request {
+// hotPrefixes returns n chat requests with distinct system prompts of sys bytes (sys ≥ 4).
+func hotPrefixes(n, sys int) []*prefixkey.Request {
 	reqs := make([]*prefixkey.Request, n)
 	for i := range reqs {
-		reqs[i] = chatReq(fmt.Sprintf("%04d", i)+strings.Repeat("s", 1020), "hello")
+		reqs[i] = chatReq(fmt.Sprintf("%04d", i)+strings.Repeat("s", sys-4), "hello")
 	}
 	return reqs
+}
+
+// routeAndDone times Route()+Done() over reqs in turn, allocations reported.
+func routeAndDone(b *testing.B, r *DefaultRouter, reqs []*prefixkey.Request) {
+	ctx := context.Background()
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; b.Loop(); i++ {
+		d, err := r.Route(ctx, reqs[i%len(reqs)])
+		if err != nil {
+			b.Fatal(err)
+		}
+		d.Done(Outcome{})
+	}
 }
 
 // BenchmarkRouteParallel measures Route()+Done() from every core at once on 64 hot prefixes.
@@ -120,7 +114,7 @@ func BenchmarkRouteParallel(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer r.Close()
-	reqs := hotPrefixes(64)
+	reqs := hotPrefixes(64, 1024)
 	ctx := context.Background()
 	b.ReportAllocs()
 	b.RunParallel(func(pb *testing.PB) {
