@@ -35,8 +35,9 @@
 // the ring's bound counts requests, not their length; KVConfig.RingFallback gives the decision
 // to the ring instead. Every decision holds an in-flight slot on its backend until Done; the slots are what the load bounds count:
 // CHWBL's (1+ε)·mean for the ring, and for tier 4 its own, looser KVConfig.LoadFactorEpsilon
-// (default 1.0: up to twice the mean), because a backend that holds the prompt's KV cache is
-// worth more than an even spread. Decision.FirstToken tells the Router a prefill has ended.
+// (under the expected-TTFT scorer, which weighs each backend's queued prefill itself, a safety net
+// at six times the mean; under the others twice the mean), because a backend that holds the
+// prompt's KV cache is worth more than an even spread. Decision.FirstToken tells the Router a prefill has ended.
 // The response cache (tiers 2 and 3) is respcache's HTTP middleware, in front of Route.
 //
 // Disaggregated prefill/decode serving is on when Config.Disagg is set and backends carry a

@@ -21,9 +21,19 @@ import (
 // from the CHWBL choice.
 const DefaultMinOverlapThreshold = 0.3
 
-// DefaultKVLoadFactorEpsilon is tier 4's default KVConfig.LoadFactorEpsilon: a backend it
-// chooses may carry up to twice the fleet's mean in-flight requests (per unit of weight).
-const DefaultKVLoadFactorEpsilon = 1.0
+// Tier 4's default KVConfig.LoadFactorEpsilon, which depends on the Scorer.
+const (
+	// DefaultKVLoadFactorEpsilon is the default under a scorer that does not price the prefill
+	// queued on each backend (scorer.NewComposite's, scorer.NewCost's, a third party's): a
+	// backend tier 4 chooses may carry up to twice the fleet's mean in-flight requests (per unit
+	// of weight).
+	DefaultKVLoadFactorEpsilon = 1.0
+	// DefaultKVLoadFactorEpsilonExpectedTTFT is the default under scorer.ExpectedTTFT, kvroute's
+	// default scorer, which prices the prefill queued on each backend itself: the count bound is
+	// then a safety net (up to six times the mean; with six backends or fewer it never binds),
+	// because a tighter one turns away cache hits whose holder would answer sooner.
+	DefaultKVLoadFactorEpsilonExpectedTTFT = 5.0
+)
 
 // Speculation says whether the Router records predicted index entries for its own decisions.
 type Speculation uint8
@@ -83,14 +93,19 @@ type KVConfig struct {
 	// LoadFactorEpsilon bounds tier 4's choices (kv_aware and least_work) as CHWBL's
 	// load_factor_epsilon bounds the ring's: the chosen backend takes the request only while its
 	// in-flight requests plus one stay within ceil((1+LoadFactorEpsilon)·(T+1)·weight/W); when the
-	// best-scored backend is at that bound the next best is tried. 0 means
-	// DefaultKVLoadFactorEpsilon (1.0); valid 0.01 to 10. Tier 4's own bound is looser than the
+	// best-scored backend is at that bound the next best is tried. Valid 0.01 to 10. 0 means
+	// DefaultKVLoadFactorEpsilonExpectedTTFT (5) when the Scorer is a *scorer.ExpectedTTFT
+	// (nil included), else DefaultKVLoadFactorEpsilon (1.0). Tier 4's bound is looser than the
 	// ring's 0.25 because its choice is worth more than an even spread: the backend that holds
 	// the prompt's KV cache saves its prefill, and sending the request elsewhere computes (and
-	// caches) the prefix a second time. In the trace replay (BENCHMARKS.md, routing quality) the
-	// ring's 0.25 turned a fifth of the reachable cache hits away; 1.0 keeps the hit ratio within
-	// 7 % of one pooled cache's, and a prefix everyone wants still spreads once its holder
-	// carries twice the mean. Set it to Config.LoadFactorEpsilon for the ring's bound.
+	// caches) the prefix a second time. A count of requests says nothing of their length, so
+	// under the expected-TTFT scorer, which weighs the prefill queued on each backend against
+	// what the hit saves, any tighter bound only turns away hits whose holder would answer sooner
+	// (in kvroute's trace replay, BENCHMARKS.md: 1.0 instead of 5 cost 2–5 points of hit ratio
+	// and a longer TTFT p99); the default keeps it as a safety net against pile-ups the queue does
+	// not show (decodes, requests of unknown length). Scorers that do not price the
+	// queue keep twice the mean, which spreads a prefix everyone wants once its holder carries
+	// that much. Set it to Config.LoadFactorEpsilon for the ring's bound.
 	LoadFactorEpsilon float64
 	// UsePrefixEntries looks up prefix-granular entries (kvroute's SSE events) when a request has
 	// no block keys.
@@ -200,10 +215,7 @@ func newTier4(cfg KVConfig) (*tier4, error) {
 		return nil, fmt.Errorf("%w: min_overlap_threshold %v not in (0, 1]", ErrInvalidConfig, cfg.MinOverlapThreshold)
 	}
 	t.eps = cfg.LoadFactorEpsilon
-	if t.eps == 0 {
-		t.eps = DefaultKVLoadFactorEpsilon
-	}
-	if math.IsNaN(t.eps) || t.eps < 0.01 || t.eps > 10 {
+	if math.IsNaN(t.eps) || t.eps != 0 && (t.eps < 0.01 || t.eps > 10) {
 		return nil, fmt.Errorf("%w: KV load_factor_epsilon %v not in [0.01, 10]", ErrInvalidConfig, cfg.LoadFactorEpsilon)
 	}
 	own, hasOwn := t.scorer.(scorer.AttentionCoster)
@@ -229,6 +241,12 @@ func newTier4(cfg KVConfig) (*tier4, error) {
 		var err error
 		if t.scorer, err = scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{AttentionCost: attn}); err != nil {
 			return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+		}
+	}
+	if t.eps == 0 {
+		t.eps = DefaultKVLoadFactorEpsilon
+		if _, ok := t.scorer.(*scorer.ExpectedTTFT); ok {
+			t.eps = DefaultKVLoadFactorEpsilonExpectedTTFT
 		}
 	}
 	if st, ok := t.scorer.(scorer.SequenceTracker); ok {

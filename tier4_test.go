@@ -226,15 +226,22 @@ func TestKVTierWeightsPreferGPU(t *testing.T) {
 }
 
 func TestKVRespectsLoadBound(t *testing.T) {
-	// Tier 4's bound is ceil((1+ε)·T·w/W) with its own ε (default 1, twice the mean); 0.25 is
-	// the ring's.
+	// Tier 4's bound is ceil((1+ε)·T·w/W) with its own ε (by default 10 under the expected-TTFT
+	// scorer, twice the mean under the composite); 0.25 is the ring's.
 	for _, tc := range []struct {
 		eps, want float64
-	}{{0, DefaultKVLoadFactorEpsilon}, {0.25, 0.25}, {3, 3}} {
-		t.Run(fmt.Sprint(tc.eps), func(t *testing.T) {
+		composite bool
+	}{{0, DefaultKVLoadFactorEpsilonExpectedTTFT, false}, {0, DefaultKVLoadFactorEpsilon, true}, {0.25, 0.25, false}, {3, 3, false}} {
+		t.Run(fmt.Sprint(tc.eps, tc.composite), func(t *testing.T) {
 			ix := newMemIndex(t)
 			// The hot-prefix spreading off: the bound alone limits the holder here.
-			sc, err := scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{HotDiscount: -1})
+			var sc scorer.BackendScorer
+			var err error
+			if tc.composite {
+				sc, err = scorer.NewComposite(scorer.CompositeConfig{})
+			} else {
+				sc, err = scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{HotDiscount: -1})
+			}
 			require.NoError(t, err)
 			r := newRouter(t, Config{Backends: backends(4), KV: &KVConfig{Index: ix, Speculation: SpeculationOff, LoadFactorEpsilon: tc.eps, Scorer: sc}})
 			toks := promptTokens(4, 16*16)

@@ -589,7 +589,7 @@ kv_cache_index:
   event_sources: [{backend_name: vllm-1, endpoint: "tcp://127.0.0.1:5557"}]
 `, tok, func(t *testing.T, kc *kvroute.KVConfig) {
 			if kc.Tokenizer != tok || kc.Speculation != kvroute.SpeculationOff || kc.UsePrefixEntries ||
-				kc.LoadFactorEpsilon != kvroute.DefaultKVLoadFactorEpsilon {
+				kc.LoadFactorEpsilon != kvroute.DefaultKVLoadFactorEpsilonExpectedTTFT {
 				t.Errorf("%+v", kc)
 			}
 			if _, ok := kc.Scorer.(*scorer.ExpectedTTFT); !ok {

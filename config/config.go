@@ -329,7 +329,9 @@ type ScoringConfig struct {
 	MinOverlapThreshold float64 `yaml:"min_overlap_threshold"`
 	// LoadFactorEpsilon bounds KV-aware choices as prefix_routing.load_factor_epsilon bounds the
 	// ring's: a backend tier 4 picks may carry up to (1+ε) times the mean in-flight requests
-	// (default 1.0, range [0.01, 10]; kvroute.KVConfig.LoadFactorEpsilon).
+	// (range [0.01, 10]; kvroute.KVConfig.LoadFactorEpsilon). Default 5 under expected_ttft,
+	// which weighs the prefill queued on each backend itself (the bound is a safety net), 1.0
+	// under kv_overlap.
 	LoadFactorEpsilon float64 `yaml:"load_factor_epsilon"`
 	// GPUTierWeight, CPUTierWeight and StorageTierWeight multiply the overlap of blocks held on
 	// each tier (defaults 1.0, 0.8, 0.6; range [0, 1]).

@@ -141,7 +141,10 @@ func (c *Config) ApplyDefaults() {
 		sc.MinOverlapThreshold = 0.3
 	}
 	if sc.LoadFactorEpsilon == 0 {
-		sc.LoadFactorEpsilon = kvroute.DefaultKVLoadFactorEpsilon
+		sc.LoadFactorEpsilon = kvroute.DefaultKVLoadFactorEpsilonExpectedTTFT
+		if sc.Scorer == ScorerKVOverlap {
+			sc.LoadFactorEpsilon = kvroute.DefaultKVLoadFactorEpsilon
+		}
 	}
 	if kv.StorageOffloading.TreatEvictionAsOffload == nil {
 		kv.StorageOffloading.TreatEvictionAsOffload = ptr(true)

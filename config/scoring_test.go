@@ -223,9 +223,13 @@ func TestScoringReload(t *testing.T) {
 	running := mustParse(t, kvScoring("{}"), nil)
 	next := mustParse(t, kvScoring("{overlap_weight: 0.5, load_weight: 0.5, health_weight: 0, attention_cost: 0}"), nil)
 	p := PlanReload(running, next)
+	// The composite's default bound on KV-aware choices (load_factor_epsilon) is tighter than
+	// expected_ttft's: it changes with the scorer.
 	assert.Equal(t, []string{"kv_cache_index.scoring.scorer", "kv_cache_index.scoring.overlap_weight",
 		"kv_cache_index.scoring.load_weight", "kv_cache_index.scoring.health_weight",
-		"kv_cache_index.scoring.attention_cost"}, p.Live)
+		"kv_cache_index.scoring.attention_cost", "kv_cache_index.scoring.load_factor_epsilon"}, p.Live)
+	assert.Equal(t, kvroute.DefaultKVLoadFactorEpsilonExpectedTTFT, running.KVCacheIndex.Scoring.LoadFactorEpsilon)
+	assert.Equal(t, kvroute.DefaultKVLoadFactorEpsilon, p.Next.KVCacheIndex.Scoring.LoadFactorEpsilon)
 	assert.Empty(t, p.Restart)
 	require.NoError(t, p.Next.Validate())
 	assert.Equal(t, ScorerKVOverlap, p.Next.KVCacheIndex.Scoring.Scorer)
