@@ -47,11 +47,13 @@ type Stats struct {
 	// (scorer.ExpectedTTFT, the default), "kv_overlap" (scorer.Composite), "cost" (scorer.Cost) or "custom" (any other implementation).
 	// AttentionCost is the prefill cost model's attention term (0: prefill work counts tokens
 	// alone), BlockSize the index's block size in tokens, SpeculativeTTL the lifetime of the
-	// index entries speculation records (0: speculation off).
-	Scorer         string
-	AttentionCost  float64
-	BlockSize      int
-	SpeculativeTTL time.Duration
+	// index entries speculation records (0: speculation off), LoadFactorEpsilon the ε of tier 4's
+	// bound on its choices (KVConfig.LoadFactorEpsilon, its default filled by the scorer).
+	Scorer            string
+	AttentionCost     float64
+	BlockSize         int
+	SpeculativeTTL    time.Duration
+	LoadFactorEpsilon float64
 
 	// Peers is what the Router knows of its peers and of engine-reported load.
 	Peers PeerStats
@@ -157,6 +159,7 @@ func (r *DefaultRouter) Stats(ctx context.Context) (Stats, error) {
 	s.Lookups, s.LookupErrors = t.lookups.Load(), t.lookupErrs.Load()
 	s.TokenizeErrors, s.ScoreErrors, s.NoBlockKeys = t.tokenizeErrs.Load(), t.scoreErrs.Load(), t.noTokens.Load()
 	s.Scorer, s.AttentionCost, s.BlockSize, s.SpeculativeTTL = scorerName(t.scorer), t.attn, t.cfg.BlockSize, t.specTTL
+	s.LoadFactorEpsilon = t.eps
 	if t.stats == nil {
 		return s, nil
 	}

@@ -23,15 +23,16 @@ const DefaultMinOverlapThreshold = 0.3
 
 // Tier 4's default KVConfig.LoadFactorEpsilon, which depends on the Scorer.
 const (
-	// DefaultKVLoadFactorEpsilon is the default under a scorer that does not price the prefill
-	// queued on each backend (scorer.NewComposite's, scorer.NewCost's, a third party's): a
-	// backend tier 4 chooses may carry up to twice the fleet's mean in-flight requests (per unit
-	// of weight).
+	// DefaultKVLoadFactorEpsilon is the default under any scorer but scorer.ExpectedTTFT
+	// (scorer.NewComposite's, scorer.NewCost's, a third party's, one that wraps an ExpectedTTFT
+	// included): a backend tier 4 chooses may carry up to twice the fleet's mean in-flight
+	// requests (per unit of weight).
 	DefaultKVLoadFactorEpsilon = 1.0
 	// DefaultKVLoadFactorEpsilonExpectedTTFT is the default under scorer.ExpectedTTFT, kvroute's
 	// default scorer, which prices the prefill queued on each backend itself: the count bound is
-	// then a safety net (up to six times the mean; with six backends or fewer it never binds),
-	// because a tighter one turns away cache hits whose holder would answer sooner.
+	// then a safety net (up to six times the mean; it never binds on a backend carrying a sixth or
+	// more of the fleet's weight, so never with six equal backends or fewer), because a tighter
+	// one turns away cache hits whose holder would answer sooner.
 	DefaultKVLoadFactorEpsilonExpectedTTFT = 5.0
 )
 
@@ -98,12 +99,15 @@ type KVConfig struct {
 	// (nil included), else DefaultKVLoadFactorEpsilon (1.0). Tier 4's bound is looser than the
 	// ring's 0.25 because its choice is worth more than an even spread: the backend that holds
 	// the prompt's KV cache saves its prefill, and sending the request elsewhere computes (and
-	// caches) the prefix a second time. A count of requests says nothing of their length, so
-	// under the expected-TTFT scorer, which weighs the prefill queued on each backend against
-	// what the hit saves, any tighter bound only turns away hits whose holder would answer sooner
-	// (in kvroute's trace replay, BENCHMARKS.md: 1.0 instead of 5 cost 2–5 points of hit ratio
-	// and a longer TTFT p99); the default keeps it as a safety net against pile-ups the queue does
-	// not show (decodes, requests of unknown length). Scorers that do not price the
+	// caches) the prefix a second time. A count of requests says nothing of their length: the
+	// expected-TTFT scorer weighs the prefill queued on each backend against what the hit saves,
+	// and under it a tighter bound turned away hits whose holder would have answered sooner (in
+	// kvroute's whole-trace replay, BENCHMARKS.md, 1.0 instead of 5 cost 1–5 points of hit ratio
+	// and most points' TTFT p99). The default keeps the bound as a safety net. What the scorer
+	// does not see is decoding: a prefill leaves its backend's queue at the first token, so a hot
+	// prefix whose requests decode long answers can gather many decoding sequences on its holder,
+	// held back only by the scorer's hot-prefix spreading (scorer.ExpectedTTFTConfig.HotShare).
+	// For long-output workloads on small fleets set 1 to 2. Scorers that do not price the
 	// queue keep twice the mean, which spreads a prefix everyone wants once its holder carries
 	// that much. Set it to Config.LoadFactorEpsilon for the ring's bound.
 	LoadFactorEpsilon float64

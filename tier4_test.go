@@ -226,8 +226,8 @@ func TestKVTierWeightsPreferGPU(t *testing.T) {
 }
 
 func TestKVRespectsLoadBound(t *testing.T) {
-	// Tier 4's bound is ceil((1+ε)·T·w/W) with its own ε (by default 10 under the expected-TTFT
-	// scorer, twice the mean under the composite); 0.25 is the ring's.
+	// Tier 4's bound is ceil((1+ε)·T·w/W) with its own ε (by default 5 under the expected-TTFT
+	// scorer, 1 under the composite); 0.25 is the ring's.
 	for _, tc := range []struct {
 		eps, want float64
 		composite bool
@@ -270,6 +270,7 @@ func TestKVRespectsLoadBound(t *testing.T) {
 			}
 			assert.GreaterOrEqual(t, byBackend["vllm-1"], min(share, 40)-1, "the holder takes its bounded share")
 			assert.Equal(t, tc.want, r.kv.eps)
+			assert.Equal(t, tc.want, statsOf(t, r).LoadFactorEpsilon, "Stats reports the bound in effect")
 		})
 	}
 	_, err := New(Config{Backends: backends(2), KV: &KVConfig{Index: newMemIndex(t), LoadFactorEpsilon: 11}})

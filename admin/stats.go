@@ -133,8 +133,9 @@ type KVIndexStats struct {
 }
 
 // KVIndexConfig is tier 4's configuration as the endpoint reports it. NewKVIndexStats fills
-// Backend (the index's kind, from its stats), BlockSize, SpeculativeTTLSeconds, Scorer and
-// AttentionCost from the Router's settings in effect; the gateway gives the rest.
+// Backend (the index's kind, from its stats), BlockSize, SpeculativeTTLSeconds, Scorer,
+// AttentionCost and LoadFactorEpsilon (here and in Scoring) from the Router's settings in effect;
+// the gateway gives the rest.
 type KVIndexConfig struct {
 	Backend               string  `json:"backend"`
 	BlockSize             int     `json:"block_size"`
@@ -203,6 +204,7 @@ type KVRoutingDecisions struct {
 func NewKVIndexStats(st kvroute.Stats, indexErr error, cfg KVIndexConfig, sources []events.SourceStatus) KVIndexStats {
 	cfg.Backend, cfg.BlockSize, cfg.Scorer, cfg.AttentionCost = "", st.BlockSize, st.Scorer, st.AttentionCost
 	cfg.SpeculativeTTLSeconds = st.SpeculativeTTL.Seconds()
+	cfg.LoadFactorEpsilon, cfg.Scoring.LoadFactorEpsilon = st.LoadFactorEpsilon, st.LoadFactorEpsilon
 	if st.Scorer != "kv_overlap" {
 		cfg.Scoring.OverlapWeight, cfg.Scoring.LoadWeight, cfg.Scoring.HealthWeight = nil, nil, nil
 	}

@@ -46,11 +46,12 @@ func snapshot() kvroute.Stats {
 		Index: &kvindex.Stats{Backend: "memory", Blocks: 618, Entries: 618, PrefixCount: 312, SpeculativeCount: 4,
 			Lookups: 12490, Evictions: 83, Mutations: map[string]uint64{"stored": 700, "removed": 82},
 			Dropped: map[string]uint64{}, PerBackend: map[string]int{"vllm-1": 400, "vllm-2": 218}, MemoryBytes: 65536},
-		Scorer:         "expected_ttft",
-		AttentionCost:  2e-5,
-		BlockSize:      16,
-		SpeculativeTTL: 2 * time.Second,
-		Peers:          kvroute.PeerStats{Peers: 2, InFlight: 5, Applied: 90, Ignored: 1, Expired: 2, Forgot: 3, EngineReports: 40, EngineStale: 1},
+		Scorer:            "expected_ttft",
+		AttentionCost:     2e-5,
+		BlockSize:         16,
+		SpeculativeTTL:    2 * time.Second,
+		LoadFactorEpsilon: kvroute.DefaultKVLoadFactorEpsilonExpectedTTFT,
+		Peers:             kvroute.PeerStats{Peers: 2, InFlight: 5, Applied: 90, Ignored: 1, Expired: 2, Forgot: 3, EngineReports: 40, EngineStale: 1},
 		Disagg: &disagg.Stats{Total: 30, FastDecode: 12, PrefillThenDecode: 10, Unified: 6, Fallback: 2,
 			Reasons:   disagg.ReasonCounts{LocalHit: 8, StorageHit: 4, CacheMiss: 10, ShortPrompt: 6, PrefillFailed: 2},
 			NoBackend: 1, PrefillFailures: 2, DecodeFailures: 0},
@@ -61,10 +62,10 @@ func snapshot() kvroute.Stats {
 func kvConfig() admin.KVIndexConfig {
 	w := func(v float64) *float64 { return &v }
 	return admin.KVIndexConfig{
-		MinOverlapThreshold: 0.3, LoadFactorEpsilon: 1, Speculation: "speculate", MaxEntries: 100000,
+		MinOverlapThreshold: 0.3, Speculation: "speculate", MaxEntries: 100000,
 		EntryTTLSeconds: 600, EventSourcesCount: 2, Tokenizer: "engine",
 		Scoring: admin.Scoring{OverlapWeight: w(0.6), LoadWeight: w(0.3), HealthWeight: w(0.1),
-			MinOverlapThreshold: 0.3, LoadFactorEpsilon: 1, GPUTierWeight: 1, CPUTierWeight: 0.8, StorageTierWeight: 0.6},
+			MinOverlapThreshold: 0.3, GPUTierWeight: 1, CPUTierWeight: 0.8, StorageTierWeight: 0.6},
 	}
 }
 
@@ -86,7 +87,7 @@ func sources() []events.SourceStatus {
 func TestStatsBodiesGolden(t *testing.T) {
 	st := snapshot()
 	overlap := snapshot()
-	overlap.Scorer = "kv_overlap"
+	overlap.Scorer, overlap.LoadFactorEpsilon = "kv_overlap", kvroute.DefaultKVLoadFactorEpsilon
 	overlap.Index = nil
 	withTokenizer := admin.NewKVIndexStats(st, nil, kvConfig(), sources())
 	withTokenizer.Tokenizer = &prefixkey.TokenizerStats{Calls: 50, CacheHits: 20, Errors: 1, Timeouts: 1}

@@ -549,8 +549,10 @@ func (c *Config) newKVIndex(client rueidis.Client) (index kvindex.KvCacheIndex, 
 // requests get no block keys.
 //
 // c should be valid: a cache_weight Validate rejects leaves Scorer nil (the Router's default,
-// ExpectedTTFT with its default cache weight). KVConfig panics when c's defaults were not
-// applied. It only reads c.
+// ExpectedTTFT with its default cache weight). LoadFactorEpsilon is set, its default chosen for
+// the configured scorer: a gateway that replaces Scorer should set it to 0 (the Router then
+// picks the default for the scorer it is given) or to its own value. KVConfig panics when c's
+// defaults were not applied. It only reads c.
 func (c *Config) KVConfig(index kvindex.KvCacheIndex, tok prefixkey.Tokenizer) *kvroute.KVConfig {
 	c.mustHaveDefaults("KVConfig")
 	kc := c.KVCacheIndex

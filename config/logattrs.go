@@ -62,7 +62,8 @@ func (c *Config) LogAttrs() []slog.Attr {
 		if kc.Scoring.Scorer == ScorerExpectedTTFT {
 			attrs = append(attrs, slog.Float64("kv_cache_index.scoring.cache_weight", *kc.Scoring.CacheWeight))
 		}
-		attrs = append(attrs, slog.Float64("kv_cache_index.scoring.attention_cost", *kc.Scoring.AttentionCost))
+		attrs = append(attrs, slog.Float64("kv_cache_index.scoring.attention_cost", *kc.Scoring.AttentionCost),
+			slog.Float64("kv_cache_index.scoring.load_factor_epsilon", kc.Scoring.LoadFactorEpsilon))
 		if kc.Backend == "redis" {
 			attrs = append(attrs, slog.String("kv_cache_index.redis.url", RedactURL(c.kvRedisURL())),
 				slog.String("kv_cache_index.redis.key_prefix", orDefault(kc.Redis.KeyPrefix, redisindex.DefaultKeyPrefix)),

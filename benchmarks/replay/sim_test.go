@@ -79,9 +79,10 @@ func TestOraclesBound(t *testing.T) {
 // TestSharedFirstBlock replays a bursty trace whose every request starts with the same block
 // (one prefix key for all): kvroute's default must still spread the load. (Tier 1 alone does
 // not: its overflow walk rarely reaches the last backends clockwise, so it is not checked here.)
-// One engine taking everything would be max/mean 8; tier 4 lets the engine holding a popular
-// document carry up to twice the mean in flight (KVConfig.LoadFactorEpsilon), so request counts
-// over this short trace (30 documents of uneven popularity) may be uneven by a third, not more.
+// One engine taking everything would be max/mean 8; tier 4's expected-TTFT scorer weighs the
+// prefill queued on the engine holding a popular document against what its cache saves (its
+// count bound, KVConfig.LoadFactorEpsilon, never binds with 8 engines), so request counts over
+// this short trace (30 documents of uneven popularity) may be uneven by a third, not more.
 func TestSharedFirstBlock(t *testing.T) {
 	t.Parallel() // a simulation of its own: CPU-bound, it uses the second core
 	w, err := ReadTrace(strings.NewReader(burstyTrace(400, 7)), "bursty")

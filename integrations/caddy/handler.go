@@ -132,7 +132,8 @@ type KVIndex struct {
 	// MinOverlapThreshold is the fraction of a request a backend must hold for tier 4 to take
 	// over (default 0.3).
 	MinOverlapThreshold float64 `json:"min_overlap_threshold,omitempty"`
-	// LoadFactorEpsilon bounds tier 4's choices (default 1.0).
+	// LoadFactorEpsilon bounds tier 4's choices (default 5 under the expected-TTFT scorer:
+	// kvroute.DefaultKVLoadFactorEpsilonExpectedTTFT).
 	LoadFactorEpsilon float64 `json:"load_factor_epsilon,omitempty"`
 	// Speculation is speculate (default with events), approximate (default without) or off.
 	Speculation string `json:"speculation,omitempty"`
