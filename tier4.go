@@ -420,6 +420,7 @@ func (r *DefaultRouter) candidates(s *scratch4, set *backendSet, now int64) {
 			c.Health = st.success.load()
 			c.PendingPrefillTokens = int(max(st.backlog.Load(), 0))
 			c.PendingPrefillWork = st.prefill.pending(now)
+			c.PrefillRate = st.prefill.rate.load() * float64(time.Second)
 			c.RecentShare = st.recent.load() // a logarithm until recentShares
 		}
 		s.cands = append(s.cands, c)

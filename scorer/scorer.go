@@ -40,6 +40,10 @@ type Candidate struct {
 	// unknown (kvroute's Router reports it once the fleet has had a few recent decisions per
 	// backend).
 	RecentShare float64
+	// PrefillRate is the backend's prefill rate as the router measured it from first tokens, in
+	// token-equivalents of PendingPrefillWork per second; 0 when unknown (kvroute's Router
+	// reports it once a few of the backend's prefills have ended).
+	PrefillRate float64
 }
 
 // Request is what a scorer knows of the request itself.

@@ -3,6 +3,7 @@ package scorer
 import (
 	"fmt"
 	"math"
+	"time"
 )
 
 // Defaults of ExpectedTTFTConfig.
@@ -23,6 +24,10 @@ const (
 	// MaxAttentionCost bounds AttentionCost (and kvroute.KVConfig.AttentionCost): at 0.01 a
 	// 100-token prompt's attention already costs as much as the rest of its prefill.
 	MaxAttentionCost = 0.01
+	// DefaultWaitLimit and DefaultWaitPenalty are ExpectedTTFTConfig.WaitLimit and WaitPenalty
+	// when zero.
+	DefaultWaitLimit   = 10 * time.Second
+	DefaultWaitPenalty = 3.0
 )
 
 // maxPendingWork caps a candidate's PendingPrefillWork, so that an unbounded value still ranks
@@ -77,6 +82,16 @@ type ExpectedTTFTConfig struct {
 	// spreading off).
 	HotShare    float64
 	HotDiscount float64
+	// WaitLimit and WaitPenalty keep a request from a long queue on the backend that holds its
+	// prompt: when the prefill queued on a candidate would keep the request waiting longer than
+	// WaitLimit (Candidate.PendingPrefillWork over Candidate.PrefillRate; only candidates whose
+	// rate is known), the work beyond the limit counts 1 + WaitPenalty times in its cost. Below
+	// the limit CacheWeight's trade stands; past it a long wait weighs more than the compute a
+	// hit saves the fleet, which is what a TTFT tail is made of. WaitLimit 0 means
+	// DefaultWaitLimit (10 s), negative turns the limit off; WaitPenalty finite and ≥ 0, 0 means
+	// DefaultWaitPenalty (3).
+	WaitLimit   time.Duration
+	WaitPenalty float64
 }
 
 // ExpectedTTFT is kvroute's default tier-4 scorer: the backend with the lowest expected time to
@@ -84,14 +99,16 @@ type ExpectedTTFTConfig struct {
 // token-equivalents of prefill work (PrefillWork):
 //
 //	own(c)  = PrefillWork(r.Tokens, cached(c), AttentionCost)
-//	cost(c) = (c.PendingPrefillWork + own(c)) / c.Weight + CacheWeight·own(c)
+//	over(c) = max(0, c.PendingPrefillWork − WaitLimit·c.PrefillRate)   (0 when the rate is unknown)
+//	cost(c) = (c.PendingPrefillWork + own(c) + WaitPenalty·over(c)) / c.Weight + CacheWeight·own(c)
 //	score   = −cost
 //
 // where cached(c) is c.CachedTokens weighed by its tiers (times c.Overlap/c.CachedBlocks when
 // below 1: blocks on CPU or storage must be loaded back), and discounted when c receives more
 // than HotShare times its fair share of the recent requests (see HotDiscount). The first term is the request's expected
 // time to first token there (the prefill queued ahead of it, then its own), the second the
-// compute its prefix costs the fleet. Unhealthy candidates score -Inf. When r.Tokens is 0 (a
+// compute its prefix costs the fleet; over(c) is the queue beyond what the request should wait
+// for a hit (see WaitLimit). Unhealthy candidates score -Inf. When r.Tokens is 0 (a
 // request known only by prefix entries), the prompt is taken as long as the best candidate's
 // cached prefix.
 //
@@ -99,6 +116,7 @@ type ExpectedTTFTConfig struct {
 // out is large enough.
 type ExpectedTTFT struct {
 	cacheWeight, attention, hotShare, hotDiscount float64
+	waitLimit, waitPenalty                        float64 // waitLimit in seconds, 0: off
 }
 
 var (
@@ -110,7 +128,7 @@ var (
 // ErrInvalidConfig for a value out of its range.
 func NewExpectedTTFT(cfg ExpectedTTFTConfig) (*ExpectedTTFT, error) {
 	e := &ExpectedTTFT{cacheWeight: cfg.CacheWeight, attention: cfg.AttentionCost, hotShare: cfg.HotShare,
-		hotDiscount: cfg.HotDiscount}
+		hotDiscount: cfg.HotDiscount, waitPenalty: cfg.WaitPenalty}
 	switch {
 	case math.IsNaN(e.cacheWeight) || math.IsInf(e.cacheWeight, 0) || e.cacheWeight < 0:
 		return nil, fmt.Errorf("%w: CacheWeight = %v, want a finite value > 0", ErrInvalidConfig, cfg.CacheWeight)
@@ -120,6 +138,17 @@ func NewExpectedTTFT(cfg ExpectedTTFTConfig) (*ExpectedTTFT, error) {
 		return nil, fmt.Errorf("%w: HotShare = %v, want a finite value ≥ 1", ErrInvalidConfig, cfg.HotShare)
 	case math.IsNaN(e.hotDiscount) || math.IsInf(e.hotDiscount, 0):
 		return nil, fmt.Errorf("%w: HotDiscount = %v, want a finite value", ErrInvalidConfig, cfg.HotDiscount)
+	case math.IsNaN(e.waitPenalty) || math.IsInf(e.waitPenalty, 0) || e.waitPenalty < 0:
+		return nil, fmt.Errorf("%w: WaitPenalty = %v, want a finite value ≥ 0", ErrInvalidConfig, cfg.WaitPenalty)
+	}
+	switch {
+	case cfg.WaitLimit == 0:
+		e.waitLimit = DefaultWaitLimit.Seconds()
+	case cfg.WaitLimit > 0:
+		e.waitLimit = cfg.WaitLimit.Seconds()
+	}
+	if e.waitPenalty == 0 {
+		e.waitPenalty = DefaultWaitPenalty
 	}
 	if e.cacheWeight == 0 {
 		e.cacheWeight = DefaultCacheWeight
@@ -146,11 +175,14 @@ func NewExpectedTTFT(cfg ExpectedTTFTConfig) (*ExpectedTTFT, error) {
 // ExpectedTTFT an AttentionCoster. Safe for concurrent use.
 func (e *ExpectedTTFT) AttentionCost() float64 { return e.attention }
 
-// Config returns the configuration in effect, defaults applied (an AttentionCost or HotDiscount
-// turned off reads as -1). Safe for concurrent use.
+// Config returns the configuration in effect, defaults applied (an AttentionCost, HotDiscount or
+// WaitLimit turned off reads as -1). Safe for concurrent use.
 func (e *ExpectedTTFT) Config() ExpectedTTFTConfig {
 	cfg := ExpectedTTFTConfig{CacheWeight: e.cacheWeight, AttentionCost: e.attention, HotShare: e.hotShare,
-		HotDiscount: e.hotDiscount}
+		HotDiscount: e.hotDiscount, WaitLimit: time.Duration(e.waitLimit * float64(time.Second)), WaitPenalty: e.waitPenalty}
+	if cfg.WaitLimit == 0 {
+		cfg.WaitLimit = -1
+	}
 	if cfg.AttentionCost == 0 {
 		cfg.AttentionCost = -1
 	}
@@ -193,6 +225,10 @@ func (e *ExpectedTTFT) Score(req Request, cands []Candidate, out []float64) []fl
 		pending := min(c.PendingPrefillWork, maxPendingWork)
 		if !(pending > 0) { // NaN or negative: nothing known
 			pending = 0
+		}
+		if rate := c.PrefillRate; e.waitLimit > 0 && rate > 0 && !math.IsInf(rate, 1) {
+			// Work past the wait limit counts 1 + waitPenalty times (NaN rates fail rate > 0).
+			pending += e.waitPenalty * max(pending-e.waitLimit*rate, 0)
 		}
 		w := c.Weight
 		if !(w > 0) || math.IsInf(w, 1) {

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"math"
 	"testing"
+	"time"
 )
 
 // near reports whether a and b agree to a relative 1e-12 (exactly, for infinities).
@@ -115,7 +116,7 @@ func TestPrefillWorkMonotone(t *testing.T) {
 
 func TestNewExpectedTTFT(t *testing.T) {
 	nan, inf := math.NaN(), math.Inf(1)
-	defaults := ExpectedTTFTConfig{CacheWeight: 6, AttentionCost: 2e-5, HotShare: 1.1, HotDiscount: 5}
+	defaults := ExpectedTTFTConfig{CacheWeight: 6, AttentionCost: 2e-5, HotShare: 1.1, HotDiscount: 5, WaitLimit: 10 * time.Second, WaitPenalty: 3}
 	with := func(f func(*ExpectedTTFTConfig)) ExpectedTTFTConfig {
 		c := defaults
 		f(&c)
@@ -128,7 +129,7 @@ func TestNewExpectedTTFT(t *testing.T) {
 		wantErr bool
 	}{
 		{name: "zero means defaults", want: defaults},
-		{name: "defaults are the constants", want: ExpectedTTFTConfig{DefaultCacheWeight, DefaultAttentionCost, DefaultHotShare, DefaultHotDiscount}},
+		{name: "defaults are the constants", want: ExpectedTTFTConfig{DefaultCacheWeight, DefaultAttentionCost, DefaultHotShare, DefaultHotDiscount, DefaultWaitLimit, DefaultWaitPenalty}},
 		{name: "cache weight", cfg: ExpectedTTFTConfig{CacheWeight: 2.5}, want: with(func(c *ExpectedTTFTConfig) { c.CacheWeight = 2.5 })},
 		{name: "small cache weight", cfg: ExpectedTTFTConfig{CacheWeight: 1e-9}, want: with(func(c *ExpectedTTFTConfig) { c.CacheWeight = 1e-9 })},
 		{name: "attention cost", cfg: ExpectedTTFTConfig{AttentionCost: 1e-3}, want: with(func(c *ExpectedTTFTConfig) { c.AttentionCost = 1e-3 })},
@@ -141,8 +142,14 @@ func TestNewExpectedTTFT(t *testing.T) {
 		{name: "hot discount", cfg: ExpectedTTFTConfig{HotDiscount: 0.5}, want: with(func(c *ExpectedTTFTConfig) { c.HotDiscount = 0.5 })},
 		{name: "hot discount off reads -1", cfg: ExpectedTTFTConfig{HotDiscount: -1}, want: with(func(c *ExpectedTTFTConfig) { c.HotDiscount = -1 })},
 		{name: "any negative hot discount is off", cfg: ExpectedTTFTConfig{HotDiscount: -7}, want: with(func(c *ExpectedTTFTConfig) { c.HotDiscount = -1 })},
-		{name: "everything set", cfg: ExpectedTTFTConfig{3, 1e-4, 1.5, 2}, want: ExpectedTTFTConfig{3, 1e-4, 1.5, 2}},
-		{name: "everything off", cfg: ExpectedTTFTConfig{3, -1, 1.5, -1}, want: ExpectedTTFTConfig{3, -1, 1.5, -1}},
+		{name: "everything set", cfg: ExpectedTTFTConfig{3, 1e-4, 1.5, 2, 4 * time.Second, 1}, want: ExpectedTTFTConfig{3, 1e-4, 1.5, 2, 4 * time.Second, 1}},
+		{name: "everything off", cfg: ExpectedTTFTConfig{3, -1, 1.5, -1, -1, 1}, want: ExpectedTTFTConfig{3, -1, 1.5, -1, -1, 1}},
+		{name: "wait limit", cfg: ExpectedTTFTConfig{WaitLimit: 30 * time.Second}, want: with(func(c *ExpectedTTFTConfig) { c.WaitLimit = 30 * time.Second })},
+		{name: "any negative wait limit is off", cfg: ExpectedTTFTConfig{WaitLimit: -time.Hour}, want: with(func(c *ExpectedTTFTConfig) { c.WaitLimit = -1 })},
+		{name: "wait penalty", cfg: ExpectedTTFTConfig{WaitPenalty: 0.5}, want: with(func(c *ExpectedTTFTConfig) { c.WaitPenalty = 0.5 })},
+		{name: "negative wait penalty", cfg: ExpectedTTFTConfig{WaitPenalty: -1}, wantErr: true},
+		{name: "NaN wait penalty", cfg: ExpectedTTFTConfig{WaitPenalty: nan}, wantErr: true},
+		{name: "Inf wait penalty", cfg: ExpectedTTFTConfig{WaitPenalty: inf}, wantErr: true},
 
 		{name: "negative cache weight", cfg: ExpectedTTFTConfig{CacheWeight: -1}, wantErr: true},
 		{name: "NaN cache weight", cfg: ExpectedTTFTConfig{CacheWeight: nan}, wantErr: true},
@@ -558,5 +565,50 @@ func TestExpectedTTFTTierWeight(t *testing.T) {
 	}
 	if best(got, cands) != "gpu" {
 		t.Errorf("best %s, want gpu", best(got, cands))
+	}
+}
+
+// A hit behind a long queue: the holder of a 38,000-token prompt has 26 s of prefill queued (at
+// 13,300 token-equivalents a second), an idle backend holds nothing. Under CacheWeight's trade
+// alone the request waits for its hit (the queue is under seven times what the hit saves); past
+// the wait limit the queue weighs more and the idle backend wins — but only where the rate is
+// known, and not with the limit off.
+func TestExpectedTTFTWaitLimit(t *testing.T) {
+	const tokens, rate = 38000, 13300.0
+	cands := func(r float64) []Candidate {
+		return []Candidate{
+			{Backend: "holder", CachedBlocks: 2368, CachedTokens: 37888, WeightedBlocks: 2368, Weight: 1, Healthy: true,
+				Health: 1, PendingPrefillWork: 26 * rate, PrefillRate: r},
+			{Backend: "idle", Weight: 1, Healthy: true, Health: 1, PrefillRate: r},
+		}
+	}
+	req := Request{Tokens: tokens, Blocks: tokens / 16}
+	for _, tc := range []struct {
+		name string
+		cfg  ExpectedTTFTConfig
+		rate float64
+		want string
+	}{
+		{"default limit, rate known", ExpectedTTFTConfig{}, rate, "idle"},
+		{"default limit, rate unknown", ExpectedTTFTConfig{}, 0, "holder"},
+		{"limit off", ExpectedTTFTConfig{WaitLimit: -1}, rate, "holder"},
+		{"limit above the queue", ExpectedTTFTConfig{WaitLimit: 30 * time.Second}, rate, "holder"},
+		{"no penalty to speak of", ExpectedTTFTConfig{WaitPenalty: 0.01}, rate, "holder"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e, err := NewExpectedTTFT(tc.cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := cands(tc.rate)
+			s := e.Score(req, c, nil)
+			best := c[0].Backend
+			if s[1] > s[0] {
+				best = c[1].Backend
+			}
+			if best != tc.want {
+				t.Errorf("chose %s (scores %v), want %s", best, s, tc.want)
+			}
+		})
 	}
 }
