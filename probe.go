@@ -73,11 +73,13 @@ type ProbeBackend struct {
 	Weight               float64 `json:"weight"`
 	InFlight             int     `json:"in_flight"`
 	PendingPrefillTokens int     `json:"pending_prefill_tokens"`
-	// PendingPrefillWork and RecentShare are scorer.Candidate's (tier 4's estimate of the
-	// prefill work ahead of a new request there, and the backend's share of the recent
-	// decisions over its fair share); 0 with tier 4 off.
+	// PendingPrefillWork, RecentShare and PrefillRate are scorer.Candidate's (tier 4's estimate
+	// of the prefill work ahead of a new request there, the backend's share of the recent
+	// decisions over its fair share, and its prefill rate learned from first tokens, in
+	// token-equivalents per second); 0 with tier 4 off or while unknown.
 	PendingPrefillWork float64 `json:"pending_prefill_work,omitempty"`
 	RecentShare        float64 `json:"recent_share,omitempty"`
+	PrefillRate        float64 `json:"prefill_rate,omitempty"`
 	// CachedBlocks, CachedTokens and WeightedBlocks (tier-weighted blocks) are the index's answer for
 	// the request; CacheTier the slowest tier among the cached blocks (kvindex.Match.Tier), "" when it
 	// holds none. Unhealthy backends are not looked up.
@@ -214,7 +216,7 @@ func (r *DefaultRouter) probeKV(ctx context.Context, req *prefixkey.Request, pk 
 		if res.Backends[j].Backend == s.cands[i].Backend {
 			b := &res.Backends[j]
 			b.CachedBlocks, b.CachedTokens, b.WeightedBlocks = s.cands[i].CachedBlocks, s.cands[i].CachedTokens, s.cands[i].WeightedBlocks
-			b.PendingPrefillWork, b.RecentShare = s.cands[i].PendingPrefillWork, s.cands[i].RecentShare
+			b.PendingPrefillWork, b.RecentShare, b.PrefillRate = s.cands[i].PendingPrefillWork, s.cands[i].RecentShare, s.cands[i].PrefillRate
 			if s.matches[i].Blocks > 0 || s.matches[i].Tokens > 0 {
 				b.CacheTier = s.matches[i].Tier.String()
 			}

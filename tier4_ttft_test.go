@@ -298,3 +298,65 @@ func TestKVScorerAttentionMustMatch(t *testing.T) {
 	_, err = New(Config{Backends: backends(1), KV: &KVConfig{Index: newMemIndex(t), Scorer: linear, AttentionCost: -1}})
 	assert.NoError(t, err)
 }
+
+// A hit waits for its holder while the holder's queue is short, and goes to an idle backend once
+// the queue would keep it past the scorer's wait limit: the Router hands the scorer the rate the
+// holder's first tokens showed (Probe's prefill_rate), and the limit is in time.
+func TestKVWaitLimitSendsHitsPastALongQueue(t *testing.T) {
+	clock := newStepClock()
+	ix := newMemIndex(t)
+	// The hot-prefix spreading off: the holder takes every request here, and its share must not
+	// be what sends the hit away.
+	sc, err := scorer.NewExpectedTTFT(scorer.ExpectedTTFTConfig{HotDiscount: -1})
+	require.NoError(t, err)
+	r := newRouter(t, Config{Backends: backends(2), Now: clock.Now, KV: &KVConfig{Index: ix, Speculation: SpeculationOff, Scorer: sc}})
+	ctx := context.Background()
+	holder := backends(2)[0].Name
+	// Teach the holder its rate: 10,000-token prefills of a second each, three of them on it.
+	for i, onHolder := 0, 0; onHolder < 3; i++ {
+		require.Less(t, i, 20)
+		d, err := r.Route(ctx, tokReq(fmt.Sprint("warm", i), promptTokens(30+i, 10_000)))
+		require.NoError(t, err)
+		clock.advance(time.Second)
+		d.FirstToken()
+		d.Done(Outcome{})
+		if d.Backend == holder {
+			onHolder++
+		}
+	}
+	hot := promptTokens(7, 38_000)
+	storeBlocks(t, ix, holder, hot, 2375, events.TierGPU)
+	rate := probeOf(t, r, hot, holder).PrefillRate
+	require.Greater(t, rate, 0.0, "the holder's rate is known")
+
+	// Queue cold prompts on the holder until its queue is well past the wait limit (under
+	// CacheWeight's trade alone the hit would wait for up to seven times the 66,880 it saves,
+	// 468,160); until the limit the hot prompt goes to its holder.
+	var queued []*Decision
+	defer func() {
+		for _, d := range queued {
+			d.Done(Outcome{})
+		}
+	}()
+	limit := scorer.DefaultWaitLimit.Seconds() * rate
+	for i := 0; probeOf(t, r, hot, holder).PendingPrefillWork <= limit*2.5; i++ {
+		require.Less(t, i, 100)
+		b := probeOf(t, r, hot, holder)
+		d, err := r.Route(ctx, tokReq("hot", hot))
+		require.NoError(t, err)
+		d.Done(Outcome{NotSent: true})
+		if b.PendingPrefillWork < limit {
+			assert.Equal(t, holder, d.Backend, "a queue of %.0f work (limit %.0f) is worth waiting for", b.PendingPrefillWork, limit)
+		}
+		// A cold prompt, kept on the holder by a retry's avoidance of the other backend.
+		dc, err := r.Route(WithAvoid(ctx, backends(2)[1].Name), tokReq(fmt.Sprint("cold", i), promptTokens(100+i, 20_000)))
+		require.NoError(t, err)
+		require.Equal(t, holder, dc.Backend)
+		queued = append(queued, dc)
+	}
+	d, err := r.Route(ctx, tokReq("hot", hot))
+	require.NoError(t, err)
+	defer d.Done(Outcome{})
+	assert.NotEqual(t, holder, d.Backend, "%.0f work queued, far past the wait limit: the idle backend answers sooner",
+		probeOf(t, r, hot, holder).PendingPrefillWork)
+}

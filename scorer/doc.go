@@ -9,7 +9,9 @@
 //     divided by the backend's weight), plus CacheWeight times the request's own prefill work,
 //     the compute a cache miss costs the rest of the fleet. With the other backends idle, the one
 //     holding the prefix keeps the request until the work queued on it exceeds
-//     (1 + CacheWeight) times the prefill the prefix saves (at weight 1). A backend taking more
+//     (1 + CacheWeight) times the prefill the prefix saves (at weight 1), or would keep the
+//     request waiting past WaitLimit (10 s at the backend's learned prefill rate), beyond which
+//     the queue weighs 1 + WaitPenalty times as much. A backend taking more
 //     than its share of the recent requests (Candidate.RecentShare) has its cached prefix
 //     discounted, so that a hot prefix family gets warmed on a second backend.
 //   - PrefillWork is the prefill cost model ExpectedTTFT and kvroute's router share, in

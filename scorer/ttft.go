@@ -62,7 +62,8 @@ type ExpectedTTFTConfig struct {
 	// rest of the fleet (the recomputed prefix delays every request queued behind it). A prompt
 	// the holder has cached whole stays there while the work queued ahead of it is under
 	// 1 + CacheWeight times the prefill it saves (its own wait counts once, the fleet's
-	// compute CacheWeight times): seven times with the default 6. Range: finite and ≥ 0; 0
+	// compute CacheWeight times): seven times with the default 6, unless that queue is longer
+	// than WaitLimit, past which it weighs more (see WaitLimit). Range: finite and ≥ 0; 0
 	// means DefaultCacheWeight.
 	CacheWeight float64
 	// AttentionCost is PrefillWork's attentionCost, which a kvroute Router also computes
