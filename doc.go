@@ -95,6 +95,21 @@
 // TTL) and, with a scorer that tracks them (scorer.SequenceTracker), its active
 // sequences.
 //
+// Peers' decisions arrive late (Config.PeerDelay: the sync's batching and the network), and in
+// the meantime the replicas route by views that do not yet hold each other's latest decisions.
+// Alike views send a burst of arrivals at every replica to the same least-busy backend. Tier 4
+// therefore counts the prefill work the peers are expected to route unseen — their recent rate
+// of routed work over twice PeerDelay, for a decision neither sees the peers' of the last
+// PeerDelay nor reaches them for the next — on the backends that look least busy, raising the
+// least pending work to a common level. When at least one of the peers' decisions is expected
+// unseen, it breaks ties by a hash of the request rather than by the in-flight counts that the
+// replicas share, and a replica whose Config.Peers names it (a ReplicaID method, as natsync.Sync
+// has) takes its own share of the tied backends, the less loaded of it: with K replicas holding
+// decisions in flight, in the order of their names, the i-th takes every K-th backend (in the
+// order of the backends' names) from the i-th, when there are at least 2K. Without peers'
+// decisions nothing changes; set PeerDelay to the delay you measure (natsync batches for
+// FlushInterval).
+//
 // Lost messages cost accuracy, never correctness: a peer decision whose end never arrives is
 // dropped Config.PeerMaxAge after it arrived, a peer that falls silent is dropped with ForgetPeer,
 // and an engine report older than Config.EngineLoadMaxAge no longer counts (both by Config.Now,

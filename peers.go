@@ -137,6 +137,12 @@ type peers struct {
 	// peerNext is when the oldest peer decision expires (a deadline), 0 when there is none: Route
 	// sweeps once it has passed.
 	peerNext atomic.Int64
+	// rate is the peers' recent rate of routed prefill work, self this replica's name (from
+	// Config.Peers' ReplicaID, "" when it has none) and share its place among the replicas with
+	// decisions in flight (unseen.go).
+	rate  peerRate
+	self  string
+	share atomic.Uint64
 }
 
 // engineReport is a backend's latest engine-reported load.
@@ -173,7 +179,9 @@ func (r *DefaultRouter) ApplyPeerEvent(replica string, ev PeerEvent) {
 		if n := int64(min(ev.PrefillTokens, maxReportedLoad)); n > 0 {
 			e.backlog = n
 			st.backlog.Add(n)
-			st.prefill.add(&e.prefill, r.peerWork(int(n), len(ev.BlockKeys)), r.since(now))
+			w := r.peerWork(int(n), len(ev.BlockKeys))
+			st.prefill.add(&e.prefill, w, r.since(now))
+			p.rate.add(float64(w), r.since(now))
 		}
 		if r.kv != nil && len(ev.BlockKeys) > 0 {
 			// A decision of the peer's that tier 4 made (it carries block keys) counts in the
@@ -192,7 +200,9 @@ func (r *DefaultRouter) ApplyPeerEvent(replica string, ev PeerEvent) {
 		if p.order.Len() == 1 {
 			p.peerNext.Store(r.deadline(now.Add(r.cfg.PeerMaxAge)))
 		}
-		p.byPeer[replica]++
+		if p.byPeer[replica]++; p.byPeer[replica] == 1 {
+			p.reshareLocked()
+		}
 		st.peerInFlight.Add(1)
 		r.updateExternalLocked(st)
 		p.mu.Unlock()
@@ -258,6 +268,7 @@ func (r *DefaultRouter) dropPeerLocked(e *peerEntry) {
 	p.order.Remove(e.elem)
 	if p.byPeer[e.key.replica]--; p.byPeer[e.key.replica] <= 0 {
 		delete(p.byPeer, e.key.replica)
+		p.reshareLocked()
 	}
 	e.st.peerInFlight.Add(-1)
 	r.updateExternalLocked(e.st)

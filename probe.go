@@ -74,7 +74,8 @@ type ProbeBackend struct {
 	InFlight             int     `json:"in_flight"`
 	PendingPrefillTokens int     `json:"pending_prefill_tokens"`
 	// PendingPrefillWork, RecentShare and PrefillRate are scorer.Candidate's (tier 4's estimate
-	// of the prefill work ahead of a new request there, the backend's share of the recent
+	// of the prefill work ahead of a new request there, router replicas' unseen work included
+	// (Config.PeerDelay), the backend's share of the recent
 	// decisions over its fair share, and its prefill rate learned from first tokens, in
 	// token-equivalents per second); 0 with tier 4 off or while unknown.
 	PendingPrefillWork float64 `json:"pending_prefill_work,omitempty"`
@@ -297,9 +298,12 @@ func (r *DefaultRouter) probeKV(ctx context.Context, req *prefixkey.Request, pk 
 // probePick is acquireHighest without the acquisition: the best of s.work whose backend is under
 // tier 4's bound, with the tie-break turn the next Route would use; -1 when all are at it.
 func (r *DefaultRouter) probePick(s *scratch4, pos []*ProbeBackend) int {
-	turn := int((r.kv.tieTurn.Load() + 1) % uint64(max(len(s.work), 1)))
+	turn := r.tieStart(s, r.kv.tieTurn.Load()+1)
 	for {
-		i := scorer.PickBestFrom(s.work, s.cands, turn)
+		i := scorer.PickBestFrom(s.work, s.tieCands(), turn)
+		if s.tie == tieShare {
+			i = r.ownTie(s, i, turn)
+		}
 		if i < 0 {
 			return -1
 		}

@@ -200,11 +200,21 @@ type Config struct {
 	// Peers, when set, receives this Router's decision events (Route's decisions, their
 	// FirstToken and Done) to share with the other router replicas, which apply them with
 	// ApplyPeerEvent; see "Router replicas" in the package documentation. nil shares nothing.
+	// When Peers also has a method ReplicaID() string (natsync.Sync has), naming this replica as
+	// its peers name it in ApplyPeerEvent, the replicas take different backends among those that
+	// look equally idle to all of them.
 	Peers PeerPublisher
 	// PeerMaxAge is how long a peer's decision whose end never arrived keeps weighing on its
 	// backend; 0 means DefaultPeerMaxAge (5 minutes). Set it above your longest request. At most
 	// 24 hours.
 	PeerMaxAge time.Duration
+	// PeerDelay is how late this Router applies a peer's decision (ApplyPeerEvent) after the peer
+	// made it: the sync's batching and the network. Tier 4 counts the prefill work the peers are
+	// expected to have routed in that time, which this Router has not seen, on the backends that
+	// look least busy, where their decisions went; without peers' decisions it changes nothing.
+	// 0 means DefaultPeerDelay (5 ms, natsync's default batching); negative turns the estimate
+	// off. At most 1 minute.
+	PeerDelay time.Duration
 	// EngineLoadMaxAge is how long an engine's reported load (ReportEngineLoad) counts; 0 means
 	// DefaultEngineLoadMaxAge (10 s). Set it to a few scrape intervals. At most 1 hour.
 	EngineLoadMaxAge time.Duration
@@ -247,6 +257,9 @@ func (c Config) withDefaults() Config {
 	if c.PeerMaxAge == 0 {
 		c.PeerMaxAge = DefaultPeerMaxAge
 	}
+	if c.PeerDelay == 0 {
+		c.PeerDelay = DefaultPeerDelay
+	}
 	if c.EngineLoadMaxAge == 0 {
 		c.EngineLoadMaxAge = DefaultEngineLoadMaxAge
 	}
@@ -265,6 +278,9 @@ func (c Config) validate() error {
 	}
 	if c.PeerMaxAge < 0 || c.PeerMaxAge > 24*time.Hour {
 		return fmt.Errorf("%w: PeerMaxAge %v not in (0, 24h]", ErrInvalidConfig, c.PeerMaxAge)
+	}
+	if c.PeerDelay > time.Minute {
+		return fmt.Errorf("%w: PeerDelay %v is above 1m", ErrInvalidConfig, c.PeerDelay)
 	}
 	if c.MaxDecisionAge > 24*time.Hour {
 		return fmt.Errorf("%w: MaxDecisionAge %v is above 24h", ErrInvalidConfig, c.MaxDecisionAge)
@@ -421,6 +437,9 @@ func New(cfg Config) (*DefaultRouter, error) {
 	// Decision ids shared with peers start at random, so that a Router built by a reload, sharing
 	// its replica id with the one it replaces, does not reuse that one's ids.
 	r.peerSeq.Store(rand.Uint64() >> 8)
+	if n, ok := cfg.Peers.(replicaNamer); ok {
+		r.peers.self = n.ReplicaID()
+	}
 	r.disaggSide.r = r
 	if cfg.KV != nil {
 		if r.kv, err = newTier4(*cfg.KV); err != nil {

@@ -177,8 +177,12 @@ type scratch4 struct {
 	loads   []chwbl.Load
 	work    []float64
 	avoid   []string // the backends Route must not choose (WithAvoid), nil for none
+	order   []int    // spreadUnseen's scratch
+	byName  []int    // with tieShare: the candidates' indices in the order of their names
 	ntok    int      // the request's prompt tokens (0: not tokenized)
 	looked  bool     // matches holds an index answer for names
+	// tie is how acquireHighest breaks ties among the best candidates (unseen.go).
+	tie tieMode
 }
 
 func newTier4(cfg KVConfig) (*tier4, error) {
@@ -429,6 +433,18 @@ func (r *DefaultRouter) candidates(s *scratch4, set *backendSet, now int64) {
 	if r.kv.active != nil {
 		r.kv.active.Fill(s.cands)
 	}
+	s.tie, s.byName = tieUsual, s.byName[:0]
+	if u, n := r.unseenPeerWork(now); u > 0 {
+		s.order = spreadUnseen(s.cands, u, s.order)
+		switch k := int(r.peers.share.Load() >> 32); {
+		case k > 1 && len(s.cands) >= 2*k:
+			s.tie, s.byName = tieShare, sortedByName(s.cands, s.byName)
+		case k > 1: // a share of one backend or none leaves nothing to choose by load
+			s.tie = tieUsual
+		case n >= 1:
+			s.tie = tieHash
+		}
+	}
 }
 
 // minRecentPerBackend is how many recent decisions (decayed, see backendState.noteDecision) per
@@ -583,9 +599,12 @@ func (t *tier4) leastWorkScores(s *scratch4) {
 // or -1 when all are at their bound. Repeated picks rather than a sort: the first try nearly
 // always succeeds.
 func (r *DefaultRouter) acquireHighest(s *scratch4, d *Decision) int {
-	turn := int(r.kv.tieTurn.Add(1) % uint64(max(len(s.work), 1)))
+	turn := r.tieStart(s, r.kv.tieTurn.Add(1))
 	for {
-		i := scorer.PickBestFrom(s.work, s.cands, turn)
+		i := scorer.PickBestFrom(s.work, s.tieCands(), turn)
+		if s.tie == tieShare {
+			i = r.ownTie(s, i, turn)
+		}
 		if i < 0 {
 			return -1
 		}
@@ -594,6 +613,32 @@ func (r *DefaultRouter) acquireHighest(s *scratch4, d *Decision) int {
 		}
 		s.work[i] = math.Inf(-1)
 	}
+}
+
+// tieStart is where acquireHighest's scan for the best starts, given the rotation's next turn:
+// the turn, or, when the replicas' ties are broken apart (tieHash, tieShare), a hash of the
+// request's last block key and length. Replicas of one fleet whose views are alike then break
+// ties by the request, not by counters that may move in step, so that the different requests of
+// a burst spread over the tied backends.
+func (r *DefaultRouter) tieStart(s *scratch4, turn uint64) int {
+	n := uint64(max(len(s.work), 1))
+	if s.tie != tieUsual && len(s.keys) > 0 {
+		h := s.keys[len(s.keys)-1] ^ uint64(s.ntok)*0x9e3779b97f4a7c15
+		h ^= h >> 29
+		h *= 0xbf58476d1ce4e5b9
+		h ^= h >> 32
+		return int(h % n)
+	}
+	return int(turn % n)
+}
+
+// tieCands is the candidates for PickBestFrom's tie-break by load: none (ties go round) under
+// tieHash.
+func (s *scratch4) tieCands() []scorer.Candidate {
+	if s.tie == tieHash {
+		return nil
+	}
+	return s.cands
 }
 
 // addBacklog puts the request's prompt tokens that d's backend does not hold (by the index's

@@ -248,7 +248,8 @@ func TestKVHotPrefixSpreads(t *testing.T) {
 // a prompt as long as its block keys.
 func TestKVPeerDecisionWork(t *testing.T) {
 	clock := newStepClock()
-	r := newRouter(t, Config{Backends: backends(2), Now: clock.Now,
+	// PeerDelay off: the peers' unseen work (TestUnseenPeerWork) would fill the idle backends.
+	r := newRouter(t, Config{Backends: backends(2), Now: clock.Now, PeerDelay: -1,
 		KV: &KVConfig{Index: newMemIndex(t), Speculation: SpeculationOff}})
 	name := backends(2)[1].Name
 	keys := make([]uint64, 100)

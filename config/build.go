@@ -99,6 +99,7 @@ func (c *Config) RouterConfig(o Options) (kvroute.Config, error) {
 	}
 	if c.Replicas.Enabled {
 		rcfg.PeerMaxAge = time.Duration(c.Replicas.PeerMaxAge)
+		rcfg.PeerDelay = time.Duration(c.Replicas.PeerDelay)
 	}
 	if c.EngineMetrics.Enabled {
 		rcfg.EngineLoadMaxAge = time.Duration(c.EngineMetrics.MaxAge)

@@ -500,6 +500,10 @@ type ReplicasConfig struct {
 	// PeerMaxAge drops a peer's request whose end never arrived after this long (default 5m; set
 	// it above your longest request).
 	PeerMaxAge Duration `yaml:"peer_max_age"`
+	// PeerDelay is how late a peer's decision reaches this replica (default 5ms, natsync's
+	// batching; at most 1m): tier 4 counts the work the peers route in twice that time, unseen,
+	// on the least-busy backends (kvroute.Config.PeerDelay). Set it to the delay you measure.
+	PeerDelay Duration `yaml:"peer_delay"`
 	// EventLog keeps the engines' KV events in a JetStream stream (needs kv_cache_index.enabled).
 	EventLog EventLogConfig `yaml:"event_log"`
 }

@@ -253,6 +253,9 @@ func (c *Config) ApplyDefaults() {
 	if rp.PeerMaxAge == 0 {
 		rp.PeerMaxAge = Duration(kvroute.DefaultPeerMaxAge)
 	}
+	if rp.PeerDelay == 0 {
+		rp.PeerDelay = Duration(kvroute.DefaultPeerDelay)
+	}
 	el := &rp.EventLog
 	if el.Stream == "" {
 		el.Stream = DefaultEventStream

@@ -42,6 +42,7 @@ replicas:
 	rc, err := c.RouterConfig(Options{})
 	require.NoError(t, err)
 	assert.Equal(t, kvroute.DefaultPeerMaxAge, rc.PeerMaxAge)
+	assert.Equal(t, kvroute.DefaultPeerDelay, rc.PeerDelay)
 	assert.Equal(t, 10*time.Second, rc.EngineLoadMaxAge)
 }
 
@@ -54,6 +55,8 @@ func TestReplicasValidation(t *testing.T) {
 		{"replicas: {enabled: true, replica_id: \"a b\"}", "replicas.replica_id"},
 		{"replicas: {enabled: true, heartbeat: 10ms}", "replicas.heartbeat"},
 		{"replicas: {enabled: true, heartbeat: 1s, peer_timeout: 1s}", "replicas.peer_timeout"},
+		{"replicas: {enabled: true, peer_delay: 2m}", "replicas.peer_delay"},
+		{"replicas: {enabled: true, peer_delay: -5ms}", "replicas.peer_delay"},
 		{"replicas: {event_log: {enabled: true}}", "needs replicas.enabled"},
 		{"replicas: {enabled: true, event_log: {enabled: true, stream: \"a>b\"}}", "replicas.event_log.stream"},
 		{"replicas: {enabled: true, event_log: {enabled: true, snapshot_interval: 10ms}}", "replicas.event_log.snapshot_interval"},

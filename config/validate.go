@@ -186,6 +186,9 @@ func (c *Config) validateReplicas(fe *fieldErrors) {
 	if rp.PeerMaxAge <= 0 || time.Duration(rp.PeerMaxAge) > 24*time.Hour {
 		fe.add("replicas.peer_max_age", "%v is not in (0, 24h]", time.Duration(rp.PeerMaxAge))
 	}
+	if rp.PeerDelay <= 0 || time.Duration(rp.PeerDelay) > time.Minute {
+		fe.add("replicas.peer_delay", "%v is not in (0, 1m]", time.Duration(rp.PeerDelay))
+	}
 	if el := rp.EventLog; el.Enabled {
 		if !c.KVCacheIndex.Enabled {
 			fe.add("replicas.event_log.enabled", "needs kv_cache_index.enabled")

@@ -28,6 +28,13 @@
 // health and engine-reported load are not shared: the engines' KV events, the health checks and
 // package enginemetrics give each replica those.
 //
+// An event waits up to Config.FlushInterval (5 ms) for others to share its message, then crosses
+// the network: the router's kvroute.Config.PeerDelay (5 ms by default) should be that delay as
+// you measure it, for the router counts the peers' work of twice that time, which it cannot have
+// seen yet, on its least-busy backends. A Sync names its replica (ReplicaID), and a router whose
+// Config.Peers it is takes its own share of the backends that look equally idle to all the
+// replicas, so that their decisions in that time land apart.
+//
 // # Guarantees
 //
 // Delivery is at most once, in order per sender. A lost message costs accuracy, never

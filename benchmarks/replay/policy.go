@@ -78,9 +78,10 @@ type policyEnv struct {
 	capacityBlocks int // per engine, in blocks of blockSize
 	model          string
 	seed           uint64
-	// peers and engineLoadMaxAge set kvroute.Config's Peers and EngineLoadMaxAge of a router
-	// replica (nil and 0 for a single router).
+	// peers, peerDelay and engineLoadMaxAge set kvroute.Config's Peers, PeerDelay and
+	// EngineLoadMaxAge of a router replica (nil and 0 for a single router).
 	peers            kvroute.PeerPublisher
+	peerDelay        time.Duration
 	engineLoadMaxAge time.Duration
 }
 
@@ -179,7 +180,7 @@ type kvRouter struct {
 
 // newKVRouter builds the router; feed says whether KV events go to ix.
 func newKVRouter(cfg kvroute.Config, env policyEnv, ix *kvindex.MemoryIndex, feed bool) (router, error) {
-	cfg.Peers, cfg.EngineLoadMaxAge = env.peers, env.engineLoadMaxAge
+	cfg.Peers, cfg.PeerDelay, cfg.EngineLoadMaxAge = env.peers, env.peerDelay, env.engineLoadMaxAge
 	r, err := kvroute.New(cfg)
 	if err != nil {
 		if ix != nil {

@@ -48,6 +48,18 @@ const (
 // The Router ages reports by its Config.Now, the simulation's clock.
 func engineLoadMaxAge(scrape time.Duration) time.Duration { return min(5*scrape, time.Hour) }
 
+// peerDelay is the replicas' kvroute.Config.PeerDelay: Config.PeerDelay, else the sync's own
+// delay (an operator sets the delay they measure), else the smallest the Router takes.
+func (c Config) peerDelay() time.Duration {
+	switch {
+	case c.PeerDelay != 0:
+		return c.PeerDelay
+	case c.SyncDelay > 0:
+		return c.SyncDelay
+	}
+	return time.Nanosecond
+}
+
 func (c Config) peerSync() bool    { return c.Sync == SyncPeers || c.Sync == SyncBoth }
 func (c Config) metricsSync() bool { return c.Sync == SyncMetrics || c.Sync == SyncBoth }
 
@@ -67,7 +79,11 @@ type replicaSet struct {
 type peerLink struct {
 	s    *sim
 	from int32
+	name string
 }
+
+// ReplicaID names the replica, as the others name it in ApplyPeerEvent.
+func (p *peerLink) ReplicaID() string { return p.name }
 
 func (p *peerLink) PublishPeerEvent(ev kvroute.PeerEvent) {
 	ev.BlockKeys = slices.Clone(ev.BlockKeys)
@@ -82,7 +98,8 @@ func newReplicaSet(s *sim, policy string, env policyEnv) (*replicaSet, error) {
 		set.names[j] = "replica-" + strconv.Itoa(j)
 		e := env
 		if s.cfg.peerSync() {
-			e.peers = &peerLink{s: s, from: int32(j)}
+			e.peers = &peerLink{s: s, from: int32(j), name: set.names[j]}
+			e.peerDelay = s.cfg.peerDelay()
 		}
 		e.engineLoadMaxAge = engineLoadMaxAge(set.s.cfg.ScrapePeriod)
 		pol, err := newRouter(policy, e)

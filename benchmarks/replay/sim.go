@@ -71,6 +71,10 @@ type Config struct {
 	// SyncDelay is the time from a replica's decision event (kvroute.PeerEvent) to the other
 	// replicas applying it, under SyncPeers and SyncBoth.
 	SyncDelay time.Duration
+	// PeerDelay is the replicas' kvroute.Config.PeerDelay (how late they expect peers'
+	// decisions); 0 means SyncDelay, as an operator who measured it would set; negative turns
+	// the Router's estimate of peers' unseen work off.
+	PeerDelay time.Duration
 	// ScrapePeriod is the interval between a replica's reports of the engines' load
 	// (kvroute.DefaultRouter.ReportEngineLoad) under SyncMetrics and SyncBoth
 	// (DefaultScrapePeriod).

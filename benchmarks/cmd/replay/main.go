@@ -57,7 +57,7 @@ type options struct {
 	replicas                                     int
 	sweepReplicas                                string
 	sync, spread, cpuProfile                     string
-	syncDelay, scrapePeriod                      time.Duration
+	syncDelay, peerDelay, scrapePeriod           time.Duration
 	gridEngines, gridCapacity, gridUtilisation   string
 	parallel                                     int
 	burstPeriod                                  time.Duration
@@ -92,6 +92,7 @@ func run(args []string, stdout io.Writer) error {
 	fs.IntVar(&o.replicas, "replicas", 1, "router replicas: each policy with router state runs as that many instances, arrivals spread over them")
 	fs.StringVar(&o.sync, "sync", replay.SyncNone, "what router replicas share beyond the engines' KV events: none, metrics (engine load every -scrape-period), peers (decision events after -sync-delay) or both")
 	fs.DurationVar(&o.syncDelay, "sync-delay", 5*time.Millisecond, "with -sync peers or both: delay before the other replicas apply a replica's decision event")
+	fs.DurationVar(&o.peerDelay, "peer-delay", 0, "with -sync peers or both: the replicas' kvroute.Config.PeerDelay, how late they expect peers' decisions (0: -sync-delay, as an operator who measured it sets; negative: their estimate of peers' unseen work off)")
 	fs.DurationVar(&o.scrapePeriod, "scrape-period", replay.DefaultScrapePeriod, "with -sync metrics or both: interval of each replica's engine-load reports")
 	fs.StringVar(&o.spread, "spread", replay.SpreadRandom, "how arrivals are spread over router replicas: random (seeded, as an L4 load balancer) or round_robin")
 	fs.StringVar(&o.sweepReplicas, "sweep-replicas", "1,2,4,8", "with -sweep replicas: the comma-separated replica counts")
@@ -509,7 +510,7 @@ func startCPUProfile(path string) (stop func(), err error) {
 func (o options) config() replay.Config {
 	c := replay.Config{Engines: o.engines, CapacityTokens: o.capacity, BlockSize: o.blockSize,
 		Utilisation: o.utilisation, EventLag: o.lag, ParallelPrefill: o.parallelPrefill, Replicas: o.replicas,
-		Sync: o.sync, SyncDelay: o.syncDelay, ScrapePeriod: o.scrapePeriod, Spread: o.spread, Latency: o.latency()}
+		Sync: o.sync, SyncDelay: o.syncDelay, PeerDelay: o.peerDelay, ScrapePeriod: o.scrapePeriod, Spread: o.spread, Latency: o.latency()}
 	if o.burstPeriod != 0 {
 		c.BurstPeriod, c.BurstDuty = o.burstPeriod, o.burstDuty
 	}
