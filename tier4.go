@@ -434,7 +434,8 @@ func (r *DefaultRouter) candidates(s *scratch4, set *backendSet, now int64) {
 		r.kv.active.Fill(s.cands)
 	}
 	s.tie, s.byName = tieUsual, s.byName[:0]
-	if u, n := r.unseenPeerWork(now); u > 0 {
+	u, n := r.unseenPeerWork(now)
+	if u, n = capUnseen(u, n, len(s.cands)); u > 0 {
 		s.order = spreadUnseen(s.cands, u, s.order)
 		switch k := int(r.peers.share.Load() >> 32); {
 		case k > 1 && len(s.cands) >= 2*k:

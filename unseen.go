@@ -77,6 +77,17 @@ func (r *DefaultRouter) unseenPeerWork(now int64) (work, decisions float64) {
 	return w * f, r.peers.rate.n.load() * f
 }
 
+// capUnseen returns, for n candidates, the unseen work u of decisions unseen decisions, scaled
+// down to at most one decision per candidate: more would have the whole fleet look alike, and
+// peers that report too much (a fault, a hostile peer) must not flatten away the backends' real
+// loads.
+func capUnseen(u, decisions float64, n int) (float64, float64) {
+	if c := float64(n); decisions > c {
+		return u * c / decisions, c
+	}
+	return u, decisions
+}
+
 // spreadUnseen puts u of work, the peers' decisions this Router has not seen, on the healthy
 // candidates with the least pending prefill work per unit of weight, as water fills a vessel:
 // it raises the lowest of them to the one level that takes u, and leaves the others. order is

@@ -43,6 +43,15 @@ func TestSpreadUnseen(t *testing.T) {
 	}
 }
 
+func TestCapUnseen(t *testing.T) {
+	u, n := capUnseen(800, 8, 16)
+	assert.Equal(t, [2]float64{800, 8}, [2]float64{u, n}, "fewer unseen decisions than candidates")
+	u, n = capUnseen(8000, 80, 16)
+	assert.Equal(t, [2]float64{1600, 16}, [2]float64{u, n}, "at most one per candidate, at their mean work")
+	u, n = capUnseen(0, 0, 0)
+	assert.Equal(t, [2]float64{0, 0}, [2]float64{u, n})
+}
+
 // The peers' unseen work is their decayed rate of routed prefill work times twice PeerDelay, and
 // their unseen decisions likewise; a negative PeerDelay turns them off, and without peers'
 // decisions there are none.
