@@ -98,17 +98,23 @@
 // Peers' decisions arrive late (Config.PeerDelay: the sync's batching and the network), and in
 // the meantime the replicas route by views that do not yet hold each other's latest decisions.
 // Alike views send a burst of arrivals at every replica to the same least-busy backend. Tier 4
-// therefore counts the prefill work the peers are expected to route unseen — their recent rate
-// of routed work over twice PeerDelay, for a decision neither sees the peers' of the last
-// PeerDelay nor reaches them for the next — on the backends that look least busy, raising the
-// least pending work to a common level. When at least one of the peers' decisions is expected
-// unseen, it breaks ties by a hash of the request rather than by the in-flight counts that the
-// replicas share, and a replica whose Config.Peers names it (a ReplicaID method, as natsync.Sync
-// has) takes its own share of the tied backends, the less loaded of it: with K replicas holding
-// decisions in flight, in the order of their names, the i-th takes every K-th backend (in the
-// order of the backends' names) from the i-th, when there are at least 2K. Without peers'
-// decisions nothing changes; set PeerDelay to the delay you measure (natsync batches for
-// FlushInterval).
+// therefore estimates the peers' work that a decision cannot see: their recent rate of routed
+// prefill work times twice PeerDelay (the peers' decisions of the last PeerDelay have not reached
+// this Router, and its own will not reach them for the next), at most one decision per backend.
+// It puts that work on the backends that look least busy, raising the least pending work to a
+// common level. When at least one of the peers' decisions is expected unseen, it also breaks the
+// ties among the best backends apart from the other replicas, rather than by the in-flight counts
+// that all of them share and would break alike. Tied backends whose in-flight requests are
+// within the unseen decisions of the least loaded's count as loaded alike; among those, a replica
+// whose Config.Peers names it (a ReplicaID method, as natsync.Sync has) takes the less loaded in
+// its own share — with K replicas holding decisions in flight here, in the order of their names,
+// the i-th replica's share is every K-th backend, in the order of the backends' names, from the
+// i-th — when there are at least 2K backends and its share holds one; otherwise the first from a
+// hash of the request. Each replica counts K as it sees it (its peers with decisions in flight
+// and itself), so shares may overlap for a while when one replica is idle. Without peers'
+// decisions nothing changes. Set PeerDelay to the delay of your sync (natsync: FlushInterval plus
+// the network's one-way delay); a peer that reports too much work (a fault, a hostile peer) can
+// make the backends' pending work look alike, as its decisions in flight already can.
 //
 // Lost messages cost accuracy, never correctness: a peer decision whose end never arrives is
 // dropped Config.PeerMaxAge after it arrived, a peer that falls silent is dropped with ForgetPeer,

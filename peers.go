@@ -138,11 +138,13 @@ type peers struct {
 	// sweeps once it has passed.
 	peerNext atomic.Int64
 	// rate is the peers' recent rate of routed prefill work, self this replica's name (from
-	// Config.Peers' ReplicaID, "" when it has none) and share its place among the replicas with
-	// decisions in flight (unseen.go).
-	rate  peerRate
-	self  string
-	share atomic.Uint64
+	// Config.Peers' ReplicaID, "" when it has none), others and below the peers with decisions
+	// in flight here and those of them whose names sort before self, and share this replica's
+	// place among them (unseen.go).
+	rate          peerRate
+	self          string
+	others, below int
+	share         atomic.Uint64
 }
 
 // engineReport is a backend's latest engine-reported load.
@@ -201,7 +203,7 @@ func (r *DefaultRouter) ApplyPeerEvent(replica string, ev PeerEvent) {
 			p.peerNext.Store(r.deadline(now.Add(r.cfg.PeerMaxAge)))
 		}
 		if p.byPeer[replica]++; p.byPeer[replica] == 1 {
-			p.reshareLocked()
+			p.reshareLocked(replica, true)
 		}
 		st.peerInFlight.Add(1)
 		r.updateExternalLocked(st)
@@ -268,7 +270,7 @@ func (r *DefaultRouter) dropPeerLocked(e *peerEntry) {
 	p.order.Remove(e.elem)
 	if p.byPeer[e.key.replica]--; p.byPeer[e.key.replica] <= 0 {
 		delete(p.byPeer, e.key.replica)
-		p.reshareLocked()
+		p.reshareLocked(e.key.replica, false)
 	}
 	e.st.peerInFlight.Add(-1)
 	r.updateExternalLocked(e.st)

@@ -300,10 +300,7 @@ func (r *DefaultRouter) probeKV(ctx context.Context, req *prefixkey.Request, pk 
 func (r *DefaultRouter) probePick(s *scratch4, pos []*ProbeBackend) int {
 	turn := r.tieStart(s, r.kv.tieTurn.Load()+1)
 	for {
-		i := scorer.PickBestFrom(s.work, s.tieCands(), turn)
-		if s.tie == tieShare {
-			i = r.ownTie(s, i, turn)
-		}
+		i := r.breakTie(s, scorer.PickBestFrom(s.work, s.cands, turn), turn)
 		if i < 0 {
 			return -1
 		}

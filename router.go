@@ -209,10 +209,13 @@ type Config struct {
 	// 24 hours.
 	PeerMaxAge time.Duration
 	// PeerDelay is how late this Router applies a peer's decision (ApplyPeerEvent) after the peer
-	// made it: the sync's batching and the network. Tier 4 counts the prefill work the peers are
-	// expected to have routed in that time, which this Router has not seen, on the backends that
-	// look least busy, where their decisions went; without peers' decisions it changes nothing.
-	// 0 means DefaultPeerDelay (5 ms, natsync's default batching); negative turns the estimate
+	// made it: the sync's batching plus the network's one-way delay (with natsync, its
+	// FlushInterval plus that delay). With tier 4 on (KV), the Router counts the prefill work the
+	// peers route in twice that time — their decisions it has not seen yet, and those that will
+	// not see its own — on the backends that look least busy, and, when at least one such
+	// decision is expected, breaks ties among those backends apart from the other replicas (see
+	// "Router replicas" in the package documentation). Without peers' decisions it changes
+	// nothing. 0 means DefaultPeerDelay (5 ms, natsync's default batching); negative turns it
 	// off. At most 1 minute.
 	PeerDelay time.Duration
 	// EngineLoadMaxAge is how long an engine's reported load (ReportEngineLoad) counts; 0 means

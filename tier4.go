@@ -181,8 +181,10 @@ type scratch4 struct {
 	byName  []int    // with tieShare: the candidates' indices in the order of their names
 	ntok    int      // the request's prompt tokens (0: not tokenized)
 	looked  bool     // matches holds an index answer for names
-	// tie is how acquireHighest breaks ties among the best candidates (unseen.go).
-	tie tieMode
+	// tie is how acquireHighest breaks ties among the best candidates, unseenN the peer
+	// decisions expected unseen (unseen.go).
+	tie     tieMode
+	unseenN float64
 }
 
 func newTier4(cfg KVConfig) (*tier4, error) {
@@ -433,16 +435,16 @@ func (r *DefaultRouter) candidates(s *scratch4, set *backendSet, now int64) {
 	if r.kv.active != nil {
 		r.kv.active.Fill(s.cands)
 	}
-	s.tie, s.byName = tieUsual, s.byName[:0]
+	s.tie, s.byName, s.unseenN = tieUsual, s.byName[:0], 0
 	u, n := r.unseenPeerWork(now)
 	if u, n = capUnseen(u, n, len(s.cands)); u > 0 {
+		s.unseenN = n
 		s.order = spreadUnseen(s.cands, u, s.order)
 		switch k := int(r.peers.share.Load() >> 32); {
+		case n < 1: // less than one peer decision unseen: the view is as good as fresh
 		case k > 1 && len(s.cands) >= 2*k:
 			s.tie, s.byName = tieShare, sortedByName(s.cands, s.byName)
-		case k > 1: // a share of one backend or none leaves nothing to choose by load
-			s.tie = tieUsual
-		case n >= 1:
+		default: // no name, or a share of one backend or none, which leaves nothing to choose by load
 			s.tie = tieHash
 		}
 	}
@@ -602,10 +604,7 @@ func (t *tier4) leastWorkScores(s *scratch4) {
 func (r *DefaultRouter) acquireHighest(s *scratch4, d *Decision) int {
 	turn := r.tieStart(s, r.kv.tieTurn.Add(1))
 	for {
-		i := scorer.PickBestFrom(s.work, s.tieCands(), turn)
-		if s.tie == tieShare {
-			i = r.ownTie(s, i, turn)
-		}
+		i := r.breakTie(s, scorer.PickBestFrom(s.work, s.cands, turn), turn)
 		if i < 0 {
 			return -1
 		}
@@ -631,15 +630,6 @@ func (r *DefaultRouter) tieStart(s *scratch4, turn uint64) int {
 		return int(h % n)
 	}
 	return int(turn % n)
-}
-
-// tieCands is the candidates for PickBestFrom's tie-break by load: none (ties go round) under
-// tieHash.
-func (s *scratch4) tieCands() []scorer.Candidate {
-	if s.tie == tieHash {
-		return nil
-	}
-	return s.cands
 }
 
 // addBacklog puts the request's prompt tokens that d's backend does not hold (by the index's

@@ -50,9 +50,7 @@ func (p *peerRate) add(w float64, now int64) {
 	decay := 1.0
 	if last := p.at.Load(); now > last {
 		decay = math.Exp(-float64(now-last) / float64(unseenWindow))
-	} else {
-		now = last // a clock that went back: count the event at the last time
-	}
+	} // else the same instant, or a clock that went back: no decay, and the sums' time follows it
 	p.work.store(p.work.load()*decay + w)
 	p.n.store(p.n.load()*decay + 1)
 	p.at.Store(now)
@@ -128,24 +126,24 @@ func spreadUnseen(cands []scorer.Candidate, u float64, order []int) []int {
 // (natsync.Sync).
 type replicaNamer interface{ ReplicaID() string }
 
-// reshareLocked sets share to this replica's place among the replicas with decisions in flight
-// here and itself, in the order of their names (the low 32 bits the place, the high the count),
-// or 0 when it has no name. Requires mu.
-func (p *peers) reshareLocked() {
-	if p.self == "" {
+// reshareLocked counts peer name, which has just gained its first decision in flight here
+// (joined) or lost its last, in share: this replica's place among the replicas with decisions in
+// flight here and itself, in the order of their names (the low 32 bits the place, the high the
+// count). Nothing without a name of its own. O(1): a peer's events cost the same however many
+// replicas there are. Requires mu.
+func (p *peers) reshareLocked(name string, joined bool) {
+	if p.self == "" || name == p.self {
 		return
 	}
-	place, n := 0, 1
-	for name := range p.byPeer {
-		if name == p.self {
-			continue
-		}
-		n++
-		if name < p.self {
-			place++
-		}
+	d := 1
+	if !joined {
+		d = -1
 	}
-	p.share.Store(uint64(n)<<32 | uint64(place))
+	p.others += d
+	if name < p.self {
+		p.below += d
+	}
+	p.share.Store(uint64(p.others+1)<<32 | uint64(p.below))
 }
 
 // sortedByName returns the candidates' indices in the order of their backends' names (in dst):
@@ -163,41 +161,51 @@ func sortedByName(cands []scorer.Candidate, dst []int) []int {
 type tieMode uint8
 
 const (
-	// tieUsual: to the less loaded, then round (scorer.PickBestFrom); without peers' unseen work.
+	// tieUsual: to the less loaded, then round (scorer.PickBestFrom): less than one peer
+	// decision expected unseen.
 	tieUsual tieMode = iota
-	// tieHash: round from a hash of the request, without the loads: replicas without a name when
-	// at least one peer decision is expected unseen.
+	// tieHash: among the tied backends loaded alike (breakTie), the first from a hash of the
+	// request: at least one peer decision expected unseen, and no share.
 	tieHash
-	// tieShare: to the less loaded among the tied backends in this replica's share (ownTie), else
-	// as tieUsual: a named replica with peers' unseen work, among at least two backends per
-	// replica (with fewer, a share would leave nothing to choose by load, and tieUsual stands).
+	// tieShare: among the tied backends loaded alike, the less loaded in this replica's share,
+	// else as tieHash: a named replica, at least one peer decision expected unseen, and at least
+	// two backends per replica (with fewer, a share would leave nothing to choose by load).
 	tieShare
 )
 
-// ownTie returns, among the candidates tied with i for the best s.work whose place in the order
-// of their names falls in this replica's share (place mod replicas = the replica's place), the
-// less loaded, the first from start among equals; i when there is none or the replica has no
-// share.
-func (r *DefaultRouter) ownTie(s *scratch4, i, start int) int {
-	sh := r.peers.share.Load()
-	k, place := int(sh>>32), int(uint32(sh))
-	n := len(s.byName)
-	if k < 2 || i < 0 || n != len(s.work) || n == 0 {
+// breakTie returns the candidate to take among those tied with i (PickBestFrom's choice, the
+// least loaded of them) for the best s.work, when the replicas' ties are broken apart. Tied
+// backends whose loads are within the unseen peer decisions of the least loaded count as loaded
+// alike: so many decisions may have landed unseen on any of them. Of those, a replica with a
+// share takes the less loaded whose place in the order of the backends' names falls in its share
+// (place mod replicas = its own place); otherwise, or when none does, the first from start.
+func (r *DefaultRouter) breakTie(s *scratch4, i, start int) int {
+	n := len(s.work)
+	if i < 0 || n == 0 || s.tie == tieUsual {
 		return i
 	}
-	best, own, load := s.work[i], -1, 0.0
-	for j := range n {
-		p := (start + j) % n
-		if c := s.byName[p]; p%k == place && s.work[c] == best {
-			if l := weightedLoad(&s.cands[c]); own < 0 || l < load {
-				own, load = c, l
+	best, limit := s.work[i], weightedLoad(&s.cands[i])+s.unseenN
+	if sh := r.peers.share.Load(); s.tie == tieShare && len(s.byName) == n {
+		k, place := int(sh>>32), int(uint32(sh))
+		own, load := -1, 0.0
+		for j := range n {
+			p := (start + j) % n
+			if c := s.byName[p]; k > 1 && p%k == place && s.work[c] == best {
+				if l := weightedLoad(&s.cands[c]); l <= limit && (own < 0 || l < load) {
+					own, load = c, l
+				}
 			}
 		}
+		if own >= 0 {
+			return own
+		}
 	}
-	if own < 0 {
-		return i
+	for j := range n {
+		if c := (start + j) % n; s.work[c] == best && weightedLoad(&s.cands[c]) <= limit {
+			return c
+		}
 	}
-	return own
+	return i
 }
 
 // weightedLoad is a candidate's requests in flight per unit of weight, as PickBestFrom weighs

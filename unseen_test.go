@@ -139,3 +139,93 @@ func TestReplicasSpreadABurst(t *testing.T) {
 	assert.LessOrEqual(t, collisions(500*time.Millisecond, false), 2, "with it the prompts spread")
 	assert.Zero(t, collisions(500*time.Millisecond, true), "named replicas take their own shares")
 }
+
+// nameOnly is a PeerPublisher that names its replica and sends nothing.
+type nameOnly string
+
+func (nameOnly) PublishPeerEvent(PeerEvent) {}
+func (n nameOnly) ReplicaID() string       { return string(n) }
+
+// Breaking ties apart from the other replicas does not send cold prompts to backends with many
+// more requests in flight than the unseen peer decisions could explain: with a name (whose share
+// holds the busy backends) and without, at a high peer rate and after it has died down.
+func TestUnseenKeepsLoadApart(t *testing.T) {
+	for _, name := range []string{"", "m"} {
+		for _, rate := range []int{0, 4} {
+			clock := newStepClock()
+			bs := backends(4)
+			cfg := Config{Backends: bs, Now: clock.Now, KV: &KVConfig{Index: newMemIndex(t), Speculation: SpeculationOff}}
+			if name != "" {
+				cfg.Peers = nameOnly(name)
+			}
+			r := newRouter(t, cfg)
+			// Peer "a" has 12 requests decoding on vllm-2 and 12 on vllm-4 (their prefill over).
+			for i := range 24 {
+				r.ApplyPeerEvent("a", PeerEvent{Kind: PeerRouted, ID: uint64(i + 1), Backend: bs[1+2*(i%2)].Name, PrefillTokens: 500})
+				r.ApplyPeerEvent("a", PeerEvent{Kind: PeerFirstToken, ID: uint64(i + 1)})
+			}
+			clock.advance(10 * time.Second) // the rate of those decisions has died down
+			busy, id := 0, uint64(1000)
+			for k := range 40 {
+				for range rate { // peer "b"'s short decisions, ended at once: 400 a second
+					id++
+					r.ApplyPeerEvent("b", PeerEvent{Kind: PeerRouted, ID: id, Backend: bs[int(id%4)].Name, PrefillTokens: 500})
+					r.ApplyPeerEvent("b", PeerEvent{Kind: PeerDone, ID: id})
+				}
+				d, err := r.Route(context.Background(), tokReq("c", promptTokens(7000+k, 512)))
+				require.NoError(t, err)
+				if d.Backend == bs[1].Name || d.Backend == bs[3].Name {
+					busy++
+				}
+				d.Done(Outcome{})
+				clock.advance(10 * time.Millisecond)
+			}
+			_, n := r.unseenPeerWork(r.since(clock.Now()))
+			if rate > 0 {
+				require.GreaterOrEqual(t, n, 1.0, "the peers' rate makes ties go apart")
+			}
+			assert.Zero(t, busy, "name %q, %d peer decisions per 10 ms: cold prompts sent to the busy backends", name, rate)
+		}
+	}
+}
+
+// A named replica's share follows the peers with decisions in flight here, in the order of
+// their names: place and count.
+func TestReplicaShare(t *testing.T) {
+	r := newRouter(t, Config{Backends: backends(2), Peers: nameOnly("m")})
+	share := func() [2]int {
+		sh := r.peers.share.Load()
+		return [2]int{int(uint32(sh)), int(sh >> 32)}
+	}
+	b := backends(2)[0].Name
+	assert.Equal(t, [2]int{0, 0}, share(), "no peers yet")
+	r.ApplyPeerEvent("z", PeerEvent{Kind: PeerRouted, ID: 1, Backend: b})
+	assert.Equal(t, [2]int{0, 2}, share(), "m before z")
+	r.ApplyPeerEvent("a", PeerEvent{Kind: PeerRouted, ID: 1, Backend: b})
+	r.ApplyPeerEvent("a", PeerEvent{Kind: PeerRouted, ID: 2, Backend: b})
+	assert.Equal(t, [2]int{1, 3}, share(), "a, m, z")
+	r.ApplyPeerEvent("m", PeerEvent{Kind: PeerRouted, ID: 1, Backend: b})
+	assert.Equal(t, [2]int{1, 3}, share(), "a peer using this replica's name does not count")
+	r.ApplyPeerEvent("a", PeerEvent{Kind: PeerDone, ID: 1})
+	assert.Equal(t, [2]int{1, 3}, share(), "a still has a decision in flight")
+	r.ApplyPeerEvent("a", PeerEvent{Kind: PeerDone, ID: 2})
+	assert.Equal(t, [2]int{0, 2}, share(), "a has none left")
+	assert.Equal(t, 1, r.ForgetPeer("z"))
+	assert.Equal(t, [2]int{0, 1}, share(), "z forgotten")
+}
+
+// The rate decays by the clock even after the clock went back.
+func TestUnseenClockBack(t *testing.T) {
+	clock := newStepClock()
+	r := newRouter(t, Config{Backends: backends(2), Now: clock.Now, PeerDelay: 50 * time.Millisecond,
+		KV: &KVConfig{Index: newMemIndex(t), Speculation: SpeculationOff}})
+	name := backends(2)[0].Name
+	clock.advance(time.Hour)
+	r.ApplyPeerEvent("a", PeerEvent{Kind: PeerRouted, ID: 1, Backend: name, PrefillTokens: 100})
+	clock.advance(-time.Hour)
+	r.ApplyPeerEvent("a", PeerEvent{Kind: PeerRouted, ID: 2, Backend: name, PrefillTokens: 100})
+	clock.advance(time.Minute)
+	w, n := r.unseenPeerWork(r.since(clock.Now()))
+	assert.Less(t, n, 1e-20, "a minute of silence after the clock went back")
+	assert.Less(t, w, 1e-15)
+}

@@ -46,6 +46,16 @@ replicas:
 	assert.Equal(t, 10*time.Second, rc.EngineLoadMaxAge)
 }
 
+// replicas.peer_delay reaches the Router.
+func TestReplicasPeerDelay(t *testing.T) {
+	for _, d := range []time.Duration{20 * time.Millisecond, time.Minute} {
+		c := mustParse(t, replicasBase+"replicas: {enabled: true, peer_delay: "+d.String()+"}\n", nil)
+		rc, err := c.RouterConfig(Options{})
+		require.NoError(t, err)
+		assert.Equal(t, d, rc.PeerDelay)
+	}
+}
+
 func TestReplicasValidation(t *testing.T) {
 	for _, tc := range []struct{ yaml, want string }{
 		{"replicas: {enabled: true, nats_url: \"http://x:4222\"}", "replicas.nats_url"},
@@ -56,7 +66,6 @@ func TestReplicasValidation(t *testing.T) {
 		{"replicas: {enabled: true, heartbeat: 10ms}", "replicas.heartbeat"},
 		{"replicas: {enabled: true, heartbeat: 1s, peer_timeout: 1s}", "replicas.peer_timeout"},
 		{"replicas: {enabled: true, peer_delay: 2m}", "replicas.peer_delay"},
-		{"replicas: {enabled: true, peer_delay: -5ms}", "replicas.peer_delay"},
 		{"replicas: {event_log: {enabled: true}}", "needs replicas.enabled"},
 		{"replicas: {enabled: true, event_log: {enabled: true, stream: \"a>b\"}}", "replicas.event_log.stream"},
 		{"replicas: {enabled: true, event_log: {enabled: true, snapshot_interval: 10ms}}", "replicas.event_log.snapshot_interval"},
