@@ -144,7 +144,7 @@ func TestReplicasSpreadABurst(t *testing.T) {
 type nameOnly string
 
 func (nameOnly) PublishPeerEvent(PeerEvent) {}
-func (n nameOnly) ReplicaID() string       { return string(n) }
+func (n nameOnly) ReplicaID() string        { return string(n) }
 
 // Breaking ties apart from the other replicas does not send cold prompts to backends with many
 // more requests in flight than the unseen peer decisions could explain: with a name (whose share
