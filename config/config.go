@@ -501,10 +501,9 @@ type ReplicasConfig struct {
 	// it above your longest request).
 	PeerMaxAge Duration `yaml:"peer_max_age"`
 	// PeerDelay is how late a peer's decision reaches this replica (default 5ms, natsync's
-	// batching; at most 1m): tier 4 counts the work the peers route in
-	// twice that time, unseen, on the least-busy backends, and breaks ties apart from the other
-	// replicas (kvroute.Config.PeerDelay). Set it to natsync's batching plus the network's
-	// one-way delay.
+	// batching; at most 1m): tier 4 counts the work the peers route in twice that time, unseen,
+	// on the least-busy backends, and breaks ties apart from the other replicas
+	// (kvroute.Config.PeerDelay). Set it to natsync's batching plus the network's one-way delay.
 	PeerDelay Duration `yaml:"peer_delay"`
 	// EventLog keeps the engines' KV events in a JetStream stream (needs kv_cache_index.enabled).
 	EventLog EventLogConfig `yaml:"event_log"`

@@ -31,9 +31,10 @@
 // An event waits up to Config.FlushInterval (5 ms) for others to share its message, then crosses
 // the network: the router's kvroute.Config.PeerDelay (5 ms by default) should be that delay as
 // you measure it, for the router counts the peers' work of twice that time, which it cannot have
-// seen yet, on its least-busy backends. A Sync names its replica (ReplicaID), and a router whose
-// Config.Peers it is takes its own share of the backends that look equally idle to all the
-// replicas, so that their decisions in that time land apart.
+// seen yet, on its least-busy backends. A Sync names its replica (ReplicaID): while peers'
+// decisions are expected unseen, a router whose Config.Peers it is prefers, among the backends
+// that look equally idle, those in its own share of the fleet, so that the replicas' decisions in
+// that time land apart (see "Router replicas" in package kvroute).
 //
 // # Guarantees
 //
