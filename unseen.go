@@ -17,12 +17,9 @@ import (
 // requests to the same backend, and a burst of arrivals piles up there (a herd). Tier 4 therefore
 // counts the prefill work of the peers' decisions that its own does not see and that do not see
 // it — their recent rate of routed work times twice PeerDelay — on the backends that look least
-// busy. Then a replica that knows its name (Config.Peers' ReplicaID) breaks the ties among the
-// least busy within its own share of them — the K replicas with decisions in flight, in the order
-// of their names, take every K-th backend in the order of theirs, when there are at least 2K —
-// so that their blind decisions land apart; one without a name, when at least one of the peers' decisions is expected unseen,
-// breaks them by a hash of the request rather than by the in-flight counts the replicas share,
-// which all of them would break alike.
+// busy (unseenPeerWork, spreadUnseen). While at least one such decision is expected, it breaks
+// ties apart from the other replicas rather than by the in-flight counts they all share and
+// would break alike (tieMode, breakTie).
 
 // DefaultPeerDelay is Config.PeerDelay's default: natsync's default batching interval, on a
 // network whose delay is small beside it.
@@ -76,9 +73,9 @@ func (r *DefaultRouter) unseenPeerWork(now int64) (work, decisions float64) {
 }
 
 // capUnseen returns, for n candidates, the unseen work u of decisions unseen decisions, scaled
-// down to at most one decision per candidate: more would have the whole fleet look alike, and
-// peers that report too much (a fault, a hostile peer) must not flatten away the backends' real
-// loads.
+// down to at most one decision per candidate: more would have the whole fleet look alike. It
+// bounds the number of decisions, not their size: a peer that reports huge prefills can still
+// make the backends' pending work look alike (see "Router replicas" in the package doc).
 func capUnseen(u, decisions float64, n int) (float64, float64) {
 	if c := float64(n); decisions > c {
 		return u * c / decisions, c
@@ -185,12 +182,12 @@ func (r *DefaultRouter) breakTie(s *scratch4, i, start int) int {
 		return i
 	}
 	best, limit := s.work[i], weightedLoad(&s.cands[i])+s.unseenN
-	if sh := r.peers.share.Load(); s.tie == tieShare && len(s.byName) == n {
-		k, place := int(sh>>32), int(uint32(sh))
+	sh := r.peers.share.Load()
+	if k, place := int(sh>>32), int(uint32(sh)); s.tie == tieShare && k > 1 && len(s.byName) == n {
 		own, load := -1, 0.0
 		for j := range n {
 			p := (start + j) % n
-			if c := s.byName[p]; k > 1 && p%k == place && s.work[c] == best {
+			if c := s.byName[p]; p%k == place && s.work[c] == best {
 				if l := weightedLoad(&s.cands[c]); l <= limit && (own < 0 || l < load) {
 					own, load = c, l
 				}
