@@ -49,7 +49,7 @@ const (
 func engineLoadMaxAge(scrape time.Duration) time.Duration { return min(5*scrape, time.Hour) }
 
 // peerDelay is the replicas' kvroute.Config.PeerDelay: Config.PeerDelay, else the sync's own
-// delay (an operator sets the delay they measure), else the smallest the Router takes.
+// delay (an operator sets the delay they measure), else off: with no delay nothing is unseen.
 func (c Config) peerDelay() time.Duration {
 	switch {
 	case c.PeerDelay != 0:
@@ -57,7 +57,7 @@ func (c Config) peerDelay() time.Duration {
 	case c.SyncDelay > 0:
 		return c.SyncDelay
 	}
-	return time.Nanosecond
+	return -1
 }
 
 func (c Config) peerSync() bool    { return c.Sync == SyncPeers || c.Sync == SyncBoth }
